@@ -1,0 +1,240 @@
+//! What the older ABIs (v6–v11) share when they adapt onto v12.
+//!
+//! - v6–v10 have no per-communicator `init`/`finalize`: NCCL calls `init` once per load. Their
+//!   calls run on one context created by the first such `init` and kept for the life of the
+//!   library.
+//! - v6–v8 pass `int` sizes, v9+ `size_t`; conversions reject negative sizes instead of
+//!   wrapping them.
+//! - Property structs are the v12 one with fewer fields: [`narrow!`] copies the named fields.
+
+use std::ffi::{c_int, c_void};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicPtr, Ordering};
+
+use super::abi::*;
+use super::handles::{self, clear, out};
+use super::{guard, log, v12};
+use crate::error::{Error, Result};
+use crate::transport;
+
+/// The context every v6–v10 call runs on; NULL until the first legacy `init` succeeds.
+static LEGACY_CTX: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+static LEGACY_INIT: Mutex<()> = Mutex::new(());
+
+/// `init` of v6–v10: once per load, no context returned to NCCL.
+pub fn init(logger: ncclDebugLogger_t) -> ncclResult_t {
+    log::install(logger);
+    guard("init", || {
+        let _once = LEGACY_INIT.lock().unwrap_or_else(|p| p.into_inner());
+        if LEGACY_CTX.load(Ordering::Acquire).is_null() {
+            let ctx = transport::net::init(0, NCCL_NET_TRAFFIC_CLASS_UNDEF)?;
+            LEGACY_CTX.store(handles::into_raw(ctx), Ordering::Release);
+        }
+        Ok(())
+    })
+}
+
+/// The context v6–v10 calls pass on to v12 (NULL before `init`, which v12 reports).
+pub fn ctx() -> *mut c_void {
+    LEGACY_CTX.load(Ordering::Acquire)
+}
+
+/// Copies the listed fields from a v12 properties value into an older struct.
+macro_rules! narrow {
+    ($src:expr, $ty:ident { $($field:ident),* $(,)? }) => {
+        {
+            // The update fills what the list leaves out (v9/v11 `vProps`); a no-op otherwise.
+            #[allow(clippy::needless_update)]
+            let narrowed = $ty { $($field: $src.$field,)* ..Default::default() };
+            narrowed
+        }
+    };
+}
+pub(super) use narrow;
+
+/// The v9–v11 view of the v12 virtual-device properties (4 slots instead of 8).
+pub fn vprops_v9(p: &ncclNetVDeviceProps_v12_t) -> ncclNetVDeviceProps_v9_t {
+    let mut devs = [0; NCCL_NET_MAX_DEVS_PER_NIC_V11 as usize];
+    let n = devs.len();
+    devs.copy_from_slice(&p.devs[..n]);
+    ncclNetVDeviceProps_v9_t { ndevs: p.ndevs.min(devs.len() as c_int), devs }
+}
+
+/// Runs `fill` on the v12 properties of `dev` and stores the result through `props`.
+pub fn get_properties<T>(
+    dev: c_int,
+    props: *mut T,
+    fill: impl FnOnce(&ncclNetProperties_v12_t) -> T,
+) -> ncclResult_t {
+    guard("getProperties", || {
+        let p = v12::properties(dev)?;
+        // SAFETY: NCCL passes a valid properties struct of this version (NULL rejected).
+        *unsafe { out(props, "props") }? = fill(&p);
+        Ok(())
+    })
+}
+
+/// The v9/v10 properties (identical layouts).
+pub fn props_v9(p: &ncclNetProperties_v12_t) -> ncclNetProperties_v9_t {
+    ncclNetProperties_v9_t {
+        vProps: vprops_v9(&p.vProps),
+        ..narrow!(
+            p,
+            ncclNetProperties_v9_t {
+                name,
+                pciPath,
+                guid,
+                ptrSupport,
+                regIsGlobal,
+                forceFlush,
+                speed,
+                port,
+                latency,
+                maxComms,
+                maxRecvs,
+                netDeviceType,
+                netDeviceVersion,
+                maxP2pBytes,
+                maxCollBytes
+            }
+        )
+    }
+}
+
+fn size_of_int(size: c_int) -> Result<usize> {
+    usize::try_from(size).map_err(|_| Error::Internal(format!("negative size {size}")))
+}
+
+/// `isend` with an `int` size (v6–v8).
+pub unsafe extern "C" fn isend_int(
+    send_comm: *mut c_void,
+    data: *mut c_void,
+    size: c_int,
+    tag: c_int,
+    mhandle: *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    // SAFETY: NCCL passes NULL or a valid request slot.
+    unsafe { clear(request) };
+    match size_of_int(size) {
+        // SAFETY: the remaining arguments are forwarded unchanged under the same contract.
+        Ok(size) => unsafe {
+            v12::isend(send_comm, data, size, tag, mhandle, std::ptr::null_mut(), request)
+        },
+        Err(e) => guard("isend", || Err(e)),
+    }
+}
+
+/// `irecv` with `int` sizes (v6–v8). Every one of the `n` sizes is converted, so grouped
+/// receives work in these versions too.
+pub unsafe extern "C" fn irecv_int(
+    recv_comm: *mut c_void,
+    n: c_int,
+    data: *mut *mut c_void,
+    sizes: *mut c_int,
+    tags: *mut c_int,
+    mhandles: *mut *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    let mut wide = [0usize; v12::MAX_RECVS as usize];
+    let converted = (|| {
+        let count = usize::try_from(n)
+            .ok()
+            .filter(|&k| (1..=wide.len()).contains(&k))
+            .ok_or_else(|| Error::Internal(format!("irecv n={n}, must be 1..={}", wide.len())))?;
+        if sizes.is_null() {
+            return Err(Error::Internal("NULL sizes".into()));
+        }
+        // SAFETY: NCCL passes n valid sizes.
+        let narrow = unsafe { std::slice::from_raw_parts(sizes, count) };
+        for (w, &s) in wide.iter_mut().zip(narrow) {
+            *w = size_of_int(s)?;
+        }
+        Ok(())
+    })();
+    match converted {
+        // SAFETY: the other arguments are forwarded unchanged under the same contract.
+        Ok(()) => unsafe {
+            v12::irecv(
+                recv_comm,
+                n,
+                data,
+                wide.as_mut_ptr(),
+                tags,
+                mhandles,
+                std::ptr::null_mut(),
+                request,
+            )
+        },
+        Err(e) => {
+            // SAFETY: NCCL passes NULL or a valid request slot.
+            unsafe { clear(request) };
+            guard("irecv", || Err(e))
+        }
+    }
+}
+
+/// `isend` without a profiler handle (v9).
+pub unsafe extern "C" fn isend_v9(
+    send_comm: *mut c_void,
+    data: *mut c_void,
+    size: usize,
+    tag: c_int,
+    mhandle: *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    // SAFETY: forwarded unchanged under the same contract.
+    unsafe { v12::isend(send_comm, data, size, tag, mhandle, std::ptr::null_mut(), request) }
+}
+
+/// `irecv` without profiler handles (v9).
+pub unsafe extern "C" fn irecv_v9(
+    recv_comm: *mut c_void,
+    n: c_int,
+    data: *mut *mut c_void,
+    sizes: *mut usize,
+    tags: *mut c_int,
+    mhandles: *mut *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    // SAFETY: forwarded unchanged under the same contract.
+    unsafe { v12::irecv(recv_comm, n, data, sizes, tags, mhandles, std::ptr::null_mut(), request) }
+}
+
+/// `listen` without a context (v6–v10).
+pub unsafe extern "C" fn listen(
+    dev: c_int,
+    handle: *mut c_void,
+    listen_comm: *mut *mut c_void,
+) -> ncclResult_t {
+    // SAFETY: forwarded unchanged; the legacy context lives as long as the library.
+    unsafe { v12::listen(ctx(), dev, handle, listen_comm) }
+}
+
+/// `connect` without a context (v7–v9).
+pub unsafe extern "C" fn connect(
+    dev: c_int,
+    handle: *mut c_void,
+    send_comm: *mut *mut c_void,
+    send_dev_comm: *mut *mut ncclNetDeviceHandle_v7_t,
+) -> ncclResult_t {
+    // SAFETY: forwarded unchanged; the legacy context lives as long as the library.
+    unsafe { v12::connect(ctx(), dev, handle, send_comm, send_dev_comm) }
+}
+
+/// `regMr` with an `int` size (v6, v7).
+pub unsafe extern "C" fn reg_mr_int(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: c_int,
+    type_: c_int,
+    mhandle: *mut *mut c_void,
+) -> ncclResult_t {
+    // SAFETY: NCCL passes NULL or a valid mhandle slot.
+    unsafe { clear(mhandle) };
+    match size_of_int(size) {
+        // SAFETY: forwarded unchanged under the same contract.
+        Ok(size) => unsafe { v12::reg_mr(comm, data, size, type_, mhandle) },
+        Err(e) => guard("regMr", || Err(e)),
+    }
+}

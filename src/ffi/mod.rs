@@ -1,0 +1,37 @@
+//! The C boundary: the only module with `extern "C"`, `#[unsafe(no_mangle)]`, `void*` casts and
+//! NCCL out-pointers.
+//!
+//! - `abi`: the bindgen view of `include/ferroce_net.h`.
+//! - `boundary`: the one funnel every entry point runs through (panic catching, error codes).
+//! - `handles`: typed conversions between NCCL's `void*` and ferroce objects.
+//! - `log`: the `log` facade onto NCCL's logger.
+//! - `v12`: the implementation of the newest ABI; `v11` … `v6`: thin shims onto it.
+//! - `loader`: the client side (dlopen like NCCL), for the tools and tests.
+
+pub mod abi;
+mod boundary;
+mod handles;
+mod legacy;
+pub mod loader;
+
+pub mod log;
+mod v10;
+mod v11;
+mod v12;
+mod v6;
+mod v7;
+mod v8;
+mod v9;
+
+pub use boundary::guard;
+
+/// A vtable exported to C. `#[repr(transparent)]` keeps the ABI layout of `T`.
+#[repr(transparent)]
+pub struct Exported<T>(pub T);
+
+// SAFETY: the exported tables are immutable statics holding function pointers and a pointer to
+// a static C string, so sharing them between threads is sound.
+unsafe impl<T> Sync for Exported<T> {}
+
+/// The struct `name` of every exported version; NCCL matches `NCCL_NET` against it.
+pub const PLUGIN_NAME: &std::ffi::CStr = c"ferroce";

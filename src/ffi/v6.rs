@@ -1,0 +1,64 @@
+//! ncclNet v6: no device handles in `connect`/`accept`, no device type in the properties.
+
+use std::ffi::{c_int, c_void};
+
+use super::abi::*;
+use super::legacy::{self, narrow};
+use super::{Exported, PLUGIN_NAME, v9, v12};
+
+#[unsafe(no_mangle)]
+pub static ncclNetPlugin_v6: Exported<ncclNet_v6_t> = Exported(ncclNet_v6_t {
+    name: PLUGIN_NAME.as_ptr(),
+    init: Some(v9::init),
+    devices: Some(v12::devices),
+    getProperties: Some(get_properties),
+    listen: Some(legacy::listen),
+    connect: Some(connect),
+    accept: Some(accept),
+    regMr: Some(legacy::reg_mr_int),
+    regMrDmaBuf: None,
+    deregMr: Some(v12::dereg_mr),
+    isend: Some(legacy::isend_int),
+    irecv: Some(legacy::irecv_int),
+    iflush: Some(v12::iflush),
+    test: Some(v12::test),
+    closeSend: Some(v12::close_send),
+    closeRecv: Some(v12::close_recv),
+    closeListen: Some(v12::close_listen),
+});
+
+unsafe extern "C" fn get_properties(
+    dev: c_int,
+    props: *mut ncclNetProperties_v6_t,
+) -> ncclResult_t {
+    legacy::get_properties(dev, props, |p| {
+        narrow!(
+            p,
+            ncclNetProperties_v6_t {
+                name,
+                pciPath,
+                guid,
+                ptrSupport,
+                speed,
+                port,
+                latency,
+                maxComms,
+                maxRecvs
+            }
+        )
+    })
+}
+
+unsafe extern "C" fn connect(
+    dev: c_int,
+    handle: *mut c_void,
+    send_comm: *mut *mut c_void,
+) -> ncclResult_t {
+    // SAFETY: forwarded unchanged; a host plugin needs no device handle.
+    unsafe { legacy::connect(dev, handle, send_comm, std::ptr::null_mut()) }
+}
+
+unsafe extern "C" fn accept(listen_comm: *mut c_void, recv_comm: *mut *mut c_void) -> ncclResult_t {
+    // SAFETY: forwarded unchanged; a host plugin needs no device handle.
+    unsafe { v12::accept(listen_comm, recv_comm, std::ptr::null_mut()) }
+}

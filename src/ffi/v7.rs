@@ -1,0 +1,54 @@
+//! ncclNet v7: v8 with an `int` size in `regMr` and no `regIsGlobal`.
+
+use std::ffi::c_int;
+
+use super::abi::*;
+use super::legacy::{self, narrow};
+use super::{Exported, PLUGIN_NAME, v9, v12};
+
+#[unsafe(no_mangle)]
+pub static ncclNetPlugin_v7: Exported<ncclNet_v7_t> = Exported(ncclNet_v7_t {
+    name: PLUGIN_NAME.as_ptr(),
+    init: Some(v9::init),
+    devices: Some(v12::devices),
+    getProperties: Some(get_properties),
+    listen: Some(legacy::listen),
+    connect: Some(legacy::connect),
+    accept: Some(v12::accept),
+    regMr: Some(legacy::reg_mr_int),
+    regMrDmaBuf: None,
+    deregMr: Some(v12::dereg_mr),
+    isend: Some(legacy::isend_int),
+    irecv: Some(legacy::irecv_int),
+    iflush: Some(v12::iflush),
+    test: Some(v12::test),
+    closeSend: Some(v12::close_send),
+    closeRecv: Some(v12::close_recv),
+    closeListen: Some(v12::close_listen),
+    getDeviceMr: None,
+    irecvConsumed: None,
+});
+
+unsafe extern "C" fn get_properties(
+    dev: c_int,
+    props: *mut ncclNetProperties_v7_t,
+) -> ncclResult_t {
+    legacy::get_properties(dev, props, |p| {
+        narrow!(
+            p,
+            ncclNetProperties_v7_t {
+                name,
+                pciPath,
+                guid,
+                ptrSupport,
+                speed,
+                port,
+                latency,
+                maxComms,
+                maxRecvs,
+                netDeviceType,
+                netDeviceVersion
+            }
+        )
+    })
+}

@@ -1,0 +1,274 @@
+//! Device discovery: every (RDMA device, ACTIVE port) that `NCCL_IB_HCA` keeps becomes one NCCL
+//! net device, in a stable order (device name, then port) so that every rank numbers its
+//! devices the same way.
+//!
+//! When nothing is usable, discovery fails with one message that says why (no device at all,
+//! everything filtered out by `NCCL_IB_HCA`, or no ACTIVE port), so NCCL's fallback to another
+//! transport is explained instead of silent.
+
+use std::sync::Arc;
+
+use crate::config::Config;
+use crate::config::hca::HcaFilter;
+use crate::error::{Error, Result};
+use crate::verbs::{self, LinkLayer, PortState};
+
+/// One NCCL net device: a port of an RDMA device.
+pub struct NetDevice {
+    /// The name NCCL sees; unique among the devices (see [`unique_names`]).
+    pub name: String,
+    pub port: u8,
+    pub ctx: Arc<verbs::Context>,
+    pub guid: u64,
+    pub speed_mbps: i32,
+    pub max_qp: i32,
+    pub link_layer: LinkLayer,
+    pub active_mtu: u32,
+    pub max_msg_sz: u32,
+    /// Realpath of the PCI function, or of the device's sysfs dir when it has no PCI parent.
+    pub pci_path: Option<String>,
+    pub rail: Option<i16>,
+    pub plane: Option<i16>,
+}
+
+/// What selection needs to know about one port; filled from verbs, or by tests.
+#[derive(Clone, Debug)]
+pub struct PortInfo {
+    pub dev: String,
+    pub port: u8,
+    pub state: PortState,
+    pub link_layer: LinkLayer,
+}
+
+/// A usable port: its index in the list given to [`select`] and its `NCCL_IB_HCA` tags.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Selected {
+    pub index: usize,
+    pub rail: Option<i16>,
+    pub plane: Option<i16>,
+}
+
+/// Picks the usable ports, or says why there are none.
+pub fn select(ports: &[PortInfo], filter: &HcaFilter) -> Result<Vec<Selected>> {
+    if ports.is_empty() {
+        return Err(Error::NoDevice(
+            "no RDMA devices found (is the RDMA driver loaded? Soft-RoCE: `rdma link add rxe0 \
+             type rxe netdev <ifname>`)"
+                .into(),
+        ));
+    }
+    let kept: Vec<_> = ports
+        .iter()
+        .enumerate()
+        .filter_map(|(i, p)| filter.select(&p.dev, p.port.into()).map(|e| (i, e)))
+        .collect();
+    if kept.is_empty() {
+        let all: Vec<_> = ports.iter().map(|p| format!("{}:{}", p.dev, p.port)).collect();
+        return Err(Error::NoDevice(format!(
+            "every device was filtered out by NCCL_IB_HCA={} (available: {})",
+            filter.raw,
+            all.join(", ")
+        )));
+    }
+    let usable: Vec<_> = kept
+        .iter()
+        .filter(|(i, _)| {
+            let p = &ports[*i];
+            p.state == PortState::Active && !matches!(p.link_layer, LinkLayer::Unspecified(_))
+        })
+        .map(|(i, e)| Selected {
+            index: *i,
+            rail: e.and_then(|e| e.rail),
+            plane: e.and_then(|e| e.plane),
+        })
+        .collect();
+    if usable.is_empty() {
+        let states: Vec<_> = kept
+            .iter()
+            .map(|(i, _)| {
+                let p = &ports[*i];
+                format!("{}:{} is {}", p.dev, p.port, describe(p))
+            })
+            .collect();
+        return Err(Error::NoDevice(format!(
+            "no ACTIVE port ({}); check the link with `rdma link show` and `ip link`",
+            states.join(", ")
+        )));
+    }
+    Ok(usable)
+}
+
+fn describe(p: &PortInfo) -> String {
+    match (p.state, p.link_layer) {
+        (PortState::Active, LinkLayer::Unspecified(l)) => format!("ACTIVE with link layer {l}"),
+        (PortState::Active, _) => "ACTIVE".into(),
+        (PortState::Other(1), _) => "DOWN".into(),
+        (PortState::Other(2), _) => "INIT".into(),
+        (PortState::Other(3), _) => "ARMED".into(),
+        (PortState::Other(s), _) => format!("in state {s}"),
+    }
+}
+
+/// NCCL names a device after its RDMA device; when one device contributes several ports the
+/// names would collide, so those get a `:port` suffix.
+pub fn unique_names(kept: &[(String, u8)]) -> Vec<String> {
+    kept.iter()
+        .map(|(dev, port)| {
+            if kept.iter().filter(|(d, _)| d == dev).count() > 1 {
+                format!("{dev}:{port}")
+            } else {
+                dev.clone()
+            }
+        })
+        .collect()
+}
+
+/// Port speed in Mbps from `active_speed` × `active_width` (verbs encodings: the lowest set bit
+/// selects the per-lane rate and the lane count). Unknown encodings give 0, which NCCL treats
+/// as its default.
+pub fn speed_mbps(active_speed: u8, active_width: u8) -> i32 {
+    const LANE_MBPS: [i32; 8] = [2500, 5000, 10000, 10000, 14000, 25000, 50000, 100000];
+    const LANES: [i32; 5] = [1, 4, 8, 12, 2];
+    let lane = LANE_MBPS.get(active_speed.trailing_zeros() as usize);
+    let width = LANES.get(active_width.trailing_zeros() as usize);
+    match (lane, width) {
+        (Some(l), Some(w)) => l * w,
+        _ => 0,
+    }
+}
+
+/// Opens the RDMA devices and returns the usable ports as NCCL devices.
+pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
+    let mut ports = Vec::new();
+    let mut found = Vec::new(); // (context, attr, port attr) per entry of `ports`
+    for ctx in verbs::open_all()? {
+        let ctx = match ctx {
+            Ok(c) => Arc::new(c),
+            Err(e) => {
+                log::warn!("skipping device: {e}");
+                continue;
+            }
+        };
+        let attr = ctx.query_device()?;
+        for port in 1..=attr.phys_port_cnt {
+            let pa = ctx.query_port(port)?;
+            ports.push(PortInfo {
+                dev: ctx.name().to_string(),
+                port,
+                state: pa.state,
+                link_layer: pa.link_layer,
+            });
+            found.push((ctx.clone(), attr.clone(), pa));
+        }
+    }
+    let usable = select(&ports, &config.ib_hca)?;
+    let keys: Vec<_> =
+        usable.iter().map(|s| (ports[s.index].dev.clone(), ports[s.index].port)).collect();
+    let names = unique_names(&keys);
+    let devices = usable
+        .into_iter()
+        .zip(names)
+        .map(|(Selected { index: i, rail, plane }, name)| {
+            let (ctx, attr, pa) = &found[i];
+            NetDevice {
+                pci_path: verbs::sysfs::device_path(ctx.name())
+                    .map(|p| p.to_string_lossy().into_owned()),
+                name,
+                port: ports[i].port,
+                ctx: ctx.clone(),
+                guid: attr.sys_image_guid,
+                speed_mbps: speed_mbps(pa.active_speed, pa.active_width),
+                max_qp: attr.max_qp,
+                link_layer: pa.link_layer,
+                active_mtu: pa.active_mtu,
+                max_msg_sz: pa.max_msg_sz,
+                rail,
+                plane,
+            }
+        })
+        .collect();
+    Ok(devices)
+}
+
+/// The MTU in bytes of an `ibv_mtu` enum value.
+pub fn mtu_bytes(mtu: u32) -> u32 {
+    if (1..=5).contains(&mtu) { 128 << mtu } else { 0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn port(dev: &str, port: u8, active: bool) -> PortInfo {
+        PortInfo {
+            dev: dev.into(),
+            port,
+            state: if active { PortState::Active } else { PortState::Other(1) },
+            link_layer: LinkLayer::Ethernet,
+        }
+    }
+
+    fn filter(v: &str) -> HcaFilter {
+        HcaFilter::parse(v).unwrap()
+    }
+
+    #[test]
+    fn no_devices_says_so() {
+        let e = select(&[], &HcaFilter::default()).unwrap_err().to_string();
+        assert!(e.contains("no RDMA devices"), "{e}");
+    }
+
+    #[test]
+    fn all_filtered_names_the_filter() {
+        let ports = [port("rxe0", 1, true), port("rxe1", 1, true)];
+        let e = select(&ports, &filter("mlx5")).unwrap_err().to_string();
+        assert!(e.contains("NCCL_IB_HCA=mlx5") && e.contains("rxe0:1, rxe1:1"), "{e}");
+    }
+
+    #[test]
+    fn no_active_port_names_the_state() {
+        let ports = [port("rxe0", 1, false), port("rxe1", 1, true)];
+        let e = select(&ports, &filter("rxe0")).unwrap_err().to_string();
+        assert!(e.contains("no ACTIVE port") && e.contains("rxe0:1 is DOWN"), "{e}");
+    }
+
+    #[test]
+    fn inactive_and_unknown_link_layers_are_skipped() {
+        let mut odd = port("x0", 1, true);
+        odd.link_layer = LinkLayer::Unspecified(0);
+        let ports = [port("rxe0", 1, false), port("rxe1", 1, true), odd];
+        let got = select(&ports, &HcaFilter::default()).unwrap();
+        assert_eq!(got, vec![Selected { index: 1, rail: None, plane: None }]);
+    }
+
+    #[test]
+    fn rail_and_plane_come_from_the_filter() {
+        let ports = [port("mlx5_0", 1, true)];
+        assert_eq!(
+            select(&ports, &filter("mlx5_0:1:2:3")).unwrap(),
+            vec![Selected { index: 0, rail: Some(2), plane: Some(3) }]
+        );
+    }
+
+    #[test]
+    fn names_are_unique() {
+        let kept = [("mlx5_0".to_string(), 1), ("mlx5_0".to_string(), 2), ("rxe0".to_string(), 1)];
+        assert_eq!(unique_names(&kept), ["mlx5_0:1", "mlx5_0:2", "rxe0"]);
+    }
+
+    #[test]
+    fn speed_is_rate_times_width() {
+        assert_eq!(speed_mbps(1, 1), 2500); // SDR 1x
+        assert_eq!(speed_mbps(4, 1), 10000); // QDR 1x (rxe)
+        assert_eq!(speed_mbps(32, 2), 100000); // EDR 4x
+        assert_eq!(speed_mbps(64, 2), 200000); // HDR 4x
+        assert_eq!(speed_mbps(128, 16), 200000); // NDR 2x
+        assert_eq!(speed_mbps(0, 1), 0);
+        assert_eq!(speed_mbps(1, 0), 0);
+    }
+
+    #[test]
+    fn mtu_enum_to_bytes() {
+        assert_eq!([1, 2, 3, 4, 5, 0, 6].map(mtu_bytes), [256, 512, 1024, 2048, 4096, 0, 0]);
+    }
+}

@@ -1,0 +1,10 @@
+//! NCCL semantics on top of `verbs`: which devices exist, what NCCL is told about them, and the
+//! lifetime of the plugin's shared state across communicators.
+//!
+//! No `unsafe` here: raw pointers stay in `ffi` (above) and `verbs` (below).
+
+pub mod device;
+pub mod net;
+
+pub use device::NetDevice;
+pub use net::{CommContext, Net};

@@ -1,0 +1,213 @@
+//! The plugin loads the way NCCL loads it, exports exactly the ABI symbols, and fails `init`
+//! cleanly (one WARN that says why, no crash) when it cannot run. Runs on any host.
+
+mod common;
+
+use std::ffi::{CStr, c_int, c_void};
+use std::process::Command;
+use std::ptr::null_mut;
+
+use common::*;
+use ferroce::ffi::abi::*;
+use ferroce::ffi::loader::{capture_logger, take_captured};
+
+fn has_rdma_devices() -> bool {
+    std::fs::read_dir("/sys/class/infiniband").map(|d| d.count() > 0).unwrap_or(false)
+}
+
+#[test]
+fn exported_dynamic_symbols_are_exactly_the_seven_tables() {
+    let lib = plugin_dir().join("libnccl-net-ferroce.so");
+    let out = Command::new("nm").args(["-D", "--defined-only"]).arg(&lib).output().expect("run nm");
+    assert!(out.status.success(), "nm failed: {}", String::from_utf8_lossy(&out.stderr));
+    let mut names: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().last().map(str::to_string))
+        .collect();
+    names.sort();
+    let want: Vec<String> =
+        [10, 11, 12, 6, 7, 8, 9].iter().map(|v| format!("ncclNetPlugin_v{v}")).collect();
+    assert_eq!(names, want);
+}
+
+#[test]
+fn soname_is_the_name_nccl_looks_for() {
+    let lib = plugin_dir().join("libnccl-net-ferroce.so");
+    let out = Command::new("readelf").arg("-d").arg(&lib).output().expect("run readelf");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("Library soname: [libnccl-net-ferroce.so]"), "{text}");
+}
+
+#[test]
+fn nccl_net_plugin_name_resolves_through_ld_library_path() {
+    // NCCL_NET_PLUGIN=ferroce: dlopen("ferroce") fails, then dlopen("libnccl-net-ferroce.so")
+    // succeeds through LD_LIBRARY_PATH. A child process, because the loader reads
+    // LD_LIBRARY_PATH only at start-up.
+    let out = Command::new(env!("CARGO_BIN_EXE_ferroce"))
+        .args(["load", "ferroce"])
+        .env("LD_LIBRARY_PATH", plugin_dir())
+        .output()
+        .expect("run ferroce load");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("as libnccl-net-ferroce.so"), "{stdout}");
+    for v in 6..=12 {
+        assert!(stdout.contains(&format!("ncclNetPlugin_v{v} name=\"ferroce\"")), "{stdout}");
+    }
+}
+
+#[test]
+fn a_missing_plugin_is_reported_not_crashed() {
+    let out = Command::new(env!("CARGO_BIN_EXE_ferroce"))
+        .args(["load", "ferroce"])
+        .env("LD_LIBRARY_PATH", "/nonexistent")
+        .output()
+        .expect("run ferroce load");
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("libnccl-net-ferroce.so"), "{stderr}");
+}
+
+/// Every line the plugin logged used the fixed "%s" format (the capture logger flags others).
+fn assert_well_formed(lines: &[(i32, u64, String)]) {
+    for (_, flags, msg) in lines {
+        assert!(!msg.starts_with("BAD FORMAT"), "{msg}");
+        assert!(msg.starts_with("NET/ferroce: "), "{msg}");
+        assert_ne!(flags & u64::from(NCCL_NET), 0, "not under NET: {msg}");
+    }
+}
+
+fn warns(lines: &[(i32, u64, String)]) -> Vec<String> {
+    lines.iter().filter(|l| l.0 == 2).map(|l| l.2.clone()).collect()
+}
+
+#[test]
+fn init_without_devices_fails_with_one_warn_saying_why() {
+    if has_rdma_devices() {
+        eprintln!("this host has RDMA devices; the no-device path is covered by unit tests");
+        return;
+    }
+    let _g = serial();
+    let lib = open_plugin();
+    // SAFETY: the symbol is an ncclNet_v12_t.
+    let net = unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.unwrap();
+    take_captured();
+    let mut ctx: *mut c_void = std::ptr::dangling_mut::<c_void>(); // must be reset to NULL
+    let mut cfg = ncclNetCommConfig_v10_t { trafficClass: -1 };
+    // SAFETY: valid pointers per the ABI.
+    let r = unsafe { net.init.unwrap()(&mut ctx, 7, &mut cfg, capture_logger(), None) };
+    assert_eq!(r, ncclResult_t::ncclInvalidUsage);
+    assert!(ctx.is_null(), "ctx must be NULL after a failed init");
+    let lines = take_captured();
+    assert_well_formed(&lines);
+    let w = warns(&lines);
+    assert_eq!(w.len(), 1, "{lines:?}");
+    assert!(w[0].contains("init") && w[0].contains("no RDMA devices"), "{}", w[0]);
+}
+
+#[test]
+fn every_legacy_init_fails_the_same_way_without_devices() {
+    if has_rdma_devices() {
+        eprintln!("this host has RDMA devices; the no-device path is covered by unit tests");
+        return;
+    }
+    let _g = serial();
+    let lib = open_plugin();
+    type Init = unsafe extern "C" fn(ncclDebugLogger_t) -> ncclResult_t;
+    for v in [6, 7, 8, 9] {
+        let sym = std::ffi::CString::new(format!("ncclNetPlugin_v{v}")).unwrap();
+        // SAFETY: v6..v9 tables start with name then init(logger).
+        let table = unsafe { lib.table::<(*const i8, Option<Init>)>(&sym) }.unwrap();
+        take_captured();
+        // SAFETY: init(logger) per the v6..v9 ABI.
+        let r = unsafe { table.1.unwrap()(capture_logger()) };
+        assert_eq!(r, ncclResult_t::ncclInvalidUsage, "v{v}");
+        let lines = take_captured();
+        assert_well_formed(&lines);
+        assert_eq!(warns(&lines).len(), 1, "v{v}: {lines:?}");
+    }
+    // SAFETY: the symbol is an ncclNet_v10_t.
+    let v10 = unsafe { lib.table::<ncclNet_v10_t>(c"ncclNetPlugin_v10") }.unwrap();
+    // SAFETY: init(logger, profiler) per the v10 ABI.
+    assert_eq!(
+        unsafe { v10.init.unwrap()(capture_logger(), None) },
+        ncclResult_t::ncclInvalidUsage
+    );
+}
+
+#[test]
+fn a_malformed_knob_fails_init_and_names_the_knob() {
+    let _g = serial();
+    let lib = open_plugin();
+    // SAFETY: the symbol is an ncclNet_v12_t.
+    let net = unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.unwrap();
+    // SAFETY: tests touching the environment hold the SERIAL lock.
+    unsafe { std::env::set_var("NCCL_IB_HCA", "rxe0:notaport") };
+    take_captured();
+    let mut ctx: *mut c_void = null_mut();
+    // SAFETY: valid pointers per the ABI.
+    let r = unsafe { net.init.unwrap()(&mut ctx, 1, null_mut(), capture_logger(), None) };
+    // SAFETY: as above.
+    unsafe { std::env::remove_var("NCCL_IB_HCA") };
+    assert_eq!(r, ncclResult_t::ncclInvalidUsage);
+    assert!(ctx.is_null());
+    let w = warns(&take_captured());
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(w[0].contains("NCCL_IB_HCA") && w[0].contains("notaport"), "{}", w[0]);
+}
+
+#[test]
+fn calls_before_init_and_null_pointers_are_errors_not_crashes() {
+    let _g = serial();
+    let lib = open_plugin();
+    // SAFETY: the symbol is an ncclNet_v12_t.
+    let net = unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.unwrap();
+    let mut n: c_int = -5;
+    // SAFETY: deliberately called before init / with NULL, which the ABI must survive.
+    unsafe {
+        assert_eq!(net.devices.unwrap()(&mut n), ncclResult_t::ncclInternalError);
+        assert_eq!(n, -5, "no output on failure");
+        assert_eq!(net.devices.unwrap()(null_mut()), ncclResult_t::ncclInternalError);
+        let mut p = ncclNetProperties_v12_t::default();
+        assert_eq!(net.getProperties.unwrap()(0, &mut p), ncclResult_t::ncclInternalError);
+        assert_eq!(net.getProperties.unwrap()(0, null_mut()), ncclResult_t::ncclInternalError);
+        assert_eq!(net.finalize.unwrap()(null_mut()), ncclResult_t::ncclInternalError);
+        assert_eq!(
+            net.init.unwrap()(null_mut(), 1, null_mut(), capture_logger(), None),
+            if has_rdma_devices() {
+                ncclResult_t::ncclInternalError
+            } else {
+                ncclResult_t::ncclInvalidUsage
+            }
+        );
+    }
+    take_captured();
+}
+
+#[test]
+fn unimplemented_calls_report_an_error_and_clear_their_outputs() {
+    let _g = serial();
+    let lib = open_plugin();
+    // SAFETY: the symbol is an ncclNet_v12_t.
+    let net = unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.unwrap();
+    let stale = std::ptr::dangling_mut::<c_void>();
+    let mut handle = [0u8; 128];
+    let (mut a, mut b, mut c) = (stale, stale, stale);
+    // SAFETY: valid out-pointers; the plugin must not touch the others.
+    unsafe {
+        let h = handle.as_mut_ptr().cast();
+        assert_ne!(net.listen.unwrap()(null_mut(), 0, h, &mut a), ncclResult_t::ncclSuccess);
+        assert_ne!(
+            net.connect.unwrap()(null_mut(), 0, h, &mut b, null_mut()),
+            ncclResult_t::ncclSuccess
+        );
+        assert_ne!(net.accept.unwrap()(null_mut(), &mut c, null_mut()), ncclResult_t::ncclSuccess);
+    }
+    assert!(a.is_null() && b.is_null() && c.is_null());
+    // The members the ABI lets a host plugin leave NULL are NULL.
+    assert!(net.irecvConsumed.is_none() && net.getDeviceMr.is_none());
+    assert!(net.regMrDmaBuf.is_none() && net.makeVDevice.is_none() && net.setNetAttr.is_none());
+    // SAFETY: name is a static C string.
+    assert_eq!(unsafe { CStr::from_ptr(net.name) }, c"ferroce");
+    take_captured();
+}
