@@ -32,6 +32,7 @@ main() {
     mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs /run
     mkfifo -m 600 /run/ferroce-wait
 
+    log "start"
     SETUP_ERROR=""
     if setup "$mtu" "$rxe"; then
         log "ready"

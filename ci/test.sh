@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it (.ci/run calls exactly this):
+#   1. install what is needed (apt packages, kernel image, qemu);
+#   2. style gates: cargo fmt --check, cargo clippy -D warnings;
+#   3. host tests: unit tests, ABI layout, loadability (cargo test);
+#   4. build the release plugin and the test binaries on the host, boot the Soft-RoCE VM and
+#      run the VM tests against rxe0/rxe1 inside it, plus perftest between the same devices.
+# A VM that does not boot fails the run; nothing is skipped.
+main() {
+  set -euo pipefail
+  cd "$(dirname "$0")/.."
+  local t0=$SECONDS
+  step() { echo; echo "=== ci/test.sh: $* ($((SECONDS - t0)) s)"; }
+
+  step "install"
+  ci/install.sh
+
+  step "style"
+  cargo fmt --check
+  cargo clippy --all-targets --locked -- -D warnings
+
+  step "host tests"
+  cargo test --locked
+
+  step "build release plugin and VM test binaries"
+  ci/build.sh
+  local bins
+  bins=$(cargo test --release --locked --no-run --test softroce --message-format=json |
+    python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(m["executable"])')
+  [[ -n "$bins" ]] || { echo "ci/test.sh: no VM test binaries were built" >&2; exit 1; }
+
+  step "VM tests on Soft-RoCE"
+  # shellcheck disable=SC2086 # one path per word
+  FERROCE_PLUGIN_DIR="$PWD/target/release" ci/vm.sh ci/vm-tests.sh $bins
+
+  step "done: all tests passed in $((SECONDS - t0)) s"
+}
+main "$@"
