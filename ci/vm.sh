@@ -27,7 +27,7 @@
 # this script got SIGHUP/SIGINT/SIGTERM. Nothing is left behind in any case.
 #
 # Knobs (environment):
-#   FERROCE_VM_TIMEOUT  seconds for the whole QEMU run (default 1200)
+#   FERROCE_VM_TIMEOUT  seconds for the whole QEMU run (default 1200; 0: none)
 #   FERROCE_VM_MTU      veth MTU (default 1500; rxe active_mtu 1024, 4096 at 9000)
 #   FERROCE_VM_MEM      guest MiB (default 2048)
 #   FERROCE_VM_SMP      guest vCPUs (default 2)
@@ -65,7 +65,7 @@ main() {
     QUIET=${FERROCE_VM_QUIET:-0}
 
     # Everything the EXIT trap may have to undo, set before it can fire.
-    RUN="" QEMU_PID="" CAT_PIDS=() BUILD_TMP=()
+    RUN="" QEMU_PID="" READER_PIDS=() BUILD_TMP=()
     trap cleanup EXIT
     trap 'exit 129' HUP
     trap 'exit 130' INT
@@ -103,6 +103,7 @@ pick_accel() {
         # Multi-threaded TCG gives each vCPU a host thread, so an rxe requester
         # and responder each get a core; a big translation cache avoids
         # retranslating the kernel's hot paths.
+        # shellcheck disable=SC2054 # commas inside one QEMU option value
         ACCEL_ARGS=(-accel tcg,thread=multi,tb-size=512 -cpu max)
     fi
 }
@@ -118,7 +119,7 @@ pick_kernel() {
     fi
     # The host's own running kernel usually has no vmlinuz here (or no rxe),
     # so this picks the linux-image-amd64 one.
-    for v in $(ls -1 /lib/modules 2>/dev/null | sort -V); do
+    for v in $(printf '%s\n' /lib/modules/* | sed 's|.*/||' | sort -V); do
         if usable_kernel "$v"; then KVER=$v; fi
     done
     [[ -n $KVER ]] ||
@@ -168,8 +169,10 @@ prepare_kernel_image() {
     # The xz stream sits somewhere inside the bzImage; its magic may also
     # occur by chance, so try each candidate until one decompresses to an ELF.
     for off in $(LC_ALL=C grep -aboP '\xfd\x37\x7a\x58\x5a\x00' "$vmlinuz" | cut -d: -f1 || true); do
-        { tail -c +$((off + 1)) "$vmlinuz" | xz -dc --single-stream >"$tmp"; } 2>/dev/null || true
-        if [[ $(head -c 4 "$tmp" | od -An -tx1 | tr -d ' \n') == 7f454c46 ]]; then
+        # xz must succeed (a corrupt stream could still start with an ELF
+        # header); tail dying of SIGPIPE after the stream's end is expected.
+        if xz -dc --single-stream <(tail -c +$((off + 1)) "$vmlinuz") >"$tmp" 2>/dev/null &&
+            [[ $(head -c 4 "$tmp" | od -An -tx1 | tr -d ' \n') == 7f454c46 ]]; then
             mv -f "$tmp" "$elf"
             KERNEL_IMG=$elf
             info "cached ELF vmlinux for $KVER in $(secs $(($(now_ns) - t)))s: $elf"
@@ -194,9 +197,10 @@ prepare_initramfs() {
         done <<<"$out"
     done
 
+    # Contents (and module names), not paths: two checkouts share an entry.
     key=$({
-        echo "ferroce initramfs v1 $KVER"
-        sha256sum "$CI_DIR/guest/init" /bin/busybox "${mods[@]}"
+        echo "ferroce initramfs v1 $KVER ${mods[*]##*/}"
+        cat "$CI_DIR/guest/init" /bin/busybox "${mods[@]}"
     } | sha256sum)
     INITRD=$CACHE/initramfs-$KVER-${key:0:16}.cpio.gz
     if [[ -s $INITRD ]]; then
@@ -234,7 +238,7 @@ make_run_dir() {
     RUNS=${FERROCE_VM_RUNS:-/tmp/ferroce-vm}
     if [[ ! -d $RUNS ]]; then
         # Sticky and world-writable like /tmp: several users' runs may share it.
-        mkdir -p "$RUNS" && chmod 1777 "$RUNS" || die "cannot create $RUNS"
+        if ! mkdir -p "$RUNS" || ! chmod 1777 "$RUNS"; then die "cannot create $RUNS"; fi
     fi
     RUNS=$(cd "$RUNS" && pwd -P)
     check_path "$RUNS"
@@ -309,11 +313,15 @@ launch() {
 ferroce.run=$RUN ferroce.shares=$append ferroce.mtu=$MTU ferroce.rxe=$RXE"
 
     # The readers must exist before QEMU opens the FIFOs for writing (that
-    # open blocks until there is a reader).
-    cat "$RUN/out.fifo" &
-    CAT_PIDS+=($!)
-    cat "$RUN/err.fifo" >&2 &
-    CAT_PIDS+=($!)
+    # open blocks until there is a reader), and must outlive QEMU: once a FIFO
+    # has no reader, QEMU throttles the port for good, the guest blocks in
+    # write() and the run hangs (spinning) until the timeout. So no plain cat:
+    # with `ci/vm.sh ... | head` it would die of SIGPIPE. tee -p drops a broken
+    # pipe but keeps copying into /dev/null until EOF.
+    tee -p /dev/null <"$RUN/out.fifo" &
+    READER_PIDS+=($!)
+    tee -p /dev/null <"$RUN/err.fifo" >&2 &
+    READER_PIDS+=($!)
 
     T_LAUNCH=$(now_ns)
     # virtserialports, not a second serial line: they are not ttys, so
@@ -337,13 +345,13 @@ ferroce.run=$RUN ferroce.shares=$append ferroce.mtu=$MTU ferroce.rxe=$RXE"
     QEMU_PID=""
     T_END=$(now_ns)
 
-    # If QEMU died before opening a FIFO, its cat still blocks in open().
+    # If QEMU died before opening a FIFO, its reader still blocks in open().
     # Opening read-write never blocks and counts as a writer, so closing it
-    # again hands cat its EOF; data already in the pipe is still read first.
+    # again hands the reader its EOF; data already in the pipe is read first.
     : <>"$RUN/out.fifo"
     : <>"$RUN/err.fifo"
-    wait "${CAT_PIDS[@]}" || true
-    CAT_PIDS=()
+    wait "${READER_PIDS[@]}" || true
+    READER_PIDS=()
 }
 
 report() {
@@ -394,6 +402,7 @@ console_tail() {
     fi
 }
 
+# shellcheck disable=SC2317 # called through trap
 cleanup() {
     local rc=$? pid i state
     set +e
@@ -412,7 +421,7 @@ cleanup() {
         [[ $state == Z ]] || kill -KILL -- -"$QEMU_PID" "$QEMU_PID" 2>/dev/null
         wait "$QEMU_PID" 2>/dev/null
     fi
-    for pid in "${CAT_PIDS[@]}"; do
+    for pid in "${READER_PIDS[@]}"; do
         kill -TERM "$pid" 2>/dev/null
         wait "$pid" 2>/dev/null
     done

@@ -90,9 +90,11 @@ setup() {
     step "mtu $mtu on vethB" ip link set vethB mtu "$mtu" || return 1
     local k
     for k in all default vethA vethB; do
-        echo 0 >"/proc/sys/net/ipv4/conf/$k/rp_filter" &&
-            echo 1 >"/proc/sys/net/ipv4/conf/$k/accept_local" ||
-            { SETUP_ERROR="sysctl rp_filter/accept_local for $k failed"; return 1; }
+        if ! echo 0 >"/proc/sys/net/ipv4/conf/$k/rp_filter" ||
+            ! echo 1 >"/proc/sys/net/ipv4/conf/$k/accept_local"; then
+            SETUP_ERROR="sysctl rp_filter/accept_local for $k failed"
+            return 1
+        fi
     done
     step "198.18.0.1/24 on vethA" ip addr add 198.18.0.1/24 dev vethA || return 1
     step "198.18.0.2/24 on vethB" ip addr add 198.18.0.2/24 dev vethB || return 1
