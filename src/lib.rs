@@ -18,5 +18,6 @@
 pub mod config;
 pub mod error;
 pub mod ffi;
+pub mod os;
 pub mod transport;
 pub mod verbs;

@@ -16,6 +16,7 @@ use super::handles::{self, clear, out};
 use super::{guard, log, v12};
 use crate::error::{Error, Result};
 use crate::transport;
+use crate::transport::comm::MAX_RECVS;
 
 /// The context every v6–v10 call runs on; NULL until the first legacy `init` succeeds.
 static LEGACY_CTX: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
@@ -136,7 +137,7 @@ pub unsafe extern "C" fn irecv_int(
     mhandles: *mut *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    let mut wide = [0usize; v12::MAX_RECVS as usize];
+    let mut wide = [0usize; MAX_RECVS];
     let converted = (|| {
         let count = usize::try_from(n)
             .ok()

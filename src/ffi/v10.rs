@@ -46,11 +46,13 @@ pub(super) unsafe extern "C" fn get_properties(
 
 unsafe extern "C" fn connect(
     dev: c_int,
-    _config: *mut ncclNetCommConfig_v10_t,
+    config: *mut ncclNetCommConfig_v10_t,
     handle: *mut c_void,
     send_comm: *mut *mut c_void,
-    send_dev_comm: *mut *mut ncclNetDeviceHandle_v7_t,
+    _send_dev_comm: *mut *mut ncclNetDeviceHandle_v7_t,
 ) -> ncclResult_t {
-    // SAFETY: forwarded unchanged under the same contract.
-    unsafe { legacy::connect(dev, handle, send_comm, send_dev_comm) }
+    // SAFETY: NCCL passes NULL or a valid config for the duration of the call.
+    let tc = unsafe { config.as_ref() }.map(|c| c.trafficClass);
+    // SAFETY: forwarded under the same contract; the legacy context lives with the library.
+    unsafe { v12::connect_with(legacy::ctx(), tc, dev, handle, send_comm) }
 }

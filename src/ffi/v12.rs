@@ -8,10 +8,13 @@ use std::ffi::{CString, c_char, c_int, c_void};
 use std::sync::Mutex;
 
 use super::abi::*;
-use super::handles::{self, clear, out};
+use super::handles::{self, AnyComm, clear, out};
 use super::{Exported, PLUGIN_NAME, guard, log};
 use crate::error::{Error, Result};
-use crate::transport::{self, CommContext, NetDevice};
+use crate::transport::comm::{Buf, MAX_RECVS, RecvComm, ReqKind, SLOTS, SendComm};
+use crate::transport::reg::{self, MrHandle};
+use crate::transport::setup::{Connector, Listener};
+use crate::transport::{self, CommContext, NetDevice, handshake};
 
 #[unsafe(no_mangle)]
 pub static ncclNetPlugin_v12: Exported<ncclNet_v12_t> = Exported(ncclNet_v12_t {
@@ -99,13 +102,13 @@ pub(super) fn properties(dev: c_int) -> Result<ncclNetProperties_v12_t> {
         pciPath: d.pci_path.as_deref().map_or(std::ptr::null_mut(), intern),
         guid: d.guid,
         ptrSupport: NCCL_PTR_HOST as c_int,
-        regIsGlobal: 0,
+        regIsGlobal: 1,
         forceFlush: 0,
         speed: d.speed_mbps,
         port: d.port.into(),
         latency: 0.0,
         maxComms: d.max_qp,
-        maxRecvs: MAX_RECVS,
+        maxRecvs: MAX_RECVS as c_int,
         netDeviceType: ncclNetDeviceType::NCCL_NET_DEVICE_HOST,
         netDeviceVersion: NCCL_NET_DEVICE_INVALID_VERSION as c_int,
         vProps: ncclNetVDeviceProps_v12_t { ndevs: 1, devs },
@@ -116,9 +119,6 @@ pub(super) fn properties(dev: c_int) -> Result<ncclNetProperties_v12_t> {
         planeId: rail_or_undef(d, |d| d.plane),
     })
 }
-
-/// Receives one `irecv` may group.
-pub(super) const MAX_RECVS: c_int = 8;
 
 fn rail_or_undef(d: &NetDevice, f: impl Fn(&NetDevice) -> Option<i16>) -> i16 {
     f(d).unwrap_or(NCCL_NET_ID_UNDEF as i16)
@@ -139,113 +139,319 @@ fn intern(s: &str) -> *mut c_char {
     ptr
 }
 
-/// The entry points of the data path. They report an error (never success) until they are
-/// implemented; NCCL then aborts the communicator cleanly instead of hanging.
-fn unsupported(call: &'static str, outs: &[*mut *mut c_void]) -> ncclResult_t {
-    for &p in outs {
-        // SAFETY: each is an out-slot NCCL passed for this call, NULL or valid for writes.
-        unsafe { clear(p) };
-    }
-    guard(call, || Err(Error::Unsupported(call)))
+/// Where the connector keeps its state in NCCL's handle buffer between `connect` calls: the
+/// `Box<Connector>` pointer, and a check word so a foreign handle is never taken for one.
+const STATE: usize = handshake::HANDLE_STATE_OFFSET;
+const CHECK: u64 = 0x5354_4154_4543_4f4e;
+
+fn handle_bytes<'a>(handle: *mut c_void) -> Result<&'a mut [u8; handshake::HANDLE_SIZE]> {
+    // SAFETY: NCCL's handle buffer is NCCL_NET_HANDLE_MAXSIZE (128) bytes, valid for the call.
+    unsafe { handle.cast::<[u8; handshake::HANDLE_SIZE]>().as_mut() }
+        .ok_or_else(|| Error::Internal("NULL handle".into()))
 }
 
 pub(super) unsafe extern "C" fn listen(
-    _ctx: *mut c_void,
-    _dev: c_int,
-    _handle: *mut c_void,
+    ctx: *mut c_void,
+    dev: c_int,
+    handle: *mut c_void,
     listen_comm: *mut *mut c_void,
 ) -> ncclResult_t {
-    unsupported("listen", &[listen_comm])
+    // SAFETY: NCCL passes NULL or a valid slot.
+    unsafe { clear(listen_comm) };
+    guard("listen", || {
+        // SAFETY: ctx is what init returned (or the legacy context).
+        let l = Listener::new(unsafe { handles::ctx(ctx) }?, dev)?;
+        l.handle().encode(handle_bytes(handle)?);
+        // SAFETY: valid slot per the ABI (NULL rejected).
+        *unsafe { out(listen_comm, "listenComm") }? = handles::into_raw(l);
+        Ok(())
+    })
 }
 
 pub(super) unsafe extern "C" fn connect(
-    _ctx: *mut c_void,
-    _dev: c_int,
-    _handle: *mut c_void,
+    ctx: *mut c_void,
+    dev: c_int,
+    handle: *mut c_void,
     send_comm: *mut *mut c_void,
     _send_dev_comm: *mut *mut ncclNetDeviceHandle_v7_t,
 ) -> ncclResult_t {
-    unsupported("connect", &[send_comm])
+    // SAFETY: forwarded; v11+ carries the traffic class in the context.
+    unsafe { connect_with(ctx, None, dev, handle, send_comm) }
+}
+
+/// `connect` of every version: `tc` is the v10 per-connect traffic class, if any.
+///
+/// # Safety
+/// The ncclNet `connect` contract.
+pub(super) unsafe fn connect_with(
+    ctx: *mut c_void,
+    tc: Option<c_int>,
+    dev: c_int,
+    handle: *mut c_void,
+    send_comm: *mut *mut c_void,
+) -> ncclResult_t {
+    // SAFETY: NCCL passes NULL or a valid slot.
+    unsafe { clear(send_comm) };
+    guard("connect", || {
+        let bytes = handle_bytes(handle)?;
+        let stored = u64::from_le_bytes(bytes[STATE..STATE + 8].try_into().expect("8 bytes"));
+        let check = u64::from_le_bytes(bytes[STATE + 8..STATE + 16].try_into().expect("8 bytes"));
+        let mut connector = if stored != 0 && check == stored ^ CHECK {
+            // SAFETY: this pointer was stored by an earlier call on this same handle buffer.
+            unsafe { handles::take::<Connector>(stored as *mut c_void, "connector") }?
+        } else {
+            // SAFETY: ctx is what init returned (or the legacy context).
+            let c = unsafe { handles::ctx(ctx) }?;
+            let h = handshake::Handle::decode(bytes)
+                .map_err(|r| Error::Internal(format!("connect: invalid handle: {r}")))?;
+            let tc = tc.filter(|&t| t >= 0).map(|t| t as u8).or(c.traffic_class).unwrap_or(0);
+            Connector::start(c, dev, h, tc)?
+        };
+        bytes[STATE..STATE + 16].fill(0);
+        // On error the connector is dropped here, closing everything it built.
+        if let Some(comm) = connector.progress()? {
+            // SAFETY: valid slot per the ABI (NULL rejected).
+            *unsafe { out(send_comm, "sendComm") }? = handles::into_raw(AnyComm::Send(comm));
+        } else {
+            let p = handles::into_raw(connector) as u64;
+            bytes[STATE..STATE + 8].copy_from_slice(&p.to_le_bytes());
+            bytes[STATE + 8..STATE + 16].copy_from_slice(&(p ^ CHECK).to_le_bytes());
+        }
+        Ok(())
+    })
 }
 
 pub(super) unsafe extern "C" fn accept(
-    _listen_comm: *mut c_void,
+    listen_comm: *mut c_void,
     recv_comm: *mut *mut c_void,
     _recv_dev_comm: *mut *mut ncclNetDeviceHandle_v7_t,
 ) -> ncclResult_t {
-    unsupported("accept", &[recv_comm])
+    // SAFETY: NCCL passes NULL or a valid slot.
+    unsafe { clear(recv_comm) };
+    guard("accept", || {
+        // SAFETY: listen_comm came from listen and is used by this thread only.
+        let l = unsafe { handles::borrow::<Listener>(listen_comm, "listenComm") }?;
+        if let Some(comm) = l.accept()? {
+            // SAFETY: valid slot per the ABI (NULL rejected).
+            *unsafe { out(recv_comm, "recvComm") }? = handles::into_raw(AnyComm::Recv(comm));
+        }
+        Ok(())
+    })
 }
 
 pub(super) unsafe extern "C" fn reg_mr(
-    _comm: *mut c_void,
-    _data: *mut c_void,
-    _size: usize,
-    _type: c_int,
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: usize,
+    type_: c_int,
     mhandle: *mut *mut c_void,
 ) -> ncclResult_t {
-    unsupported("regMr", &[mhandle])
+    // SAFETY: NCCL passes NULL or a valid slot.
+    unsafe { clear(mhandle) };
+    guard("regMr", || {
+        if type_ != NCCL_PTR_HOST as c_int {
+            return Err(Error::config(
+                "regMr type",
+                &type_.to_string(),
+                "ferroce registers host memory only (ptrSupport HOST)",
+            ));
+        }
+        // SAFETY: comm came from connect/accept.
+        let (net, dev) = unsafe { handles::borrow::<AnyComm>(comm, "comm") }?.device();
+        let h = reg::register(net, dev, data as u64, size as u64)?;
+        // SAFETY: valid slot per the ABI (NULL rejected).
+        *unsafe { out(mhandle, "mhandle") }? = handles::into_raw(h);
+        Ok(())
+    })
 }
 
-pub(super) unsafe extern "C" fn dereg_mr(
-    _comm: *mut c_void,
-    _mhandle: *mut c_void,
-) -> ncclResult_t {
-    unsupported("deregMr", &[])
+pub(super) unsafe extern "C" fn dereg_mr(_comm: *mut c_void, mhandle: *mut c_void) -> ncclResult_t {
+    guard("deregMr", || {
+        if !mhandle.is_null() {
+            // SAFETY: mhandle came from regMr and is deregistered once.
+            reg::deregister(unsafe { handles::take::<MrHandle>(mhandle, "mhandle") }?);
+        }
+        Ok(())
+    })
+}
+
+/// The registered buffer `[data, data + size)` under `mhandle`.
+fn buf(data: *mut c_void, size: u64, mhandle: *mut c_void) -> Result<Buf> {
+    if mhandle.is_null() {
+        if size == 0 {
+            return Ok(Buf { addr: data as u64, size: 0, lkey: 0, rkey: 0 });
+        }
+        return Err(Error::Internal("NULL mhandle for a non-empty buffer".into()));
+    }
+    // SAFETY: mhandle came from regMr and is alive until deregMr.
+    let h = unsafe { handles::mr(mhandle) }?;
+    Buf::within(&h.mr, data as u64, size)
 }
 
 pub(super) unsafe extern "C" fn isend(
-    _send_comm: *mut c_void,
-    _data: *mut c_void,
-    _size: usize,
-    _tag: c_int,
-    _mhandle: *mut c_void,
+    send_comm: *mut c_void,
+    data: *mut c_void,
+    size: usize,
+    tag: c_int,
+    mhandle: *mut c_void,
     _phandle: *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    unsupported("isend", &[request])
+    // SAFETY: NCCL passes NULL or a valid slot.
+    unsafe { clear(request) };
+    guard("isend", || {
+        // SAFETY: send_comm came from connect and is used by this thread only.
+        let AnyComm::Send(c) = unsafe { handles::borrow::<AnyComm>(send_comm, "sendComm") }? else {
+            return Err(Error::Internal("isend on a receive comm".into()));
+        };
+        if let Some(id) = c.isend(buf(data, size as u64, mhandle)?, tag)? {
+            // SAFETY: valid slot per the ABI (NULL rejected).
+            *unsafe { out(request, "request") }? = (&raw mut c.headers[id]).cast();
+        }
+        Ok(())
+    })
 }
 
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe extern "C" fn irecv(
-    _recv_comm: *mut c_void,
-    _n: c_int,
-    _data: *mut *mut c_void,
-    _sizes: *mut usize,
-    _tags: *mut c_int,
-    _mhandles: *mut *mut c_void,
+    recv_comm: *mut c_void,
+    n: c_int,
+    data: *mut *mut c_void,
+    sizes: *mut usize,
+    tags: *mut c_int,
+    mhandles: *mut *mut c_void,
     _phandles: *mut *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    unsupported("irecv", &[request])
+    // NCCL may pre-store NCCL_NET_OPTIONAL_RECV_COMPLETION in *request; every receive is
+    // completed normally, so the marker needs nothing beyond always overwriting the slot.
+    // SAFETY: NCCL passes NULL or a valid slot.
+    unsafe { clear(request) };
+    guard("irecv", || {
+        // SAFETY: recv_comm came from accept and is used by this thread only.
+        let AnyComm::Recv(c) = unsafe { handles::borrow::<AnyComm>(recv_comm, "recvComm") }? else {
+            return Err(Error::Internal("irecv on a send comm".into()));
+        };
+        let count = usize::try_from(n).ok().filter(|k| (1..=MAX_RECVS).contains(k));
+        let count = count
+            .ok_or_else(|| Error::Internal(format!("irecv n={n}, must be 1..={MAX_RECVS}")))?;
+        if data.is_null() || sizes.is_null() || tags.is_null() || mhandles.is_null() {
+            return Err(Error::Internal("irecv: NULL array".into()));
+        }
+        let mut bufs = [(Buf { addr: 0, size: 0, lkey: 0, rkey: 0 }, 0); MAX_RECVS];
+        for (i, b) in bufs.iter_mut().enumerate().take(count) {
+            // SAFETY: NCCL passes n valid entries in each array.
+            let (d, s, t, m) =
+                unsafe { (*data.add(i), *sizes.add(i), *tags.add(i), *mhandles.add(i)) };
+            *b = (buf(d, s as u64, m)?, t);
+        }
+        if let Some(id) = c.irecv(&bufs[..count])? {
+            // SAFETY: valid slot per the ABI (NULL rejected).
+            *unsafe { out(request, "request") }? = (&raw mut c.headers[id]).cast();
+        }
+        Ok(())
+    })
 }
 
 pub(super) unsafe extern "C" fn iflush(
-    _recv_comm: *mut c_void,
-    _n: c_int,
-    _data: *mut *mut c_void,
-    _sizes: *mut c_int,
-    _mhandles: *mut *mut c_void,
+    recv_comm: *mut c_void,
+    n: c_int,
+    data: *mut *mut c_void,
+    sizes: *mut c_int,
+    mhandles: *mut *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    unsupported("iflush", &[request])
+    // SAFETY: NCCL passes NULL or a valid slot.
+    unsafe { clear(request) };
+    guard("iflush", || {
+        // SAFETY: recv_comm came from accept and is used by this thread only.
+        let AnyComm::Recv(c) = unsafe { handles::borrow::<AnyComm>(recv_comm, "recvComm") }? else {
+            return Err(Error::Internal("iflush on a send comm".into()));
+        };
+        let count = usize::try_from(n).unwrap_or(0).min(MAX_RECVS);
+        if count > 0 && (data.is_null() || sizes.is_null() || mhandles.is_null()) {
+            return Err(Error::Internal("iflush: NULL array".into()));
+        }
+        // The flush reads one byte of the last non-empty buffer.
+        // SAFETY: NCCL passes n valid entries in each array.
+        let last = (0..count).rev().find(|&i| unsafe { *sizes.add(i) } > 0);
+        let target = match last {
+            // SAFETY: as above.
+            Some(i) => Some(unsafe { buf(*data.add(i), 1, *mhandles.add(i)) }?),
+            None => None,
+        };
+        if let Some(id) = c.iflush(target)? {
+            // SAFETY: valid slot per the ABI (NULL rejected).
+            *unsafe { out(request, "request") }? = (&raw mut c.headers[id]).cast();
+        }
+        Ok(())
+    })
 }
 
 pub(super) unsafe extern "C" fn test(
-    _request: *mut c_void,
-    _done: *mut c_int,
-    _sizes: *mut c_int,
+    request: *mut c_void,
+    done: *mut c_int,
+    sizes: *mut c_int,
 ) -> ncclResult_t {
-    unsupported("test", &[])
+    guard("test", || {
+        // SAFETY: request is a live request pointer returned by isend/irecv/iflush.
+        let h = unsafe { handles::request(request) }?;
+        // SAFETY: NCCL passes a valid int (NULL rejected).
+        let done = unsafe { out(done, "done") }?;
+        *done = 0;
+        let clamp = |v: u64| c_int::try_from(v).unwrap_or(c_int::MAX);
+        match h.kind {
+            ReqKind::Send => {
+                // SAFETY: a send request's owner is a live SendComm.
+                let c = unsafe { handles::owner::<SendComm>(&h) };
+                if let Some(size) = c.test(h.index.into())? {
+                    // SAFETY: sizes is NULL or has room for one int.
+                    if let Some(s) = unsafe { sizes.as_mut() } {
+                        *s = clamp(size);
+                    }
+                    *done = 1;
+                }
+            }
+            ReqKind::Recv | ReqKind::Flush => {
+                // SAFETY: a receive or flush request's owner is a live RecvComm.
+                let c = unsafe { handles::owner::<RecvComm>(&h) };
+                let id = usize::from(h.index) + if h.kind == ReqKind::Flush { SLOTS } else { 0 };
+                let mut got = [0u64; MAX_RECVS];
+                if let Some(n) = c.test(id, &mut got)? {
+                    if !sizes.is_null() && h.kind == ReqKind::Recv {
+                        for (i, &g) in got.iter().enumerate().take(n) {
+                            // SAFETY: NCCL passes room for the n sizes of this receive.
+                            unsafe { *sizes.add(i) = clamp(g) };
+                        }
+                    }
+                    *done = 1;
+                }
+            }
+        }
+        Ok(())
+    })
 }
 
-pub(super) unsafe extern "C" fn close_send(_send_comm: *mut c_void) -> ncclResult_t {
-    unsupported("closeSend", &[])
+pub(super) unsafe extern "C" fn close_send(send_comm: *mut c_void) -> ncclResult_t {
+    guard("closeSend", || {
+        // SAFETY: send_comm came from connect and is closed once.
+        drop(unsafe { handles::take::<AnyComm>(send_comm, "sendComm") }?);
+        Ok(())
+    })
 }
 
-pub(super) unsafe extern "C" fn close_recv(_recv_comm: *mut c_void) -> ncclResult_t {
-    unsupported("closeRecv", &[])
+pub(super) unsafe extern "C" fn close_recv(recv_comm: *mut c_void) -> ncclResult_t {
+    guard("closeRecv", || {
+        // SAFETY: recv_comm came from accept and is closed once.
+        drop(unsafe { handles::take::<AnyComm>(recv_comm, "recvComm") }?);
+        Ok(())
+    })
 }
 
-pub(super) unsafe extern "C" fn close_listen(_listen_comm: *mut c_void) -> ncclResult_t {
-    unsupported("closeListen", &[])
+pub(super) unsafe extern "C" fn close_listen(listen_comm: *mut c_void) -> ncclResult_t {
+    guard("closeListen", || {
+        // SAFETY: listen_comm came from listen and is closed once.
+        drop(unsafe { handles::take::<Listener>(listen_comm, "listenComm") }?);
+        Ok(())
+    })
 }

@@ -6,12 +6,14 @@
 //! everything filtered out by `NCCL_IB_HCA`, or no ACTIVE port), so NCCL's fallback to another
 //! transport is explained instead of silent.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
+use super::gid::{self, GidChoice, GidEntry, GidType};
+use super::mr_cache::MrCache;
 use crate::config::Config;
 use crate::config::hca::HcaFilter;
 use crate::error::{Error, Result};
-use crate::verbs::{self, LinkLayer, PortState};
+use crate::verbs::{self, LinkLayer, Mr, Pd, PortState};
 
 /// One NCCL net device: a port of an RDMA device.
 pub struct NetDevice {
@@ -29,6 +31,12 @@ pub struct NetDevice {
     pub pci_path: Option<String>,
     pub rail: Option<i16>,
     pub plane: Option<i16>,
+    /// The protection domain every comm on this device shares.
+    pub pd: Arc<Pd>,
+    /// The GID connections use, or why there is none.
+    pub gid: Result<GidChoice, String>,
+    /// Registrations shared by every comm on this device.
+    pub mrs: Mutex<MrCache<Arc<Mr>>>,
 }
 
 /// What selection needs to know about one port; filled from verbs, or by tests.
@@ -170,7 +178,15 @@ pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
         .zip(names)
         .map(|(Selected { index: i, rail, plane }, name)| {
             let (ctx, attr, pa) = &found[i];
-            NetDevice {
+            let port = ports[i].port;
+            let ethernet = pa.link_layer == LinkLayer::Ethernet;
+            let table = gid_table(ctx, port, pa.gid_tbl_len);
+            let gid =
+                gid::choose(&name, &table, config.gid_index, ethernet).map_err(|e| e.to_string());
+            Ok(NetDevice {
+                pd: Pd::new(ctx)?,
+                gid,
+                mrs: Mutex::new(MrCache::new(crate::os::page_size())),
                 pci_path: verbs::sysfs::device_path(ctx.name())
                     .map(|p| p.to_string_lossy().into_owned()),
                 name,
@@ -184,10 +200,29 @@ pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
                 max_msg_sz: pa.max_msg_sz,
                 rail,
                 plane,
-            }
+            })
         })
-        .collect();
+        .collect::<Result<Vec<_>>>()?;
     Ok(devices)
+}
+
+/// The non-empty entries of a port's GID table, with their type and interface from sysfs.
+fn gid_table(ctx: &verbs::Context, port: u8, len: i32) -> Vec<GidEntry> {
+    (0..len.clamp(0, 256))
+        .filter_map(|i| {
+            let raw = ctx.query_gid(port, i).ok()?;
+            if raw.iter().all(|&b| b == 0) {
+                return None;
+            }
+            let kind = match verbs::sysfs::gid_type(ctx.name(), port, i).as_deref() {
+                Some("RoCE v2") => GidType::RoceV2,
+                Some("IB/RoCE v1") | Some("RoCE v1") => GidType::RoceV1,
+                _ => GidType::Unknown,
+            };
+            let netdev = verbs::sysfs::gid_netdev(ctx.name(), port, i);
+            Some(GidEntry { index: u8::try_from(i).ok()?, gid: raw, kind, netdev })
+        })
+        .collect()
 }
 
 /// The MTU in bytes of an `ibv_mtu` enum value.

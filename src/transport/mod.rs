@@ -3,8 +3,14 @@
 //!
 //! No `unsafe` here: raw pointers stay in `ffi` (above) and `verbs` (below).
 
+pub mod comm;
 pub mod device;
+pub mod gid;
+pub mod handshake;
+pub mod mr_cache;
 pub mod net;
+pub mod reg;
+pub mod setup;
 
 pub use device::NetDevice;
 pub use net::{CommContext, Net};

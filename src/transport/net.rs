@@ -49,6 +49,19 @@ impl Net {
         config.log();
         let devices = device::discover(&config)?;
         for (i, d) in devices.iter().enumerate() {
+            match &d.gid {
+                Ok(g) => log::info!(
+                    target: "init",
+                    "device {i}: {} uses GID index {} ({}, {} on {}): {}",
+                    d.name,
+                    g.index,
+                    std::net::Ipv6Addr::from(g.gid),
+                    g.ip(),
+                    g.netdev.as_deref().unwrap_or("?"),
+                    g.why
+                ),
+                Err(e) => log::warn!("device {i}: {e}"),
+            }
             log::info!(
                 target: "init",
                 "device {i}: {} port {} ({:?}), {} Mbps, active MTU {}, guid {:#018x}, max_qp {}, \

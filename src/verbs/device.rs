@@ -62,7 +62,7 @@ pub struct PortAttr {
     pub max_msg_sz: u32,
 }
 
-fn errno() -> i32 {
+pub(super) fn errno() -> i32 {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
 }
 
@@ -109,6 +109,10 @@ pub fn open_all() -> Result<Vec<Result<Context>>> {
 }
 
 impl Context {
+    pub(super) fn raw(&self) -> *mut sys::ibv_context {
+        self.raw
+    }
+
     /// The kernel device name, e.g. `rxe0` or `mlx5_0`.
     pub fn name(&self) -> &str {
         &self.name

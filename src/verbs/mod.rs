@@ -7,7 +7,15 @@
 //!
 //! Callers: `transport` only.
 
+mod buf;
+mod cq;
 mod device;
+mod pd;
+mod qp;
 pub mod sysfs;
 
+pub use buf::RegisteredBuf;
+pub use cq::{Completion, Cq, WC_RECV_RDMA_WITH_IMM, status_str};
 pub use device::{Context, DeviceAttr, LinkLayer, PortAttr, PortState, open_all};
+pub use pd::{ACCESS_LOCAL_WRITE, ACCESS_REMOTE_READ, ACCESS_REMOTE_WRITE, Mr, Pd};
+pub use qp::{MAX_CHAIN, Op, Qp, QpCaps, RtrAttr, RtsAttr, SendWr};

@@ -1,0 +1,293 @@
+//! The connection-setup wire format: the 128-byte handle NCCL carries from `listen` to the
+//! peer's `connect`, and the fixed-size messages the two sides exchange over TCP.
+//!
+//! Pure encode/decode, little-endian, versioned. Everything a peer sends is validated (magic,
+//! version, kind, length, and the listener's random nonce, which ties a connection to one
+//! `listen`), so a stray or hostile connection is rejected with a reason, never trusted.
+//!
+//! Exchange: connector → `Hello`; acceptor → `Reply`; connector → `Ready`. Each carries the
+//! sender's endpoint (QP number, GID, MTU, port) and, where relevant, the address and rkey of
+//! the buffer the peer writes into (the sender's FIFO in `Hello`, the receiver's size records
+//! in `Reply`).
+
+use std::fmt;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+
+pub const MAGIC: u64 = 0x3145_434f_5252_4546; // "FERROCE1", little-endian
+pub const VERSION: u32 = 1;
+pub const HANDLE_SIZE: usize = 128;
+/// Bytes 96..128 of the handle are never sent: the connector keeps its resumable state there.
+pub const HANDLE_STATE_OFFSET: usize = 96;
+pub const MSG_LEN: usize = 96;
+const HEADER_LEN: usize = 32;
+
+/// What `listen` publishes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Handle {
+    pub addr: SocketAddr,
+    pub nonce: u64,
+}
+
+/// Why bytes from a peer were rejected.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reject {
+    Magic(u64),
+    Version(u32),
+    Kind(u32),
+    Length(u32),
+    Nonce,
+    Field(&'static str),
+}
+
+impl fmt::Display for Reject {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Reject::Magic(m) => write!(f, "bad magic {m:#018x} (not a ferroce peer)"),
+            Reject::Version(v) => write!(f, "protocol version {v}, expected {VERSION}"),
+            Reject::Kind(k) => write!(f, "unexpected message kind {k}"),
+            Reject::Length(l) => write!(f, "message length {l}, expected {MSG_LEN}"),
+            Reject::Nonce => {
+                write!(f, "nonce does not match this listener (stale or foreign handle)")
+            }
+            Reject::Field(what) => write!(f, "invalid field {what}"),
+        }
+    }
+}
+
+fn put<const N: usize>(b: &mut [u8], off: usize, v: [u8; N]) {
+    b[off..off + N].copy_from_slice(&v);
+}
+
+fn get<const N: usize>(b: &[u8], off: usize) -> [u8; N] {
+    b[off..off + N].try_into().expect("in bounds")
+}
+
+impl Handle {
+    /// Writes the published part; the connector-state bytes are zeroed.
+    pub fn encode(&self, out: &mut [u8; HANDLE_SIZE]) {
+        out.fill(0);
+        put(out, 0, MAGIC.to_le_bytes());
+        put(out, 8, VERSION.to_le_bytes());
+        let (family, ip) = match self.addr.ip() {
+            IpAddr::V4(v4) => (4u8, v4.to_ipv6_mapped().octets()),
+            IpAddr::V6(v6) => (6u8, v6.octets()),
+        };
+        out[12] = family;
+        put(out, 14, self.addr.port().to_le_bytes());
+        put(out, 16, ip);
+        put(out, 32, self.nonce.to_le_bytes());
+    }
+
+    pub fn decode(b: &[u8; HANDLE_SIZE]) -> Result<Handle, Reject> {
+        let magic = u64::from_le_bytes(get(b, 0));
+        if magic != MAGIC {
+            return Err(Reject::Magic(magic));
+        }
+        let version = u32::from_le_bytes(get(b, 8));
+        if version != VERSION {
+            return Err(Reject::Version(version));
+        }
+        let v6 = Ipv6Addr::from(get::<16>(b, 16));
+        let ip = match b[12] {
+            4 => IpAddr::V4(v6.to_ipv4_mapped().ok_or(Reject::Field("handle address"))?),
+            6 => IpAddr::V6(v6),
+            _ => return Err(Reject::Field("handle family")),
+        };
+        let port = u16::from_le_bytes(get(b, 14));
+        if port == 0 {
+            return Err(Reject::Field("handle port"));
+        }
+        Ok(Handle { addr: SocketAddr::new(ip, port), nonce: u64::from_le_bytes(get(b, 32)) })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Kind {
+    Hello = 1,
+    Reply = 2,
+    Ready = 3,
+}
+
+/// One side's endpoint and buffer, as sent to the other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Msg {
+    pub kind: Kind,
+    pub nonce: u64,
+    pub qpn: u32,
+    /// `ibv_mtu` enum of the sender's port (1..=5).
+    pub mtu: u8,
+    pub port: u8,
+    /// The connector's traffic class; both sides use it.
+    pub traffic_class: u8,
+    pub gid: [u8; 16],
+    pub buf_addr: u64,
+    pub buf_rkey: u32,
+    /// The sender's largest message (`max_msg_sz` of its port).
+    pub max_msg: u32,
+}
+
+impl Msg {
+    pub fn encode(&self) -> [u8; MSG_LEN] {
+        let mut b = [0u8; MSG_LEN];
+        put(&mut b, 0, MAGIC.to_le_bytes());
+        put(&mut b, 8, VERSION.to_le_bytes());
+        put(&mut b, 12, (self.kind as u32).to_le_bytes());
+        put(&mut b, 16, (MSG_LEN as u32).to_le_bytes());
+        put(&mut b, 24, self.nonce.to_le_bytes());
+        put(&mut b, 32, self.qpn.to_le_bytes());
+        b[36] = self.mtu;
+        b[37] = self.port;
+        b[38] = self.traffic_class;
+        put(&mut b, 40, self.gid);
+        put(&mut b, 56, self.buf_addr.to_le_bytes());
+        put(&mut b, 64, self.buf_rkey.to_le_bytes());
+        put(&mut b, 68, self.max_msg.to_le_bytes());
+        b
+    }
+
+    /// Checks the header alone (the first 32 bytes), so a bad peer is rejected as soon as it
+    /// has said enough.
+    pub fn check_header(b: &[u8]) -> Result<(), Reject> {
+        debug_assert!(b.len() >= HEADER_LEN);
+        let magic = u64::from_le_bytes(get(b, 0));
+        if magic != MAGIC {
+            return Err(Reject::Magic(magic));
+        }
+        let version = u32::from_le_bytes(get(b, 8));
+        if version != VERSION {
+            return Err(Reject::Version(version));
+        }
+        let len = u32::from_le_bytes(get(b, 16));
+        if len as usize != MSG_LEN {
+            return Err(Reject::Length(len));
+        }
+        Ok(())
+    }
+
+    pub fn decode(b: &[u8; MSG_LEN], want: Kind, nonce: u64) -> Result<Msg, Reject> {
+        Self::check_header(b)?;
+        let kind = u32::from_le_bytes(get(b, 12));
+        if kind != want as u32 {
+            return Err(Reject::Kind(kind));
+        }
+        if u64::from_le_bytes(get(b, 24)) != nonce {
+            return Err(Reject::Nonce);
+        }
+        let m = Msg {
+            kind: want,
+            nonce,
+            qpn: u32::from_le_bytes(get(b, 32)),
+            mtu: b[36],
+            port: b[37],
+            traffic_class: b[38],
+            gid: get(b, 40),
+            buf_addr: u64::from_le_bytes(get(b, 56)),
+            buf_rkey: u32::from_le_bytes(get(b, 64)),
+            max_msg: u32::from_le_bytes(get(b, 68)),
+        };
+        if want != Kind::Ready {
+            if m.qpn == 0 || m.qpn > 0xff_ffff {
+                return Err(Reject::Field("qpn"));
+            }
+            if !(1..=5).contains(&m.mtu) {
+                return Err(Reject::Field("mtu"));
+            }
+            if m.port == 0 || m.buf_addr == 0 || m.max_msg == 0 {
+                return Err(Reject::Field("port, buffer or max_msg"));
+            }
+        }
+        Ok(m)
+    }
+}
+
+/// The header length: a reader validates this much before reading the rest.
+pub const fn header_len() -> usize {
+    HEADER_LEN
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(kind: Kind) -> Msg {
+        Msg {
+            kind,
+            nonce: 0xdead_beef_1234,
+            qpn: 0x11,
+            mtu: 3,
+            port: 1,
+            traffic_class: 106,
+            gid: [7; 16],
+            buf_addr: 0x7f00_0000_1000,
+            buf_rkey: 0x1234,
+            max_msg: 8 << 20,
+        }
+    }
+
+    #[test]
+    fn handle_round_trips_v4_and_v6() {
+        for addr in ["198.18.0.1:40000", "[2001:db8::1]:5"] {
+            let h = Handle { addr: addr.parse().unwrap(), nonce: 99 };
+            let mut b = [0xaa; HANDLE_SIZE];
+            h.encode(&mut b);
+            assert!(b[HANDLE_STATE_OFFSET..].iter().all(|&x| x == 0));
+            assert_eq!(Handle::decode(&b).unwrap(), h);
+        }
+    }
+
+    #[test]
+    fn handle_rejects_garbage() {
+        let mut b = [0u8; HANDLE_SIZE];
+        assert!(matches!(Handle::decode(&b), Err(Reject::Magic(0))));
+        Handle { addr: "10.0.0.1:1".parse().unwrap(), nonce: 1 }.encode(&mut b);
+        let mut v = b;
+        v[8] = 9;
+        assert_eq!(Handle::decode(&v), Err(Reject::Version(9)));
+        let mut f = b;
+        f[12] = 5;
+        assert_eq!(Handle::decode(&f), Err(Reject::Field("handle family")));
+        let mut p = b;
+        p[14] = 0;
+        assert_eq!(Handle::decode(&p), Err(Reject::Field("handle port")));
+    }
+
+    #[test]
+    fn messages_round_trip() {
+        for kind in [Kind::Hello, Kind::Reply, Kind::Ready] {
+            let m = msg(kind);
+            assert_eq!(Msg::decode(&m.encode(), kind, m.nonce).unwrap(), m);
+        }
+    }
+
+    #[test]
+    fn messages_reject_each_bad_field() {
+        let good = msg(Kind::Hello).encode();
+        let n = msg(Kind::Hello).nonce;
+        let bad = |off: usize, val: u8| {
+            let mut b = good;
+            b[off] = val;
+            Msg::decode(&b, Kind::Hello, n).unwrap_err()
+        };
+        assert!(matches!(bad(0, 0), Reject::Magic(_)));
+        assert_eq!(bad(8, 2), Reject::Version(2));
+        assert_eq!(bad(12, 2), Reject::Kind(2));
+        assert_eq!(bad(16, 200), Reject::Length(200));
+        assert_eq!(bad(24, 0), Reject::Nonce);
+        assert_eq!(bad(36, 9), Reject::Field("mtu"));
+        assert_eq!(bad(37, 0), Reject::Field("port, buffer or max_msg"));
+        let mut q = good;
+        q[32..36].copy_from_slice(&0u32.to_le_bytes());
+        assert_eq!(Msg::decode(&q, Kind::Hello, n), Err(Reject::Field("qpn")));
+        assert_eq!(Msg::decode(&good, Kind::Reply, n), Err(Reject::Kind(1)));
+    }
+
+    #[test]
+    fn header_check_needs_only_the_header() {
+        let good = msg(Kind::Reply).encode();
+        assert_eq!(Msg::check_header(&good[..header_len()]), Ok(()));
+        let mut long = good;
+        long[16..20].copy_from_slice(&4096u32.to_le_bytes());
+        assert_eq!(Msg::check_header(&long[..header_len()]), Err(Reject::Length(4096)));
+    }
+}

@@ -1,0 +1,253 @@
+//! Reliable-connected queue pairs: creation, the INIT → RTR → RTS transitions, and posting.
+//!
+//! Posting builds the work-request chain on the stack: no allocation on the data path.
+
+use std::mem::MaybeUninit;
+use std::sync::Arc;
+
+use rdma_sys as sys;
+
+use super::cq::Cq;
+use super::device::errno;
+use super::pd::Pd;
+use crate::error::{Error, Result};
+
+pub struct Qp {
+    raw: *mut sys::ibv_qp,
+    qpn: u32,
+    pd: Arc<Pd>,
+    _cq: Arc<Cq>,
+}
+
+// SAFETY: verbs QPs may be used from any thread; posting is serialised by the provider.
+unsafe impl Send for Qp {}
+// SAFETY: as above.
+unsafe impl Sync for Qp {}
+
+#[derive(Clone, Copy, Debug)]
+pub struct QpCaps {
+    pub max_send_wr: u32,
+    pub max_recv_wr: u32,
+}
+
+/// What the RTR transition needs: the remote end and the path to it.
+#[derive(Clone, Copy, Debug)]
+pub struct RtrAttr {
+    pub port: u8,
+    /// `ibv_mtu` enum value.
+    pub path_mtu: u32,
+    pub dest_qpn: u32,
+    pub dgid: [u8; 16],
+    pub sgid_index: u8,
+    pub flow_label: u32,
+    pub traffic_class: u8,
+    pub sl: u8,
+}
+
+/// What the RTS transition needs: the retry policy.
+#[derive(Clone, Copy, Debug)]
+pub struct RtsAttr {
+    pub timeout: u8,
+    pub retry_cnt: u8,
+    pub rnr_retry: u8,
+}
+
+/// The operation of one send work request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    Write,
+    /// RDMA write that also consumes a receive at the peer and delivers `imm` (host order).
+    WriteImm(u32),
+    Read,
+}
+
+/// One send work request; `local` is `(addr, len, lkey)`, absent for a zero-byte operation.
+#[derive(Clone, Copy, Debug)]
+pub struct SendWr {
+    pub wr_id: u64,
+    pub op: Op,
+    pub signaled: bool,
+    pub local: Option<(u64, u32, u32)>,
+    pub remote_addr: u64,
+    pub rkey: u32,
+}
+
+/// The most work requests [`Qp::post_send`] chains into one call.
+pub const MAX_CHAIN: usize = 16;
+
+fn modify(qp: *mut sys::ibv_qp, attr: &mut sys::ibv_qp_attr, mask: u32, what: &str) -> Result<()> {
+    // SAFETY: qp is live and attr is a fully initialised ibv_qp_attr.
+    let rc = unsafe { sys::ibv_modify_qp(qp, attr, mask as i32) };
+    if rc != 0 {
+        return Err(Error::verbs("ibv_modify_qp", rc, what));
+    }
+    Ok(())
+}
+
+fn zeroed_attr() -> sys::ibv_qp_attr {
+    // SAFETY: ibv_qp_attr is plain data for which all-zero bytes are valid.
+    unsafe { MaybeUninit::zeroed().assume_init() }
+}
+
+use sys::ibv_qp_attr_mask as M;
+
+impl Qp {
+    pub fn create_rc(pd: &Arc<Pd>, cq: &Arc<Cq>, caps: QpCaps) -> Result<Qp> {
+        // SAFETY: all-zero is a valid ibv_qp_init_attr; the fields we need are set below.
+        let mut init: sys::ibv_qp_init_attr = unsafe { MaybeUninit::zeroed().assume_init() };
+        init.send_cq = cq.raw();
+        init.recv_cq = cq.raw();
+        init.cap.max_send_wr = caps.max_send_wr;
+        init.cap.max_recv_wr = caps.max_recv_wr;
+        init.cap.max_send_sge = 1;
+        init.cap.max_recv_sge = 1;
+        init.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
+        // SAFETY: pd is live and init is valid; the QP holds Arcs to its PD and CQ.
+        let raw = unsafe { sys::ibv_create_qp(pd.raw(), &mut init) };
+        if raw.is_null() {
+            return Err(Error::verbs("ibv_create_qp", errno(), pd.context().name()));
+        }
+        // SAFETY: raw is a valid QP.
+        let qpn = unsafe { (*raw).qp_num };
+        Ok(Qp { raw, qpn, pd: pd.clone(), _cq: cq.clone() })
+    }
+
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+
+    fn what(&self, state: &str) -> String {
+        format!("{} QP {:#x} to {state}", self.pd.context().name(), self.qpn)
+    }
+
+    pub fn to_init(&self, port: u8, access: u32) -> Result<()> {
+        let mut a = zeroed_attr();
+        a.qp_state = sys::ibv_qp_state::IBV_QPS_INIT;
+        a.pkey_index = 0;
+        a.port_num = port;
+        a.qp_access_flags = access;
+        let mask = M::IBV_QP_STATE.0
+            | M::IBV_QP_PKEY_INDEX.0
+            | M::IBV_QP_PORT.0
+            | M::IBV_QP_ACCESS_FLAGS.0;
+        modify(self.raw, &mut a, mask, &self.what("INIT"))
+    }
+
+    pub fn to_rtr(&self, r: &RtrAttr) -> Result<()> {
+        let mut a = zeroed_attr();
+        a.qp_state = sys::ibv_qp_state::IBV_QPS_RTR;
+        a.path_mtu = r.path_mtu;
+        a.dest_qp_num = r.dest_qpn;
+        a.rq_psn = 0;
+        a.max_dest_rd_atomic = 1;
+        a.min_rnr_timer = 12;
+        a.ah_attr.is_global = 1;
+        a.ah_attr.grh.dgid.raw = r.dgid;
+        a.ah_attr.grh.sgid_index = r.sgid_index;
+        a.ah_attr.grh.flow_label = r.flow_label;
+        a.ah_attr.grh.hop_limit = 255;
+        a.ah_attr.grh.traffic_class = r.traffic_class;
+        a.ah_attr.sl = r.sl;
+        a.ah_attr.port_num = r.port;
+        let mask = M::IBV_QP_STATE.0
+            | M::IBV_QP_AV.0
+            | M::IBV_QP_PATH_MTU.0
+            | M::IBV_QP_DEST_QPN.0
+            | M::IBV_QP_RQ_PSN.0
+            | M::IBV_QP_MAX_DEST_RD_ATOMIC.0
+            | M::IBV_QP_MIN_RNR_TIMER.0;
+        modify(self.raw, &mut a, mask, &self.what("RTR"))
+    }
+
+    pub fn to_rts(&self, r: &RtsAttr) -> Result<()> {
+        let mut a = zeroed_attr();
+        a.qp_state = sys::ibv_qp_state::IBV_QPS_RTS;
+        a.sq_psn = 0;
+        a.timeout = r.timeout;
+        a.retry_cnt = r.retry_cnt;
+        a.rnr_retry = r.rnr_retry;
+        a.max_rd_atomic = 1;
+        let mask = M::IBV_QP_STATE.0
+            | M::IBV_QP_SQ_PSN.0
+            | M::IBV_QP_TIMEOUT.0
+            | M::IBV_QP_RETRY_CNT.0
+            | M::IBV_QP_RNR_RETRY.0
+            | M::IBV_QP_MAX_QP_RD_ATOMIC.0;
+        modify(self.raw, &mut a, mask, &self.what("RTS"))
+    }
+
+    /// Moves the QP to ERR so outstanding work requests flush before it is destroyed.
+    pub fn to_error(&self) -> Result<()> {
+        let mut a = zeroed_attr();
+        a.qp_state = sys::ibv_qp_state::IBV_QPS_ERR;
+        modify(self.raw, &mut a, M::IBV_QP_STATE.0, &self.what("ERR"))
+    }
+
+    /// Posts up to [`MAX_CHAIN`] send work requests as one chain.
+    pub fn post_send(&self, wrs: &[SendWr]) -> Result<()> {
+        assert!(wrs.len() <= MAX_CHAIN, "post_send chain of {} > {MAX_CHAIN}", wrs.len());
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: all-zero is valid for these plain-data structs; every used field is set.
+        let mut sges: [sys::ibv_sge; MAX_CHAIN] = unsafe { MaybeUninit::zeroed().assume_init() };
+        // SAFETY: as above.
+        let mut chain: [sys::ibv_send_wr; MAX_CHAIN] =
+            unsafe { MaybeUninit::zeroed().assume_init() };
+        for (i, w) in wrs.iter().enumerate() {
+            let c = &mut chain[i];
+            c.wr_id = w.wr_id;
+            if let Some((addr, len, lkey)) = w.local {
+                sges[i] = sys::ibv_sge { addr, length: len, lkey };
+                c.sg_list = &mut sges[i];
+                c.num_sge = 1;
+            }
+            c.opcode = match w.op {
+                Op::Write => sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+                Op::WriteImm(imm) => {
+                    c.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+                    sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM
+                }
+                Op::Read => sys::ibv_wr_opcode::IBV_WR_RDMA_READ,
+            };
+            c.send_flags = if w.signaled { sys::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+            c.wr.rdma = sys::rdma_t { remote_addr: w.remote_addr, rkey: w.rkey };
+        }
+        for i in 1..wrs.len() {
+            let next: *mut sys::ibv_send_wr = &mut chain[i];
+            chain[i - 1].next = next;
+        }
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: the chain and its SGEs live on this stack frame for the duration of the call;
+        // the registered buffers they name are kept alive by the caller until completion.
+        let rc = unsafe { sys::ibv_post_send(self.raw, chain.as_mut_ptr(), &mut bad) };
+        if rc != 0 {
+            return Err(Error::verbs("ibv_post_send", rc, &format!("QP {:#x}", self.qpn)));
+        }
+        Ok(())
+    }
+
+    /// Posts one receive with no buffer: it only absorbs an RDMA write with immediate.
+    pub fn post_recv(&self, wr_id: u64) -> Result<()> {
+        // SAFETY: all-zero is a valid ibv_recv_wr (no SGEs, no next).
+        let mut wr: sys::ibv_recv_wr = unsafe { MaybeUninit::zeroed().assume_init() };
+        wr.wr_id = wr_id;
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: wr lives for the call; the QP is live.
+        let rc = unsafe { sys::ibv_post_recv(self.raw, &mut wr, &mut bad) };
+        if rc != 0 {
+            return Err(Error::verbs("ibv_post_recv", rc, &format!("QP {:#x}", self.qpn)));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        // SAFETY: raw is live and destroyed once; its CQ and PD outlive it (Arcs held).
+        let rc = unsafe { sys::ibv_destroy_qp(self.raw) };
+        if rc != 0 {
+            log::warn!("ibv_destroy_qp({:#x}) failed: errno {rc}", self.qpn);
+        }
+    }
+}
