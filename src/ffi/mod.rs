@@ -10,6 +10,7 @@
 
 pub mod abi;
 mod boundary;
+pub mod driver;
 mod handles;
 mod legacy;
 pub mod loader;

@@ -245,9 +245,12 @@ impl SendComm {
         if (0..nreqs).any(|r| self.entry(slot, r, 4) != want) {
             return Ok(None); // the rest of the row is still landing
         }
-        if self.reqs[slot * MAX_RECVS..(slot + 1) * MAX_RECVS]
-            .iter()
-            .any(|r| r.state != State::Free)
+        // A fresh slot must not still hold requests NCCL has not yet seen complete.
+        let fresh = self.slots[slot].matched == 0;
+        if fresh
+            && self.reqs[slot * MAX_RECVS..(slot + 1) * MAX_RECVS]
+                .iter()
+                .any(|r| r.state != State::Free)
         {
             self.progress()?;
             return Ok(None);

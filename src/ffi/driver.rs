@@ -1,0 +1,389 @@
+//! Drives a loaded plugin through any ABI version (v6–v12) the way NCCL's proxy thread does,
+//! behind one interface. Used by the benchmark and the tests; the plugin never calls it.
+//!
+//! Sizes are `size_t` here; for v6–v8 they are narrowed to `int` exactly as NCCL's own shims do,
+//! so a test through v6 exercises the plugin's `int` entry points.
+//!
+//! The methods take the plugin's opaque handles and buffer pointers as raw pointers and pass
+//! them through unchanged: this is a test and benchmark harness for a C ABI, whose callers own
+//! those pointers exactly as NCCL does. They are not marked `unsafe` so the tests read like
+//! NCCL's proxy loop; the lint below says so.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
+use std::ffi::{CString, c_int, c_void};
+use std::ptr::null_mut;
+
+use super::abi::*;
+use super::loader::{Library, capture_logger};
+
+/// The table of one version, borrowed from the library.
+#[derive(Clone, Copy)]
+enum Table<'a> {
+    V6(&'a ncclNet_v6_t),
+    V7(&'a ncclNet_v7_t),
+    V8(&'a ncclNet_v8_t),
+    V9(&'a ncclNet_v9_t),
+    V10(&'a ncclNet_v10_t),
+    V11(&'a ncclNet_v11_t),
+    V12(&'a ncclNet_v12_t),
+}
+
+/// A plugin opened at one ABI version.
+pub struct Driver<'a> {
+    table: Table<'a>,
+    pub version: u32,
+}
+
+pub type Ptr = *mut c_void;
+
+fn ok(what: &str, r: ncclResult_t) -> Result<(), String> {
+    if r == ncclResult_t::ncclSuccess {
+        Ok(())
+    } else {
+        Err(format!("{what} returned ncclResult {}", r.0))
+    }
+}
+
+fn int(size: usize) -> Result<c_int, String> {
+    c_int::try_from(size).map_err(|_| format!("size {size} does not fit an int (v6-v8)"))
+}
+
+macro_rules! call {
+    ($f:expr) => {
+        $f.ok_or_else(|| "member is NULL".to_string())?
+    };
+}
+
+impl<'a> Driver<'a> {
+    pub fn new(lib: &'a Library, version: u32) -> Result<Driver<'a>, String> {
+        let sym = CString::new(format!("ncclNetPlugin_v{version}")).expect("no NUL");
+        let missing = || format!("no symbol ncclNetPlugin_v{version}");
+        // SAFETY: each symbol has the table type of its version; the references do not outlive
+        // `lib` (the lifetime ties them).
+        let table = unsafe {
+            match version {
+                6 => Table::V6(lib.table(&sym).ok_or_else(missing)?),
+                7 => Table::V7(lib.table(&sym).ok_or_else(missing)?),
+                8 => Table::V8(lib.table(&sym).ok_or_else(missing)?),
+                9 => Table::V9(lib.table(&sym).ok_or_else(missing)?),
+                10 => Table::V10(lib.table(&sym).ok_or_else(missing)?),
+                11 => Table::V11(lib.table(&sym).ok_or_else(missing)?),
+                12 => Table::V12(lib.table(&sym).ok_or_else(missing)?),
+                v => return Err(format!("no ABI version {v}")),
+            }
+        };
+        Ok(Driver { table, version })
+    }
+
+    /// `init`; the returned context is NULL for v6–v10 (their calls need none).
+    pub fn init(&self, comm_id: u64) -> Result<Ptr, String> {
+        let log = capture_logger();
+        let mut ctx = null_mut();
+        let mut cfg = ncclNetCommConfig_v10_t { trafficClass: -1 };
+        // SAFETY: valid arguments per each version's init contract.
+        let r = unsafe {
+            match self.table {
+                Table::V6(t) => call!(t.init)(log),
+                Table::V7(t) => call!(t.init)(log),
+                Table::V8(t) => call!(t.init)(log),
+                Table::V9(t) => call!(t.init)(log),
+                Table::V10(t) => call!(t.init)(log, None),
+                Table::V11(t) => call!(t.init)(&mut ctx, comm_id, &mut cfg, log, None),
+                Table::V12(t) => call!(t.init)(&mut ctx, comm_id, &mut cfg, log, None),
+            }
+        };
+        ok("init", r).map(|_| ctx)
+    }
+
+    /// `finalize` for v11+; nothing for older versions (NCCL never reaches theirs).
+    pub fn finalize(&self, ctx: Ptr) -> Result<(), String> {
+        // SAFETY: ctx came from init.
+        let r = unsafe {
+            match self.table {
+                Table::V11(t) => call!(t.finalize)(ctx),
+                Table::V12(t) => call!(t.finalize)(ctx),
+                _ => return Ok(()),
+            }
+        };
+        ok("finalize", r)
+    }
+
+    pub fn devices(&self) -> Result<c_int, String> {
+        let mut n = 0;
+        // SAFETY: valid out-pointer.
+        let r = unsafe {
+            match self.table {
+                Table::V6(t) => call!(t.devices)(&mut n),
+                Table::V7(t) => call!(t.devices)(&mut n),
+                Table::V8(t) => call!(t.devices)(&mut n),
+                Table::V9(t) => call!(t.devices)(&mut n),
+                Table::V10(t) => call!(t.devices)(&mut n),
+                Table::V11(t) => call!(t.devices)(&mut n),
+                Table::V12(t) => call!(t.devices)(&mut n),
+            }
+        };
+        ok("devices", r).map(|_| n)
+    }
+
+    pub fn listen(&self, ctx: Ptr, dev: c_int) -> Result<([u8; 128], Ptr), String> {
+        let mut handle = [0u8; 128];
+        let h = handle.as_mut_ptr().cast();
+        let mut comm = null_mut();
+        // SAFETY: valid arguments per the listen contract.
+        let r = unsafe {
+            match self.table {
+                Table::V6(t) => call!(t.listen)(dev, h, &mut comm),
+                Table::V7(t) => call!(t.listen)(dev, h, &mut comm),
+                Table::V8(t) => call!(t.listen)(dev, h, &mut comm),
+                Table::V9(t) => call!(t.listen)(dev, h, &mut comm),
+                Table::V10(t) => call!(t.listen)(dev, h, &mut comm),
+                Table::V11(t) => call!(t.listen)(ctx, dev, h, &mut comm),
+                Table::V12(t) => call!(t.listen)(ctx, dev, h, &mut comm),
+            }
+        };
+        ok("listen", r)?;
+        if comm.is_null() {
+            return Err("listen succeeded with a NULL listenComm".into());
+        }
+        Ok((handle, comm))
+    }
+
+    /// One `connect` call; `None` means "call again" (with the same handle buffer).
+    pub fn connect(
+        &self,
+        ctx: Ptr,
+        dev: c_int,
+        handle: &mut [u8; 128],
+    ) -> Result<Option<Ptr>, String> {
+        let h = handle.as_mut_ptr().cast();
+        let mut comm = null_mut();
+        let mut dc: *mut ncclNetDeviceHandle_v7_t = null_mut();
+        let mut cfg = ncclNetCommConfig_v10_t { trafficClass: -1 };
+        // SAFETY: valid arguments per the connect contract.
+        let r = unsafe {
+            match self.table {
+                Table::V6(t) => call!(t.connect)(dev, h, &mut comm),
+                Table::V7(t) => call!(t.connect)(dev, h, &mut comm, &mut dc),
+                Table::V8(t) => call!(t.connect)(dev, h, &mut comm, &mut dc),
+                Table::V9(t) => call!(t.connect)(dev, h, &mut comm, &mut dc),
+                Table::V10(t) => call!(t.connect)(dev, &mut cfg, h, &mut comm, &mut dc),
+                Table::V11(t) => call!(t.connect)(ctx, dev, h, &mut comm, &mut dc),
+                Table::V12(t) => call!(t.connect)(ctx, dev, h, &mut comm, &mut dc),
+            }
+        };
+        ok("connect", r).map(|_| (!comm.is_null()).then_some(comm))
+    }
+
+    /// One `accept` call; `None` means "call again".
+    pub fn accept(&self, listen: Ptr) -> Result<Option<Ptr>, String> {
+        let mut comm = null_mut();
+        let mut dc: *mut ncclNetDeviceHandle_v7_t = null_mut();
+        // SAFETY: valid arguments per the accept contract.
+        let r = unsafe {
+            match self.table {
+                Table::V6(t) => call!(t.accept)(listen, &mut comm),
+                Table::V7(t) => call!(t.accept)(listen, &mut comm, &mut dc),
+                Table::V8(t) => call!(t.accept)(listen, &mut comm, &mut dc),
+                Table::V9(t) => call!(t.accept)(listen, &mut comm, &mut dc),
+                Table::V10(t) => call!(t.accept)(listen, &mut comm, &mut dc),
+                Table::V11(t) => call!(t.accept)(listen, &mut comm, &mut dc),
+                Table::V12(t) => call!(t.accept)(listen, &mut comm, &mut dc),
+            }
+        };
+        ok("accept", r).map(|_| (!comm.is_null()).then_some(comm))
+    }
+
+    pub fn reg_mr(&self, comm: Ptr, data: *mut u8, size: usize) -> Result<Ptr, String> {
+        let mut mh = null_mut();
+        let d = data.cast();
+        let ty = NCCL_PTR_HOST as c_int;
+        // SAFETY: valid arguments per the regMr contract; the memory outlives the registration.
+        let r = unsafe {
+            match self.table {
+                Table::V6(t) => call!(t.regMr)(comm, d, int(size)?, ty, &mut mh),
+                Table::V7(t) => call!(t.regMr)(comm, d, int(size)?, ty, &mut mh),
+                Table::V8(t) => call!(t.regMr)(comm, d, size, ty, &mut mh),
+                Table::V9(t) => call!(t.regMr)(comm, d, size, ty, &mut mh),
+                Table::V10(t) => call!(t.regMr)(comm, d, size, ty, &mut mh),
+                Table::V11(t) => call!(t.regMr)(comm, d, size, ty, &mut mh),
+                Table::V12(t) => call!(t.regMr)(comm, d, size, ty, &mut mh),
+            }
+        };
+        ok("regMr", r).map(|_| mh)
+    }
+
+    pub fn dereg_mr(&self, comm: Ptr, mh: Ptr) -> Result<(), String> {
+        // SAFETY: mh came from regMr.
+        let r = unsafe {
+            match self.table {
+                Table::V6(t) => call!(t.deregMr)(comm, mh),
+                Table::V7(t) => call!(t.deregMr)(comm, mh),
+                Table::V8(t) => call!(t.deregMr)(comm, mh),
+                Table::V9(t) => call!(t.deregMr)(comm, mh),
+                Table::V10(t) => call!(t.deregMr)(comm, mh),
+                Table::V11(t) => call!(t.deregMr)(comm, mh),
+                Table::V12(t) => call!(t.deregMr)(comm, mh),
+            }
+        };
+        ok("deregMr", r)
+    }
+
+    /// One `isend`; `None` means "not yet, call again".
+    pub fn isend(
+        &self,
+        comm: Ptr,
+        data: *mut u8,
+        size: usize,
+        tag: c_int,
+        mh: Ptr,
+    ) -> Result<Option<Ptr>, String> {
+        let mut req = null_mut();
+        let d = data.cast();
+        // SAFETY: valid arguments per the isend contract.
+        let r = unsafe {
+            match self.table {
+                Table::V6(t) => call!(t.isend)(comm, d, int(size)?, tag, mh, &mut req),
+                Table::V7(t) => call!(t.isend)(comm, d, int(size)?, tag, mh, &mut req),
+                Table::V8(t) => call!(t.isend)(comm, d, int(size)?, tag, mh, &mut req),
+                Table::V9(t) => call!(t.isend)(comm, d, size, tag, mh, &mut req),
+                Table::V10(t) => call!(t.isend)(comm, d, size, tag, mh, null_mut(), &mut req),
+                Table::V11(t) => call!(t.isend)(comm, d, size, tag, mh, null_mut(), &mut req),
+                Table::V12(t) => call!(t.isend)(comm, d, size, tag, mh, null_mut(), &mut req),
+            }
+        };
+        ok("isend", r).map(|_| (!req.is_null()).then_some(req))
+    }
+
+    /// One `irecv` of `data.len()` buffers; `None` means "not yet, call again". With
+    /// `optional`, the request slot is pre-set to `NCCL_NET_OPTIONAL_RECV_COMPLETION` as NCCL
+    /// does for LL/LL128 receives.
+    pub fn irecv(
+        &self,
+        comm: Ptr,
+        data: &[*mut u8],
+        sizes: &[usize],
+        tags: &[c_int],
+        mhs: &[Ptr],
+        optional: bool,
+    ) -> Result<Option<Ptr>, String> {
+        let n = data.len();
+        assert!(n <= 8 && sizes.len() == n && tags.len() == n && mhs.len() == n);
+        let mut d: [Ptr; 8] = [null_mut(); 8];
+        let mut s64 = [0usize; 8];
+        let mut s32 = [0 as c_int; 8];
+        let mut tg = [0 as c_int; 8];
+        let mut mh: [Ptr; 8] = [null_mut(); 8];
+        for i in 0..n {
+            d[i] = data[i].cast();
+            s64[i] = sizes[i];
+            s32[i] = int(sizes[i]).unwrap_or(c_int::MAX);
+            tg[i] = tags[i];
+            mh[i] = mhs[i];
+        }
+        let mut req: Ptr =
+            if optional { NCCL_NET_OPTIONAL_RECV_COMPLETION as usize as Ptr } else { null_mut() };
+        let n = n as c_int;
+        let (d, tg, mh) = (d.as_mut_ptr(), tg.as_mut_ptr(), mh.as_mut_ptr());
+        // SAFETY: valid arrays of n entries per the irecv contract.
+        let r = unsafe {
+            match self.table {
+                Table::V6(t) => call!(t.irecv)(comm, n, d, s32.as_mut_ptr(), tg, mh, &mut req),
+                Table::V7(t) => call!(t.irecv)(comm, n, d, s32.as_mut_ptr(), tg, mh, &mut req),
+                Table::V8(t) => call!(t.irecv)(comm, n, d, s32.as_mut_ptr(), tg, mh, &mut req),
+                Table::V9(t) => call!(t.irecv)(comm, n, d, s64.as_mut_ptr(), tg, mh, &mut req),
+                Table::V10(t) => {
+                    call!(t.irecv)(comm, n, d, s64.as_mut_ptr(), tg, mh, null_mut(), &mut req)
+                }
+                Table::V11(t) => {
+                    call!(t.irecv)(comm, n, d, s64.as_mut_ptr(), tg, mh, null_mut(), &mut req)
+                }
+                Table::V12(t) => {
+                    call!(t.irecv)(comm, n, d, s64.as_mut_ptr(), tg, mh, null_mut(), &mut req)
+                }
+            }
+        };
+        ok("irecv", r)?;
+        if req as usize == NCCL_NET_OPTIONAL_RECV_COMPLETION as usize {
+            return Err("irecv left the optional-completion marker in *request".into());
+        }
+        Ok((!req.is_null()).then_some(req))
+    }
+
+    /// `iflush` of one buffer; `None` when the plugin says there is nothing to flush.
+    pub fn iflush(
+        &self,
+        comm: Ptr,
+        data: *mut u8,
+        size: c_int,
+        mh: Ptr,
+    ) -> Result<Option<Ptr>, String> {
+        let mut req = null_mut();
+        let (mut d, mut s, mut m): (Ptr, c_int, Ptr) = (data.cast(), size, mh);
+        // SAFETY: one-entry arrays per the iflush contract.
+        let r = unsafe {
+            match self.table {
+                Table::V6(t) => call!(t.iflush)(comm, 1, &mut d, &mut s, &mut m, &mut req),
+                Table::V7(t) => call!(t.iflush)(comm, 1, &mut d, &mut s, &mut m, &mut req),
+                Table::V8(t) => call!(t.iflush)(comm, 1, &mut d, &mut s, &mut m, &mut req),
+                Table::V9(t) => call!(t.iflush)(comm, 1, &mut d, &mut s, &mut m, &mut req),
+                Table::V10(t) => call!(t.iflush)(comm, 1, &mut d, &mut s, &mut m, &mut req),
+                Table::V11(t) => call!(t.iflush)(comm, 1, &mut d, &mut s, &mut m, &mut req),
+                Table::V12(t) => call!(t.iflush)(comm, 1, &mut d, &mut s, &mut m, &mut req),
+            }
+        };
+        ok("iflush", r).map(|_| (!req.is_null()).then_some(req))
+    }
+
+    /// One `test`; `Some(sizes)` once done (8 slots, as NCCL passes them, zeroed first).
+    pub fn test(&self, req: Ptr) -> Result<Option<[c_int; 8]>, String> {
+        let mut done = 0;
+        let mut sizes = [0 as c_int; 8];
+        let s = sizes.as_mut_ptr();
+        // SAFETY: req came from isend/irecv/iflush and is not yet reported done.
+        let r = unsafe {
+            match self.table {
+                Table::V6(t) => call!(t.test)(req, &mut done, s),
+                Table::V7(t) => call!(t.test)(req, &mut done, s),
+                Table::V8(t) => call!(t.test)(req, &mut done, s),
+                Table::V9(t) => call!(t.test)(req, &mut done, s),
+                Table::V10(t) => call!(t.test)(req, &mut done, s),
+                Table::V11(t) => call!(t.test)(req, &mut done, s),
+                Table::V12(t) => call!(t.test)(req, &mut done, s),
+            }
+        };
+        ok("test", r).map(|_| (done == 1).then_some(sizes))
+    }
+
+    /// `closeSend`, `closeRecv` or `closeListen`.
+    pub fn close(&self, which: Close, comm: Ptr) -> Result<(), String> {
+        macro_rules! pick {
+            ($t:expr) => {
+                match which {
+                    Close::Send => call!($t.closeSend)(comm),
+                    Close::Recv => call!($t.closeRecv)(comm),
+                    Close::Listen => call!($t.closeListen)(comm),
+                }
+            };
+        }
+        // SAFETY: comm came from connect/accept/listen and is closed once.
+        let r = unsafe {
+            match self.table {
+                Table::V6(t) => pick!(t),
+                Table::V7(t) => pick!(t),
+                Table::V8(t) => pick!(t),
+                Table::V9(t) => pick!(t),
+                Table::V10(t) => pick!(t),
+                Table::V11(t) => pick!(t),
+                Table::V12(t) => pick!(t),
+            }
+        };
+        ok("close", r)
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub enum Close {
+    Send,
+    Recv,
+    Listen,
+}

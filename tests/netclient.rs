@@ -1,0 +1,437 @@
+//! The test client: loads `libnccl-net-ferroce.so` with `dlopen` and drives it as NCCL's proxy
+//! thread would, in two processes (a receiver and a sender), once per ABI version v6–v12, on
+//! real verbs inside the Soft-RoCE VM.
+//!
+//! Without arguments it is the orchestrator: for each version it starts `netclient recv` on one
+//! device, passes the 128-byte handle to `netclient send` on the other, and checks both exit 0.
+//! Every byte received is verified against a per-transfer pattern, and every reported size.
+//!
+//! The schedule (same seed on both sides):
+//! - A: sizes 0, 1, 4095, 4096, 65536, 1 MiB, 16 MiB, one at a time (with a flush each);
+//! - B: 96 random sizes up to 256 KiB with 32 requests in flight, half of the receives
+//!   carrying NCCL's optional-completion marker;
+//! - C: 64 multi-receives of 1..=8 buffers with tags, the sender posting in reverse tag order.
+//!
+//! Built as a test target with its own `main` (`harness = false`) and not run by a plain
+//! `cargo test` on the host: `ci/vm-tests.sh` runs it in the VM. Outside the VM it fails.
+
+use std::collections::VecDeque;
+use std::ffi::c_int;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ferroce::ffi::driver::{Close, Driver, Ptr};
+use ferroce::ffi::loader::{ECHO, Library};
+
+const WINDOW: usize = 32;
+const AREA: usize = 512 << 10; // per in-flight group: 8 buffers x 64 KiB, or one of 256 KiB
+const ARENA: usize = 16 << 20;
+const STEP: Duration = Duration::from_secs(120);
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let r = match args.first().map(String::as_str) {
+        None => orchestrate(),
+        Some("recv") => role(false, &args[1..]),
+        Some("send") => role(true, &args[1..]),
+        Some(other) => Err(format!("unknown mode {other:?}")),
+    };
+    if let Err(e) = r {
+        eprintln!("netclient: FAILED: {e}");
+        std::process::exit(1);
+    }
+}
+
+// --- the schedule ------------------------------------------------------------------------------
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// One buffer of a (multi-)receive: what is sent, what is posted, its tag, where it lives.
+#[derive(Clone, Copy, Debug)]
+struct Item {
+    size: usize,
+    capacity: usize,
+    tag: c_int,
+    offset: usize,
+}
+
+struct Group {
+    items: Vec<Item>,
+    optional: bool,
+    flush: bool,
+}
+
+fn schedule() -> Vec<Group> {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut out = Vec::new();
+    for (i, size) in [0usize, 1, 4095, 4096, 65536, 1 << 20, 16 << 20].into_iter().enumerate() {
+        let capacity = if i % 2 == 0 { size } else { size + 17 };
+        let capacity = capacity.min(ARENA);
+        out.push(Group {
+            items: vec![Item { size, capacity, tag: 7, offset: 0 }],
+            optional: false,
+            flush: true,
+        });
+    }
+    for g in 0..96usize {
+        let size = match rng.below(4) {
+            0 => rng.below(64) as usize,
+            1 => rng.below(4096) as usize,
+            _ => rng.below(256 << 10) as usize,
+        };
+        let capacity = (size + rng.below(100) as usize).min(AREA);
+        let offset = (g % WINDOW) * AREA;
+        out.push(Group {
+            items: vec![Item { size, capacity, tag: 1, offset }],
+            optional: g % 2 == 1,
+            flush: false,
+        });
+    }
+    for g in 0..64usize {
+        let n = 1 + g % 8;
+        let items = (0..n)
+            .map(|r| {
+                let size = rng.below(64 << 10) as usize;
+                Item {
+                    size,
+                    capacity: 64 << 10,
+                    tag: 100 + r as c_int,
+                    offset: (g % WINDOW) * AREA + r * (64 << 10),
+                }
+            })
+            .collect();
+        out.push(Group { items, optional: false, flush: false });
+    }
+    out
+}
+
+/// The byte pattern of buffer `r` of group `g`.
+fn pattern(g: usize, r: usize, buf: &mut [u8]) {
+    let mut x = Rng(0x1234_5678 ^ ((g as u64) << 8) ^ r as u64 | 1);
+    for chunk in buf.chunks_mut(8) {
+        let w = x.next().to_le_bytes();
+        chunk.copy_from_slice(&w[..chunk.len()]);
+    }
+}
+
+// --- the two roles --------------------------------------------------------------------------------
+
+fn arg(args: &[String], name: &str) -> Result<String, String> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+        .ok_or_else(|| format!("missing {name}"))
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Result<[u8; 128], String> {
+    let mut out = [0u8; 128];
+    if s.len() != 256 {
+        return Err("handle must be 256 hex digits".into());
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|e| e.to_string())?;
+    }
+    Ok(out)
+}
+
+fn until<T>(what: &str, mut f: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
+    let deadline = Instant::now() + STEP;
+    loop {
+        if let Some(v) = f()? {
+            return Ok(v);
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{what}: no progress within {STEP:?}"));
+        }
+        std::hint::spin_loop();
+    }
+}
+
+fn role(sender: bool, args: &[String]) -> Result<(), String> {
+    ECHO.store(
+        std::env::var_os("NETCLIENT_VERBOSE").is_some(),
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    let version: u32 = arg(args, "--version")?.parse().map_err(|_| "bad --version")?;
+    let dev: c_int = arg(args, "--dev")?.parse().map_err(|_| "bad --dev")?;
+    let lib = Library::open(&arg(args, "--plugin")?)?;
+    let drv = Driver::new(&lib, version)?;
+    let ctx = drv.init(version as u64)?;
+    let comm = if sender {
+        let mut handle = unhex(&arg(args, "--handle")?)?;
+        until("connect", || drv.connect(ctx, dev, &mut handle))?
+    } else {
+        let (handle, listen) = drv.listen(ctx, dev)?;
+        println!("HANDLE {}", hex(&handle));
+        use std::io::Write;
+        std::io::stdout().flush().map_err(|e| e.to_string())?;
+        let c = until("accept", || drv.accept(listen))?;
+        drv.close(Close::Listen, listen)?;
+        c
+    };
+    let mut arena = vec![0u8; ARENA + 4096];
+    let base = arena.as_mut_ptr();
+    let mh = drv.reg_mr(comm, base, arena.len())?;
+    // A second registration of a sub-range shares the cached region and must be released.
+    // SAFETY: 4096 < arena.len().
+    let mh2 = drv.reg_mr(comm, unsafe { base.add(4096) }, 4096)?;
+    drv.dereg_mr(comm, mh2)?;
+    let groups = schedule();
+    let start = Instant::now();
+    let bytes = if sender {
+        send_all(&drv, comm, mh, &mut arena, &groups)?
+    } else {
+        recv_all(&drv, comm, mh, &mut arena, &groups)?
+    };
+    let secs = start.elapsed().as_secs_f64();
+    drv.dereg_mr(comm, mh)?;
+    drv.close(if sender { Close::Send } else { Close::Recv }, comm)?;
+    drv.finalize(ctx)?;
+    eprintln!(
+        "netclient: v{version} {} on dev {dev}: {} groups, {:.1} MiB {} in {secs:.2} s",
+        if sender { "sender" } else { "receiver" },
+        groups.len(),
+        bytes as f64 / (1 << 20) as f64,
+        if sender { "sent" } else { "received and verified" }
+    );
+    Ok(())
+}
+
+fn send_all(
+    drv: &Driver,
+    comm: Ptr,
+    mh: Ptr,
+    arena: &mut [u8],
+    groups: &[Group],
+) -> Result<usize, String> {
+    let base = arena.as_mut_ptr();
+    let mut inflight: VecDeque<(usize, Vec<Ptr>)> = VecDeque::new();
+    let mut total = 0;
+    let drain_one = |inflight: &mut VecDeque<(usize, Vec<Ptr>)>| -> Result<(), String> {
+        let (g, reqs) = inflight.pop_front().expect("non-empty");
+        for (r, req) in reqs.into_iter().enumerate() {
+            let sizes = until(&format!("test of send group {g}"), || drv.test(req))?;
+            let want = groups[g].items[groups[g].items.len() - 1 - r].size;
+            if sizes[0] as usize != want {
+                return Err(format!("group {g}: send reported {} bytes, sent {want}", sizes[0]));
+            }
+        }
+        Ok(())
+    };
+    for (g, group) in groups.iter().enumerate() {
+        if inflight.len() == WINDOW || (group.flush && !inflight.is_empty()) {
+            while !inflight.is_empty() {
+                drain_one(&mut inflight)?;
+            }
+        }
+        let mut reqs = Vec::new();
+        for (r, it) in group.items.iter().enumerate().rev() {
+            pattern(g, r, &mut arena[it.offset..it.offset + it.size]);
+            // SAFETY: offset + size lies in the arena.
+            let p = unsafe { base.add(it.offset) };
+            let req = until(&format!("isend of group {g} buffer {r}"), || {
+                drv.isend(comm, p, it.size, it.tag, mh)
+            })?;
+            reqs.push(req);
+            total += it.size;
+        }
+        inflight.push_back((g, reqs));
+        if group.flush {
+            drain_one(&mut inflight)?;
+        }
+    }
+    while !inflight.is_empty() {
+        drain_one(&mut inflight)?;
+    }
+    Ok(total)
+}
+
+fn recv_all(
+    drv: &Driver,
+    comm: Ptr,
+    mh: Ptr,
+    arena: &mut [u8],
+    groups: &[Group],
+) -> Result<usize, String> {
+    let base = arena.as_mut_ptr();
+    let force_flush = std::env::var("FERROCE_FORCE_FLUSH").as_deref() == Ok("1");
+    let mut inflight: VecDeque<(usize, Ptr)> = VecDeque::new();
+    let mut total = 0;
+    let mut expected = vec![0u8; 16 << 20];
+    let mut finish =
+        |inflight: &mut VecDeque<(usize, Ptr)>, arena: &mut [u8]| -> Result<(), String> {
+            let (g, req) = inflight.pop_front().expect("non-empty");
+            let sizes = until(&format!("test of receive group {g}"), || drv.test(req))?;
+            for (r, it) in groups[g].items.iter().enumerate() {
+                if sizes[r] as usize != it.size {
+                    return Err(format!(
+                        "group {g} buffer {r}: test reported {} bytes, sent {}",
+                        sizes[r], it.size
+                    ));
+                }
+                let want = &mut expected[..it.size];
+                pattern(g, r, want);
+                let got = &arena[it.offset..it.offset + it.size];
+                if let Some(bad) = got.iter().zip(want.iter()).position(|(a, b)| a != b) {
+                    return Err(format!(
+                        "group {g} buffer {r} ({} bytes): first wrong byte at {bad}",
+                        it.size
+                    ));
+                }
+                total += it.size;
+            }
+            if groups[g].flush {
+                let it = groups[g].items[0];
+                // SAFETY: offset lies in the arena.
+                let f = drv.iflush(comm, unsafe { base.add(it.offset) }, it.size as c_int, mh)?;
+                match (f, force_flush && it.size > 0) {
+                    (Some(q), true) => {
+                        until("test flush", || drv.test(q))?;
+                    }
+                    (None, false) => {}
+                    (got, want) => {
+                        return Err(format!("iflush gave {got:?}, expected a request: {want}"));
+                    }
+                }
+            }
+            Ok(())
+        };
+    for (g, group) in groups.iter().enumerate() {
+        if inflight.len() == WINDOW || (group.flush && !inflight.is_empty()) {
+            while !inflight.is_empty() {
+                finish(&mut inflight, arena)?;
+            }
+        }
+        let data: Vec<*mut u8> =
+            group.items.iter().map(|it| unsafe { base.add(it.offset) }).collect();
+        let caps: Vec<usize> = group.items.iter().map(|it| it.capacity).collect();
+        let tags: Vec<c_int> = group.items.iter().map(|it| it.tag).collect();
+        let mhs = vec![mh; group.items.len()];
+        for it in &group.items {
+            arena[it.offset..it.offset + it.capacity].fill(0xee);
+        }
+        let req = until(&format!("irecv of group {g}"), || {
+            drv.irecv(comm, &data, &caps, &tags, &mhs, group.optional)
+        })?;
+        inflight.push_back((g, req));
+        if group.flush {
+            finish(&mut inflight, arena)?;
+        }
+    }
+    while !inflight.is_empty() {
+        finish(&mut inflight, arena)?;
+    }
+    Ok(total)
+}
+
+// --- the orchestrator -----------------------------------------------------------------------------
+
+fn wait(child: &mut Child, who: &str, deadline: Instant) -> Result<(), String> {
+    loop {
+        if let Some(st) = child.try_wait().map_err(|e| e.to_string())? {
+            return if st.success() { Ok(()) } else { Err(format!("{who} exited with {st}")) };
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("{who} did not finish in time (killed)"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn run_pair(
+    plugin: &str,
+    version: u32,
+    recv_dev: u32,
+    send_dev: u32,
+    flush: bool,
+) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let common = |mode: &str, dev: u32| {
+        let mut c = Command::new(&exe);
+        c.args([
+            mode,
+            "--version",
+            &version.to_string(),
+            "--dev",
+            &dev.to_string(),
+            "--plugin",
+            plugin,
+        ]);
+        c
+    };
+    let mut rc = common("recv", recv_dev);
+    if flush {
+        rc.env("FERROCE_FORCE_FLUSH", "1");
+    }
+    let mut recv = rc.stdout(Stdio::piped()).spawn().map_err(|e| e.to_string())?;
+    let stdout = recv.stdout.take().expect("piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let handle = match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(line) => line
+            .strip_prefix("HANDLE ")
+            .map(str::to_string)
+            .ok_or(format!("receiver said {line:?}"))?,
+        Err(_) => {
+            let _ = recv.kill();
+            return Err("the receiver published no handle within 60 s".into());
+        }
+    };
+    let mut send =
+        common("send", send_dev).args(["--handle", &handle]).spawn().map_err(|e| e.to_string())?;
+    let r1 = wait(&mut send, "sender", deadline);
+    let r2 = wait(&mut recv, "receiver", deadline);
+    r1.and(r2)
+}
+
+fn orchestrate() -> Result<(), String> {
+    if std::env::var("FERROCE_IN_VM").as_deref() != Ok("1") {
+        return Err(
+            "the test client must run inside the Soft-RoCE VM (ci/vm.sh ci/vm-tests.sh ...)".into(),
+        );
+    }
+    let dir = std::env::var("FERROCE_PLUGIN_DIR").map_err(|_| "FERROCE_PLUGIN_DIR is not set")?;
+    let plugin = format!("{dir}/libnccl-net-ferroce.so");
+    let mut runs: Vec<(u32, u32, u32, bool)> = (6..=12).map(|v| (v, 1, 0, v % 2 == 0)).collect();
+    runs.push((12, 0, 0, false)); // both ends on one device
+    runs.push((6, 1, 1, true));
+    if let Ok(only) = std::env::var("NETCLIENT_VERSIONS") {
+        runs.retain(|r| only.split(',').any(|v| v == r.0.to_string()));
+    }
+    for (v, rdev, sdev, flush) in runs {
+        let t = Instant::now();
+        run_pair(&plugin, v, rdev, sdev, flush)
+            .map_err(|e| format!("v{v} rxe{sdev} -> rxe{rdev}: {e}"))?;
+        println!(
+            "netclient: v{v} rxe{sdev} -> rxe{rdev}{}: OK in {:.1} s",
+            if flush { " (forced flush)" } else { "" },
+            t.elapsed().as_secs_f64()
+        );
+    }
+    println!("netclient: all ABI versions passed");
+    Ok(())
+}
