@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use ferroce::ffi::abi::*;
+use ferroce::ffi::driver::{Close, Driver};
 use ferroce::ffi::loader::{Library, capture_logger, take_captured};
+use ferroce::transport::handshake::{Handle, Kind, Msg};
 
 /// Fails loudly unless this runs inside the test VM.
 fn require_vm() {
@@ -237,17 +239,25 @@ fn legacy_versions_see_the_same_devices() {
 
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
-fn ten_init_finalize_dlclose_cycles_in_one_process() {
+fn ten_init_traffic_finalize_dlclose_cycles_in_one_process() {
     require_vm();
     let _g = serial();
+    let mapped =
+        || std::fs::read_to_string("/proc/self/maps").unwrap().contains("libnccl-net-ferroce.so");
     for cycle in 0..10 {
         let lib = open_plugin();
-        let net = v12(&lib);
-        let (r, ctx, names) = init_with(net, None);
-        assert_eq!(r, ncclResult_t::ncclSuccess, "cycle {cycle}");
-        assert_eq!(names, ["rxe0", "rxe1"], "cycle {cycle}");
-        finalize(net, ctx);
-        drop(lib); // dlclose
+        let drv = Driver::new(&lib, 12).unwrap();
+        let ctx = drv.init(cycle).unwrap();
+        let (send, recv) = pair(&drv, ctx, 1, 0).unwrap();
+        transfer(&drv, send, recv, 100_000, cycle as u8).unwrap();
+        drv.close(Close::Send, send).unwrap();
+        drv.close(Close::Recv, recv).unwrap();
+        drv.finalize(ctx).unwrap();
+        drop(lib); // dlclose: NCCL >= 2.28 unloads the plugin after the last finalize
+        eprintln!(
+            "cycle {cycle}: after dlclose the library is {}",
+            if mapped() { "still mapped" } else { "unloaded" }
+        );
     }
     take_captured();
 }
@@ -304,4 +314,272 @@ fn no_active_port_fails_init_with_the_port_states() {
     assert_eq!(r, ncclResult_t::ncclSuccess);
     assert_eq!(names, ["rxe0", "rxe1"]);
     finalize(net, ctx);
+}
+
+/// Sets the setup deadline for this process (tests hold the SERIAL lock).
+fn short_setup_timeout() {
+    // SAFETY: tests that change the environment hold the SERIAL lock.
+    unsafe { std::env::set_var("FERROCE_SETUP_TIMEOUT_MS", "1500") };
+}
+
+fn hello(nonce: u64) -> Msg {
+    Msg {
+        kind: Kind::Hello,
+        nonce,
+        qpn: 0x77,
+        mtu: 3,
+        port: 1,
+        traffic_class: 0,
+        gid: "::ffff:198.18.0.1".parse::<std::net::Ipv6Addr>().unwrap().octets(),
+        buf_addr: 0x1000,
+        buf_rkey: 1,
+        max_msg: 1 << 20,
+    }
+}
+
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn garbage_and_silent_peers_are_dropped_and_the_rightful_peer_is_served() {
+    use std::io::Write;
+    require_vm();
+    let _g = serial();
+    short_setup_timeout();
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12).unwrap();
+    let ctx = drv.init(1).unwrap();
+    let (mut handle, listen) = drv.listen(ctx, 1).unwrap();
+    let h = Handle::decode(&handle).unwrap();
+    take_captured();
+    let mut header_only = hello(h.nonce).encode();
+    header_only[16..20].copy_from_slice(&4096u32.to_le_bytes());
+    let mut old_version = hello(h.nonce).encode();
+    old_version[8] = 0;
+    let attacks: Vec<(&str, Vec<u8>)> = vec![
+        ("bad magic", (0..96u8).map(|i| i.wrapping_mul(37)).collect()),
+        ("message length 4096", header_only.to_vec()),
+        ("protocol version 0", old_version.to_vec()),
+        ("nonce does not match", hello(h.nonce ^ 1).encode().to_vec()),
+        ("truncated message", hello(h.nonce).encode()[..50].to_vec()),
+        ("no hello within 1500 ms", Vec::new()),
+    ];
+    let mut socks = Vec::new();
+    for (_, bytes) in &attacks {
+        let mut s = std::net::TcpStream::connect(h.addr).unwrap();
+        s.write_all(bytes).unwrap();
+        socks.push(s);
+    }
+    socks[4].shutdown(std::net::Shutdown::Both).unwrap(); // the truncated one closes early
+    // accept keeps answering "not yet" (never an error, never blocking) while it sorts them
+    // out; the silent one is dropped at its 1.5 s deadline.
+    let t = Instant::now();
+    let mut warns: Vec<String> = Vec::new();
+    while warns.len() < attacks.len() {
+        let c0 = Instant::now();
+        assert_eq!(drv.accept(listen).unwrap(), None);
+        assert!(c0.elapsed() < Duration::from_millis(200), "accept blocked");
+        warns.extend(take_captured().into_iter().filter(|l| l.0 == 2).map(|l| l.2));
+        assert!(t.elapsed() < Duration::from_secs(10), "not all rejected: {warns:#?}");
+    }
+    assert!(
+        t.elapsed() >= Duration::from_millis(1400),
+        "the silent peer was dropped before its deadline"
+    );
+    for (why, _) in &attacks {
+        assert_eq!(warns.iter().filter(|w| w.contains(why)).count(), 1, "{why}: {warns:#?}");
+    }
+    assert_eq!(warns.len(), attacks.len(), "{warns:#?}");
+    assert!(warns.iter().all(|w| w.contains("rejected connection from 198.18.0.")), "{warns:#?}");
+    // The rightful peer still gets through, and data flows.
+    let (mut send, mut recv) = (None, None);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while send.is_none() || recv.is_none() {
+        if send.is_none() {
+            send = drv.connect(ctx, 0, &mut handle).unwrap();
+        }
+        if recv.is_none() {
+            recv = drv.accept(listen).unwrap();
+        }
+        assert!(Instant::now() < deadline);
+    }
+    transfer(&drv, send.unwrap(), recv.unwrap(), 65536, 3).unwrap();
+    drv.close(Close::Listen, listen).unwrap();
+    drv.close(Close::Send, send.unwrap()).unwrap();
+    drv.close(Close::Recv, recv.unwrap()).unwrap();
+    drv.finalize(ctx).unwrap();
+}
+
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn a_peer_that_dies_after_its_hello_fails_accept_naming_peer_and_step() {
+    use std::io::Write;
+    require_vm();
+    let _g = serial();
+    short_setup_timeout();
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12).unwrap();
+    let ctx = drv.init(1).unwrap();
+    let (handle, listen) = drv.listen(ctx, 1).unwrap();
+    let h = Handle::decode(&handle).unwrap();
+    let mut s = Some(std::net::TcpStream::connect(h.addr).unwrap());
+    let me = s.as_ref().unwrap().local_addr().unwrap();
+    s.as_mut().unwrap().write_all(&hello(h.nonce).encode()).unwrap();
+    let t = Instant::now();
+    let err = loop {
+        match drv.accept(listen) {
+            Ok(None) => {}
+            Ok(Some(_)) => panic!("accepted a dead peer"),
+            Err(e) => break e,
+        }
+        if t.elapsed() > Duration::from_millis(300) {
+            drop(s.take()); // the peer dies after its hello was answered
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "accept did not fail in time");
+    };
+    assert!(err.contains("ncclResult 6"), "{err}");
+    let warns: Vec<String> =
+        take_captured().into_iter().filter(|l| l.0 == 2).map(|l| l.2).collect();
+    let w =
+        warns.iter().find(|w| w.contains("accept from")).unwrap_or_else(|| panic!("{warns:#?}"));
+    assert!(w.contains(&me.to_string()) && w.contains("wait for ready"), "{w}");
+    drv.close(Close::Listen, listen).unwrap();
+    drv.finalize(ctx).unwrap();
+}
+
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn a_silent_listener_fails_connect_within_the_deadline() {
+    require_vm();
+    let _g = serial();
+    short_setup_timeout();
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12).unwrap();
+    let ctx = drv.init(1).unwrap();
+    let silent = std::net::TcpListener::bind("198.18.0.2:0").unwrap();
+    let mut handle = [0u8; 128];
+    Handle { addr: silent.local_addr().unwrap(), nonce: 5 }.encode(&mut handle);
+    let t = Instant::now();
+    let err = loop {
+        match drv.connect(ctx, 0, &mut handle) {
+            Ok(None) => {}
+            Ok(Some(_)) => panic!("connected to a silent listener"),
+            Err(e) => break e,
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "connect did not fail in time");
+    };
+    let took = t.elapsed();
+    assert!(took >= Duration::from_millis(1400) && took < Duration::from_secs(5), "{took:?}");
+    assert!(err.contains("ncclResult 6"), "{err}");
+    let warns: Vec<String> =
+        take_captured().into_iter().filter(|l| l.0 == 2).map(|l| l.2).collect();
+    let want = format!("connect to {}: wait for reply", silent.local_addr().unwrap());
+    assert!(
+        warns.iter().any(|w| w.contains(&want) && w.contains("FERROCE_SETUP_TIMEOUT_MS")),
+        "{warns:#?}"
+    );
+    drv.finalize(ctx).unwrap();
+}
+
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn a_send_larger_than_the_posted_receive_is_an_error() {
+    require_vm();
+    let _g = serial();
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12).unwrap();
+    let ctx = drv.init(1).unwrap();
+    let (send, recv) = pair(&drv, ctx, 1, 0).unwrap();
+    let mut src = vec![1u8; 8192];
+    let mut dst = vec![0u8; 8192];
+    let smh = drv.reg_mr(send, src.as_mut_ptr(), src.len()).unwrap();
+    let rmh = drv.reg_mr(recv, dst.as_mut_ptr(), dst.len()).unwrap();
+    until("irecv", || drv.irecv(recv, &[dst.as_mut_ptr()], &[100], &[0], &[rmh], false)).unwrap();
+    take_captured();
+    let t = Instant::now();
+    let err = loop {
+        match drv.isend(send, src.as_mut_ptr(), 200, 0, smh) {
+            Ok(None) => {
+                assert!(t.elapsed() < Duration::from_secs(10), "isend neither matched nor failed")
+            }
+            Ok(Some(_)) => panic!("a 200-byte send matched a 100-byte receive"),
+            Err(e) => break e,
+        }
+    };
+    assert!(err.contains("ncclResult 3"), "{err}");
+    let warns: Vec<String> =
+        take_captured().into_iter().filter(|l| l.0 == 2).map(|l| l.2).collect();
+    assert!(
+        warns.iter().any(|w| w.contains("200 bytes") && w.contains("posted receive of 100")),
+        "{warns:#?}"
+    );
+    assert!(dst.iter().all(|&b| b == 0), "nothing may be written");
+    drv.dereg_mr(send, smh).unwrap();
+    drv.dereg_mr(recv, rmh).unwrap();
+    drv.close(Close::Send, send).unwrap();
+    drv.close(Close::Recv, recv).unwrap();
+    drv.finalize(ctx).unwrap();
+}
+
+/// QP, CQ and MR counts of rxe0 and rxe1 from `rdma resource show`.
+fn rdma_resources() -> String {
+    let out = std::process::Command::new("rdma").args(["resource", "show"]).output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    text.lines()
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let get = |k: &str| f.iter().position(|x| *x == k).map_or("?", |i| f[i + 1]);
+            format!(
+                "{} qp {} cq {} mr {} pd {}",
+                f.get(1).unwrap_or(&"?"),
+                get("qp"),
+                get("cq"),
+                get("mr"),
+                get("pd")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn a_thousand_connect_transfer_close_cycles_leak_nothing() {
+    require_vm();
+    let _g = serial();
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12).unwrap();
+    let ctx = drv.init(1).unwrap();
+    // Warm up once so lazily created state is counted in the baseline.
+    let (s, r) = pair(&drv, ctx, 1, 0).unwrap();
+    transfer(&drv, s, r, 10, 0).unwrap();
+    drv.close(Close::Send, s).unwrap();
+    drv.close(Close::Recv, r).unwrap();
+    let before = rdma_resources();
+    let t = Instant::now();
+    let mut dst = vec![0u8; 4096];
+    for cycle in 0..1000u32 {
+        let (send, recv) = pair(&drv, ctx, 1, 0).unwrap();
+        transfer(&drv, send, recv, 1 + (cycle as usize * 97) % 4096, cycle as u8).unwrap();
+        if cycle % 3 == 0 {
+            // Close with a receive still in flight: it must be torn down too.
+            let mh = drv.reg_mr(recv, dst.as_mut_ptr(), dst.len()).unwrap();
+            until("irecv", || drv.irecv(recv, &[dst.as_mut_ptr()], &[4096], &[0], &[mh], false))
+                .unwrap();
+            drv.close(Close::Recv, recv).unwrap();
+            drv.close(Close::Send, send).unwrap();
+            drv.dereg_mr(recv, mh).unwrap();
+        } else {
+            drv.close(Close::Send, send).unwrap();
+            drv.close(Close::Recv, recv).unwrap();
+        }
+    }
+    let after = rdma_resources();
+    eprintln!(
+        "1000 cycles in {:.1} s\n  before: {before}\n  after:  {after}",
+        t.elapsed().as_secs_f64()
+    );
+    assert_eq!(before, after);
+    assert!(!before.contains('?'), "could not parse `rdma resource show`: {before}");
+    drv.finalize(ctx).unwrap();
+    take_captured();
 }

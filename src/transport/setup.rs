@@ -260,7 +260,7 @@ impl Listener {
     /// Advances every pending connection; `Some` once the rightful peer is connected.
     pub fn accept(&mut self) -> Result<Option<Box<RecvComm>>> {
         let now = Instant::now();
-        let deadline = *self.deadline.get_or_insert(now + self.timeout());
+        self.deadline.get_or_insert(now + self.timeout());
         loop {
             match self.listener.accept() {
                 Ok((stream, peer)) => {
@@ -307,7 +307,7 @@ impl Listener {
                 Err(Fail(e)) => return Err(e),
             }
         }
-        if self.pending.is_empty() && now > deadline {
+        if self.pending.is_empty() && self.deadline.is_some_and(|d| now > d) {
             return Err(Error::Remote(format!(
                 "accept on {}: no peer connected within {} ms (step: wait for connection; \
                  FERROCE_SETUP_TIMEOUT_MS)",

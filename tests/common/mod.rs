@@ -64,3 +64,64 @@ pub fn open_plugin() -> Library {
     let path = plugin_dir().join("libnccl-net-ferroce.so");
     Library::open(path.to_str().expect("utf-8 path")).expect("dlopen plugin")
 }
+
+use std::time::{Duration, Instant};
+
+use ferroce::ffi::driver::{Close, Driver, Ptr};
+
+/// Connects a send comm on `sdev` to a receive comm on `rdev`, driving both ends from this
+/// thread (connect and accept never block).
+pub fn pair(drv: &Driver, ctx: Ptr, rdev: i32, sdev: i32) -> Result<(Ptr, Ptr), String> {
+    let (mut handle, listen) = drv.listen(ctx, rdev)?;
+    let (mut send, mut recv) = (None, None);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while send.is_none() || recv.is_none() {
+        if send.is_none() {
+            send = drv.connect(ctx, sdev, &mut handle)?;
+        }
+        if recv.is_none() {
+            recv = drv.accept(listen)?;
+        }
+        if Instant::now() > deadline {
+            return Err("pair: not connected within 30 s".into());
+        }
+    }
+    drv.close(Close::Listen, listen)?;
+    Ok((send.unwrap(), recv.unwrap()))
+}
+
+/// Polls `f` until it yields, for at most 30 s.
+pub fn until<T>(what: &str, mut f: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(v) = f()? {
+            return Ok(v);
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{what}: no progress within 30 s"));
+        }
+    }
+}
+
+/// Sends `size` bytes over a connected pair and checks they arrive intact.
+pub fn transfer(drv: &Driver, send: Ptr, recv: Ptr, size: usize, seed: u8) -> Result<(), String> {
+    let mut src: Vec<u8> =
+        (0..size).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
+    let mut dst = vec![0u8; size.max(1)];
+    let smh = drv.reg_mr(send, src.as_mut_ptr(), size.max(1))?;
+    let rmh = drv.reg_mr(recv, dst.as_mut_ptr(), size.max(1))?;
+    let rreq =
+        until("irecv", || drv.irecv(recv, &[dst.as_mut_ptr()], &[size], &[0], &[rmh], false))?;
+    let sreq = until("isend", || drv.isend(send, src.as_mut_ptr(), size, 0, smh))?;
+    let ss = until("test send", || drv.test(sreq))?;
+    let rs = until("test recv", || drv.test(rreq))?;
+    drv.dereg_mr(send, smh)?;
+    drv.dereg_mr(recv, rmh)?;
+    if ss[0] as usize != size || rs[0] as usize != size {
+        return Err(format!("sizes: sent {} received {}, expected {size}", ss[0], rs[0]));
+    }
+    if dst[..size] != src[..] {
+        return Err("data corrupted".into());
+    }
+    Ok(())
+}
