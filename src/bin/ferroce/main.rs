@@ -4,6 +4,8 @@
 //!   `ferroce`, so `libnccl-net-ferroce.so` on `LD_LIBRARY_PATH`) and checks every exported
 //!   table `ncclNetPlugin_v6` … `_v12`.
 //! - `ferroce info [NAME]`: also initialises it and describes each device NCCL would see.
+//! - `ferroce perf [--plugin PATH] [--no-perftest]`: the benchmark (inside the Soft-RoCE VM:
+//!   two ranks through the plugin, then perftest on the same devices, and the ratio).
 //!
 //! Exit status 0 on success, 1 on any failure (with the reason on stderr).
 
@@ -13,13 +15,16 @@ use std::process::ExitCode;
 use ferroce::ffi::abi::*;
 use ferroce::ffi::loader::{Library, capture_logger};
 
+mod perf;
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let name = args.get(1).map_or("ferroce", String::as_str);
     let result = match args.first().map(String::as_str) {
         Some("load") => load(name).map(|_| ()),
         Some("info") => info(name),
-        _ => Err("usage: ferroce load [NAME] | ferroce info [NAME]".to_string()),
+        Some("perf") => perf::perf(&args[1..]),
+        _ => Err("usage: ferroce load [NAME] | ferroce info [NAME] | ferroce perf [--plugin PATH] [--no-perftest]".to_string()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
