@@ -3,13 +3,16 @@
 //!
 //! NCCL's own `NCCL_IB_*` names are honoured where the meaning matches, so users can switch
 //! plugins without relearning; ferroce's own knobs start with `FERROCE_`. A malformed value is
-//! an [`Error::Config`] naming the knob, never a silent default. The README's knob table is
-//! written from [`KNOBS`].
+//! an [`Error::Config`] naming the knob, never a silent default. A well-formed value that would
+//! make a wait unbounded (timeout 0, RNR retry 7) is replaced by a bounded one with a WARN,
+//! unless `FERROCE_ALLOW_UNBOUNDED=1` asks for it. The README's knob table is written from
+//! [`KNOBS`].
 //!
 //! Callers: `transport` (at init), the tools in `src/bin`.
 
 pub mod hca;
 
+use std::net::IpAddr;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -22,50 +25,100 @@ pub struct Knob {
     pub meaning: &'static str,
 }
 
-pub const KNOBS: &[Knob] = &[
-    Knob {
-        name: "NCCL_IB_HCA",
-        default: "(all devices)",
-        meaning: "device/port filter, NCCL syntax: [^][=]name[:port[:rail[:plane]]],...",
-    },
-    Knob {
-        name: "NCCL_IB_GID_INDEX",
-        default: "-1",
-        meaning: "GID index for every device; -1 picks a RoCEv2 IPv4 GID automatically",
-    },
-    Knob {
-        name: "NCCL_IB_TIMEOUT",
-        default: "20",
-        meaning: "QP ACK timeout exponent: 4.096 us x 2^value per attempt (1..=31)",
-    },
-    Knob { name: "NCCL_IB_RETRY_CNT", default: "7", meaning: "QP transport retry count (0..=7)" },
-    Knob {
-        name: "NCCL_SOCKET_IFNAME",
-        default: "(the GID's interface)",
-        meaning: "interface whose address the connection-setup listener binds",
-    },
-    Knob {
-        name: "FERROCE_SETUP_TIMEOUT_MS",
-        default: "120000",
-        meaning: "deadline of each connection-setup step (TCP connect, each handshake message)",
-    },
-    Knob {
-        name: "FERROCE_FORCE_FLUSH",
-        default: "0",
-        meaning: "1: iflush issues the GPUDirect RDMA-read flush even for host memory (testing)",
-    },
-];
+macro_rules! knobs {
+    ($($name:literal, $default:literal, $meaning:literal;)*) => {
+        pub const KNOBS: &[Knob] = &[$(Knob { name: $name, default: $default, meaning: $meaning }),*];
+    };
+}
+
+knobs! {
+    "NCCL_IB_HCA", "(all devices)", "device/port filter, NCCL syntax: [^][=]name[:port[:rail[:plane]]],...";
+    "NCCL_IB_GID_INDEX", "-1", "GID index for every device; -1 chooses automatically";
+    "FERROCE_GID_INDEX", "(unset)", "per-device GID index, e.g. rxe0:1,rxe1:3; wins over NCCL_IB_GID_INDEX";
+    "FERROCE_GID_NETDEV", "(unset)", "only GIDs on these interfaces, e.g. eth2,eth3";
+    "FERROCE_GID_IP", "(unset)", "the GID holding one of these IP addresses (may be link-local)";
+    "NCCL_IB_ADDR_FAMILY", "AF_INET", "address family of the automatic GID choice: AF_INET or AF_INET6";
+    "NCCL_IB_ADDR_RANGE", "(any)", "CIDR range the automatic GID choice must fall in, e.g. 10.0.0.0/8";
+    "NCCL_IB_ROCE_VERSION_NUM", "2", "RoCE version of the automatic GID choice (1 or 2)";
+    "NCCL_IB_TIMEOUT", "20", "QP ACK timeout exponent: 4.096 us x 2^value per attempt (1..=31)";
+    "NCCL_IB_RETRY_CNT", "7", "QP transport retry count (0..=7; rxe treats 7 as unlimited)";
+    "FERROCE_RNR_RETRY", "6", "QP RNR retry count (0..=6; 7 would retry forever)";
+    "FERROCE_ALLOW_UNBOUNDED", "0", "1: accept NCCL_IB_TIMEOUT=0 and FERROCE_RNR_RETRY=7 (waits without bound)";
+    "FERROCE_PROGRESS_TIMEOUT_MS", "0", "error when posted work sees no completion for this long; 0: 2x the retry bound + 10 s";
+    "NCCL_IB_QPS_PER_CONNECTION", "1", "queue pairs per connection (1..=128), each with its own UDP source port";
+    "NCCL_IB_SPLIT_DATA_ON_QPS", "0", "1: split every message across the QPs; 0: whole messages round-robin";
+    "FERROCE_SPORT_BASE", "49152", "first RoCEv2 UDP source port (49152..=65535)";
+    "FERROCE_SPORT_RANGE", "16384", "number of source ports used from the base";
+    "FERROCE_SPORT_SPREAD", "1", "1: each connection starts at its own offset in the range; 0: every connection uses base+i";
+    "NCCL_IB_TC", "-1", "traffic class (DSCP << 2 | ECN) of the data QPs; -1: the communicator's, else 0";
+    "NCCL_IB_FIFO_TC", "-1", "traffic class of the receiver's control (CTS) writes; -1: the data one";
+    "NCCL_IB_SL", "-1", "service level; -1: 0";
+    "NCCL_SOCKET_IFNAME", "(the GID's interface)", "interface whose address the connection-setup listener binds";
+    "FERROCE_SETUP_TIMEOUT_MS", "120000", "deadline of each connection-setup step (TCP connect, each handshake message, waiting for a peer)";
+    "FERROCE_FORCE_FLUSH", "0", "1: iflush issues the GPUDirect RDMA-read flush even for host memory (testing)";
+}
+
+/// Which addresses the automatic GID choice wants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+/// A CIDR range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cidr {
+    pub addr: IpAddr,
+    pub len: u8,
+}
+
+impl Cidr {
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let bits = |ip: IpAddr| -> (u128, u8) {
+            match ip {
+                IpAddr::V4(v4) => (u128::from(u32::from(v4)) << 96, 32),
+                IpAddr::V6(v6) => (u128::from(v6), 128),
+            }
+        };
+        let ((a, wa), (b, wb)) = (bits(self.addr), bits(ip));
+        if wa != wb {
+            return false;
+        }
+        let mask = if self.len == 0 { 0 } else { u128::MAX << (128 - u32::from(self.len)) };
+        a & mask == b & mask
+    }
+}
 
 /// The parsed configuration.
 #[derive(Clone, Debug)]
 pub struct Config {
     pub ib_hca: HcaFilter,
     pub gid_index: Option<u8>,
+    pub gid_index_per_dev: Vec<(String, u8)>,
+    pub gid_netdevs: Vec<String>,
+    pub gid_ips: Vec<IpAddr>,
+    pub addr_family: Family,
+    pub addr_range: Option<Cidr>,
+    pub roce_version: u8,
     pub ib_timeout: u8,
     pub ib_retry_cnt: u8,
+    pub rnr_retry: u8,
+    pub progress_timeout: Duration,
+    pub qps_per_conn: usize,
+    pub split_data: bool,
+    pub sport_base: u16,
+    pub sport_range: u16,
+    pub sport_spread: bool,
+    pub tc: Option<u8>,
+    pub fifo_tc: Option<u8>,
+    pub sl: u8,
     pub socket_ifname: Option<String>,
     pub setup_timeout: Duration,
     pub force_flush: bool,
+    /// The effective value of every knob, in [`KNOBS`] order, for the INFO lines.
+    pub effective: Vec<(&'static str, String)>,
+    /// Values replaced to keep every wait bounded: one WARN each at init.
+    pub warnings: Vec<String>,
 }
 
 impl Default for Config {
@@ -74,20 +127,60 @@ impl Default for Config {
     }
 }
 
-/// Parses an integer knob within `range`, or returns `default` when unset.
-fn int<T: std::str::FromStr + PartialOrd + std::fmt::Display + Copy>(
-    get: &impl Fn(&str) -> Option<String>,
-    knob: &'static str,
-    default: T,
-    range: std::ops::RangeInclusive<T>,
-) -> Result<T> {
-    let Some(raw) = get(knob) else { return Ok(default) };
-    let v: T = raw.trim().parse().map_err(|_| Error::config(knob, &raw, "not an integer"))?;
-    if !range.contains(&v) {
-        let why = format!("must be in {}..={}", range.start(), range.end());
-        return Err(Error::config(knob, &raw, why));
+/// Reads knobs and records what each ended up as.
+struct Reader<F: Fn(&str) -> Option<String>> {
+    get: F,
+    effective: Vec<(&'static str, String)>,
+}
+
+impl<F: Fn(&str) -> Option<String>> Reader<F> {
+    fn raw(&self, knob: &'static str) -> Option<String> {
+        (self.get)(knob).map(|v| v.trim().to_string()).filter(|v| !v.is_empty())
     }
-    Ok(v)
+
+    fn record(&mut self, knob: &'static str, value: impl ToString) {
+        self.effective.push((knob, value.to_string()));
+    }
+
+    /// An integer within `range`, or `default` when unset.
+    fn int<T>(
+        &mut self,
+        knob: &'static str,
+        default: T,
+        range: std::ops::RangeInclusive<T>,
+    ) -> Result<T>
+    where
+        T: std::str::FromStr + PartialOrd + std::fmt::Display + Copy,
+    {
+        let v = match self.raw(knob) {
+            None => default,
+            Some(raw) => {
+                let v: T = raw.parse().map_err(|_| Error::config(knob, &raw, "not an integer"))?;
+                if !range.contains(&v) {
+                    let why = format!("must be in {}..={}", range.start(), range.end());
+                    return Err(Error::config(knob, &raw, why));
+                }
+                v
+            }
+        };
+        self.record(knob, v);
+        Ok(v)
+    }
+
+    /// A comma-separated list.
+    fn list(&mut self, knob: &'static str) -> Vec<String> {
+        let v: Vec<String> = self
+            .raw(knob)
+            .map(|s| s.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect())
+            .unwrap_or_default();
+        self.record(knob, if v.is_empty() { "(unset)".into() } else { v.join(",") });
+        v
+    }
+
+    /// A traffic class, -1 meaning "not set".
+    fn tc(&mut self, knob: &'static str) -> Result<Option<u8>> {
+        Ok(u8::try_from(self.int(knob, -1i32, -1..=255)?).ok())
+    }
 }
 
 impl Config {
@@ -98,103 +191,292 @@ impl Config {
 
     /// Reads knobs through `get`, so tests need not touch the process environment.
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config> {
-        let ib_hca = match get("NCCL_IB_HCA") {
+        let mut r = Reader { get, effective: Vec::new() };
+        let mut warnings = Vec::new();
+
+        let ib_hca = match r.raw("NCCL_IB_HCA") {
             None => HcaFilter::default(),
             Some(v) => HcaFilter::parse(&v).map_err(|e| Error::config("NCCL_IB_HCA", &v, e.0))?,
         };
-        let gid_index = int(&get, "NCCL_IB_GID_INDEX", -1i32, -1..=255)?;
+        r.record(
+            "NCCL_IB_HCA",
+            if ib_hca.is_empty() { "(all devices)".into() } else { ib_hca.raw.clone() },
+        );
+        let gid_index = u8::try_from(r.int("NCCL_IB_GID_INDEX", -1i32, -1..=255)?).ok();
+        let mut gid_index_per_dev = Vec::new();
+        for item in r.list("FERROCE_GID_INDEX") {
+            let bad =
+                || Error::config("FERROCE_GID_INDEX", &item, "expected device:index, e.g. rxe0:1");
+            let (dev, idx) = item.split_once(':').ok_or_else(bad)?;
+            gid_index_per_dev
+                .push((dev.trim().to_string(), idx.trim().parse().map_err(|_| bad())?));
+        }
+        let gid_netdevs = r.list("FERROCE_GID_NETDEV");
+        let gid_ips = r
+            .list("FERROCE_GID_IP")
+            .iter()
+            .map(|s| s.parse().map_err(|_| Error::config("FERROCE_GID_IP", s, "not an IP address")))
+            .collect::<Result<Vec<IpAddr>>>()?;
+        // NCCL treats any value but AF_INET6 as AF_INET; ferroce says so.
+        let family_raw = r.raw("NCCL_IB_ADDR_FAMILY");
+        let addr_family = match family_raw.as_deref() {
+            None | Some("AF_INET") => Family::V4,
+            Some("AF_INET6") => Family::V6,
+            Some(other) => {
+                warnings.push(format!(
+                    "NCCL_IB_ADDR_FAMILY={other} is neither AF_INET nor AF_INET6; using AF_INET"
+                ));
+                Family::V4
+            }
+        };
+        r.record(
+            "NCCL_IB_ADDR_FAMILY",
+            if addr_family == Family::V6 { "AF_INET6" } else { "AF_INET" },
+        );
+        let range_raw = r.raw("NCCL_IB_ADDR_RANGE");
+        r.record("NCCL_IB_ADDR_RANGE", range_raw.clone().unwrap_or("(any)".into()));
+        let addr_range = match range_raw {
+            None => None,
+            Some(v) => Some(parse_cidr(&v).ok_or_else(|| {
+                Error::config(
+                    "NCCL_IB_ADDR_RANGE",
+                    &v,
+                    "expected address/prefix-length, e.g. 10.0.0.0/8",
+                )
+            })?),
+        };
+        let roce_version = r.int("NCCL_IB_ROCE_VERSION_NUM", 2u8, 1..=2)?;
+
+        // Timeouts: parse, then keep them bounded unless asked not to.
+        let allow = r.int("FERROCE_ALLOW_UNBOUNDED", 0u8, 0..=1)? == 1;
+        let mut ib_timeout = r.int("NCCL_IB_TIMEOUT", 20u8, 0..=255)?;
+        if ib_timeout >= 32 || (ib_timeout == 0 && !allow) {
+            warnings.push(format!(
+                "NCCL_IB_TIMEOUT={ib_timeout} {}; using 20 (4.3 s per attempt){}",
+                if ib_timeout == 0 {
+                    "disables the ACK timeout (a dead peer hangs the job)"
+                } else {
+                    "does not fit the 5-bit field"
+                },
+                if ib_timeout == 0 { "; FERROCE_ALLOW_UNBOUNDED=1 keeps 0" } else { "" }
+            ));
+            ib_timeout = 20;
+        }
+        let ib_retry_cnt = r.int("NCCL_IB_RETRY_CNT", 7u8, 0..=7)?;
+        let mut rnr_retry = r.int("FERROCE_RNR_RETRY", 6u8, 0..=7)?;
+        if rnr_retry == 7 && !allow {
+            warnings.push(
+                "FERROCE_RNR_RETRY=7 retries forever; using 6 (FERROCE_ALLOW_UNBOUNDED=1 keeps 7)"
+                    .into(),
+            );
+            rnr_retry = 6;
+        }
+        let progress_ms = r.int("FERROCE_PROGRESS_TIMEOUT_MS", 0u64, 0..=86_400_000)?;
+        let progress_timeout = if progress_ms > 0 {
+            Duration::from_millis(progress_ms)
+        } else {
+            retry_bound(ib_timeout, ib_retry_cnt) * 2 + Duration::from_secs(10)
+        };
+
+        let qps_per_conn = r.int("NCCL_IB_QPS_PER_CONNECTION", 1usize, 1..=128)?;
+        let split_data = r.int("NCCL_IB_SPLIT_DATA_ON_QPS", 0u8, 0..=1)? == 1;
+        let sport_base = r.int("FERROCE_SPORT_BASE", 0xc000u16, 0xc000..=0xffff)?;
+        let sport_range = r.int("FERROCE_SPORT_RANGE", 0x4000u16, 1..=0x4000)?;
+        if u32::from(sport_base) + u32::from(sport_range) > 0x1_0000 {
+            return Err(Error::config(
+                "FERROCE_SPORT_RANGE",
+                &sport_range.to_string(),
+                format!("FERROCE_SPORT_BASE {sport_base} + range must stay within 65535"),
+            ));
+        }
+        let sport_spread = r.int("FERROCE_SPORT_SPREAD", 1u8, 0..=1)? == 1;
+        let tc = r.tc("NCCL_IB_TC")?;
+        let fifo_tc = r.tc("NCCL_IB_FIFO_TC")?;
+        let sl = u8::try_from(r.int("NCCL_IB_SL", -1i32, -1..=15)?).unwrap_or(0);
+        let socket_ifname = r.raw("NCCL_SOCKET_IFNAME");
+        r.record(
+            "NCCL_SOCKET_IFNAME",
+            socket_ifname.clone().unwrap_or("(the GID's interface)".into()),
+        );
+        let setup_timeout =
+            Duration::from_millis(r.int("FERROCE_SETUP_TIMEOUT_MS", 120_000u64, 1..=86_400_000)?);
+        let force_flush = r.int("FERROCE_FORCE_FLUSH", 0u8, 0..=1)? == 1;
+
+        let mut effective = r.effective;
+        effective.sort_by_key(|(k, _)| KNOBS.iter().position(|d| d.name == *k));
         Ok(Config {
             ib_hca,
-            gid_index: u8::try_from(gid_index).ok(),
-            ib_timeout: int(&get, "NCCL_IB_TIMEOUT", 20, 1..=31)?,
-            ib_retry_cnt: int(&get, "NCCL_IB_RETRY_CNT", 7, 0..=7)?,
-            socket_ifname: get("NCCL_SOCKET_IFNAME").filter(|s| !s.trim().is_empty()),
-            setup_timeout: Duration::from_millis(int(
-                &get,
-                "FERROCE_SETUP_TIMEOUT_MS",
-                120_000u64,
-                1..=86_400_000,
-            )?),
-            force_flush: int(&get, "FERROCE_FORCE_FLUSH", 0u8, 0..=1)? == 1,
+            gid_index,
+            gid_index_per_dev,
+            gid_netdevs,
+            gid_ips,
+            addr_family,
+            addr_range,
+            roce_version,
+            ib_timeout,
+            ib_retry_cnt,
+            rnr_retry,
+            progress_timeout,
+            qps_per_conn,
+            split_data,
+            sport_base,
+            sport_range,
+            sport_spread,
+            tc,
+            fifo_tc,
+            sl,
+            socket_ifname,
+            setup_timeout,
+            force_flush,
+            effective,
+            warnings,
         })
     }
 
-    /// One INFO line per knob with its effective value.
+    /// One INFO line per knob with its effective value, and one WARN per replaced value.
     pub fn log(&self) {
-        for knob in KNOBS {
-            let value = match knob.name {
-                "NCCL_IB_HCA" if !self.ib_hca.is_empty() => self.ib_hca.raw.clone(),
-                "NCCL_IB_GID_INDEX" => self.gid_index.map_or("-1".into(), |g| g.to_string()),
-                "NCCL_IB_TIMEOUT" => self.ib_timeout.to_string(),
-                "NCCL_IB_RETRY_CNT" => self.ib_retry_cnt.to_string(),
-                "NCCL_SOCKET_IFNAME" if self.socket_ifname.is_some() => {
-                    self.socket_ifname.clone().unwrap_or_default()
-                }
-                "FERROCE_SETUP_TIMEOUT_MS" => self.setup_timeout.as_millis().to_string(),
-                "FERROCE_FORCE_FLUSH" => u8::from(self.force_flush).to_string(),
-                _ => knob.default.to_string(),
-            };
-            log::info!("knob {}={} ({})", knob.name, value, knob.meaning);
+        for (name, value) in &self.effective {
+            let meaning = KNOBS.iter().find(|k| k.name == *name).map_or("", |k| k.meaning);
+            log::info!(target: "init", "knob {name}={value} ({meaning})");
+        }
+        for w in &self.warnings {
+            log::warn!("{w}");
         }
     }
+
+    /// How long a transfer to a dead peer takes to fail by retries alone.
+    pub fn retry_bound(&self) -> Duration {
+        retry_bound(self.ib_timeout, self.ib_retry_cnt)
+    }
+}
+
+/// 4.096 µs × 2^timeout × (retry + 1): the time to `IBV_WC_RETRY_EXC_ERR` on a dead path.
+pub fn retry_bound(timeout: u8, retry: u8) -> Duration {
+    Duration::from_nanos(4096 << timeout.min(31)) * (u32::from(retry) + 1)
+}
+
+fn parse_cidr(v: &str) -> Option<Cidr> {
+    let (addr, len) = v.split_once('/')?;
+    let addr: IpAddr = addr.trim().parse().ok()?;
+    let len: u8 = len.trim().parse().ok()?;
+    let max = if addr.is_ipv4() { 32 } else { 128 };
+    (len <= max).then_some(Cidr { addr, len })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn defaults_when_unset() {
-        let c = Config::from_lookup(|_| None).unwrap();
-        assert!(c.ib_hca.is_empty());
-    }
-
-    #[test]
-    fn malformed_hca_names_the_knob() {
-        let err = Config::from_lookup(|k| (k == "NCCL_IB_HCA").then(|| "rxe0:x".into()))
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("NCCL_IB_HCA") && err.contains("rxe0:x"), "{err}");
-    }
-
     fn with(knob: &'static str, value: &'static str) -> Result<Config> {
         Config::from_lookup(move |k| (k == knob).then(|| value.to_string()))
     }
 
+    fn with2(a: (&'static str, &'static str), b: (&'static str, &'static str)) -> Result<Config> {
+        Config::from_lookup(move |k| {
+            [a, b].iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        })
+    }
+
     #[test]
-    fn integer_knobs_parse_and_check_ranges() {
+    fn defaults() {
         let d = Config::default();
+        assert!(d.ib_hca.is_empty());
         assert_eq!(
-            (d.ib_timeout, d.ib_retry_cnt, d.gid_index, d.force_flush),
-            (20, 7, None, false)
+            (d.ib_timeout, d.ib_retry_cnt, d.rnr_retry, d.gid_index, d.force_flush),
+            (20, 7, 6, None, false)
+        );
+        assert_eq!(
+            (d.qps_per_conn, d.split_data, d.sport_base, d.sport_range, d.sport_spread),
+            (1, false, 49152, 16384, true)
+        );
+        assert_eq!(
+            (d.tc, d.fifo_tc, d.sl, d.addr_family, d.roce_version),
+            (None, None, 0, Family::V4, 2)
         );
         assert_eq!(d.setup_timeout, Duration::from_secs(120));
-        assert_eq!(with("NCCL_IB_TIMEOUT", " 14 ").unwrap().ib_timeout, 14);
-        assert_eq!(with("NCCL_IB_GID_INDEX", "3").unwrap().gid_index, Some(3));
-        assert_eq!(with("NCCL_IB_GID_INDEX", "-1").unwrap().gid_index, None);
-        assert_eq!(
-            with("FERROCE_SETUP_TIMEOUT_MS", "1500").unwrap().setup_timeout.as_millis(),
-            1500
-        );
+        // 2 x (4.096 us x 2^20 x 8) + 10 s
+        assert_eq!(d.progress_timeout.as_millis(), 2 * 34_359_738 / 1000 + 10_000);
+        assert!(d.warnings.is_empty());
+    }
+
+    #[test]
+    fn every_knob_is_documented_and_reported() {
+        let d = Config::default();
+        let names: Vec<&str> = d.effective.iter().map(|(k, _)| *k).collect();
+        let documented: Vec<&str> = KNOBS.iter().map(|k| k.name).collect();
+        assert_eq!(names, documented, "every knob read is in KNOBS, in order, and vice versa");
+        for k in KNOBS {
+            assert!(k.name.starts_with("NCCL_") || k.name.starts_with("FERROCE_"), "{}", k.name);
+        }
+    }
+
+    #[test]
+    fn malformed_values_name_the_knob() {
         for (k, v) in [
-            ("NCCL_IB_TIMEOUT", "0"),
-            ("NCCL_IB_TIMEOUT", "32"),
+            ("NCCL_IB_HCA", "rxe0:x"),
             ("NCCL_IB_TIMEOUT", "ten"),
             ("NCCL_IB_RETRY_CNT", "8"),
             ("NCCL_IB_GID_INDEX", "256"),
+            ("FERROCE_GID_INDEX", "rxe0"),
+            ("FERROCE_GID_INDEX", "rxe0:x"),
+            ("FERROCE_GID_IP", "10.0.0"),
+            ("NCCL_IB_ADDR_RANGE", "10.0.0.0"),
+            ("NCCL_IB_ADDR_RANGE", "10.0.0.0/33"),
+            ("NCCL_IB_QPS_PER_CONNECTION", "0"),
+            ("NCCL_IB_QPS_PER_CONNECTION", "129"),
+            ("FERROCE_SPORT_BASE", "1000"),
+            ("NCCL_IB_TC", "256"),
+            ("NCCL_IB_SL", "16"),
             ("FERROCE_SETUP_TIMEOUT_MS", "0"),
             ("FERROCE_FORCE_FLUSH", "yes"),
         ] {
             let e = with(k, v).unwrap_err().to_string();
             assert!(e.contains(k) && e.contains(v), "{k}={v}: {e}");
         }
+        let e =
+            with2(("FERROCE_SPORT_BASE", "65000"), ("FERROCE_SPORT_RANGE", "1000")).unwrap_err();
+        assert!(e.to_string().contains("FERROCE_SPORT_RANGE"), "{e}");
     }
 
     #[test]
-    fn every_knob_is_documented() {
-        for k in KNOBS {
-            assert!(k.name.starts_with("NCCL_") || k.name.starts_with("FERROCE_"), "{}", k.name);
-            assert!(!k.meaning.is_empty() && !k.default.is_empty());
-        }
+    fn unbounded_waits_are_replaced_with_a_warning() {
+        let c = with("NCCL_IB_TIMEOUT", "0").unwrap();
+        assert_eq!(c.ib_timeout, 20);
+        assert!(c.warnings[0].contains("NCCL_IB_TIMEOUT=0"), "{:?}", c.warnings);
+        let c = with("NCCL_IB_TIMEOUT", "40").unwrap();
+        assert_eq!((c.ib_timeout, c.warnings.len()), (20, 1));
+        let c = with("FERROCE_RNR_RETRY", "7").unwrap();
+        assert_eq!((c.rnr_retry, c.warnings.len()), (6, 1));
+        // The explicit opt-in keeps them.
+        let c = with2(("NCCL_IB_TIMEOUT", "0"), ("FERROCE_ALLOW_UNBOUNDED", "1")).unwrap();
+        assert_eq!((c.ib_timeout, c.warnings.len()), (0, 0));
+        let c = with2(("FERROCE_RNR_RETRY", "7"), ("FERROCE_ALLOW_UNBOUNDED", "1")).unwrap();
+        assert_eq!(c.rnr_retry, 7);
+    }
+
+    #[test]
+    fn parses_the_other_knobs() {
+        assert_eq!(with("NCCL_IB_TIMEOUT", " 14 ").unwrap().ib_timeout, 14);
+        assert_eq!(with("NCCL_IB_GID_INDEX", "3").unwrap().gid_index, Some(3));
+        let c = with("FERROCE_GID_INDEX", "rxe0:1, rxe1:3").unwrap();
+        assert_eq!(c.gid_index_per_dev, [("rxe0".to_string(), 1), ("rxe1".to_string(), 3)]);
+        assert_eq!(with("FERROCE_GID_NETDEV", "eth2,eth3").unwrap().gid_netdevs, ["eth2", "eth3"]);
+        assert_eq!(with("NCCL_IB_ADDR_FAMILY", "AF_INET6").unwrap().addr_family, Family::V6);
+        let c = with("NCCL_IB_ADDR_FAMILY", "inet6").unwrap();
+        assert_eq!((c.addr_family, c.warnings.len()), (Family::V4, 1));
+        let r = with("NCCL_IB_ADDR_RANGE", "198.18.0.0/24").unwrap().addr_range.unwrap();
+        assert!(
+            r.contains("198.18.0.7".parse().unwrap()) && !r.contains("198.19.0.7".parse().unwrap())
+        );
+        assert!(!r.contains("::1".parse().unwrap()));
+        let r = with("NCCL_IB_ADDR_RANGE", "fd00::/8").unwrap().addr_range.unwrap();
+        assert!(r.contains("fd12::1".parse().unwrap()) && !r.contains("fe80::1".parse().unwrap()));
+        assert_eq!(with("NCCL_IB_TC", "106").unwrap().tc, Some(106));
+        assert_eq!(with("NCCL_IB_SL", "3").unwrap().sl, 3);
+        assert_eq!(
+            with("FERROCE_PROGRESS_TIMEOUT_MS", "1500").unwrap().progress_timeout.as_millis(),
+            1500
+        );
+        assert_eq!(retry_bound(14, 3).as_micros(), 268_435);
     }
 }

@@ -181,8 +181,7 @@ pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
             let port = ports[i].port;
             let ethernet = pa.link_layer == LinkLayer::Ethernet;
             let table = gid_table(ctx, port, pa.gid_tbl_len);
-            let gid =
-                gid::choose(&name, &table, config.gid_index, ethernet).map_err(|e| e.to_string());
+            let gid = gid::choose(&name, &table, config, ethernet).map_err(|e| e.to_string());
             Ok(NetDevice {
                 pd: Pd::new(ctx)?,
                 gid,

@@ -1,14 +1,20 @@
 //! Which GID a connection uses, and why.
 //!
-//! Pure logic over a GID table read once per device at discovery. The automatic choice follows
-//! NCCL's preference for RoCEv2 with an IPv4 address, and never takes a zero or link-local GID:
-//! 1. `NCCL_IB_GID_INDEX`, when set, wins (it must name a non-zero entry);
-//! 2. else the first RoCE v2 GID holding an IPv4 address (`::ffff:a.b.c.d`);
-//! 3. else the first RoCE v2 GID with a global IPv6 address;
+//! Pure logic over a GID table (read from verbs and sysfs by `device`). In order:
+//! 1. a per-device index (`FERROCE_GID_INDEX=rxe0:1`), then `NCCL_IB_GID_INDEX`;
+//! 2. the GID holding an address listed in `FERROCE_GID_IP` (link-local allowed: it was asked);
+//! 3. automatically, NCCL-compatible: the first GID of the wanted RoCE version
+//!    (`NCCL_IB_ROCE_VERSION_NUM`) and address family (`NCCL_IB_ADDR_FAMILY`), inside
+//!    `NCCL_IB_ADDR_RANGE` and on a `FERROCE_GID_NETDEV` interface when those are set, never zero
+//!    or link-local; with no range set and nothing in the wanted family, the other family;
 //! 4. on an InfiniBand port, index 0.
+//!
+//! An entry whose sysfs type could not be read is `Unknown`: never chosen automatically, but
+//! usable when named explicitly.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+use crate::config::{Config, Family};
 use crate::error::{Error, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,24 +70,25 @@ fn is_ipv4(gid: &[u8; 16]) -> bool {
     matches!(ip_of(gid), IpAddr::V4(v4) if v4 != Ipv4Addr::UNSPECIFIED)
 }
 
-/// Chooses the GID for a RoCE port (`ethernet`) or an InfiniBand port.
-pub fn choose(
-    dev: &str,
-    table: &[GidEntry],
-    forced: Option<u8>,
-    ethernet: bool,
-) -> Result<GidChoice> {
+/// Chooses the GID of device `dev` for a RoCE port (`ethernet`) or an InfiniBand port.
+pub fn choose(dev: &str, table: &[GidEntry], cfg: &Config, ethernet: bool) -> Result<GidChoice> {
     let pick = |e: &GidEntry, why: String| GidChoice {
         index: e.index,
         gid: e.gid,
         netdev: e.netdev.clone(),
         why,
     };
-    if let Some(i) = forced {
+    let forced = cfg
+        .gid_index_per_dev
+        .iter()
+        .find(|(d, _)| d == dev)
+        .map(|(_, i)| (*i, "FERROCE_GID_INDEX"))
+        .or(cfg.gid_index.map(|i| (i, "NCCL_IB_GID_INDEX")));
+    if let Some((i, knob)) = forced {
         return match table.iter().find(|e| e.index == i && !is_zero(&e.gid)) {
-            Some(e) => Ok(pick(e, "NCCL_IB_GID_INDEX".into())),
+            Some(e) => Ok(pick(e, format!("{knob}={i}"))),
             None => Err(Error::config(
-                "NCCL_IB_GID_INDEX",
+                knob,
                 &i.to_string(),
                 format!(
                     "{dev} has no GID at index {i} (see /sys/class/infiniband/{dev}/ports/*/gids)"
@@ -89,20 +96,56 @@ pub fn choose(
             )),
         };
     }
+    if !cfg.gid_ips.is_empty() {
+        return table
+            .iter()
+            .find(|e| cfg.gid_ips.contains(&ip_of(&e.gid)))
+            .map(|e| pick(e, format!("FERROCE_GID_IP lists {}", ip_of(&e.gid))))
+            .ok_or_else(|| {
+                Error::NoDevice(format!("{dev} has no GID holding any of FERROCE_GID_IP"))
+            });
+    }
     if let Some(e) = table.iter().find(|e| !ethernet && e.index == 0) {
         return Ok(pick(e, "InfiniBand port: index 0".into()));
     }
-    let v2 =
-        |e: &&GidEntry| e.kind == GidType::RoceV2 && !is_zero(&e.gid) && !is_link_local(&e.gid);
-    if let Some(e) = table.iter().filter(v2).find(|e| is_ipv4(&e.gid)) {
-        return Ok(pick(e, "first RoCE v2 GID with an IPv4 address".into()));
+    let version = if cfg.roce_version == 1 { GidType::RoceV1 } else { GidType::RoceV2 };
+    let fits = |e: &&GidEntry| {
+        e.kind == version
+            && !is_zero(&e.gid)
+            && !is_link_local(&e.gid)
+            && (cfg.gid_netdevs.is_empty()
+                || e.netdev.as_ref().is_some_and(|n| cfg.gid_netdevs.contains(n)))
+            && cfg.addr_range.is_none_or(|r| r.contains(ip_of(&e.gid)))
+    };
+    let v4 = |e: &&GidEntry| is_ipv4(&e.gid);
+    // A range names its own family (NCCL would silently ignore a range of the other family).
+    let family = match cfg.addr_range {
+        Some(r) if r.addr.is_ipv4() => Family::V4,
+        Some(_) => Family::V6,
+        None => cfg.addr_family,
+    };
+    let (want, other) = match family {
+        Family::V4 => ("AF_INET", "AF_INET6"),
+        Family::V6 => ("AF_INET6", "AF_INET"),
+    };
+    let of_family =
+        |fam: Family| table.iter().filter(fits).find(move |e| (fam == Family::V4) == v4(e));
+    let mut why = format!("first RoCE v{} {want} GID", cfg.roce_version);
+    if let Some(r) = cfg.addr_range {
+        why += &format!(" in NCCL_IB_ADDR_RANGE {}/{}", r.addr, r.len);
     }
-    if let Some(e) = table.iter().find(v2) {
-        return Ok(pick(e, "first RoCE v2 GID with a global IPv6 address (no IPv4 one)".into()));
+    if !cfg.gid_netdevs.is_empty() {
+        why += &format!(" on FERROCE_GID_NETDEV {}", cfg.gid_netdevs.join(","));
+    }
+    if let Some(e) = of_family(family) {
+        return Ok(pick(e, why));
+    }
+    let flipped = if family == Family::V4 { Family::V6 } else { Family::V4 };
+    if let Some(e) = of_family(flipped).filter(|_| cfg.addr_range.is_none()) {
+        return Ok(pick(e, format!("{why}: none, so the first {other} one")));
     }
     Err(Error::NoDevice(format!(
-        "{dev} has no RoCE v2 GID with an IP address; give its interface an address or set \
-         NCCL_IB_GID_INDEX"
+        "{dev} has no usable GID ({why} wanted; zero and link-local GIDs are never chosen automatically); give its interface an address or set NCCL_IB_GID_INDEX / FERROCE_GID_INDEX"
     )))
 }
 
@@ -110,57 +153,100 @@ pub fn choose(
 mod tests {
     use super::*;
 
-    fn entry(index: u8, gid: &str, kind: GidType) -> GidEntry {
+    fn entry(index: u8, gid: &str, kind: GidType, netdev: &str) -> GidEntry {
         GidEntry {
             index,
             gid: gid.parse::<Ipv6Addr>().unwrap().octets(),
             kind,
-            netdev: Some("eth0".into()),
+            netdev: Some(netdev.into()),
         }
     }
 
-    fn rxe_table() -> Vec<GidEntry> {
-        vec![entry(0, "fe80::1", GidType::RoceV2), entry(1, "::ffff:198.18.0.1", GidType::RoceV2)]
+    /// rxe0 as the VM test leaves it: link-local, two IPv4 addresses, a ULA IPv6 address.
+    fn table() -> Vec<GidEntry> {
+        use GidType::*;
+        vec![
+            entry(0, "fe80::1", RoceV2, "vethA"),
+            entry(1, "::ffff:198.18.0.1", RoceV2, "vethA"),
+            entry(2, "::ffff:198.18.1.1", RoceV2, "vethA"),
+            entry(3, "fd00:198:18::1", RoceV2, "vethA"),
+            entry(4, "::ffff:10.9.9.9", RoceV1, "vethA"),
+            entry(5, "::ffff:10.7.7.7", Unknown, "eth9"),
+        ]
+    }
+
+    fn cfg(pairs: &[(&'static str, &'static str)]) -> Config {
+        let pairs = pairs.to_vec();
+        Config::from_lookup(move |k| {
+            pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        })
+        .unwrap()
+    }
+
+    fn idx(pairs: &[(&'static str, &'static str)]) -> Result<u8> {
+        choose("rxe0", &table(), &cfg(pairs), true).map(|c| c.index)
     }
 
     #[test]
-    fn picks_the_ipv4_rocev2_gid() {
-        let c = choose("rxe0", &rxe_table(), None, true).unwrap();
-        assert_eq!(c.index, 1);
-        assert_eq!(c.ip().to_string(), "198.18.0.1");
+    fn automatic_choice_is_nccl_compatible() {
+        let c = choose("rxe0", &table(), &cfg(&[]), true).unwrap();
+        assert_eq!((c.index, c.ip().to_string()), (1, "198.18.0.1".into()));
+        assert!(c.why.contains("RoCE v2 AF_INET"), "{}", c.why);
+        assert_eq!(idx(&[("NCCL_IB_ADDR_FAMILY", "AF_INET6")]).unwrap(), 3);
+        assert_eq!(idx(&[("NCCL_IB_ADDR_RANGE", "198.18.1.0/24")]).unwrap(), 2);
+        assert_eq!(idx(&[("NCCL_IB_ADDR_RANGE", "fd00::/8")]).unwrap(), 3);
+        assert_eq!(idx(&[("NCCL_IB_ROCE_VERSION_NUM", "1")]).unwrap(), 4);
     }
 
     #[test]
-    fn prefers_v2_over_v1_and_skips_link_local_and_zero() {
-        let t = vec![
-            entry(0, "fe80::1", GidType::RoceV2),
-            entry(1, "::", GidType::RoceV2),
-            entry(2, "::ffff:10.0.0.1", GidType::RoceV1),
-            entry(3, "2001:db8::5", GidType::RoceV2),
-            entry(4, "::ffff:10.0.0.1", GidType::RoceV2),
+    fn explicit_choices_win() {
+        assert_eq!(idx(&[("NCCL_IB_GID_INDEX", "2")]).unwrap(), 2);
+        assert_eq!(
+            idx(&[("FERROCE_GID_INDEX", "rxe1:1,rxe0:3"), ("NCCL_IB_GID_INDEX", "2")]).unwrap(),
+            3
+        );
+        assert_eq!(idx(&[("FERROCE_GID_INDEX", "rxe1:1"), ("NCCL_IB_GID_INDEX", "2")]).unwrap(), 2);
+        // Link-local and unknown-type entries only when asked for.
+        assert_eq!(idx(&[("FERROCE_GID_IP", "fe80::1")]).unwrap(), 0);
+        assert_eq!(idx(&[("NCCL_IB_GID_INDEX", "5")]).unwrap(), 5);
+        let e = idx(&[("NCCL_IB_GID_INDEX", "9")]).unwrap_err().to_string();
+        assert!(e.contains("NCCL_IB_GID_INDEX") && e.contains("index 9"), "{e}");
+    }
+
+    #[test]
+    fn netdev_filter_and_failures_explain_themselves() {
+        assert!(idx(&[("FERROCE_GID_NETDEV", "eth9")]).is_err(), "unknown type is never automatic");
+        let e = idx(&[("FERROCE_GID_NETDEV", "vethB")]).unwrap_err().to_string();
+        assert!(e.contains("FERROCE_GID_NETDEV vethB") && e.contains("rxe0"), "{e}");
+        assert!(
+            idx(&[("NCCL_IB_ADDR_RANGE", "10.0.0.0/8")]).is_err(),
+            "v2 only, and no v2 in 10/8"
+        );
+        // Only a link-local GID: refused automatically.
+        let ll = vec![entry(0, "fe80::1", GidType::RoceV2, "vethA")];
+        assert!(choose("rxe0", &ll, &cfg(&[]), true).is_err());
+    }
+
+    #[test]
+    fn falls_back_to_the_other_family_only_without_a_range() {
+        let v6_only = vec![
+            entry(0, "fe80::1", GidType::RoceV2, "e"),
+            entry(1, "2001:db8::5", GidType::RoceV2, "e"),
         ];
-        assert_eq!(choose("d", &t, None, true).unwrap().index, 4);
-        assert_eq!(choose("d", &t[..4], None, true).unwrap().index, 3);
-        assert!(choose("d", &t[..3], None, true).is_err());
-    }
-
-    #[test]
-    fn unknown_types_are_not_chosen_automatically() {
-        let t = vec![entry(0, "::ffff:10.0.0.1", GidType::Unknown)];
-        assert!(choose("d", &t, None, true).is_err());
-        assert_eq!(choose("d", &t, Some(0), true).unwrap().why, "NCCL_IB_GID_INDEX");
-    }
-
-    #[test]
-    fn forced_index_must_exist() {
-        assert_eq!(choose("rxe0", &rxe_table(), Some(0), true).unwrap().index, 0);
-        let e = choose("rxe0", &rxe_table(), Some(7), true).unwrap_err().to_string();
-        assert!(e.contains("NCCL_IB_GID_INDEX") && e.contains("index 7"), "{e}");
+        let c = choose("d", &v6_only, &cfg(&[]), true).unwrap();
+        assert_eq!(c.index, 1);
+        assert!(c.why.contains("AF_INET6"), "{}", c.why);
+        assert!(
+            choose("d", &v6_only, &cfg(&[("NCCL_IB_ADDR_RANGE", "2001:db8::/32")]), true).is_ok()
+        );
+        assert!(
+            choose("d", &v6_only, &cfg(&[("NCCL_IB_ADDR_RANGE", "10.0.0.0/8")]), true).is_err()
+        );
     }
 
     #[test]
     fn infiniband_uses_index_zero() {
-        let t = vec![entry(0, "fe80::2", GidType::Unknown)];
-        assert_eq!(choose("mlx5_0", &t, None, false).unwrap().index, 0);
+        let t = vec![entry(0, "fe80::2", GidType::Unknown, "ib0")];
+        assert_eq!(choose("mlx5_0", &t, &cfg(&[]), false).unwrap().index, 0);
     }
 }
