@@ -204,7 +204,7 @@ pub(super) unsafe fn connect_with(
             let c = unsafe { handles::ctx(ctx) }?;
             let h = handshake::Handle::decode(bytes)
                 .map_err(|r| Error::Internal(format!("connect: invalid handle: {r}")))?;
-            let tc = tc.filter(|&t| t >= 0).map(|t| t as u8).or(c.traffic_class).unwrap_or(0);
+            let tc = tc.and_then(|t| u8::try_from(t).ok()).or(c.traffic_class);
             Connector::start(c, dev, h, tc)?
         };
         bytes[STATE..STATE + 16].fill(0);

@@ -18,7 +18,10 @@ pub const VERSION: u32 = 1;
 pub const HANDLE_SIZE: usize = 128;
 /// Bytes 96..128 of the handle are never sent: the connector keeps its resumable state there.
 pub const HANDLE_STATE_OFFSET: usize = 96;
-pub const MSG_LEN: usize = 96;
+/// The most queue pairs one connection may use (`NCCL_IB_QPS_PER_CONNECTION`).
+pub const MAX_QPS: usize = 128;
+/// 96 bytes of fields, then the QP numbers (u32) and UDP source ports (u16) of up to 128 QPs.
+pub const MSG_LEN: usize = 96 + MAX_QPS * 6;
 const HEADER_LEN: usize = 32;
 
 /// What `listen` publishes.
@@ -114,7 +117,16 @@ pub enum Kind {
 pub struct Msg {
     pub kind: Kind,
     pub nonce: u64,
-    pub qpn: u32,
+    /// Queue pairs in use (1..=128) and their numbers.
+    pub nqps: u8,
+    pub qpns: [u32; MAX_QPS],
+    /// The RoCEv2 UDP source port of each QP; the connector chooses, both ends use them.
+    pub sports: [u16; MAX_QPS],
+    /// Whether each message is split across the QPs (else whole messages round-robin).
+    pub split: bool,
+    /// The traffic class of the receiver's control writes, and the service level.
+    pub fifo_tc: u8,
+    pub sl: u8,
     /// `ibv_mtu` enum of the sender's port (1..=5).
     pub mtu: u8,
     pub port: u8,
@@ -135,7 +147,14 @@ impl Msg {
         put(&mut b, 12, (self.kind as u32).to_le_bytes());
         put(&mut b, 16, (MSG_LEN as u32).to_le_bytes());
         put(&mut b, 24, self.nonce.to_le_bytes());
-        put(&mut b, 32, self.qpn.to_le_bytes());
+        b[32] = self.nqps;
+        b[33] = u8::from(self.split);
+        b[34] = self.fifo_tc;
+        b[35] = self.sl;
+        for i in 0..MAX_QPS {
+            put(&mut b, 96 + 4 * i, self.qpns[i].to_le_bytes());
+            put(&mut b, 96 + 4 * MAX_QPS + 2 * i, self.sports[i].to_le_bytes());
+        }
         b[36] = self.mtu;
         b[37] = self.port;
         b[38] = self.traffic_class;
@@ -177,7 +196,12 @@ impl Msg {
         let m = Msg {
             kind: want,
             nonce,
-            qpn: u32::from_le_bytes(get(b, 32)),
+            nqps: b[32],
+            split: b[33] == 1,
+            fifo_tc: b[34],
+            sl: b[35],
+            qpns: std::array::from_fn(|i| u32::from_le_bytes(get(b, 96 + 4 * i))),
+            sports: std::array::from_fn(|i| u16::from_le_bytes(get(b, 96 + 4 * MAX_QPS + 2 * i))),
             mtu: b[36],
             port: b[37],
             traffic_class: b[38],
@@ -187,8 +211,15 @@ impl Msg {
             max_msg: u32::from_le_bytes(get(b, 68)),
         };
         if want != Kind::Ready {
-            if m.qpn == 0 || m.qpn > 0xff_ffff {
+            let n = usize::from(m.nqps);
+            if !(1..=MAX_QPS).contains(&n) || b[33] > 1 || m.sl > 15 {
+                return Err(Reject::Field("nqps, split or sl"));
+            }
+            if m.qpns[..n].iter().any(|&q| q == 0 || q > 0xff_ffff) {
                 return Err(Reject::Field("qpn"));
+            }
+            if m.sports[..n].iter().any(|&p| p < 0xc000) {
+                return Err(Reject::Field("source port"));
             }
             if !(1..=5).contains(&m.mtu) {
                 return Err(Reject::Field("mtu"));
@@ -214,7 +245,12 @@ mod tests {
         Msg {
             kind,
             nonce: 0xdead_beef_1234,
-            qpn: 0x11,
+            nqps: 2,
+            qpns: std::array::from_fn(|i| if i < 2 { 0x11 + i as u32 } else { 0 }),
+            sports: std::array::from_fn(|i| if i < 2 { 0xc000 + i as u16 } else { 0 }),
+            split: true,
+            fifo_tc: 4,
+            sl: 3,
             mtu: 3,
             port: 1,
             traffic_class: 106,
@@ -272,13 +308,20 @@ mod tests {
         assert!(matches!(bad(0, 0), Reject::Magic(_)));
         assert_eq!(bad(8, 2), Reject::Version(2));
         assert_eq!(bad(12, 2), Reject::Kind(2));
-        assert_eq!(bad(16, 200), Reject::Length(200));
+        assert!(matches!(bad(16, 200), Reject::Length(l) if l as usize != MSG_LEN));
         assert_eq!(bad(24, 0), Reject::Nonce);
         assert_eq!(bad(36, 9), Reject::Field("mtu"));
         assert_eq!(bad(37, 0), Reject::Field("port, buffer or max_msg"));
+        assert_eq!(bad(32, 0), Reject::Field("nqps, split or sl"));
+        assert_eq!(bad(32, 129), Reject::Field("nqps, split or sl"));
+        assert_eq!(bad(33, 2), Reject::Field("nqps, split or sl"));
+        assert_eq!(bad(35, 16), Reject::Field("nqps, split or sl"));
         let mut q = good;
-        q[32..36].copy_from_slice(&0u32.to_le_bytes());
+        q[100..104].copy_from_slice(&0u32.to_le_bytes());
         assert_eq!(Msg::decode(&q, Kind::Hello, n), Err(Reject::Field("qpn")));
+        let mut p = good;
+        p[96 + 4 * MAX_QPS..96 + 4 * MAX_QPS + 2].copy_from_slice(&4791u16.to_le_bytes());
+        assert_eq!(Msg::decode(&p, Kind::Hello, n), Err(Reject::Field("source port")));
         assert_eq!(Msg::decode(&good, Kind::Reply, n), Err(Reject::Kind(1)));
     }
 

@@ -5,6 +5,7 @@
 
 pub mod comm;
 pub mod device;
+pub mod ecmp;
 pub mod gid;
 pub mod handshake;
 pub mod mr_cache;

@@ -17,16 +17,14 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::comm::{Flusher, RecvComm, RecvParts, SendComm, SendParts};
-use super::gid::GidChoice;
-use super::handshake::{Handle, Kind, MSG_LEN, Msg, Reject, header_len};
+use super::comm::{Flusher, Path, RecvComm, RecvParts, SendComm, SendParts};
+use super::device;
+use super::ecmp;
+use super::gid::{self, GidChoice};
+use super::handshake::{Handle, Kind, MAX_QPS, MSG_LEN, Msg, Reject, header_len};
 use super::net::{CommContext, Net};
 use crate::error::{Error, Result};
 use crate::verbs::{self, RegisteredBuf, RtrAttr, RtsAttr};
-
-/// RNR retries: receives are always posted before their CTS, so RNR never happens in normal
-/// operation; a bounded value (7 would mean "forever") turns a bug into an error, not a hang.
-const RNR_RETRY: u8 = 6;
 
 /// One TCP connection carrying fixed-size handshake messages, without blocking.
 struct Link {
@@ -113,24 +111,75 @@ fn gid_of(net: &Net, dev: usize) -> Result<GidChoice> {
     net.devices[dev].gid.clone().map_err(Error::NoDevice)
 }
 
+/// How a connection uses its queue pairs: chosen by the connector, followed by the acceptor.
+#[derive(Clone, Copy, Debug)]
+struct Policy {
+    nqps: usize,
+    sports: [u16; MAX_QPS],
+    split: bool,
+    /// Traffic class of the data QPs (the connector's) and of the receiver's control writes.
+    tc: u8,
+    fifo_tc: u8,
+    sl: u8,
+}
+
+impl Policy {
+    /// The connector's choice: `NCCL_IB_TC` if set, else the communicator's traffic class,
+    /// else 0 (NCCL's precedence); source ports from `ecmp`.
+    fn local(net: &Net, comm_tc: Option<u8>, spread_key: u64) -> Policy {
+        let c = &net.config;
+        let nqps = c.qps_per_conn;
+        let ports = ecmp::source_ports(
+            c.sport_base,
+            c.sport_range,
+            nqps,
+            c.sport_spread.then_some(spread_key),
+        );
+        let mut sports = [0; MAX_QPS];
+        sports[..nqps].copy_from_slice(&ports);
+        let tc = c.tc.or(comm_tc).unwrap_or(0);
+        Policy { nqps, sports, split: c.split_data, tc, fifo_tc: c.fifo_tc.unwrap_or(tc), sl: c.sl }
+    }
+
+    fn of(m: &Msg) -> Policy {
+        Policy {
+            nqps: usize::from(m.nqps),
+            sports: m.sports,
+            split: m.split,
+            tc: m.traffic_class,
+            fifo_tc: m.fifo_tc,
+            sl: m.sl,
+        }
+    }
+}
+
 /// The local endpoint message of one side.
 fn endpoint(
     net: &Net,
     dev: usize,
     kind: Kind,
     nonce: u64,
-    qpn: u32,
-    tc: u8,
+    qps: &[verbs::Qp],
+    p: &Policy,
     buf: &RegisteredBuf,
 ) -> Result<Msg> {
     let d = &net.devices[dev];
+    let mut qpns = [0; MAX_QPS];
+    for (slot, qp) in qpns.iter_mut().zip(qps) {
+        *slot = qp.qpn();
+    }
     Ok(Msg {
         kind,
         nonce,
-        qpn,
+        nqps: p.nqps as u8,
+        qpns,
+        sports: p.sports,
+        split: p.split,
+        fifo_tc: p.fifo_tc,
+        sl: p.sl,
         mtu: d.active_mtu as u8,
         port: d.port,
-        traffic_class: tc,
+        traffic_class: p.tc,
         gid: gid_of(net, dev)?.gid,
         buf_addr: buf.addr(0),
         buf_rkey: buf.rkey(),
@@ -138,22 +187,68 @@ fn endpoint(
     })
 }
 
-/// RTR then RTS towards `remote`; the path MTU is the smaller of the two ports' active MTUs.
-fn connect_qp(net: &Net, dev: usize, qp: &verbs::Qp, remote: &Msg, tc: u8) -> Result<()> {
+/// RTR then RTS of each QP towards its remote QP, with its flow label (so its UDP source
+/// port), traffic class `tc` and the policy's service level. The path MTU is the smaller of the
+/// two ports' active MTUs.
+fn connect_qps(
+    net: &Net,
+    dev: usize,
+    qps: &[verbs::Qp],
+    remote: &Msg,
+    p: &Policy,
+    tc: u8,
+) -> Result<()> {
     let d = &net.devices[dev];
     let gid = gid_of(net, dev)?;
-    qp.to_rtr(&RtrAttr {
-        port: d.port,
-        path_mtu: (d.active_mtu).min(u32::from(remote.mtu)),
-        dest_qpn: remote.qpn,
-        dgid: remote.gid,
-        sgid_index: gid.index,
-        flow_label: 0,
-        traffic_class: tc,
-        sl: 0,
-    })?;
     let c = &net.config;
-    qp.to_rts(&RtsAttr { timeout: c.ib_timeout, retry_cnt: c.ib_retry_cnt, rnr_retry: RNR_RETRY })
+    for (i, qp) in qps.iter().enumerate() {
+        qp.to_rtr(&RtrAttr {
+            port: d.port,
+            path_mtu: d.active_mtu.min(u32::from(remote.mtu)),
+            dest_qpn: remote.qpns[i],
+            dgid: remote.gid,
+            sgid_index: gid.index,
+            flow_label: ecmp::label_of_port(p.sports[i]),
+            traffic_class: tc,
+            sl: p.sl,
+        })?;
+        qp.to_rts(&RtsAttr {
+            timeout: c.ib_timeout,
+            retry_cnt: c.ib_retry_cnt,
+            rnr_retry: c.rnr_retry,
+        })?;
+    }
+    Ok(())
+}
+
+/// What to show when this connection fails, and its INFO line.
+fn path(net: &Net, dev: usize, peer: SocketAddr, remote: &Msg, p: &Policy, tc: u8) -> Path {
+    let d = &net.devices[dev];
+    let c = &net.config;
+    let local =
+        d.gid.as_ref().map(|g| format!("{} (index {})", g.ip(), g.index)).unwrap_or_default();
+    let mtu = device::mtu_bytes(d.active_mtu.min(u32::from(remote.mtu)));
+    let describe = format!(
+        "{} GID {local} -> {}, path MTU {mtu}, tc {tc}, sl {}, NCCL_IB_TIMEOUT {} / NCCL_IB_RETRY_CNT {} (retries end after {:.3} s)",
+        d.name,
+        gid::ip_of(&remote.gid),
+        p.sl,
+        c.ib_timeout,
+        c.ib_retry_cnt,
+        c.retry_bound().as_secs_f64()
+    );
+    Path { peer: peer.to_string(), describe, sports: p.sports[..p.nqps].to_vec() }
+}
+
+fn log_connection(role: &str, path: &Path, p: &Policy) {
+    log::info!(
+        "{role} {}: {} QP(s), {}, UDP source ports {:?}, {}",
+        path.peer,
+        p.nqps,
+        if p.split { "messages split across QPs" } else { "messages round-robin over QPs" },
+        path.sports,
+        path.describe
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -347,13 +442,14 @@ impl Listener {
                     // The peer proved itself: from here on, failures are errors.
                     let acc = accept_parts(&net, dev, &hello)
                         .map_err(|e| fail("create queue pair", e.to_string()))?;
+                    let policy = Policy::of(&hello);
                     let reply = endpoint(
                         &net,
                         dev,
                         Kind::Reply,
                         nonce,
-                        acc.parts.qp.qpn(),
-                        hello.traffic_class,
+                        &acc.parts.qps,
+                        &policy,
                         &acc.parts.sizes,
                     )
                     .map_err(|e| fail("reply", e.to_string()))?;
@@ -395,12 +491,16 @@ impl Listener {
                     };
                     let acc = *acc;
                     let remote_fifo = (acc.remote.buf_addr, acc.remote.buf_rkey);
+                    let policy = Policy::of(&acc.remote);
+                    let path = path(&net, dev, peer, &acc.remote, &policy, policy.fifo_tc);
+                    log_connection("accepted from", &path, &policy);
                     return Ok(Some(RecvComm::new(
                         acc.parts,
                         acc.flusher,
                         net,
                         dev,
-                        peer.to_string(),
+                        path,
+                        policy.split,
                         remote_fifo,
                     )));
                 }
@@ -419,8 +519,10 @@ enum StepErr {
 use StepErr::{Drop, Fail};
 
 fn accept_parts(net: &Arc<Net>, dev: usize, hello: &Msg) -> Result<Accepted> {
-    let parts = RecvParts::new(net, dev)?;
-    connect_qp(net, dev, &parts.qp, hello, hello.traffic_class)?;
+    let policy = Policy::of(hello);
+    let parts = RecvParts::new(net, dev, policy.nqps)?;
+    // The receiver's QPs carry the control (CTS) writes: they use the FIFO traffic class.
+    connect_qps(net, dev, &parts.qps, hello, &policy, policy.fifo_tc)?;
     let flusher = if net.config.force_flush { Some(flusher(net, dev, &parts)?) } else { None };
     Ok(Accepted { parts, flusher, remote: *hello })
 }
@@ -432,8 +534,10 @@ fn flusher(net: &Arc<Net>, dev: usize, parts: &RecvParts) -> Result<Flusher> {
     let qp = verbs::Qp::create_rc(&d.pd, &cq, verbs::QpCaps { max_send_wr: 64, max_recv_wr: 1 })?;
     qp.to_init(d.port, verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_READ)?;
     let target = RegisteredBuf::new(&d.pd, 8, verbs::ACCESS_LOCAL_WRITE)?;
-    let me = endpoint(net, dev, Kind::Hello, 0, qp.qpn(), 0, &target)?;
-    connect_qp(net, dev, &qp, &me, 0)?;
+    let loopback =
+        Policy { nqps: 1, sports: [0xc000; MAX_QPS], split: false, tc: 0, fifo_tc: 0, sl: 0 };
+    let me = endpoint(net, dev, Kind::Hello, 0, std::slice::from_ref(&qp), &loopback, &target)?;
+    connect_qps(net, dev, std::slice::from_ref(&qp), &me, &loopback, 0)?;
     Ok(Flusher { qp, target })
 }
 
@@ -443,14 +547,14 @@ enum CStage {
     Connecting,
     SendHello,
     AwaitReply,
-    SendReady(Msg),
+    SendReady(Box<Msg>),
 }
 
 /// The connector's resumable state, kept between `connect` calls.
 pub struct Connector {
     net: Arc<Net>,
     dev: usize,
-    tc: u8,
+    policy: Policy,
     handle: Handle,
     link: Link,
     stage: CStage,
@@ -459,9 +563,14 @@ pub struct Connector {
 }
 
 impl Connector {
-    /// Starts connecting to the listener behind `handle`. `tc` is the traffic class of this
-    /// communicator.
-    pub fn start(ctx: &CommContext, dev: i32, handle: Handle, tc: u8) -> Result<Connector> {
+    /// Starts connecting to the listener behind `handle`. `comm_tc` is the traffic class of
+    /// this communicator, if it has one.
+    pub fn start(
+        ctx: &CommContext,
+        dev: i32,
+        handle: Handle,
+        comm_tc: Option<u8>,
+    ) -> Result<Connector> {
         let net = ctx.net.clone();
         net.device(dev)?;
         let dev = dev as usize;
@@ -476,9 +585,10 @@ impl Connector {
             err,
             context: peer.to_string(),
         })?;
-        let parts = Some(SendParts::new(&net, dev)?);
+        let policy = Policy::local(&net, comm_tc, handle.nonce);
+        let parts = Some(SendParts::new(&net, dev, policy.nqps)?);
         let deadline = Instant::now() + net.config.setup_timeout;
-        Ok(Connector { net, dev, tc, handle, link, stage: CStage::Connecting, parts, deadline })
+        Ok(Connector { net, dev, policy, handle, link, stage: CStage::Connecting, parts, deadline })
     }
 
     fn fail(&self, step: &str, why: impl std::fmt::Display) -> Error {
@@ -520,8 +630,8 @@ impl Connector {
                         self.dev,
                         Kind::Hello,
                         self.handle.nonce,
-                        parts.qp.qpn(),
-                        self.tc,
+                        &parts.qps,
+                        &self.policy,
                         &parts.fifo,
                     )?;
                     self.link.queue(&hello);
@@ -543,14 +653,27 @@ impl Connector {
                     };
                     let reply = Msg::decode(&bytes, Kind::Reply, self.handle.nonce)
                         .map_err(|r| self.fail("wait for reply", r))?;
+                    if usize::from(reply.nqps) != self.policy.nqps {
+                        return Err(self.fail(
+                            "wait for reply",
+                            format!("peer has {} QPs, not {}", reply.nqps, self.policy.nqps),
+                        ));
+                    }
                     let parts = self.parts.as_ref().expect("parts until connected");
-                    connect_qp(&self.net, self.dev, &parts.qp, &reply, self.tc)?;
+                    connect_qps(
+                        &self.net,
+                        self.dev,
+                        &parts.qps,
+                        &reply,
+                        &self.policy,
+                        self.policy.tc,
+                    )?;
                     let ready = Msg { kind: Kind::Ready, ..reply };
                     self.link.queue(&ready);
-                    self.next(CStage::SendReady(reply));
+                    self.next(CStage::SendReady(Box::new(reply)));
                 }
                 CStage::SendReady(reply) => {
-                    let reply = *reply;
+                    let reply = **reply;
                     if !self.link.flush().map_err(|e| self.fail("send ready", e))? {
                         self.check_deadline("send ready")?;
                         return Ok(None);
@@ -558,11 +681,15 @@ impl Connector {
                     let parts = self.parts.take().expect("parts until connected");
                     let max_msg =
                         u64::from(self.net.devices[self.dev].max_msg_sz.min(reply.max_msg));
+                    let p = &self.policy;
+                    let path = path(&self.net, self.dev, self.handle.addr, &reply, p, p.tc);
+                    log_connection("connected to", &path, p);
                     return Ok(Some(SendComm::new(
                         parts,
                         self.net.clone(),
                         self.dev,
-                        self.handle.addr.to_string(),
+                        path,
+                        p.split,
                         (reply.buf_addr, reply.buf_rkey),
                         max_msg,
                     )));
