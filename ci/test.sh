@@ -25,7 +25,7 @@ main() {
   step "build release plugin and VM test binaries"
   ci/build.sh
   local bins
-  bins=$(cargo test --release --locked --no-run --test softroce --test netclient --message-format=json |
+  bins=$(cargo test --release --locked --no-run --test softroce --test netclient --test roce_path --message-format=json |
     python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)

@@ -48,7 +48,7 @@ knobs! {
     "NCCL_IB_QPS_PER_CONNECTION", "1", "queue pairs per connection (1..=128), each with its own UDP source port";
     "NCCL_IB_SPLIT_DATA_ON_QPS", "0", "1: split every message across the QPs; 0: whole messages round-robin";
     "FERROCE_SPORT_BASE", "49152", "first RoCEv2 UDP source port (49152..=65535)";
-    "FERROCE_SPORT_RANGE", "16384", "number of source ports used from the base";
+    "FERROCE_SPORT_RANGE", "65536 - base", "number of source ports used from the base (at most 16384)";
     "FERROCE_SPORT_SPREAD", "1", "1: each connection starts at its own offset in the range; 0: every connection uses base+i";
     "NCCL_IB_TC", "-1", "traffic class (DSCP << 2 | ECN) of the data QPs; -1: the communicator's, else 0";
     "NCCL_IB_FIFO_TC", "-1", "traffic class of the receiver's control (CTS) writes; -1: the data one";
@@ -281,7 +281,9 @@ impl Config {
         let qps_per_conn = r.int("NCCL_IB_QPS_PER_CONNECTION", 1usize, 1..=128)?;
         let split_data = r.int("NCCL_IB_SPLIT_DATA_ON_QPS", 0u8, 0..=1)? == 1;
         let sport_base = r.int("FERROCE_SPORT_BASE", 0xc000u16, 0xc000..=0xffff)?;
-        let sport_range = r.int("FERROCE_SPORT_RANGE", 0x4000u16, 1..=0x4000)?;
+        // By default the range runs from the base to the top of the port space.
+        let top = (0x1_0000 - u32::from(sport_base)) as u16;
+        let sport_range = r.int("FERROCE_SPORT_RANGE", top, 1..=0x4000)?;
         if u32::from(sport_base) + u32::from(sport_range) > 0x1_0000 {
             return Err(Error::config(
                 "FERROCE_SPORT_RANGE",

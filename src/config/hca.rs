@@ -83,6 +83,21 @@ impl HcaFilter {
         self.entries.is_empty()
     }
 
+    /// Whether some port of device `dev` may be kept, decided by name alone, so devices the
+    /// filter rules out are never opened (and never held open).
+    pub fn may_keep(&self, dev: &str) -> bool {
+        let name_ok =
+            |e: &HcaEntry| if self.exact { dev == e.name } else { dev.starts_with(&e.name) };
+        if self.entries.is_empty() {
+            return true;
+        }
+        if self.exclude {
+            !self.entries.iter().any(|e| name_ok(e) && e.port.is_none())
+        } else {
+            self.entries.iter().any(name_ok)
+        }
+    }
+
     /// Decides one (device, port): `None` if filtered out, else the matching entry (which is
     /// `None` for a device kept by an empty or exclude filter).
     pub fn select(&self, dev: &str, port: u32) -> Option<Option<&HcaEntry>> {
@@ -156,6 +171,22 @@ mod tests {
         assert!(!keeps("^=mlx5_1", "mlx5_1", 1));
         assert!(!keeps("^rxe0:1", "rxe0", 1));
         assert!(keeps("^rxe0:1", "rxe0", 2));
+    }
+
+    #[test]
+    fn may_keep_agrees_with_select_on_names() {
+        for (f, dev, want) in [
+            ("", "rxe0", true),
+            ("rxe1", "rxe0", false),
+            ("rxe", "rxe0", true),
+            ("=rxe", "rxe0", false),
+            ("^rxe0", "rxe0", false),
+            ("^rxe0:1", "rxe0", true), // port 2 might still be kept
+            ("^rxe0", "rxe1", true),
+            ("rxe0:1", "rxe0", true),
+        ] {
+            assert_eq!(HcaFilter::parse(f).unwrap().may_keep(dev), want, "{f:?} {dev}");
+        }
     }
 
     #[test]

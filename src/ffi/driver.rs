@@ -77,9 +77,14 @@ impl<'a> Driver<'a> {
 
     /// `init`; the returned context is NULL for v6–v10 (their calls need none).
     pub fn init(&self, comm_id: u64) -> Result<Ptr, String> {
+        self.init_with_tc(comm_id, -1)
+    }
+
+    /// `init` with a communicator traffic class (v11+; -1 for none).
+    pub fn init_with_tc(&self, comm_id: u64, traffic_class: c_int) -> Result<Ptr, String> {
         let log = capture_logger();
         let mut ctx = null_mut();
-        let mut cfg = ncclNetCommConfig_v10_t { trafficClass: -1 };
+        let mut cfg = ncclNetCommConfig_v10_t { trafficClass: traffic_class };
         // SAFETY: valid arguments per each version's init contract.
         let r = unsafe {
             match self.table {

@@ -82,7 +82,8 @@ fn hint(status: u32) -> &'static str {
         }
         13 => "RNR retry exceeded: the peer had no receive posted",
         10 | 11 | 4 => {
-            "protection/access error: a buffer was not registered or was deregistered too early"
+            "protection/access error: the peer's registration is gone (its process or device \
+             may have died), or a buffer was not registered"
         }
         5 => "flushed: an earlier error moved the queue pair to the error state",
         _ => "see `rdma resource show qp` and dmesg",

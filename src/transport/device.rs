@@ -149,7 +149,15 @@ pub fn speed_mbps(active_speed: u8, active_width: u8) -> i32 {
 pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
     let mut ports = Vec::new();
     let mut found = Vec::new(); // (context, attr, port attr) per entry of `ports`
-    for ctx in verbs::open_all()? {
+    let (all, opened) = verbs::open_all(|name| config.ib_hca.may_keep(name))?;
+    if opened.is_empty() && !all.is_empty() {
+        return Err(Error::NoDevice(format!(
+            "every device was filtered out by NCCL_IB_HCA={} (available: {})",
+            config.ib_hca.raw,
+            all.join(", ")
+        )));
+    }
+    for ctx in opened {
         let ctx = match ctx {
             Ok(c) => Arc::new(c),
             Err(e) => {
@@ -181,7 +189,10 @@ pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
             let port = ports[i].port;
             let ethernet = pa.link_layer == LinkLayer::Ethernet;
             let table = gid_table(ctx, port, pa.gid_tbl_len);
-            let gid = gid::choose(&name, &table, config, ethernet).map_err(|e| e.to_string());
+            let gid = gid::choose(&name, &table, config, ethernet).map_err(|e| match e {
+                Error::NoDevice(why) => why,
+                other => other.to_string(),
+            });
             Ok(NetDevice {
                 pd: Pd::new(ctx)?,
                 gid,

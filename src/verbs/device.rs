@@ -66,9 +66,10 @@ pub(super) fn errno() -> i32 {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
 }
 
-/// Opens every RDMA device the system lists, in name order. A device that cannot be opened is
-/// reported as an error (the caller decides whether that is fatal).
-pub fn open_all() -> Result<Vec<Result<Context>>> {
+/// Opens every RDMA device the system lists whose name `wanted` accepts, in name order; also
+/// returns the names of all listed devices. A device that cannot be opened is reported as an
+/// error (the caller decides whether that is fatal).
+pub fn open_all(wanted: impl Fn(&str) -> bool) -> Result<(Vec<String>, Vec<Result<Context>>)> {
     let mut n = 0;
     // SAFETY: ibv_get_device_list writes the count to `n` and returns a NULL-terminated array
     // (or NULL with errno set), which we free below after reading it.
@@ -77,11 +78,12 @@ pub fn open_all() -> Result<Vec<Result<Context>>> {
         let e = errno();
         // No kernel support at all (no uverbs) is "no devices", not a failure.
         if e == libc::ENOSYS || e == libc::ENOENT || e == 0 {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), Vec::new()));
         }
         return Err(Error::verbs("ibv_get_device_list", e, "listing RDMA devices"));
     }
     let mut out = Vec::new();
+    let mut names = Vec::new();
     for i in 0..usize::try_from(n).unwrap_or(0) {
         // SAFETY: i < n, and the array holds n valid device pointers.
         let dev = unsafe { *list.add(i) };
@@ -91,6 +93,10 @@ pub fn open_all() -> Result<Vec<Result<Context>>> {
         // SAFETY: dev is a valid ibv_device; the name is a NUL-terminated string it owns.
         let name =
             unsafe { CStr::from_ptr(sys::ibv_get_device_name(dev)) }.to_string_lossy().into_owned();
+        names.push(name.clone());
+        if !wanted(&name) {
+            continue;
+        }
         // SAFETY: dev is valid until ibv_free_device_list; an opened context stays valid after.
         let raw = unsafe { sys::ibv_open_device(dev) };
         out.push(if raw.is_null() {
@@ -105,7 +111,8 @@ pub fn open_all() -> Result<Vec<Result<Context>>> {
         (Ok(a), Ok(b)) => a.name.cmp(&b.name),
         _ => std::cmp::Ordering::Equal,
     });
-    Ok(out)
+    names.sort();
+    Ok((names, out))
 }
 
 impl Context {

@@ -125,3 +125,120 @@ pub fn transfer(drv: &Driver, send: Ptr, recv: Ptr, size: usize, seed: u8) -> Re
     }
     Ok(())
 }
+
+/// A running `tcpdump` writing RoCEv2 packets (UDP 4791) of one interface to a file.
+pub struct Capture {
+    child: std::process::Child,
+    path: PathBuf,
+}
+
+/// One captured RoCEv2 packet.
+#[derive(Clone, Copy, Debug)]
+pub struct Packet {
+    pub src: [u8; 4],
+    pub tos: u8,
+    pub sport: u16,
+    pub udp_len: u16,
+    pub opcode: u8,
+}
+
+impl Capture {
+    pub fn start(iface: &str) -> Capture {
+        use std::io::BufRead;
+        let path = PathBuf::from(format!("/tmp/ferroce-{}-{iface}.pcap", std::process::id()));
+        let mut child = Command::new("tcpdump")
+            .args(["-Z", "root", "-U", "--immediate-mode", "-i", iface, "-n", "-s", "128", "-w"])
+            .arg(&path)
+            .arg("udp port 4791")
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run tcpdump");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        loop {
+            let line =
+                rx.recv_timeout(Duration::from_secs(20)).expect("tcpdump did not start listening");
+            if line.contains("listening on") {
+                break;
+            }
+        }
+        Capture { child, path }
+    }
+
+    /// Stops the capture (SIGINT, so the file is complete) and parses it.
+    pub fn stop(mut self) -> Vec<Packet> {
+        // Immediate mode and -U write each packet as it arrives (otherwise the last ring block
+        // is lost at exit); give the last ones a moment, then stop it.
+        std::thread::sleep(Duration::from_millis(300));
+        // SAFETY: plain kill(2) of our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        let st = self.child.wait().expect("wait tcpdump");
+        assert!(st.success() || st.code().is_none(), "tcpdump: {st}");
+        let data = std::fs::read(&self.path).expect("read pcap");
+        let _ = std::fs::remove_file(&self.path);
+        let pkts = parse_pcap(&data);
+        eprintln!("capture: {} bytes of pcap, {} RoCEv2 packets", data.len(), pkts.len());
+        pkts
+    }
+}
+
+/// The RoCEv2-over-IPv4 packets of a pcap file (Ethernet or Linux cooked link type).
+pub fn parse_pcap(d: &[u8]) -> Vec<Packet> {
+    assert!(d.len() >= 24, "pcap too short");
+    let le = u32::from_le_bytes(d[0..4].try_into().unwrap()) == 0xa1b2_c3d4;
+    let u32at = |b: &[u8], o: usize| {
+        let v: [u8; 4] = b[o..o + 4].try_into().unwrap();
+        if le { u32::from_le_bytes(v) } else { u32::from_be_bytes(v) }
+    };
+    let link = u32at(d, 20);
+    let l3 = match link {
+        1 => 14,
+        113 => 16,
+        other => panic!("unexpected pcap link type {other}"),
+    };
+    let mut out = Vec::new();
+    let mut off = 24;
+    while off + 16 <= d.len() {
+        let incl = u32at(d, off + 8) as usize;
+        let pkt = &d[off + 16..(off + 16 + incl).min(d.len())];
+        off += 16 + incl;
+        if pkt.len() < l3 + 20 || u16::from_be_bytes([pkt[l3 - 2], pkt[l3 - 1]]) != 0x0800 {
+            continue;
+        }
+        let ip = &pkt[l3..];
+        let ihl = usize::from(ip[0] & 0x0f) * 4;
+        if ip[9] != 17 || ip.len() < ihl + 9 {
+            continue;
+        }
+        let udp = &ip[ihl..];
+        if u16::from_be_bytes([udp[2], udp[3]]) != 4791 {
+            continue;
+        }
+        out.push(Packet {
+            src: ip[12..16].try_into().unwrap(),
+            tos: ip[1],
+            sport: u16::from_be_bytes([udp[0], udp[1]]),
+            udp_len: u16::from_be_bytes([udp[4], udp[5]]),
+            opcode: udp[8],
+        });
+    }
+    out
+}
+
+/// Sets (or removes) environment variables for this process; tests hold the SERIAL lock.
+pub fn set_env(vars: &[(&str, Option<&str>)]) {
+    for (k, v) in vars {
+        // SAFETY: tests that change the environment hold the SERIAL lock.
+        unsafe {
+            match v {
+                Some(v) => std::env::set_var(k, v),
+                None => std::env::remove_var(k),
+            }
+        }
+    }
+}

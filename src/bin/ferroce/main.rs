@@ -6,6 +6,9 @@
 //! - `ferroce info [NAME]`: also initialises it and describes each device NCCL would see.
 //! - `ferroce perf [--plugin PATH] [--no-perftest]`: the benchmark (inside the Soft-RoCE VM:
 //!   two ranks through the plugin, then perftest on the same devices, and the ratio).
+//! - `ferroce sink DEV [NAME]`: a receiving peer for checks across processes or hosts: listens
+//!   on device DEV, prints `HANDLE <hex>` (the 128-byte handle a sender connects to), then keeps
+//!   32 receives of up to 16 MiB posted until the connection fails (or it is killed).
 //!
 //! Exit status 0 on success, 1 on any failure (with the reason on stderr).
 
@@ -24,7 +27,8 @@ fn main() -> ExitCode {
         Some("load") => load(name).map(|_| ()),
         Some("info") => info(name),
         Some("perf") => perf::perf(&args[1..]),
-        _ => Err("usage: ferroce load [NAME] | ferroce info [NAME] | ferroce perf [--plugin PATH] [--no-perftest]".to_string()),
+        Some("sink") => sink(&args[1..]),
+        _ => Err("usage: ferroce load [NAME] | ferroce info [NAME] | ferroce perf [--plugin PATH] [--no-perftest] | ferroce sink DEV [NAME]".to_string()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -105,4 +109,55 @@ fn info(name: &str) -> Result<(), String> {
     }
     // SAFETY: ctx came from init and is finalized once.
     check("finalize", unsafe { net.finalize.ok_or("no finalize")?(ctx) })
+}
+
+fn sink(args: &[String]) -> Result<(), String> {
+    use ferroce::ffi::driver::{Close, Driver};
+    use std::io::Write;
+    let dev: std::ffi::c_int =
+        args.first().and_then(|d| d.parse().ok()).ok_or("usage: ferroce sink DEV [NAME]")?;
+    let lib = Library::open_like_nccl(args.get(1).map_or("ferroce", String::as_str))?;
+    ferroce::ffi::loader::ECHO.store(false, std::sync::atomic::Ordering::Relaxed);
+    let drv = Driver::new(&lib, 12)?;
+    let ctx = drv.init(1)?;
+    let (handle, listen) = drv.listen(ctx, dev)?;
+    let hex: String = handle.iter().map(|b| format!("{b:02x}")).collect();
+    println!("HANDLE {hex}");
+    std::io::stdout().flush().map_err(|e| e.to_string())?;
+    let recv = loop {
+        if let Some(r) = drv.accept(listen)? {
+            break r;
+        }
+    };
+    drv.close(Close::Listen, listen)?;
+    const SIZE: usize = 16 << 20;
+    let mut buf = vec![0u8; SIZE];
+    let mh = drv.reg_mr(recv, buf.as_mut_ptr(), SIZE)?;
+    let mut pending = std::collections::VecDeque::new();
+    let mut total = 0u64;
+    let result = loop {
+        if pending.len() < 32 {
+            match drv.irecv(recv, &[buf.as_mut_ptr()], &[SIZE], &[0], &[mh], false) {
+                Ok(Some(q)) => pending.push_back(q),
+                Ok(None) => {}
+                Err(e) => break Err(e),
+            }
+        }
+        if let Some(&q) = pending.front() {
+            match drv.test(q) {
+                Ok(Some(sizes)) => {
+                    pending.pop_front();
+                    total += sizes[0] as u64;
+                    println!("received {total} bytes");
+                }
+                Ok(None) => {}
+                Err(e) => break Err(e),
+            }
+        }
+    };
+    eprintln!("ferroce sink: stopped after {total} bytes");
+    drv.dereg_mr(recv, mh)?;
+    drv.close(Close::Recv, recv)?;
+    drv.finalize(ctx)?;
+    result
 }
