@@ -475,3 +475,50 @@ fn gid_knobs_pick_the_expected_gid() {
     ip(&["addr", "del", "fd00:198:18::1/64", "dev", "vethA"]);
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn after_a_gid_change_new_connections_use_the_new_table() {
+    require_vm();
+    let _g = serial();
+    set_env(&[("NCCL_IB_ADDR_RANGE", Some("198.18.2.0/24"))]);
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12).unwrap();
+    let ctx = drv.init(1).unwrap();
+    set_env(&[("NCCL_IB_ADDR_RANGE", None)]);
+    // No GID in the range yet: listening fails and says why.
+    let before = drv.listen(ctx, 1);
+    assert!(before.is_err(), "listened without a usable GID");
+    take_captured();
+    ip(&["addr", "add", "198.18.2.1/24", "dev", "vethA"]);
+    ip(&["addr", "add", "198.18.2.2/24", "dev", "vethB"]);
+    // The async-event thread hears the GID changes.
+    let mut seen = Vec::new();
+    wait_for("GID change events", 20, || {
+        seen.extend(take_captured().into_iter().map(|l| l.2));
+        ["rxe0", "rxe1"]
+            .iter()
+            .all(|d| seen.iter().any(|l| l.contains(&format!("{d}: GID table changed"))))
+    });
+    let (send, recv) = pair(&drv, ctx, 1, 0).unwrap();
+    transfer(&drv, send, recv, 65536, 9).unwrap();
+    let lines: Vec<String> = take_captured().into_iter().map(|l| l.2).collect();
+    drv.close(Close::Send, send).unwrap();
+    drv.close(Close::Recv, recv).unwrap();
+    drv.finalize(ctx).unwrap();
+    ip(&["addr", "del", "198.18.2.1/24", "dev", "vethA"]);
+    ip(&["addr", "del", "198.18.2.2/24", "dev", "vethB"]);
+    eprintln!("{before:?}\n{seen:#?}\n{lines:#?}");
+    assert!(
+        lines.iter().any(|l| l.contains("rxe0 uses GID index")
+            && l.contains("198.18.2.1")
+            && l.contains("after a GID table change")),
+        "{lines:#?}"
+    );
+    assert!(
+        lines.iter().any(|l| l.contains("connected to")
+            && l.contains("GID 198.18.2.1")
+            && l.contains("-> 198.18.2.2")),
+        "{lines:#?}"
+    );
+}

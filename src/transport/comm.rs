@@ -557,6 +557,9 @@ impl SendComm {
             }
             if n < wcs.len() {
                 self.watchdog.check(&mut self.fatal, &self.path);
+                if let (None, Err(e)) = (&self.fatal, self.net.devices[self.dev].check_alive()) {
+                    self.fatal = Some(e.to_string());
+                }
                 return self.fatal();
             }
         }
@@ -828,6 +831,9 @@ impl RecvComm {
             }
             if n < wcs.len() {
                 self.watchdog.check(&mut self.fatal, &self.path);
+                if let (None, Err(e)) = (&self.fatal, self.net.devices[self.dev].check_alive()) {
+                    self.fatal = Some(e.to_string());
+                }
                 return self.fatal();
             }
         }

@@ -6,6 +6,7 @@
 //! everything filtered out by `NCCL_IB_HCA`, or no ACTIVE port), so NCCL's fallback to another
 //! transport is explained instead of silent.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::gid::{self, GidChoice, GidEntry, GidType};
@@ -33,10 +34,76 @@ pub struct NetDevice {
     pub plane: Option<i16>,
     /// The protection domain every comm on this device shares.
     pub pd: Arc<Pd>,
-    /// The GID connections use, or why there is none.
-    pub gid: Result<GidChoice, String>,
+    /// The GID new connections use, or why there is none; re-chosen after a GID change.
+    gid: Mutex<Result<GidChoice, String>>,
+    /// Set by the async-event thread; read by every connection setup and data-path call.
+    pub flags: Arc<DeviceFlags>,
     /// Registrations shared by every comm on this device.
     pub mrs: Mutex<MrCache<Arc<Mr>>>,
+}
+
+/// What the async-event thread reports about a device.
+#[derive(Debug, Default)]
+pub struct DeviceFlags {
+    /// The port's GID table changed: the next connection re-reads it.
+    pub gid_stale: AtomicBool,
+    /// The device reported `IBV_EVENT_DEVICE_FATAL`: every later call fails.
+    pub fatal: AtomicBool,
+}
+
+impl NetDevice {
+    /// The GID for a new connection, re-chosen first if the table changed.
+    pub fn gid(&self, config: &Config) -> Result<GidChoice> {
+        let mut gid = self.gid.lock().unwrap_or_else(|p| p.into_inner());
+        if self.flags.gid_stale.swap(false, Ordering::AcqRel) {
+            *gid = choose_gid(&self.name, &self.ctx, self.port, self.link_layer, config);
+            log_gid(&self.name, &gid, "after a GID table change");
+        }
+        gid.clone().map_err(Error::NoDevice)
+    }
+
+    /// An error if the device has failed fatally.
+    pub fn check_alive(&self) -> Result<()> {
+        if self.flags.fatal.load(Ordering::Relaxed) {
+            return Err(Error::Remote(format!(
+                "{} reported a fatal device error (IBV_EVENT_DEVICE_FATAL); see dmesg",
+                self.name
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Reads the port's GID table and chooses from it; the error is the reason as text.
+fn choose_gid(
+    name: &str,
+    ctx: &verbs::Context,
+    port: u8,
+    link: LinkLayer,
+    config: &Config,
+) -> Result<GidChoice, String> {
+    let len = ctx.query_port(port).map(|pa| pa.gid_tbl_len).map_err(|e| e.to_string())?;
+    let table = gid_table(ctx, port, len);
+    gid::choose(name, &table, config, link == LinkLayer::Ethernet).map_err(|e| match e {
+        Error::NoDevice(why) => why,
+        other => other.to_string(),
+    })
+}
+
+/// One line that says which GID a device uses and why (INFO), or why it has none (WARN).
+pub fn log_gid(name: &str, gid: &Result<GidChoice, String>, when: &str) {
+    match gid {
+        Ok(g) => log::info!(
+            target: "init",
+            "{name} uses GID index {} ({}, {} on {}) {when}: {}",
+            g.index,
+            std::net::Ipv6Addr::from(g.gid),
+            g.ip(),
+            g.netdev.as_deref().unwrap_or("?"),
+            g.why
+        ),
+        Err(e) => log::warn!("{name} {when}: {e}"),
+    }
 }
 
 /// What selection needs to know about one port; filled from verbs, or by tests.
@@ -186,16 +253,11 @@ pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
         .zip(names)
         .map(|(Selected { index: i, rail, plane }, name)| {
             let (ctx, attr, pa) = &found[i];
-            let port = ports[i].port;
-            let ethernet = pa.link_layer == LinkLayer::Ethernet;
-            let table = gid_table(ctx, port, pa.gid_tbl_len);
-            let gid = gid::choose(&name, &table, config, ethernet).map_err(|e| match e {
-                Error::NoDevice(why) => why,
-                other => other.to_string(),
-            });
+            let gid = choose_gid(&name, ctx, ports[i].port, pa.link_layer, config);
             Ok(NetDevice {
                 pd: Pd::new(ctx)?,
-                gid,
+                gid: Mutex::new(gid),
+                flags: Arc::default(),
                 mrs: Mutex::new(MrCache::new(crate::os::page_size())),
                 pci_path: verbs::sysfs::device_path(ctx.name())
                     .map(|p| p.to_string_lossy().into_owned()),

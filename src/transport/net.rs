@@ -14,12 +14,116 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::config::Config;
 use crate::error::{Error, Result};
 
-use super::device::{self, NetDevice};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::device::{self, DeviceFlags, NetDevice};
+use crate::verbs;
 
 /// The devices and configuration shared by every communicator.
 pub struct Net {
     pub config: Config,
     pub devices: Vec<NetDevice>,
+    /// Stopped and joined when the last user lets go, so the library can be unloaded.
+    events: Option<EventThread>,
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        if let Some(t) = self.events.take() {
+            t.stop();
+        }
+    }
+}
+
+/// A port the event thread reports on: its number, its device's name, its flags.
+type Watched = (u8, String, Arc<DeviceFlags>);
+
+/// The one thread that reads the devices' asynchronous events: GID changes mark the GID stale
+/// (new connections re-read the table), a fatal device error marks the device failed, port
+/// state changes are logged. It wakes every 100 ms to see whether it must stop.
+struct EventThread {
+    stop: Arc<AtomicBool>,
+    handle: std::thread::JoinHandle<()>,
+}
+
+impl EventThread {
+    fn start(devices: &[NetDevice]) -> Result<EventThread> {
+        // One entry per distinct context (ports of one device share its event queue).
+        let mut watched: Vec<(Arc<verbs::Context>, Vec<Watched>)> = Vec::new();
+        for d in devices {
+            let entry = (d.port, d.name.clone(), d.flags.clone());
+            match watched.iter_mut().find(|(c, _)| Arc::ptr_eq(c, &d.ctx)) {
+                Some((_, ports)) => ports.push(entry),
+                None => {
+                    d.ctx.async_nonblocking()?;
+                    watched.push((d.ctx.clone(), vec![entry]));
+                }
+            }
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopping = stop.clone();
+        let handle = std::thread::Builder::new()
+            .name("ferroce-events".into())
+            .spawn(move || {
+                let contexts: Vec<&verbs::Context> = watched.iter().map(|(c, _)| &**c).collect();
+                while !stopping.load(Ordering::Acquire) {
+                    for (i, ev) in verbs::wait_async(&contexts, 100) {
+                        handle_event(&watched[i].1, ev);
+                    }
+                }
+            })
+            .map_err(|err| Error::Os {
+                call: "thread spawn",
+                err,
+                context: "async events".into(),
+            })?;
+        Ok(EventThread { stop, handle })
+    }
+
+    fn stop(self) {
+        self.stop.store(true, Ordering::Release);
+        if self.handle.join().is_err() {
+            log::warn!("the async-event thread panicked");
+        }
+    }
+}
+
+fn handle_event(ports: &[Watched], ev: verbs::AsyncEvent) {
+    use verbs::AsyncEvent::*;
+    let on_port = |p: u8| ports.iter().filter(move |(port, _, _)| *port == p || p == 0);
+    match ev {
+        GidChange(p) => {
+            for (_, name, flags) in on_port(p) {
+                log::info!(
+                    "{name}: GID table changed; new connections will choose their GID again"
+                );
+                flags.gid_stale.store(true, Ordering::Release);
+            }
+        }
+        PortError(p) => {
+            for (_, name, _) in on_port(p) {
+                log::warn!(
+                    "{name}: port went down (IBV_EVENT_PORT_ERR); check the link with `rdma link show`"
+                );
+            }
+        }
+        PortActive(p) => {
+            for (_, name, _) in on_port(p) {
+                log::info!("{name}: port is ACTIVE again");
+            }
+        }
+        DeviceFatal => {
+            for (_, name, flags) in ports {
+                log::warn!(
+                    "{name}: fatal device error (IBV_EVENT_DEVICE_FATAL); its connections fail from now on"
+                );
+                flags.fatal.store(true, Ordering::Release);
+            }
+        }
+        Other(kind) => {
+            log::info!("async event {kind} on {}", ports.first().map_or("?", |p| p.1.as_str()))
+        }
+    }
 }
 
 /// What `init` hands NCCL as `ctx`: one per communicator.
@@ -49,19 +153,11 @@ impl Net {
         config.log();
         let devices = device::discover(&config)?;
         for (i, d) in devices.iter().enumerate() {
-            match &d.gid {
-                Ok(g) => log::info!(
-                    target: "init",
-                    "device {i}: {} uses GID index {} ({}, {} on {}): {}",
-                    d.name,
-                    g.index,
-                    std::net::Ipv6Addr::from(g.gid),
-                    g.ip(),
-                    g.netdev.as_deref().unwrap_or("?"),
-                    g.why
-                ),
-                Err(e) => log::warn!("device {i}: {e}"),
-            }
+            let gid = d.gid(&config).map_err(|e| match e {
+                Error::NoDevice(why) => why,
+                other => other.to_string(),
+            });
+            device::log_gid(&format!("device {i}: {}", d.name), &gid, "at init");
             log::info!(
                 target: "init",
                 "device {i}: {} port {} ({:?}), {} Mbps, active MTU {}, guid {:#018x}, max_qp {}, \
@@ -76,7 +172,8 @@ impl Net {
                 d.pci_path.as_deref().unwrap_or("(none)")
             );
         }
-        Ok(Net { config, devices })
+        let events = Some(EventThread::start(&devices)?);
+        Ok(Net { config, devices, events })
     }
 
     pub fn device(&self, dev: i32) -> Result<&NetDevice> {

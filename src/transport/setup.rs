@@ -108,7 +108,9 @@ impl std::fmt::Display for Bad {
 }
 
 fn gid_of(net: &Net, dev: usize) -> Result<GidChoice> {
-    net.devices[dev].gid.clone().map_err(Error::NoDevice)
+    let d = &net.devices[dev];
+    d.check_alive()?;
+    d.gid(&net.config)
 }
 
 /// How a connection uses its queue pairs: chosen by the connector, followed by the acceptor.
@@ -226,7 +228,7 @@ fn path(net: &Net, dev: usize, peer: SocketAddr, remote: &Msg, p: &Policy, tc: u
     let d = &net.devices[dev];
     let c = &net.config;
     let local =
-        d.gid.as_ref().map(|g| format!("{} (index {})", g.ip(), g.index)).unwrap_or_default();
+        gid_of(net, dev).map(|g| format!("{} (index {})", g.ip(), g.index)).unwrap_or_default();
     let mtu = device::mtu_bytes(d.active_mtu.min(u32::from(remote.mtu)));
     let describe = format!(
         "{} GID {local} -> {}, path MTU {mtu}, tc {tc}, sl {}, NCCL_IB_TIMEOUT {} / NCCL_IB_RETRY_CNT {} (retries end after {:.3} s)",

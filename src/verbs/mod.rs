@@ -10,6 +10,7 @@
 mod buf;
 mod cq;
 mod device;
+mod events;
 mod pd;
 mod qp;
 pub mod sysfs;
@@ -17,5 +18,6 @@ pub mod sysfs;
 pub use buf::RegisteredBuf;
 pub use cq::{Completion, Cq, WC_RECV_RDMA_WITH_IMM, status_str};
 pub use device::{Context, DeviceAttr, LinkLayer, PortAttr, PortState, open_all};
+pub use events::{AsyncEvent, wait_async};
 pub use pd::{ACCESS_LOCAL_WRITE, ACCESS_REMOTE_READ, ACCESS_REMOTE_WRITE, Mr, Pd};
 pub use qp::{MAX_CHAIN, Op, Qp, QpCaps, RtrAttr, RtsAttr, SendWr};
