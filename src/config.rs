@@ -413,6 +413,18 @@ mod tests {
     }
 
     #[test]
+    fn the_readme_lists_every_knob() {
+        let readme = include_str!("../README.md");
+        for k in KNOBS {
+            assert!(
+                readme.contains(&format!("| `{}` |", k.name)),
+                "README knob table lacks {}",
+                k.name
+            );
+        }
+    }
+
+    #[test]
     fn malformed_values_name_the_knob() {
         for (k, v) in [
             ("NCCL_IB_HCA", "rxe0:x"),
