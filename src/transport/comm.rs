@@ -27,6 +27,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::device::NetDevice;
 use super::net::Net;
 use crate::error::{Error, Result};
 use crate::verbs::{self, Completion, Cq, MAX_CHAIN, Mr, Op, Qp, RegisteredBuf, SendWr};
@@ -156,6 +157,28 @@ impl Watchdog {
             ));
         }
     }
+}
+
+/// The first failure of a comm, as every later call reports it.
+fn reported(fatal: &Option<String>) -> Result<()> {
+    fatal.as_ref().map_or(Ok(()), |e| Err(Error::Remote(e.clone())))
+}
+
+/// `nqps` RC queue pairs on device `d`, sharing `cq`, moved to INIT with `access`.
+fn create_qps(
+    d: &NetDevice,
+    cq: &Arc<Cq>,
+    nqps: usize,
+    caps: verbs::QpCaps,
+    access: u32,
+) -> Result<Vec<Qp>> {
+    (0..nqps)
+        .map(|_| {
+            let qp = Qp::create_rc(&d.pd, cq, caps)?;
+            qp.to_init(d.port, access)?;
+            Ok(qp)
+        })
+        .collect()
 }
 
 /// The lanes (QP indices) a slot's message uses.
@@ -298,13 +321,8 @@ impl SendParts {
         let d = &net.devices[dev];
         let cq = Cq::new(&d.ctx, (nqps * SEND_QUEUE + 64).min(32767) as i32)?;
         let caps = verbs::QpCaps { max_send_wr: SEND_QUEUE as u32, max_recv_wr: 1 };
-        let qps = (0..nqps)
-            .map(|_| {
-                let qp = Qp::create_rc(&d.pd, &cq, caps)?;
-                qp.to_init(d.port, verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_WRITE)?;
-                Ok(qp)
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let qps =
+            create_qps(d, &cq, nqps, caps, verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_WRITE)?;
         let fifo = RegisteredBuf::new(
             &d.pd,
             SLOTS * MAX_RECVS * ENTRY,
@@ -364,10 +382,7 @@ impl SendComm {
     }
 
     fn fatal(&self) -> Result<()> {
-        match &self.fatal {
-            Some(e) => Err(Error::Remote(e.clone())),
-            None => Ok(()),
-        }
+        reported(&self.fatal)
     }
 
     /// Matches a send against the receiver's posted buffers. `Ok(None)`: not yet (the receive
@@ -666,13 +681,7 @@ impl RecvParts {
             verbs::QpCaps { max_send_wr: (2 * SLOTS) as u32, max_recv_wr: (2 * SLOTS) as u32 };
         let access =
             verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_WRITE | verbs::ACCESS_REMOTE_READ;
-        let qps = (0..nqps)
-            .map(|_| {
-                let qp = Qp::create_rc(&d.pd, &cq, caps)?;
-                qp.to_init(d.port, access)?;
-                Ok(qp)
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let qps = create_qps(d, &cq, nqps, caps, access)?;
         let cts_stage =
             RegisteredBuf::new(&d.pd, SLOTS * MAX_RECVS * ENTRY, verbs::ACCESS_LOCAL_WRITE)?;
         let sizes = RegisteredBuf::new(
@@ -726,10 +735,7 @@ impl RecvComm {
     }
 
     fn fatal(&self) -> Result<()> {
-        match &self.fatal {
-            Some(e) => Err(Error::Remote(e.clone())),
-            None => Ok(()),
-        }
+        reported(&self.fatal)
     }
 
     /// Posts `bufs` (with their tags) as one multi-receive. `Ok(None)`: all slots busy.

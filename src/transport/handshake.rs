@@ -65,6 +65,19 @@ fn get<const N: usize>(b: &[u8], off: usize) -> [u8; N] {
     b[off..off + N].try_into().expect("in bounds")
 }
 
+/// The magic and version that open both the handle and every message.
+fn check_magic_version(b: &[u8]) -> Result<(), Reject> {
+    let magic = u64::from_le_bytes(get(b, 0));
+    if magic != MAGIC {
+        return Err(Reject::Magic(magic));
+    }
+    let version = u32::from_le_bytes(get(b, 8));
+    if version != VERSION {
+        return Err(Reject::Version(version));
+    }
+    Ok(())
+}
+
 impl Handle {
     /// Writes the published part; the connector-state bytes are zeroed.
     pub fn encode(&self, out: &mut [u8; HANDLE_SIZE]) {
@@ -82,14 +95,7 @@ impl Handle {
     }
 
     pub fn decode(b: &[u8; HANDLE_SIZE]) -> Result<Handle, Reject> {
-        let magic = u64::from_le_bytes(get(b, 0));
-        if magic != MAGIC {
-            return Err(Reject::Magic(magic));
-        }
-        let version = u32::from_le_bytes(get(b, 8));
-        if version != VERSION {
-            return Err(Reject::Version(version));
-        }
+        check_magic_version(b)?;
         let v6 = Ipv6Addr::from(get::<16>(b, 16));
         let ip = match b[12] {
             4 => IpAddr::V4(v6.to_ipv4_mapped().ok_or(Reject::Field("handle address"))?),
@@ -169,14 +175,7 @@ impl Msg {
     /// has said enough.
     pub fn check_header(b: &[u8]) -> Result<(), Reject> {
         debug_assert!(b.len() >= HEADER_LEN);
-        let magic = u64::from_le_bytes(get(b, 0));
-        if magic != MAGIC {
-            return Err(Reject::Magic(magic));
-        }
-        let version = u32::from_le_bytes(get(b, 8));
-        if version != VERSION {
-            return Err(Reject::Version(version));
-        }
+        check_magic_version(b)?;
         let len = u32::from_le_bytes(get(b, 16));
         if len as usize != MSG_LEN {
             return Err(Reject::Length(len));
