@@ -21,7 +21,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ferroce::ffi::driver::{Close, Driver, Ptr};
+use ferroce::ffi::driver::{self, Close, Driver, Ptr};
 use ferroce::ffi::loader::{ECHO, Library};
 
 const WINDOW: usize = 32;
@@ -151,17 +151,8 @@ fn unhex(s: &str) -> Result<[u8; 128], String> {
     Ok(out)
 }
 
-fn until<T>(what: &str, mut f: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
-    let deadline = Instant::now() + STEP;
-    loop {
-        if let Some(v) = f()? {
-            return Ok(v);
-        }
-        if Instant::now() > deadline {
-            return Err(format!("{what}: no progress within {STEP:?}"));
-        }
-        std::hint::spin_loop();
-    }
+fn until<T>(what: &str, f: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
+    driver::until(what, STEP, f)
 }
 
 fn role(sender: bool, args: &[String]) -> Result<(), String> {

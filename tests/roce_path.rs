@@ -15,14 +15,6 @@ use ferroce::ffi::driver::{Close, Driver, Ptr};
 use ferroce::ffi::loader::take_captured;
 use ferroce::transport::ecmp;
 
-fn require_vm() {
-    assert_eq!(
-        std::env::var("FERROCE_IN_VM").as_deref(),
-        Ok("1"),
-        "this test must run inside the Soft-RoCE VM (ci/vm.sh); it cannot pass elsewhere"
-    );
-}
-
 const SENDER: [u8; 4] = [198, 18, 0, 1];
 
 /// Sends `count` messages of `size` bytes from rxe0 to rxe1 on a fresh connection, with the

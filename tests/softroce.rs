@@ -14,15 +14,6 @@ use ferroce::ffi::driver::{Close, Driver};
 use ferroce::ffi::loader::{Library, capture_logger, take_captured};
 use ferroce::transport::handshake::{Handle, Kind, Msg};
 
-/// Fails loudly unless this runs inside the test VM.
-fn require_vm() {
-    assert_eq!(
-        std::env::var("FERROCE_IN_VM").as_deref(),
-        Ok("1"),
-        "this test must run inside the Soft-RoCE VM (ci/vm.sh); it cannot pass elsewhere"
-    );
-}
-
 fn v12(lib: &Library) -> &ncclNet_v12_t {
     // SAFETY: the symbol is an ncclNet_v12_t; the reference does not outlive `lib`.
     unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.expect("ncclNetPlugin_v12")

@@ -386,6 +386,25 @@ impl<'a> Driver<'a> {
     }
 }
 
+/// Calls `f` until it yields a value, for at most `limit`: the bounded "call again" loop every
+/// caller of a non-blocking ncclNet call needs.
+pub fn until<T>(
+    what: &str,
+    limit: std::time::Duration,
+    mut f: impl FnMut() -> Result<Option<T>, String>,
+) -> Result<T, String> {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        if let Some(v) = f()? {
+            return Ok(v);
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(format!("{what}: no progress within {limit:?}"));
+        }
+        std::hint::spin_loop();
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 pub enum Close {
     Send,

@@ -91,16 +91,17 @@ pub fn pair(drv: &Driver, ctx: Ptr, rdev: i32, sdev: i32) -> Result<(Ptr, Ptr), 
 }
 
 /// Polls `f` until it yields, for at most 30 s.
-pub fn until<T>(what: &str, mut f: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(v) = f()? {
-            return Ok(v);
-        }
-        if Instant::now() > deadline {
-            return Err(format!("{what}: no progress within 30 s"));
-        }
-    }
+pub fn until<T>(what: &str, f: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
+    ferroce::ffi::driver::until(what, Duration::from_secs(30), f)
+}
+
+/// Fails loudly unless this runs inside the test VM.
+pub fn require_vm() {
+    assert_eq!(
+        std::env::var("FERROCE_IN_VM").as_deref(),
+        Ok("1"),
+        "this test must run inside the Soft-RoCE VM (ci/vm.sh); it cannot pass elsewhere"
+    );
 }
 
 /// Sends `size` bytes over a connected pair and checks they arrive intact.

@@ -11,7 +11,14 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use ferroce::ffi::driver::{Close, Driver, Ptr};
+use ferroce::ffi::driver::{self, Close, Driver, Ptr};
+
+/// How long one step may make no progress.
+const STEP: Duration = Duration::from_secs(120);
+
+fn until<T>(what: &str, f: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
+    driver::until(what, STEP, f)
+}
 use ferroce::ffi::loader::{ECHO, Library};
 
 const BW_SIZES: [usize; 5] = [8, 4096, 65536, 1 << 20, 8 << 20];
@@ -30,18 +37,6 @@ struct Opts {
     gids: (String, String),
     peer_ip: String,
     perftest: bool,
-}
-
-fn until<T>(what: &str, mut f: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        if let Some(v) = f()? {
-            return Ok(v);
-        }
-        if Instant::now() > deadline {
-            return Err(format!("{what}: no progress within 120 s"));
-        }
-    }
 }
 
 /// One rank: its plugin context, a send comm to the peer, a receive comm from it.
