@@ -164,8 +164,7 @@ fn dscp_on_the_wire_matches_the_traffic_class_knobs() {
 }
 
 fn netem(args: &[&str]) {
-    let st = Command::new("tc").args(["qdisc"]).args(args).status().unwrap();
-    assert!(st.success(), "tc qdisc {args:?}");
+    run("tc", &[&["qdisc"], args].concat());
 }
 
 #[test]
@@ -249,8 +248,7 @@ fn send_into_total_loss() -> (Duration, String, Vec<String>) {
     };
     let took = t.elapsed();
     netem(&["del", "dev", "vethA", "root"]);
-    let warns: Vec<String> =
-        take_captured().into_iter().filter(|l| l.0 == 2).map(|l| l.2).collect();
+    let warns: Vec<String> = warnings();
     let _ = (drv.close(Close::Send, send), drv.close(Close::Recv, recv));
     drv.finalize(ctx).unwrap();
     (took, err, warns)
@@ -342,8 +340,7 @@ fn a_deleted_peer_device_fails_the_sender_within_the_progress_deadline() {
         }
     };
     let took = t.elapsed();
-    let warns: Vec<String> =
-        take_captured().into_iter().filter(|l| l.0 == 2).map(|l| l.2).collect();
+    let warns: Vec<String> = warnings();
     // Put rxe1 back for whatever runs next in this VM.
     wait_for("rxe1 re-added", 20, || {
         Command::new("rdma")
@@ -370,8 +367,7 @@ fn a_deleted_peer_device_fails_the_sender_within_the_progress_deadline() {
 }
 
 fn ip(args: &[&str]) {
-    let st = Command::new("ip").args(args).status().unwrap();
-    assert!(st.success(), "ip {args:?}");
+    run("ip", args);
 }
 
 /// The GID line the plugin logs for rxe0 under the given knobs.

@@ -272,9 +272,7 @@ fn wait_ports(want: &str) {
 }
 
 fn ip_link(state: &str) {
-    let ok =
-        std::process::Command::new("ip").args(["link", "set", "vethA", state]).status().unwrap();
-    assert!(ok.success(), "ip link set vethA {state}");
+    run("ip", &["link", "set", "vethA", state]);
 }
 
 #[test]
@@ -373,7 +371,7 @@ fn garbage_and_silent_peers_are_dropped_and_the_rightful_peer_is_served() {
         let c0 = Instant::now();
         assert_eq!(drv.accept(listen).unwrap(), None);
         assert!(c0.elapsed() < Duration::from_millis(200), "accept blocked");
-        warns.extend(take_captured().into_iter().filter(|l| l.0 == 2).map(|l| l.2));
+        warns.extend(warnings());
         assert!(t.elapsed() < Duration::from_secs(10), "not all rejected: {warns:#?}");
     }
     assert!(
@@ -386,21 +384,12 @@ fn garbage_and_silent_peers_are_dropped_and_the_rightful_peer_is_served() {
     assert_eq!(warns.len(), attacks.len(), "{warns:#?}");
     assert!(warns.iter().all(|w| w.contains("rejected connection from 198.18.0.")), "{warns:#?}");
     // The rightful peer still gets through, and data flows.
-    let (mut send, mut recv) = (None, None);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while send.is_none() || recv.is_none() {
-        if send.is_none() {
-            send = drv.connect(ctx, 0, &mut handle).unwrap();
-        }
-        if recv.is_none() {
-            recv = drv.accept(listen).unwrap();
-        }
-        assert!(Instant::now() < deadline);
-    }
-    transfer(&drv, send.unwrap(), recv.unwrap(), 65536, 3).unwrap();
+    let (send, recv) =
+        drv.connect_both(ctx, 0, &mut handle, listen, Duration::from_secs(30)).unwrap();
+    transfer(&drv, send, recv, 65536, 3).unwrap();
     drv.close(Close::Listen, listen).unwrap();
-    drv.close(Close::Send, send.unwrap()).unwrap();
-    drv.close(Close::Recv, recv.unwrap()).unwrap();
+    drv.close(Close::Send, send).unwrap();
+    drv.close(Close::Recv, recv).unwrap();
     drv.finalize(ctx).unwrap();
 }
 
@@ -432,8 +421,7 @@ fn a_peer_that_dies_after_its_hello_fails_accept_naming_peer_and_step() {
         assert!(t.elapsed() < Duration::from_secs(10), "accept did not fail in time");
     };
     assert!(err.contains("ncclResult 6"), "{err}");
-    let warns: Vec<String> =
-        take_captured().into_iter().filter(|l| l.0 == 2).map(|l| l.2).collect();
+    let warns: Vec<String> = warnings();
     let w =
         warns.iter().find(|w| w.contains("accept from")).unwrap_or_else(|| panic!("{warns:#?}"));
     assert!(w.contains(&me.to_string()) && w.contains("wait for ready"), "{w}");
@@ -465,8 +453,7 @@ fn a_silent_listener_fails_connect_within_the_deadline() {
     let took = t.elapsed();
     assert!(took >= Duration::from_millis(1400) && took < Duration::from_secs(5), "{took:?}");
     assert!(err.contains("ncclResult 6"), "{err}");
-    let warns: Vec<String> =
-        take_captured().into_iter().filter(|l| l.0 == 2).map(|l| l.2).collect();
+    let warns: Vec<String> = warnings();
     let want = format!("connect to {}: wait for reply", silent.local_addr().unwrap());
     assert!(
         warns.iter().any(|w| w.contains(&want) && w.contains("FERROCE_SETUP_TIMEOUT_MS")),
@@ -501,8 +488,7 @@ fn a_send_larger_than_the_posted_receive_is_an_error() {
         }
     };
     assert!(err.contains("ncclResult 3"), "{err}");
-    let warns: Vec<String> =
-        take_captured().into_iter().filter(|l| l.0 == 2).map(|l| l.2).collect();
+    let warns: Vec<String> = warnings();
     assert!(
         warns.iter().any(|w| w.contains("200 bytes") && w.contains("posted receive of 100")),
         "{warns:#?}"

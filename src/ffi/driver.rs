@@ -179,6 +179,29 @@ impl<'a> Driver<'a> {
         ok("connect", r).map(|_| (!comm.is_null()).then_some(comm))
     }
 
+    /// Drives `connect` (on `dev`, towards `handle`) and `accept` (on `listen`) from one thread
+    /// until both ends exist, for at most `limit`: how one process connects to a peer whose
+    /// listener may be its own. Returns `(sendComm, recvComm)`.
+    pub fn connect_both(
+        &self,
+        ctx: Ptr,
+        dev: c_int,
+        handle: &mut [u8; 128],
+        listen: Ptr,
+        limit: std::time::Duration,
+    ) -> Result<(Ptr, Ptr), String> {
+        let (mut send, mut recv) = (None, None);
+        until("connect and accept", limit, || {
+            if send.is_none() {
+                send = self.connect(ctx, dev, handle)?;
+            }
+            if recv.is_none() {
+                recv = self.accept(listen)?;
+            }
+            Ok(send.zip(recv))
+        })
+    }
+
     /// One `accept` call; `None` means "call again".
     pub fn accept(&self, listen: Ptr) -> Result<Option<Ptr>, String> {
         let mut comm = null_mut();

@@ -65,7 +65,7 @@ pub fn open_plugin() -> Library {
     Library::open(path.to_str().expect("utf-8 path")).expect("dlopen plugin")
 }
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ferroce::ffi::driver::{Close, Driver, Ptr};
 
@@ -73,21 +73,20 @@ use ferroce::ffi::driver::{Close, Driver, Ptr};
 /// thread (connect and accept never block).
 pub fn pair(drv: &Driver, ctx: Ptr, rdev: i32, sdev: i32) -> Result<(Ptr, Ptr), String> {
     let (mut handle, listen) = drv.listen(ctx, rdev)?;
-    let (mut send, mut recv) = (None, None);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while send.is_none() || recv.is_none() {
-        if send.is_none() {
-            send = drv.connect(ctx, sdev, &mut handle)?;
-        }
-        if recv.is_none() {
-            recv = drv.accept(listen)?;
-        }
-        if Instant::now() > deadline {
-            return Err("pair: not connected within 30 s".into());
-        }
-    }
+    let comms = drv.connect_both(ctx, sdev, &mut handle, listen, Duration::from_secs(30))?;
     drv.close(Close::Listen, listen)?;
-    Ok((send.unwrap(), recv.unwrap()))
+    Ok(comms)
+}
+
+/// The WARN lines the plugin logged since the last look (the capture is emptied).
+pub fn warnings() -> Vec<String> {
+    ferroce::ffi::loader::take_captured().into_iter().filter(|l| l.0 == 2).map(|l| l.2).collect()
+}
+
+/// Runs a system command that must succeed (ip, tc, ...).
+pub fn run(cmd: &str, args: &[&str]) {
+    let st = Command::new(cmd).args(args).status().unwrap_or_else(|e| panic!("{cmd}: {e}"));
+    assert!(st.success(), "{cmd} {args:?}: {st}");
 }
 
 /// Polls `f` until it yields, for at most 30 s.

@@ -63,18 +63,8 @@ fn rank<'a>(
     let (handle, listen) = drv.listen(ctx, dev)?;
     tx.send(handle).map_err(|e| e.to_string())?;
     let mut peer = rx.recv_timeout(Duration::from_secs(60)).map_err(|e| e.to_string())?;
-    let (mut send, mut recv) = (None, None);
-    until("connect", || {
-        if send.is_none() {
-            send = drv.connect(ctx, dev, &mut peer)?;
-        }
-        if recv.is_none() {
-            recv = drv.accept(listen)?;
-        }
-        Ok((send.is_some() && recv.is_some()).then_some(()))
-    })?;
+    let (send, recv) = drv.connect_both(ctx, dev, &mut peer, listen, STEP)?;
     drv.close(Close::Listen, listen)?;
-    let (send, recv) = (send.unwrap(), recv.unwrap());
     let mut buf = vec![0u8; 2 * MAX];
     let smh = drv.reg_mr(send, buf.as_mut_ptr(), MAX)?;
     // SAFETY: MAX < buf.len().
