@@ -56,6 +56,9 @@ knobs! {
     "NCCL_SOCKET_IFNAME", "(the GID's interface)", "interface whose address the connection-setup listener binds";
     "FERROCE_SETUP_TIMEOUT_MS", "120000", "deadline of each connection-setup step (TCP connect, each handshake message, waiting for a peer)";
     "FERROCE_FORCE_FLUSH", "0", "1: iflush issues the GPUDirect RDMA-read flush even for host memory (testing)";
+    "NCCL_DMABUF_ENABLE", "1", "0: never offer dma-buf registration of GPU memory (peer memory still works)";
+    "NCCL_GDR_FLUSH_DISABLE", "0", "1: no RDMA-read flush after receives into GPU memory";
+    "NCCL_IB_PCI_RELAXED_ORDERING", "2", "relaxed ordering for NCCL's buffers: 0 off, 1 on (WARN where impossible), 2 on where the provider accepts it";
 }
 
 /// Which addresses the automatic GID choice wants.
@@ -115,6 +118,10 @@ pub struct Config {
     pub socket_ifname: Option<String>,
     pub setup_timeout: Duration,
     pub force_flush: bool,
+    pub dmabuf_enable: bool,
+    pub gdr_flush_disable: bool,
+    /// `NCCL_IB_PCI_RELAXED_ORDERING`: 0 off, 1 on, 2 auto.
+    pub relaxed_ordering: u8,
     /// The effective value of every knob, in [`KNOBS`] order, for the INFO lines.
     pub effective: Vec<(&'static str, String)>,
     /// Values replaced to keep every wait bounded: one WARN each at init.
@@ -303,6 +310,9 @@ impl Config {
         let setup_timeout =
             Duration::from_millis(r.int("FERROCE_SETUP_TIMEOUT_MS", 120_000u64, 1..=86_400_000)?);
         let force_flush = r.int("FERROCE_FORCE_FLUSH", 0u8, 0..=1)? == 1;
+        let dmabuf_enable = r.int("NCCL_DMABUF_ENABLE", 1u8, 0..=1)? == 1;
+        let gdr_flush_disable = r.int("NCCL_GDR_FLUSH_DISABLE", 0u8, 0..=1)? == 1;
+        let relaxed_ordering = r.int("NCCL_IB_PCI_RELAXED_ORDERING", 2u8, 0..=2)?;
 
         let mut effective = r.effective;
         effective.sort_by_key(|(k, _)| KNOBS.iter().position(|d| d.name == *k));
@@ -330,6 +340,9 @@ impl Config {
             socket_ifname,
             setup_timeout,
             force_flush,
+            dmabuf_enable,
+            gdr_flush_disable,
+            relaxed_ordering,
             effective,
             warnings,
         })
@@ -396,6 +409,7 @@ mod tests {
             (None, None, 0, Family::V4, 2)
         );
         assert_eq!(d.setup_timeout, Duration::from_secs(120));
+        assert_eq!((d.dmabuf_enable, d.gdr_flush_disable, d.relaxed_ordering), (true, false, 2));
         // 2 x (4.096 us x 2^20 x 8) + 10 s
         assert_eq!(d.progress_timeout.as_millis(), 2 * 34_359_738 / 1000 + 10_000);
         assert!(d.warnings.is_empty());
@@ -443,6 +457,9 @@ mod tests {
             ("NCCL_IB_SL", "16"),
             ("FERROCE_SETUP_TIMEOUT_MS", "0"),
             ("FERROCE_FORCE_FLUSH", "yes"),
+            ("NCCL_DMABUF_ENABLE", "2"),
+            ("NCCL_GDR_FLUSH_DISABLE", "-1"),
+            ("NCCL_IB_PCI_RELAXED_ORDERING", "3"),
         ] {
             let e = with(k, v).unwrap_err().to_string();
             assert!(e.contains(k) && e.contains(v), "{k}={v}: {e}");

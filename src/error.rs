@@ -4,6 +4,8 @@
 //! lives in `ffi::boundary`, the only place that knows NCCL's codes):
 //! - [`Error::Verbs`] and [`Error::Os`]: the OS or the RDMA stack (`ncclSystemError`);
 //! - [`Error::Internal`]: misuse by the caller, e.g. a NULL pointer (`ncclInternalError`);
+//! - [`Error::InvalidArgument`]: an argument the device cannot take, e.g. a memory type that
+//!   `ptrSupport` does not list (`ncclInvalidArgument`);
 //! - [`Error::Config`] and [`Error::NoDevice`]: the user's configuration (`ncclInvalidUsage`);
 //! - [`Error::Remote`]: the peer or a failed completion (`ncclRemoteError`).
 
@@ -25,8 +27,8 @@ pub enum Error {
     Internal(String),
     /// The peer misbehaved or a transfer failed; the text carries an actionable hint.
     Remote(String),
-    /// The entry point exists in the ABI but ferroce does not implement it yet.
-    Unsupported(&'static str),
+    /// An argument this device cannot take (a memory type `ptrSupport` does not list).
+    InvalidArgument(String),
 }
 
 impl Error {
@@ -54,7 +56,7 @@ impl fmt::Display for Error {
             Error::NoDevice(why) => write!(f, "no usable RDMA device: {why}"),
             Error::Internal(what) => write!(f, "internal error: {what}"),
             Error::Remote(what) => write!(f, "{what}"),
-            Error::Unsupported(call) => write!(f, "{call} is not implemented by ferroce yet"),
+            Error::InvalidArgument(what) => write!(f, "invalid argument: {what}"),
         }
     }
 }

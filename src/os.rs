@@ -1,7 +1,8 @@
 //! The few OS calls std does not offer: a non-blocking TCP connect, a zero-timeout writability
-//! check, and the addresses of the network interfaces.
+//! check, the addresses of the network interfaces, and the locked-memory limit.
 //!
-//! Callers: `transport` (connection setup).
+//! Callers: `transport` (connection setup, init), `verbs` (the memlock hint of a failed
+//! registration).
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
@@ -135,4 +136,31 @@ pub fn page_size() -> u64 {
     // SAFETY: sysconf has no preconditions.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     u64::try_from(p).ok().filter(|p| p.is_power_of_two()).unwrap_or(4096)
+}
+
+/// The soft `RLIMIT_MEMLOCK` in bytes; `None` when unlimited (or unreadable).
+pub fn memlock_limit() -> Option<u64> {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes one rlimit.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } != 0 {
+        return None;
+    }
+    (r.rlim_cur != libc::RLIM_INFINITY).then_some(r.rlim_cur)
+}
+
+/// Below this, registering NCCL's buffers is likely to fail.
+pub const MEMLOCK_MIN: u64 = 64 << 20;
+
+/// What to do about a locked-memory limit: the text every memlock message ends with.
+pub fn memlock_hint(limit: Option<u64>) -> String {
+    let now = match limit {
+        None => "unlimited".to_string(),
+        Some(b) => format!("{} KiB", b / 1024),
+    };
+    format!(
+        "RLIMIT_MEMLOCK is {now}; RDMA registration pins memory against it: raise it with \
+         `ulimit -l unlimited` (or /etc/security/limits.conf), in a container with \
+         `--ulimit memlock=-1` (docker) or the runtime's equivalent, under systemd with \
+         LimitMEMLOCK=infinity"
+    )
 }

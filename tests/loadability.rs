@@ -192,7 +192,7 @@ fn unimplemented_calls_report_an_error_and_clear_their_outputs() {
     let net = unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.unwrap();
     let stale = std::ptr::dangling_mut::<c_void>();
     let mut handle = [0u8; 128];
-    let (mut a, mut b, mut c) = (stale, stale, stale);
+    let (mut a, mut b, mut c, mut d) = (stale, stale, stale, stale);
     // SAFETY: valid out-pointers; the plugin must not touch the others.
     unsafe {
         let h = handle.as_mut_ptr().cast();
@@ -202,11 +202,13 @@ fn unimplemented_calls_report_an_error_and_clear_their_outputs() {
             ncclResult_t::ncclSuccess
         );
         assert_ne!(net.accept.unwrap()(null_mut(), &mut c, null_mut()), ncclResult_t::ncclSuccess);
+        let dmabuf = net.regMrDmaBuf.unwrap()(null_mut(), null_mut(), 4096, 2, 0, -1, &mut d);
+        assert_ne!(dmabuf, ncclResult_t::ncclSuccess);
     }
-    assert!(a.is_null() && b.is_null() && c.is_null());
+    assert!(a.is_null() && b.is_null() && c.is_null() && d.is_null());
     // The members the ABI lets a host plugin leave NULL are NULL.
     assert!(net.irecvConsumed.is_none() && net.getDeviceMr.is_none());
-    assert!(net.regMrDmaBuf.is_none() && net.makeVDevice.is_none() && net.setNetAttr.is_none());
+    assert!(net.makeVDevice.is_none() && net.setNetAttr.is_none());
     // SAFETY: name is a static C string.
     assert_eq!(unsafe { CStr::from_ptr(net.name) }, c"ferroce");
     take_captured();

@@ -14,7 +14,8 @@ use crate::error::Error;
 pub fn code(e: &Error) -> ncclResult_t {
     match e {
         Error::Verbs { .. } | Error::Os { .. } => ncclResult_t::ncclSystemError,
-        Error::Internal(_) | Error::Unsupported(_) => ncclResult_t::ncclInternalError,
+        Error::Internal(_) => ncclResult_t::ncclInternalError,
+        Error::InvalidArgument(_) => ncclResult_t::ncclInvalidArgument,
         Error::Config { .. } | Error::NoDevice(_) => ncclResult_t::ncclInvalidUsage,
         Error::Remote(_) => ncclResult_t::ncclRemoteError,
     }
@@ -74,7 +75,7 @@ mod tests {
     fn errors_map_by_fault() {
         assert_eq!(code(&Error::verbs("ibv_x", 5, "d")), ncclResult_t::ncclSystemError);
         assert_eq!(code(&Error::Internal("x".into())), ncclResult_t::ncclInternalError);
-        assert_eq!(code(&Error::Unsupported("x")), ncclResult_t::ncclInternalError);
+        assert_eq!(code(&Error::InvalidArgument("x".into())), ncclResult_t::ncclInvalidArgument);
         assert_eq!(code(&Error::config("K", "v", "r")), ncclResult_t::ncclInvalidUsage);
         assert_eq!(code(&Error::NoDevice("x".into())), ncclResult_t::ncclInvalidUsage);
         assert_eq!(code(&Error::Remote("x".into())), ncclResult_t::ncclRemoteError);

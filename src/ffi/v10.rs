@@ -16,7 +16,7 @@ pub static ncclNetPlugin_v10: Exported<ncclNet_v10_t> = Exported(ncclNet_v10_t {
     connect: Some(connect),
     accept: Some(v12::accept),
     regMr: Some(v12::reg_mr),
-    regMrDmaBuf: None,
+    regMrDmaBuf: Some(v12::reg_mr_dma_buf),
     deregMr: Some(v12::dereg_mr),
     isend: Some(v12::isend),
     irecv: Some(v12::irecv),

@@ -16,7 +16,7 @@ pub static ncclNetPlugin_v11: Exported<ncclNet_v11_t> = Exported(ncclNet_v11_t {
     connect: Some(v12::connect),
     accept: Some(v12::accept),
     regMr: Some(v12::reg_mr),
-    regMrDmaBuf: None,
+    regMrDmaBuf: Some(v12::reg_mr_dma_buf),
     deregMr: Some(v12::dereg_mr),
     isend: Some(v12::isend),
     irecv: Some(v12::irecv),

@@ -12,6 +12,7 @@ use super::handles::{self, AnyComm, clear, out};
 use super::{Exported, PLUGIN_NAME, guard, log};
 use crate::error::{Error, Result};
 use crate::transport::comm::{Buf, MAX_RECVS, RecvComm, ReqKind, SLOTS, SendComm};
+use crate::transport::mr_cache::MemKind;
 use crate::transport::reg::{self, MrHandle};
 use crate::transport::setup::{Connector, Listener};
 use crate::transport::{self, CommContext, NetDevice, handshake};
@@ -26,7 +27,7 @@ pub static ncclNetPlugin_v12: Exported<ncclNet_v12_t> = Exported(ncclNet_v12_t {
     connect: Some(connect),
     accept: Some(accept),
     regMr: Some(reg_mr),
-    regMrDmaBuf: None, // NCCL_PTR_DMABUF is not advertised yet
+    regMrDmaBuf: Some(reg_mr_dma_buf),
     deregMr: Some(dereg_mr),
     isend: Some(isend),
     irecv: Some(irecv),
@@ -101,7 +102,7 @@ pub(super) fn properties(dev: c_int) -> Result<ncclNetProperties_v12_t> {
         name: intern(&d.name),
         pciPath: d.pci_path.as_deref().map_or(std::ptr::null_mut(), intern),
         guid: d.guid,
-        ptrSupport: NCCL_PTR_HOST as c_int,
+        ptrSupport: ptr_support(d),
         regIsGlobal: 1,
         forceFlush: 0,
         speed: d.speed_mbps,
@@ -118,6 +119,18 @@ pub(super) fn properties(dev: c_int) -> Result<ncclNetProperties_v12_t> {
         railId: rail_or_undef(d, |d| d.rail),
         planeId: rail_or_undef(d, |d| d.plane),
     })
+}
+
+/// `NCCL_PTR_HOST`, plus `_CUDA` with peer memory, plus `_DMABUF` where dma-buf works.
+fn ptr_support(d: &NetDevice) -> c_int {
+    let mut bits = NCCL_PTR_HOST;
+    if d.gdr.cuda {
+        bits |= NCCL_PTR_CUDA;
+    }
+    if d.gdr.dmabuf {
+        bits |= NCCL_PTR_DMABUF;
+    }
+    bits as c_int
 }
 
 fn rail_or_undef(d: &NetDevice, f: impl Fn(&NetDevice) -> Option<i16>) -> i16 {
@@ -249,16 +262,42 @@ pub(super) unsafe extern "C" fn reg_mr(
     // SAFETY: NCCL passes NULL or a valid slot.
     unsafe { clear(mhandle) };
     guard("regMr", || {
-        if type_ != NCCL_PTR_HOST as c_int {
-            return Err(Error::config(
-                "regMr type",
-                &type_.to_string(),
-                "ferroce registers host memory only (ptrSupport HOST)",
-            ));
-        }
+        let kind = match type_ as u32 {
+            NCCL_PTR_HOST => MemKind::Host,
+            NCCL_PTR_CUDA => MemKind::Cuda,
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "regMr type {type_} (regMr takes NCCL_PTR_HOST or NCCL_PTR_CUDA)"
+                )));
+            }
+        };
         // SAFETY: comm came from connect/accept.
         let (net, dev) = unsafe { handles::borrow::<AnyComm>(comm, "comm") }?.device();
-        let h = reg::register(net, dev, data as u64, size as u64)?;
+        let h = reg::register(net, dev, kind, data as u64, size as u64)?;
+        // SAFETY: valid slot per the ABI (NULL rejected).
+        *unsafe { out(mhandle, "mhandle") }? = handles::into_raw(h);
+        Ok(())
+    })
+}
+
+/// `regMrDmaBuf` of every version (the signature never changed): registers `[offset, offset +
+/// size)` of the dma-buf `fd` at the address `data`. `type` is NCCL_PTR_CUDA in practice; the
+/// fd says what the memory is, so any type NCCL passes is accepted. The fd stays NCCL's.
+pub(super) unsafe extern "C" fn reg_mr_dma_buf(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: usize,
+    _type: c_int,
+    offset: u64,
+    fd: c_int,
+    mhandle: *mut *mut c_void,
+) -> ncclResult_t {
+    // SAFETY: NCCL passes NULL or a valid slot.
+    unsafe { clear(mhandle) };
+    guard("regMrDmaBuf", || {
+        // SAFETY: comm came from connect/accept.
+        let (net, dev) = unsafe { handles::borrow::<AnyComm>(comm, "comm") }?.device();
+        let h = reg::register_dmabuf(net, dev, data as u64, size as u64, offset, fd)?;
         // SAFETY: valid slot per the ABI (NULL rejected).
         *unsafe { out(mhandle, "mhandle") }? = handles::into_raw(h);
         Ok(())
@@ -372,15 +411,20 @@ pub(super) unsafe extern "C" fn iflush(
         if count > 0 && (data.is_null() || sizes.is_null() || mhandles.is_null()) {
             return Err(Error::Internal("iflush: NULL array".into()));
         }
-        // The flush reads one byte of the last non-empty buffer.
-        // SAFETY: NCCL passes n valid entries in each array.
-        let last = (0..count).rev().find(|&i| unsafe { *sizes.add(i) } > 0);
-        let target = match last {
-            // SAFETY: as above.
-            Some(i) => Some(unsafe { buf(*data.add(i), 1, *mhandles.add(i)) }?),
-            None => None,
-        };
-        if let Some(id) = c.iflush(target)? {
+        // The non-empty buffers and where they live; the comm picks the one to read.
+        let mut bufs = [(Buf { addr: 0, size: 0, lkey: 0, rkey: 0 }, MemKind::Host); MAX_RECVS];
+        let mut k = 0;
+        for i in 0..count {
+            // SAFETY: NCCL passes n valid entries in each array.
+            let (d, s, m) = unsafe { (*data.add(i), *sizes.add(i), *mhandles.add(i)) };
+            if s > 0 && !m.is_null() {
+                // SAFETY: m came from regMr/regMrDmaBuf and is alive until deregMr.
+                let kind = unsafe { handles::mr(m) }?.kind;
+                bufs[k] = (buf(d, 1, m)?, kind);
+                k += 1;
+            }
+        }
+        if let Some(id) = c.iflush(&bufs[..k])? {
             // SAFETY: valid slot per the ABI (NULL rejected).
             *unsafe { out(request, "request") }? = (&raw mut c.headers[id]).cast();
         }

@@ -16,7 +16,7 @@ pub static ncclNetPlugin_v6: Exported<ncclNet_v6_t> = Exported(ncclNet_v6_t {
     connect: Some(connect),
     accept: Some(accept),
     regMr: Some(legacy::reg_mr_int),
-    regMrDmaBuf: None,
+    regMrDmaBuf: Some(v12::reg_mr_dma_buf),
     deregMr: Some(v12::dereg_mr),
     isend: Some(legacy::isend_int),
     irecv: Some(legacy::irecv_int),

@@ -16,7 +16,7 @@ pub static ncclNetPlugin_v7: Exported<ncclNet_v7_t> = Exported(ncclNet_v7_t {
     connect: Some(legacy::connect),
     accept: Some(v12::accept),
     regMr: Some(legacy::reg_mr_int),
-    regMrDmaBuf: None,
+    regMrDmaBuf: Some(v12::reg_mr_dma_buf),
     deregMr: Some(v12::dereg_mr),
     isend: Some(legacy::isend_int),
     irecv: Some(legacy::irecv_int),

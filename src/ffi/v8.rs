@@ -16,7 +16,7 @@ pub static ncclNetPlugin_v8: Exported<ncclNet_v8_t> = Exported(ncclNet_v8_t {
     connect: Some(legacy::connect),
     accept: Some(v12::accept),
     regMr: Some(v12::reg_mr),
-    regMrDmaBuf: None,
+    regMrDmaBuf: Some(v12::reg_mr_dma_buf),
     deregMr: Some(v12::dereg_mr),
     isend: Some(legacy::isend_int),
     irecv: Some(legacy::irecv_int),

@@ -13,7 +13,7 @@ pub static ncclNetPlugin_v9: Exported<ncclNet_v9_t> = Exported(ncclNet_v9_t {
     connect: Some(legacy::connect),
     accept: Some(v12::accept),
     regMr: Some(v12::reg_mr),
-    regMrDmaBuf: None,
+    regMrDmaBuf: Some(v12::reg_mr_dma_buf),
     deregMr: Some(v12::dereg_mr),
     isend: Some(legacy::isend_v9),
     irecv: Some(legacy::irecv_v9),

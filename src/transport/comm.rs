@@ -28,6 +28,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::device::NetDevice;
+use super::mr_cache::MemKind;
 use super::net::Net;
 use crate::error::{Error, Result};
 use crate::verbs::{self, Completion, Cq, MAX_CHAIN, Mr, Op, Qp, RegisteredBuf, SendWr};
@@ -323,6 +324,9 @@ impl SendParts {
         let caps = verbs::QpCaps { max_send_wr: SEND_QUEUE as u32, max_recv_wr: 1 };
         let qps =
             create_qps(d, &cq, nqps, caps, verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_WRITE)?;
+        // The CTS FIFO is registered without IBV_ACCESS_RELAXED_ORDERING, always: isend reads an
+        // entry as valid once its last word (idx) has landed, which is only sound if the
+        // receiver's RDMA write lands in order. Relaxed ordering is for NCCL's buffers only.
         let fifo = RegisteredBuf::new(
             &d.pd,
             SLOTS * MAX_RECVS * ENTRY,
@@ -779,10 +783,14 @@ impl RecvComm {
         Ok(Some(slot))
     }
 
-    /// Issues the flush read for a receive into `buf` (the last non-empty buffer).
-    pub fn iflush(&mut self, buf: Option<Buf>) -> Result<Option<usize>> {
+    /// Issues the flush read for a completed receive whose non-empty buffers are `bufs`: one
+    /// RDMA read of the last one in GPU memory (of the last one, with `FERROCE_FORCE_FLUSH=1`).
+    /// `Ok(None)`: nothing to flush (host memory, or no flush QP on this device).
+    pub fn iflush(&mut self, bufs: &[(Buf, MemKind)]) -> Result<Option<usize>> {
         self.fatal()?;
-        let (Some(f), Some(b)) = (&self.flusher, buf) else { return Ok(None) };
+        let force = self.net.config.force_flush;
+        let target = bufs.iter().rev().find(|(b, k)| b.size > 0 && (force || k.is_gpu()));
+        let (Some(f), Some(&(b, _))) = (&self.flusher, target) else { return Ok(None) };
         let k = self.flush_head % SLOTS;
         if self.flushes[k] != State::Free {
             return Err(Error::Internal(format!("more than {SLOTS} flushes outstanding")));

@@ -9,6 +9,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use super::gdr::{self, Gdr};
 use super::gid::{self, GidChoice, GidEntry, GidType};
 use super::mr_cache::MrCache;
 use crate::config::Config;
@@ -40,6 +41,8 @@ pub struct NetDevice {
     pub flags: Arc<DeviceFlags>,
     /// Registrations shared by every comm on this device.
     pub mrs: Mutex<MrCache<Arc<Mr>>>,
+    /// What GPU memory it registers (GPUDirect RDMA), decided at discovery.
+    pub gdr: Gdr,
 }
 
 /// What the async-event thread reports about a device.
@@ -254,8 +257,10 @@ pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
         .map(|(Selected { index: i, rail, plane }, name)| {
             let (ctx, attr, pa) = &found[i];
             let gid = choose_gid(&name, ctx, ports[i].port, pa.link_layer, config);
+            let pd = Pd::new(ctx)?;
             Ok(NetDevice {
-                pd: Pd::new(ctx)?,
+                gdr: gpudirect(&pd, config),
+                pd,
                 gid: Mutex::new(gid),
                 flags: Arc::default(),
                 mrs: Mutex::new(MrCache::new(crate::os::page_size())),
@@ -276,6 +281,18 @@ pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(devices)
+}
+
+/// Probes what the device can do with GPU memory (see [`gdr`]); peer memory is looked for
+/// under the real `/`.
+fn gpudirect(pd: &Arc<Pd>, config: &Config) -> Gdr {
+    let peer = gdr::peer_memory(std::path::Path::new("/"));
+    let ro = match (config.relaxed_ordering, verbs::SYMBOLS.reg_mr_iova2) {
+        (0, _) => Some(false), // not asked for: no probe registration
+        (_, None) => None,
+        (_, Some(_)) => Some(pd.accepts_relaxed_ordering()),
+    };
+    gdr::decide(peer.as_deref(), pd.probe_dmabuf(), ro, config)
 }
 
 /// The non-empty entries of a port's GID table, with their type and interface from sysfs.

@@ -6,6 +6,7 @@
 pub mod comm;
 pub mod device;
 pub mod ecmp;
+pub mod gdr;
 pub mod gid;
 pub mod handshake;
 pub mod mr_cache;

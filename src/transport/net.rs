@@ -151,6 +151,7 @@ impl Net {
     fn open() -> Result<Net> {
         let config = Config::from_env()?;
         config.log();
+        log_memlock(crate::os::memlock_limit());
         let devices = device::discover(&config)?;
         for (i, d) in devices.iter().enumerate() {
             let gid = d.gid(&config).map_err(|e| match e {
@@ -171,6 +172,10 @@ impl Net {
                 d.max_qp,
                 d.pci_path.as_deref().unwrap_or("(none)")
             );
+            log::info!(target: "init", "device {i}: {} {}", d.name, d.gdr.why);
+            if let Some(w) = &d.gdr.warning {
+                log::warn!("device {i}: {}: {w}", d.name);
+            }
         }
         let events = Some(EventThread::start(&devices)?);
         Ok(Net { config, devices, events })
@@ -180,6 +185,18 @@ impl Net {
         usize::try_from(dev).ok().and_then(|d| self.devices.get(d)).ok_or_else(|| {
             Error::Internal(format!("device {dev} out of range (have {})", self.devices.len()))
         })
+    }
+}
+
+/// The locked-memory limit at init: INFO when it is not unlimited, WARN when it is so low that
+/// registering NCCL's buffers is likely to fail.
+fn log_memlock(limit: Option<u64>) {
+    match limit {
+        Some(b) if b < crate::os::MEMLOCK_MIN => {
+            log::warn!("{} (below 64 MiB)", crate::os::memlock_hint(limit))
+        }
+        Some(_) => log::info!(target: "init", "{}", crate::os::memlock_hint(limit)),
+        None => {}
     }
 }
 

@@ -1,7 +1,12 @@
-//! `regMr`/`deregMr` for host memory, through the device's registration cache.
+//! `regMr`, `regMrDmaBuf` and `deregMr`, through the device's registration cache.
+//!
+//! Host memory and peer-memory GPU pointers go through `ibv_reg_mr`; a dma-buf fd through
+//! `ibv_reg_dmabuf_mr`. A memory type the device's `ptrSupport` does not list is refused before
+//! any verb runs. The fd of a dma-buf is only used during the call: NCCL closes it right after.
 
 use std::sync::Arc;
 
+use super::mr_cache::MemKind;
 use super::net::Net;
 use crate::error::{Error, Result};
 use crate::verbs::{self, Mr};
@@ -9,31 +14,106 @@ use crate::verbs::{self, Mr};
 /// What `regMr` hands NCCL as `mhandle`.
 pub struct MrHandle {
     pub mr: Arc<Mr>,
+    pub kind: MemKind,
     start: u64,
     end: u64,
     net: Arc<Net>,
     dev: usize,
 }
 
-const ACCESS: u32 =
-    verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_WRITE | verbs::ACCESS_REMOTE_READ;
+/// Local and remote access, plus relaxed ordering where the device takes it. Only NCCL's
+/// buffers get relaxed ordering: ferroce's own control structures (the CTS FIFO, the size
+/// records) are registered elsewhere with strict ordering.
+fn access(net: &Net, dev: usize) -> u32 {
+    let ro = if net.devices[dev].gdr.relaxed_ordering { verbs::ACCESS_RELAXED_ORDERING } else { 0 };
+    verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_WRITE | verbs::ACCESS_REMOTE_READ | ro
+}
 
-/// Registers host memory `[addr, addr + len)` on device `dev`, reusing a cached registration.
-pub fn register(net: &Arc<Net>, dev: usize, addr: u64, len: u64) -> Result<MrHandle> {
+/// Refuses a memory kind the device's `ptrSupport` does not list.
+fn check_supported(net: &Net, dev: usize, kind: MemKind) -> Result<()> {
     let d = &net.devices[dev];
+    let ok = match kind {
+        MemKind::Host => true,
+        MemKind::Cuda => d.gdr.cuda,
+        MemKind::DmaBuf => d.gdr.dmabuf,
+    };
+    if ok {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument(format!(
+        "{kind:?} memory on {}, whose ptrSupport is {} ({})",
+        d.name,
+        d.gdr.ptr_names(),
+        d.gdr.why
+    )))
+}
+
+/// Registers `[addr, addr + len)` of host or peer-memory GPU memory on device `dev`, reusing a
+/// cached registration of the same kind.
+pub fn register(
+    net: &Arc<Net>,
+    dev: usize,
+    kind: MemKind,
+    addr: u64,
+    len: u64,
+) -> Result<MrHandle> {
+    check_supported(net, dev, kind)?;
+    let d = &net.devices[dev];
+    let access = access(net, dev);
     let mut cache = d.mrs.lock().unwrap_or_else(|p| p.into_inner());
-    let lease = cache.acquire(addr, len, |start, len| {
-        let len =
-            usize::try_from(len).map_err(|_| Error::Internal(format!("region of {len} bytes")))?;
+    let lease = cache.acquire(kind, addr, len, |start, len| {
         // NCCL keeps the memory mapped until deregMr, as the ABI requires.
-        Mr::register_host(&d.pd, start, len, ACCESS).map(Arc::new)
+        Mr::register_host(&d.pd, start, size(len)?, access).map(Arc::new)
     })?;
-    Ok(MrHandle { mr: lease.reg, start: lease.start, end: lease.end, net: net.clone(), dev })
+    Ok(handle(net, dev, lease))
+}
+
+/// Registers `[offset, offset + len)` of the dma-buf `fd` on device `dev`, at the address
+/// `addr` NCCL uses for it. The fd is neither kept nor closed.
+pub fn register_dmabuf(
+    net: &Arc<Net>,
+    dev: usize,
+    addr: u64,
+    len: u64,
+    offset: u64,
+    fd: i32,
+) -> Result<MrHandle> {
+    check_supported(net, dev, MemKind::DmaBuf)?;
+    let d = &net.devices[dev];
+    let access = access(net, dev);
+    let mut cache = d.mrs.lock().unwrap_or_else(|p| p.into_inner());
+    let lease = cache.acquire(MemKind::DmaBuf, addr, len, |start, len| {
+        // The exact range: `start` is `addr` and `len` the requested length (never rounded).
+        Mr::register_dmabuf(&d.pd, offset, size(len)?, start, fd, access).map(Arc::new).map_err(
+            |e| match e {
+                Error::Verbs { verb, errno, context } => Error::Verbs {
+                    verb,
+                    errno,
+                    context: format!(
+                        "{context}; check: kernel >= 5.12, an RDMA driver with dma-buf support, \
+                         the GPU driver's dma-buf export, or set NCCL_DMABUF_ENABLE=0 to use \
+                         peer memory (nvidia-peermem) instead"
+                    ),
+                },
+                other => other,
+            },
+        )
+    })?;
+    Ok(handle(net, dev, lease))
+}
+
+fn size(len: u64) -> Result<usize> {
+    usize::try_from(len).map_err(|_| Error::Internal(format!("region of {len} bytes")))
+}
+
+fn handle(net: &Arc<Net>, dev: usize, lease: super::mr_cache::Lease<Arc<Mr>>) -> MrHandle {
+    let (mr, kind, start, end) = (lease.reg, lease.kind, lease.start, lease.end);
+    MrHandle { mr, kind, start, end, net: net.clone(), dev }
 }
 
 /// Releases one registration; the region is deregistered when its last user lets go.
 pub fn deregister(h: MrHandle) {
     let d = &h.net.devices[h.dev];
-    let last = d.mrs.lock().unwrap_or_else(|p| p.into_inner()).release(h.start, h.end);
+    let last = d.mrs.lock().unwrap_or_else(|p| p.into_inner()).release(h.kind, h.start, h.end);
     drop(last); // the MR itself goes when the last Arc (cache or in-flight use) drops
 }

@@ -525,7 +525,8 @@ fn accept_parts(net: &Arc<Net>, dev: usize, hello: &Msg) -> Result<Accepted> {
     let parts = RecvParts::new(net, dev, policy.nqps)?;
     // The receiver's QPs carry the control (CTS) writes: they use the FIFO traffic class.
     connect_qps(net, dev, &parts.qps, hello, &policy, policy.fifo_tc)?;
-    let flusher = if net.config.force_flush { Some(flusher(net, dev, &parts)?) } else { None };
+    // Only devices that can write GPU memory need the flush QP (or FERROCE_FORCE_FLUSH=1).
+    let flusher = if net.devices[dev].gdr.flush { Some(flusher(net, dev, &parts)?) } else { None };
     Ok(Accepted { parts, flusher, remote: *hello })
 }
 

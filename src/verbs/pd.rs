@@ -2,8 +2,12 @@
 //!
 //! A [`Pd`] keeps its device [`Context`] alive; an [`Mr`] keeps its `Pd` alive. Drop releases
 //! each exactly once, logging (never panicking on) a failed release.
+//!
+//! Three ways to register: host (or peer-memory GPU) pointers with `ibv_reg_mr`, the same with
+//! `ibv_reg_mr_iova2` when an optional access flag (relaxed ordering) is asked for, and a
+//! dma-buf fd with `ibv_reg_dmabuf_mr`. The last two are resolved at run time ([`super::sym`]).
 
-use std::ffi::c_void;
+use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
 use rdma_sys as sys;
@@ -15,6 +19,18 @@ use crate::error::{Error, Result};
 pub const ACCESS_LOCAL_WRITE: u32 = 1;
 pub const ACCESS_REMOTE_WRITE: u32 = 2;
 pub const ACCESS_REMOTE_READ: u32 = 4;
+/// `IBV_ACCESS_RELAXED_ORDERING`: the NIC may write the region with PCIe relaxed ordering. An
+/// optional flag: a provider that does not know it ignores it.
+pub const ACCESS_RELAXED_ORDERING: u32 = 1 << 20;
+
+/// What `ibv_reg_dmabuf_mr(pd, 0, 0, 0, fd -1, 0)` says about a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DmabufProbe {
+    /// libibverbs has no `ibv_reg_dmabuf_mr` (rdma-core < 34).
+    NoSymbol,
+    /// The errno of the (necessarily failed) probe: EBADF means the path exists.
+    Errno(i32),
+}
 
 pub struct Pd {
     raw: *mut sys::ibv_pd,
@@ -42,6 +58,37 @@ impl Pd {
 
     pub(super) fn raw(&self) -> *mut sys::ibv_pd {
         self.raw
+    }
+
+    /// Asks the device whether it registers dma-bufs: with fd -1 a capable driver fails with
+    /// EBADF, an incapable one with EOPNOTSUPP or EPROTONOSUPPORT (NCCL's probe).
+    pub fn probe_dmabuf(&self) -> DmabufProbe {
+        let Some(reg) = super::sym::SYMBOLS.reg_dmabuf_mr else { return DmabufProbe::NoSymbol };
+        // SAFETY: the PD is live; fd -1 never names memory, so nothing is registered.
+        let mr = unsafe { reg(self.raw, 0, 0, 0, -1, 0) };
+        let e = errno();
+        if !mr.is_null() {
+            // SAFETY: an MR the probe created after all; released at once.
+            unsafe { sys::ibv_dereg_mr(mr) };
+            return DmabufProbe::Errno(0);
+        }
+        DmabufProbe::Errno(e)
+    }
+
+    /// Whether a registration with `IBV_ACCESS_RELAXED_ORDERING` succeeds on this device.
+    pub fn accepts_relaxed_ordering(self: &Arc<Pd>) -> bool {
+        let Some(reg) = super::sym::SYMBOLS.reg_mr_iova2 else { return false };
+        let page = Box::new([0u8; 4096]);
+        let ptr = page.as_ptr() as *mut c_void;
+        let access = ACCESS_LOCAL_WRITE | ACCESS_RELAXED_ORDERING;
+        // SAFETY: the PD is live and the buffer outlives the MR, released right here.
+        let mr = unsafe { reg(self.raw, ptr, page.len(), ptr as u64, access) };
+        if mr.is_null() {
+            return false;
+        }
+        // SAFETY: the MR just created, released once.
+        unsafe { sys::ibv_dereg_mr(mr) };
+        true
     }
 }
 
@@ -75,17 +122,67 @@ impl Mr {
     ///
     /// # Safety
     /// The range must stay mapped for the life of the returned `Mr`: the NIC reads and writes it.
+    /// An optional access flag (relaxed ordering) goes through `ibv_reg_mr_iova2`, or is dropped
+    /// when libibverbs lacks it.
     pub unsafe fn register(pd: &Arc<Pd>, addr: *mut c_void, len: usize, access: u32) -> Result<Mr> {
-        // SAFETY: pd is live; the caller guarantees the range.
-        let raw = unsafe { sys::ibv_reg_mr(pd.raw, addr, len, access as i32) };
+        let iova2 = super::sym::SYMBOLS.reg_mr_iova2;
+        let (raw, verb) = match iova2 {
+            Some(reg) if access & ACCESS_RELAXED_ORDERING != 0 => {
+                // SAFETY: pd is live; the caller guarantees the range; iova = addr.
+                (unsafe { reg(pd.raw, addr, len, addr as u64, access) }, "ibv_reg_mr_iova2")
+            }
+            _ => {
+                let access = (access & !ACCESS_RELAXED_ORDERING) as i32;
+                // SAFETY: pd is live; the caller guarantees the range.
+                (unsafe { sys::ibv_reg_mr(pd.raw, addr, len, access) }, "ibv_reg_mr")
+            }
+        };
+        let what = || format!("{} ({len} bytes at {addr:p})", pd.ctx.name());
+        Mr::wrap(pd, raw, verb, what, addr as u64, len)
+    }
+
+    /// Registers `[offset, offset + len)` of the dma-buf `fd`, addressed by the peer as `iova`.
+    /// The fd is only used during the call; the caller keeps ownership of it.
+    pub fn register_dmabuf(
+        pd: &Arc<Pd>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        fd: i32,
+        access: u32,
+    ) -> Result<Mr> {
+        let Some(reg) = super::sym::SYMBOLS.reg_dmabuf_mr else {
+            let what = format!("{} (libibverbs lacks it: rdma-core < 34)", pd.ctx.name());
+            return Err(Error::verbs("ibv_reg_dmabuf_mr", libc::EOPNOTSUPP, &what));
+        };
+        // SAFETY: pd is live; the kernel validates the fd and the range against the dma-buf,
+        // which the exporter keeps alive for as long as the MR exists.
+        let raw = unsafe { reg(pd.raw, offset, len, iova, fd, access as c_int) };
+        let what = || {
+            format!("{} (fd {fd}, offset {offset}, {len} bytes at iova {iova:#x})", pd.ctx.name())
+        };
+        Mr::wrap(pd, raw, "ibv_reg_dmabuf_mr", what, iova, len)
+    }
+
+    fn wrap(
+        pd: &Arc<Pd>,
+        raw: *mut sys::ibv_mr,
+        verb: &'static str,
+        what: impl FnOnce() -> String,
+        addr: u64,
+        len: usize,
+    ) -> Result<Mr> {
         if raw.is_null() {
             let e = errno();
-            let what = format!("{} ({len} bytes at {addr:p}; check `ulimit -l`)", pd.ctx.name());
-            return Err(Error::verbs("ibv_reg_mr", e, &what));
+            let mut what = what();
+            if e == libc::ENOMEM {
+                what = format!("{what}; {}", crate::os::memlock_hint(crate::os::memlock_limit()));
+            }
+            return Err(Error::verbs(verb, e, &what));
         }
-        // SAFETY: raw is a valid ibv_mr returned by the successful registration.
+        // SAFETY: raw is a valid ibv_mr returned by a successful registration.
         let (lkey, rkey) = unsafe { ((*raw).lkey, (*raw).rkey) };
-        Ok(Mr { raw, pd: pd.clone(), addr: addr as u64, len, lkey, rkey })
+        Ok(Mr { raw, pd: pd.clone(), addr, len, lkey, rkey })
     }
 }
 

@@ -74,12 +74,18 @@ fn info(name: &str) -> Result<(), String> {
     let lib = load(name)?;
     // SAFETY: ncclNetPlugin_v12 is an ncclNet_v12_t; `net` is not used after `lib` drops.
     let net = unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.ok_or("no v12")?;
+    ferroce::ffi::loader::ECHO.store(false, std::sync::atomic::Ordering::Relaxed);
     let mut ctx: *mut c_void = std::ptr::null_mut();
     let mut config = ncclNetCommConfig_v10_t { trafficClass: -1 };
     // SAFETY: valid out-pointers; the ABI's init contract.
-    check("init", unsafe {
-        net.init.ok_or("no init")?(&mut ctx, 1, &mut config, capture_logger(), None)
-    })?;
+    let r = unsafe { net.init.ok_or("no init")?(&mut ctx, 1, &mut config, capture_logger(), None) };
+    let log = ferroce::ffi::loader::take_captured();
+    for (level, _, line) in &log {
+        if *level <= 2 {
+            eprintln!("{}: {line}", if *level == 2 { "WARN" } else { "ERROR" });
+        }
+    }
+    check("init", r)?;
     let mut n = 0;
     // SAFETY: valid out-pointer.
     check("devices", unsafe { net.devices.ok_or("no devices")?(&mut n) })?;
@@ -106,6 +112,11 @@ fn info(name: &str) -> Result<(), String> {
             p.planeId,
             cstr(p.pciPath)
         );
+        // The plugin's own account of GPUDirect RDMA for this device, as logged at init.
+        let tag = format!("device {dev}: {} GPUDirect RDMA", cstr(p.name));
+        if let Some((_, _, line)) = log.iter().find(|l| l.2.contains(&tag)) {
+            println!("      {}", &line[line.find("GPUDirect").unwrap_or(0)..]);
+        }
     }
     // SAFETY: ctx came from init and is finalized once.
     check("finalize", unsafe { net.finalize.ok_or("no finalize")?(ctx) })
