@@ -151,8 +151,9 @@ impl Net {
     fn open() -> Result<Net> {
         let config = Config::from_env()?;
         config.log();
-        log_memlock(crate::os::memlock_limit());
         let devices = device::discover(&config)?;
+        // Only worth saying when there is a device to register memory with.
+        log_memlock(crate::os::memlock_limit());
         for (i, d) in devices.iter().enumerate() {
             let gid = d.gid(&config).map_err(|e| match e {
                 Error::NoDevice(why) => why,
