@@ -25,6 +25,8 @@ main() {
         rdmacm-utils perftest tcpdump iproute2
         # The Rust build: bindgen needs libclang, rdma-sys finds verbs via pkg-config.
         clang libclang-dev pkg-config
+        # The test-only dma-buf stand-in (tests/dmabuf_standin.c) is plain C.
+        gcc libc6-dev
     )
 
     local missing=() p

@@ -25,13 +25,17 @@ main() {
   step "build release plugin and VM test binaries"
   ci/build.sh
   local bins
-  bins=$(cargo test --release --locked --no-run --test softroce --test netclient --test roce_path --message-format=json |
+  bins=$(cargo test --release --locked --no-run --test softroce --test netclient --test roce_path \
+    --test gpudirect --message-format=json |
     python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
         print(m["executable"])')
   [[ -n "$bins" ]] || { echo "ci/test.sh: no VM test binaries were built" >&2; exit 1; }
+  # The test-only stand-in for a dma-buf-capable NIC, preloaded by the gpudirect test.
+  cc -shared -fPIC -O1 -Wall -Werror -o target/release/libferroce-dmabuf-standin.so \
+    tests/dmabuf_standin.c -ldl
 
   step "VM tests on Soft-RoCE"
   # shellcheck disable=SC2086 # one path per word

@@ -13,9 +13,10 @@ main() {
   rdma link show
   local passed=0 bin t
   for bin in "$@"; do
-    if [[ "$(basename "$bin")" == netclient-* ]]; then
-      # The two-process test client (its own main): every ABI version, every byte verified.
-      echo "vm-tests: $(basename "$bin") (two processes per ABI version)"
+    if [[ "$(basename "$bin")" == netclient-* || "$(basename "$bin")" == gpudirect-* ]]; then
+      # Test programs with their own main: the two-process test client (every ABI version,
+      # every byte verified) and the GPUDirect scenarios (each in a child process).
+      echo "vm-tests: $(basename "$bin")"
       timeout -k 5 900 "$bin" || fail "$(basename "$bin")"
       passed=$((passed + 1))
       continue

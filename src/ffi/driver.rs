@@ -222,9 +222,19 @@ impl<'a> Driver<'a> {
     }
 
     pub fn reg_mr(&self, comm: Ptr, data: *mut u8, size: usize) -> Result<Ptr, String> {
+        self.reg_mr_type(comm, data, size, NCCL_PTR_HOST as c_int)
+    }
+
+    /// `regMr` with an explicit memory type (`NCCL_PTR_HOST`, `NCCL_PTR_CUDA`, ...).
+    pub fn reg_mr_type(
+        &self,
+        comm: Ptr,
+        data: *mut u8,
+        size: usize,
+        ty: c_int,
+    ) -> Result<Ptr, String> {
         let mut mh = null_mut();
         let d = data.cast();
-        let ty = NCCL_PTR_HOST as c_int;
         // SAFETY: valid arguments per the regMr contract; the memory outlives the registration.
         let r = unsafe {
             match self.table {
@@ -237,7 +247,66 @@ impl<'a> Driver<'a> {
                 Table::V12(t) => call!(t.regMr)(comm, d, size, ty, &mut mh),
             }
         };
-        ok("regMr", r).map(|_| mh)
+        ok("regMr", r)?;
+        if mh.is_null() {
+            return Err("regMr succeeded with a NULL mhandle".into());
+        }
+        Ok(mh)
+    }
+
+    /// `regMrDmaBuf` as NCCL calls it: `[offset, offset + size)` of `fd`, used at `data`.
+    pub fn reg_mr_dmabuf(
+        &self,
+        comm: Ptr,
+        data: *mut u8,
+        size: usize,
+        ty: c_int,
+        offset: u64,
+        fd: c_int,
+    ) -> Result<Ptr, String> {
+        let mut mh = null_mut();
+        let d = data.cast();
+        // SAFETY: valid arguments per the regMrDmaBuf contract (same in every version).
+        let r = unsafe {
+            match self.table {
+                Table::V6(t) => call!(t.regMrDmaBuf)(comm, d, size, ty, offset, fd, &mut mh),
+                Table::V7(t) => call!(t.regMrDmaBuf)(comm, d, size, ty, offset, fd, &mut mh),
+                Table::V8(t) => call!(t.regMrDmaBuf)(comm, d, size, ty, offset, fd, &mut mh),
+                Table::V9(t) => call!(t.regMrDmaBuf)(comm, d, size, ty, offset, fd, &mut mh),
+                Table::V10(t) => call!(t.regMrDmaBuf)(comm, d, size, ty, offset, fd, &mut mh),
+                Table::V11(t) => call!(t.regMrDmaBuf)(comm, d, size, ty, offset, fd, &mut mh),
+                Table::V12(t) => call!(t.regMrDmaBuf)(comm, d, size, ty, offset, fd, &mut mh),
+            }
+        };
+        ok("regMrDmaBuf", r)?;
+        if mh.is_null() {
+            return Err("regMrDmaBuf succeeded with a NULL mhandle".into());
+        }
+        Ok(mh)
+    }
+
+    /// The `ptrSupport` of device `dev`, from this version's `getProperties`.
+    pub fn ptr_support(&self, dev: c_int) -> Result<c_int, String> {
+        macro_rules! get {
+            ($t:expr, $ty:ty) => {{
+                let mut p = <$ty>::default();
+                ok("getProperties", call!($t.getProperties)(dev, &mut p))?;
+                p.ptrSupport
+            }};
+        }
+        // SAFETY: valid out-pointers of each version's properties type.
+        let v = unsafe {
+            match self.table {
+                Table::V6(t) => get!(t, ncclNetProperties_v6_t),
+                Table::V7(t) => get!(t, ncclNetProperties_v7_t),
+                Table::V8(t) => get!(t, ncclNetProperties_v8_t),
+                Table::V9(t) => get!(t, ncclNetProperties_v9_t),
+                Table::V10(t) => get!(t, ncclNetProperties_v9_t),
+                Table::V11(t) => get!(t, ncclNetProperties_v11_t),
+                Table::V12(t) => get!(t, ncclNetProperties_v12_t),
+            }
+        };
+        Ok(v)
     }
 
     pub fn dereg_mr(&self, comm: Ptr, mh: Ptr) -> Result<(), String> {

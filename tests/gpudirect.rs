@@ -1,0 +1,616 @@
+//! GPUDirect RDMA on Soft-RoCE: detection, `regMrDmaBuf`, `regMr` with `NCCL_PTR_CUDA`, the
+//! flush, and bad input, driven through the C ABI inside the VM.
+//!
+//! rxe has neither peer memory nor dma-buf support, so two stand-ins make the GPU paths real:
+//! - dma-buf: `tests/dmabuf_standin.c`, preloaded, turns rxe into a dma-buf-capable NIC (it
+//!   registers a CPU mapping of the fd at the iova). The "GPU buffer" is a sealed memfd, as rxe
+//!   cannot pin vgem memory; a real vgem dma-buf is used for the failure path.
+//! - peer memory: a private mount namespace makes `/sys/module/nvidia_peermem/version` appear.
+//!
+//! Without arguments this is the orchestrator: it runs each scenario as a child process with
+//! the environment it needs (preload, namespace, knobs) and fails if any fails. Built as a test
+//! target with its own `main` (`harness = false`) and run by `ci/vm-tests.sh` in the VM.
+
+mod common;
+
+use std::ffi::c_int;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::process::Command;
+
+use common::{open_plugin, pair, require_vm};
+use ferroce::ffi::abi::{NCCL_PTR_CUDA, NCCL_PTR_DMABUF, NCCL_PTR_HOST};
+use ferroce::ffi::driver::{Close, Driver, Ptr};
+use ferroce::ffi::loader::take_captured;
+
+const CUDA: c_int = NCCL_PTR_CUDA as c_int;
+const HOST: c_int = NCCL_PTR_HOST as c_int;
+const RO: u32 = 1 << 20; // IBV_ACCESS_RELAXED_ORDERING
+const ACCESS: u32 = 7; // LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ
+const HALF: usize = 4 << 20;
+const ARENA: usize = 2 * HALF;
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let r = match args.first().map(String::as_str) {
+        None => orchestrate(),
+        Some("plain") => plain(),
+        Some("dmabuf") => dmabuf(args.get(1).and_then(|v| v.parse().ok()).unwrap_or(12)),
+        Some("dmabuf-bad") => dmabuf_bad_input(),
+        Some("peermem") => peermem(true),
+        Some("peermem-noflush") => peermem(false),
+        Some(other) => Err(format!("unknown scenario {other:?}")),
+    };
+    if let Err(e) = r {
+        eprintln!("gpudirect: FAILED: {e}");
+        std::process::exit(1);
+    }
+}
+
+// --- the orchestrator --------------------------------------------------------------------------
+
+fn plugin_dir() -> PathBuf {
+    PathBuf::from(std::env::var("FERROCE_PLUGIN_DIR").unwrap_or_default())
+}
+
+fn orchestrate() -> Result<(), String> {
+    require_vm();
+    let standin = plugin_dir().join("libferroce-dmabuf-standin.so");
+    if !standin.exists() {
+        return Err(format!("no dma-buf stand-in at {} (ci/test.sh builds it)", standin.display()));
+    }
+    let me = std::env::current_exe().map_err(|e| e.to_string())?;
+    let me = me.to_str().ok_or("non-UTF-8 path")?.to_string();
+    let log = std::env::temp_dir().join(format!("standin-{}.log", std::process::id()));
+    let preload = |c: &mut Command| {
+        c.env("LD_PRELOAD", &standin).env("FERROCE_STANDIN_LOG", &log);
+    };
+    let mut runs: Vec<(String, Command)> = Vec::new();
+    let mut plain = Command::new(&me);
+    plain.arg("plain");
+    runs.push(("plain rxe: HOST only, GPU types refused".into(), plain));
+    for v in 6..=12 {
+        let mut c = Command::new(&me);
+        c.args(["dmabuf", &v.to_string()]);
+        preload(&mut c);
+        // Odd versions turn relaxed ordering off; the others keep the automatic choice.
+        if v % 2 == 1 {
+            c.env("NCCL_IB_PCI_RELAXED_ORDERING", "0");
+        }
+        runs.push((format!("dma-buf data path through v{v}"), c));
+    }
+    let mut bad = Command::new(&me);
+    bad.arg("dmabuf-bad");
+    preload(&mut bad);
+    runs.push(("dma-buf bad input".into(), bad));
+    for (mode, what) in
+        [("peermem", "peer memory"), ("peermem-noflush", "NCCL_GDR_FLUSH_DISABLE=1")]
+    {
+        let mut c = Command::new("unshare");
+        c.args(["-m", "--propagation", "private", "bash", "-c", PEERMEM_NS, "ns", &me, mode]);
+        if mode == "peermem-noflush" {
+            c.env("NCCL_GDR_FLUSH_DISABLE", "1");
+        }
+        runs.push((format!("{what} (private mount namespace)"), c));
+    }
+    let (mut passed, mut failed) = (0, 0);
+    for (what, mut cmd) in runs {
+        let _ = std::fs::remove_file(&log);
+        eprintln!("gpudirect: --- {what}");
+        let st = cmd.status().map_err(|e| format!("{what}: {e}"))?;
+        if st.success() {
+            passed += 1;
+            eprintln!("gpudirect: passed: {what}");
+        } else {
+            failed += 1;
+            eprintln!("gpudirect: FAILED: {what} ({st})");
+        }
+    }
+    let _ = std::fs::remove_file(&log);
+    println!("gpudirect: {passed} passed, {failed} failed");
+    if failed > 0 { Err(format!("{failed} scenario(s) failed")) } else { Ok(()) }
+}
+
+/// Runs in a fresh mount namespace: a tmpfs over /sys/module that keeps every real module
+/// visible through bind mounts and adds `nvidia_peermem/version`, then the scenario.
+const PEERMEM_NS: &str = r#"set -euo pipefail
+orig=$(mktemp -d)
+mount --bind /sys/module "$orig"
+mount -t tmpfs ferroce-sysmodule /sys/module
+for m in "$orig"/*; do
+  n=${m##*/}; mkdir "/sys/module/$n"; mount --bind "$m" "/sys/module/$n"
+done
+mkdir /sys/module/nvidia_peermem
+echo "1.0-ferroce-test" > /sys/module/nvidia_peermem/version
+[[ -e /sys/module/rdma_rxe/initstate ]] || { echo "the bind mounts lost rdma_rxe" >&2; exit 1; }
+exec "$1" "$2""#;
+
+// --- helpers -----------------------------------------------------------------------------------
+
+fn check(cond: bool, what: impl FnOnce() -> String) -> Result<(), String> {
+    if cond { Ok(()) } else { Err(what()) }
+}
+
+/// The INFO and WARN lines since the last look.
+fn lines() -> (Vec<String>, Vec<String>) {
+    let all = take_captured();
+    let get = |lvl| all.iter().filter(|l| l.0 == lvl).map(|l| l.2.clone()).collect();
+    (get(3), get(2))
+}
+
+/// A sealed memfd of `len` bytes, mapped shared: the stand-in for an exported GPU buffer.
+struct GpuBuf {
+    fd: OwnedFd,
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl GpuBuf {
+    fn new(len: usize) -> Result<GpuBuf, String> {
+        let os = |what: &str| format!("{what}: {}", std::io::Error::last_os_error());
+        // SAFETY: plain syscalls on a fresh fd we own; the mapping is released in Drop.
+        unsafe {
+            let fd = libc::memfd_create(c"ferroce-gpu-standin".as_ptr(), libc::MFD_ALLOW_SEALING);
+            if fd < 0 {
+                return Err(os("memfd_create"));
+            }
+            let fd = OwnedFd::from_raw_fd(fd);
+            if libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) != 0 {
+                return Err(os("ftruncate"));
+            }
+            let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+            if libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) != 0 {
+                return Err(os("F_ADD_SEALS"));
+            }
+            let prot = libc::PROT_READ | libc::PROT_WRITE;
+            let p =
+                libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd.as_raw_fd(), 0);
+            if p == libc::MAP_FAILED {
+                return Err(os("mmap"));
+            }
+            Ok(GpuBuf { fd, ptr: p.cast(), len })
+        }
+    }
+
+    fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: a live shared mapping of len bytes, owned by self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// A fresh fd for the same buffer, as `cuMemGetHandleForAddressRange` gives NCCL each time.
+    fn export(&self) -> Result<c_int, String> {
+        // SAFETY: dup of an fd we own.
+        let fd = unsafe { libc::dup(self.fd.as_raw_fd()) };
+        check(fd >= 0, || format!("dup: {}", std::io::Error::last_os_error()))?;
+        Ok(fd)
+    }
+}
+
+impl Drop for GpuBuf {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in new.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// NCCL's way: export, register, close the fd at once (which must succeed: the plugin must
+/// neither keep nor close it).
+fn reg_exported(
+    drv: &Driver,
+    comm: Ptr,
+    g: &GpuBuf,
+    offset: usize,
+    len: usize,
+) -> Result<(Ptr, c_int), String> {
+    let fd = g.export()?;
+    // SAFETY: offset + len lies within the mapping (the callers' layouts).
+    let data = unsafe { g.ptr.add(offset) };
+    let mh = drv.reg_mr_dmabuf(comm, data, len, CUDA, offset as u64, fd);
+    // SAFETY: closing the fd we exported.
+    let closed = unsafe { libc::close(fd) };
+    let mh = mh?;
+    check(closed == 0, || format!("close of the exported fd {fd} failed: the plugin closed it"))?;
+    Ok((mh, fd))
+}
+
+fn fd_count() -> usize {
+    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+}
+
+/// The number of MRs rxe0 and rxe1 hold, from `rdma resource show`.
+fn rdma_mrs() -> Result<u64, String> {
+    let out =
+        Command::new("rdma").args(["resource", "show"]).output().map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut total = 0;
+    for l in text.lines() {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        let i = f.iter().position(|x| *x == "mr").ok_or(format!("no mr count in {l:?}"))?;
+        total += f.get(i + 1).and_then(|v| v.parse::<u64>().ok()).ok_or("bad mr count")?;
+    }
+    Ok(total)
+}
+
+struct Rng(u64);
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n.max(1)
+    }
+}
+
+fn pattern(g: usize, r: usize, buf: &mut [u8]) {
+    let mut x = (g as u32).wrapping_mul(2_654_435_761) ^ (r as u32).wrapping_mul(40503) | 1;
+    for b in buf {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        *b = x as u8;
+    }
+}
+
+/// One group: a (multi-)receive of `(offset, size)` buffers, all inside one half of the arena.
+fn schedule() -> Vec<Vec<(usize, usize)>> {
+    let mut rng = Rng(0x5eed_0f_9d0_u64);
+    let mut out: Vec<Vec<(usize, usize)>> = Vec::new();
+    // Singles across both halves, at odd offsets too.
+    for (i, size) in [1usize, 4095, 4096, 65537, 1 << 20, (3 << 20) + 5].into_iter().enumerate() {
+        let base = if i % 2 == 0 { 0 } else { HALF };
+        out.push(vec![(base + 8 * (i % 3), size)]);
+    }
+    // Multi-receives of 1..=8 buffers until 16 MiB have moved in all.
+    let mut total: usize = out.iter().flatten().map(|b| b.1).sum();
+    let mut g = 0;
+    while total < 16 << 20 {
+        let n = 1 + g % 8;
+        let base = if g % 2 == 0 { 0 } else { HALF };
+        let items: Vec<_> =
+            (0..n).map(|r| (base + r * (256 << 10), rng.below(256 << 10) as usize + 1)).collect();
+        total += items.iter().map(|b| b.1).sum::<usize>();
+        out.push(items);
+        g += 1;
+    }
+    out
+}
+
+/// Sends the first `groups` groups from `src` into `dst` (offsets are the same in both), checks every byte
+/// and size, and flushes each receive; `flush` says whether a flush request is expected.
+#[allow(clippy::too_many_arguments)]
+fn traffic(
+    drv: &Driver,
+    send: Ptr,
+    recv: Ptr,
+    src: &mut [u8],
+    dst: &mut [u8],
+    smh: &dyn Fn(usize) -> Ptr,
+    rmh: &dyn Fn(usize) -> Ptr,
+    flush: bool,
+    groups: usize,
+) -> Result<usize, String> {
+    let (mut bytes, mut flushes) = (0, 0);
+    for (g, items) in schedule().iter().enumerate().take(groups) {
+        dst.fill(0);
+        for (r, &(off, size)) in items.iter().enumerate() {
+            pattern(g, r, &mut src[off..off + size]);
+        }
+        let ptrs: Vec<*mut u8> = items.iter().map(|&(o, _)| dst[o..].as_mut_ptr()).collect();
+        let sizes: Vec<usize> = items.iter().map(|&(_, s)| s).collect();
+        let tags: Vec<c_int> = (0..items.len() as c_int).map(|t| 50 + t).collect();
+        let mhs: Vec<Ptr> = items.iter().map(|&(o, _)| rmh(o)).collect();
+        let rreq = common::until("irecv", || drv.irecv(recv, &ptrs, &sizes, &tags, &mhs, false))?;
+        let mut sreqs = Vec::new();
+        for (r, &(off, size)) in items.iter().enumerate().rev() {
+            let p = src[off..].as_mut_ptr();
+            sreqs.push(common::until("isend", || drv.isend(send, p, size, tags[r], smh(off)))?);
+        }
+        for q in sreqs {
+            common::until("test send", || drv.test(q))?;
+        }
+        let got = common::until("test recv", || drv.test(rreq))?;
+        for (r, &(off, size)) in items.iter().enumerate() {
+            check(got[r] as usize == size, || format!("group {g} buffer {r}: size {}", got[r]))?;
+            check(dst[off..off + size] == src[off..off + size], || {
+                format!("group {g} buffer {r}: {size} bytes at offset {off} differ")
+            })?;
+        }
+        let &(off, size) = items.last().expect("non-empty group");
+        let last = ptrs[items.len() - 1];
+        match (drv.iflush(recv, last, size as c_int, rmh(off))?, flush) {
+            (Some(q), true) => {
+                common::until("test flush", || drv.test(q))?;
+                flushes += 1;
+            }
+            (None, false) => {}
+            (Some(_), false) => return Err("iflush returned a request; expected none".into()),
+            (None, true) => return Err(format!("group {g}: iflush returned no request")),
+        }
+        bytes += sizes.iter().sum::<usize>();
+    }
+    eprintln!("gpudirect: {bytes} bytes verified, {flushes} flushes completed");
+    Ok(bytes)
+}
+
+// --- scenarios ---------------------------------------------------------------------------------
+
+/// Plain rxe: HOST only with the reasons logged; CUDA and dma-buf registrations refused with
+/// ncclInvalidArgument and one WARN each; host receives need no flush.
+fn plain() -> Result<(), String> {
+    require_vm();
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12)?;
+    let ctx = drv.init(1)?;
+    let (info, warns) = lines();
+    check(warns.is_empty(), || format!("WARNs at init: {warns:?}"))?;
+    for (dev, name) in [(0, "rxe0"), (1, "rxe1")] {
+        let p = drv.ptr_support(dev)?;
+        check(p == HOST, || format!("{name}: ptrSupport {p:#x}, expected HOST only"))?;
+        let line = info.iter().find(|l| l.contains(&format!("device {dev}: {name} GPUDirect")));
+        let line = line.ok_or(format!("no GPUDirect INFO line for {name}: {info:?}"))?;
+        check(
+            line.contains("GPUDirect RDMA HOST:")
+                && line.contains("no peer memory")
+                && line.contains("probe answered EOPNOTSUPP"),
+            || format!("{name}: {line}"),
+        )?;
+        eprintln!("gpudirect: {line}");
+    }
+    let (send, recv) = pair(&drv, ctx, 1, 0)?;
+    let mut buf = vec![0u8; 4096];
+    let e = drv.reg_mr_type(recv, buf.as_mut_ptr(), 4096, CUDA).err().unwrap_or_default();
+    check(e.contains("ncclResult 4"), || format!("regMr CUDA on rxe: {e:?}"))?;
+    let g = GpuBuf::new(4096)?;
+    let e = reg_exported(&drv, recv, &g, 0, 4096).err().unwrap_or_default();
+    check(e.contains("ncclResult 4"), || format!("regMrDmaBuf on rxe: {e:?}"))?;
+    let (_, warns) = lines();
+    check(
+        warns.len() == 2
+            && warns[0].contains("regMr")
+            && warns[1].contains("regMrDmaBuf")
+            && warns.iter().all(|w| w.contains("ptrSupport is HOST")),
+        || format!("expected one WARN per refused registration: {warns:?}"),
+    )?;
+    // Host memory: data moves and iflush says there is nothing to flush.
+    let mut src = vec![0u8; ARENA];
+    let mut dst = vec![0u8; ARENA];
+    let smh = drv.reg_mr(send, src.as_mut_ptr(), ARENA)?;
+    let rmh = drv.reg_mr(recv, dst.as_mut_ptr(), ARENA)?;
+    let (s, r) = (|_: usize| smh, |_: usize| rmh);
+    traffic(&drv, send, recv, &mut src, &mut dst, &s, &r, false, 10)?;
+    drv.dereg_mr(send, smh)?;
+    drv.dereg_mr(recv, rmh)?;
+    drv.close(Close::Send, send)?;
+    drv.close(Close::Recv, recv)?;
+    drv.finalize(ctx)
+}
+
+/// The stand-in's log lines.
+fn standin_log() -> Vec<String> {
+    let path = std::env::var("FERROCE_STANDIN_LOG").unwrap_or_default();
+    std::fs::read_to_string(path).unwrap_or_default().lines().map(String::from).collect()
+}
+
+/// The dma-buf path end to end through ABI version `v`.
+fn dmabuf(v: u32) -> Result<(), String> {
+    require_vm();
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, v)?;
+    let ctx = drv.init(u64::from(v))?;
+    let (info, _) = lines();
+    for dev in 0..2 {
+        let p = drv.ptr_support(dev)?;
+        check(p == HOST | NCCL_PTR_DMABUF as c_int, || {
+            format!("v{v} dev {dev}: ptrSupport {p:#x}")
+        })?;
+    }
+    let line = info.iter().find(|l| l.contains("device 1: rxe1 GPUDirect")).cloned();
+    let line = line.ok_or("no GPUDirect INFO line for rxe1")?;
+    check(line.contains("HOST|DMABUF") && line.contains("answered EBADF"), || line.clone())?;
+    let access = ACCESS | if line.contains("relaxed ordering on") { RO } else { 0 };
+    let ro_knob = std::env::var("NCCL_IB_PCI_RELAXED_ORDERING").ok();
+    check(ro_knob.as_deref() != Some("0") || access == ACCESS, || format!("RO=0 but {line}"))?;
+    eprintln!("gpudirect: v{v}: {line}");
+
+    let (send, recv) = pair(&drv, ctx, 1, 0)?;
+    let mut sgpu = GpuBuf::new(ARENA)?;
+    let mut rgpu = GpuBuf::new(ARENA)?;
+    let (fds, mrs) = (fd_count(), rdma_mrs()?);
+    // The receiver's arena in two registrations (the second at a non-zero offset); the
+    // sender's in one.
+    let (r0, fd0) = reg_exported(&drv, recv, &rgpu, 0, HALF)?;
+    let (r1, fd1) = reg_exported(&drv, recv, &rgpu, HALF, ARENA - HALF)?;
+    let (s0, fd2) = reg_exported(&drv, send, &sgpu, 0, ARENA)?;
+    check(fd_count() == fds, || format!("fd count {} -> {}", fds, fd_count()))?;
+    let (sp, rp) = (sgpu.ptr as u64, rgpu.ptr as u64);
+    let rmh = move |off: usize| if off < HALF { r0 } else { r1 };
+    let smh = move |_: usize| s0;
+    let (src, dst) = (sgpu.bytes() as *mut [u8], rgpu.bytes() as *mut [u8]);
+    // SAFETY: two distinct live mappings, used only here while the buffers live.
+    let (src, dst) = unsafe { (&mut *src, &mut *dst) };
+    let moved = traffic(&drv, send, recv, src, dst, &smh, &rmh, true, usize::MAX)?;
+    check(moved >= 16 << 20, || format!("only {moved} bytes moved"))?;
+    for mh in [r0, r1] {
+        drv.dereg_mr(recv, mh)?;
+    }
+    drv.dereg_mr(send, s0)?;
+    check(fd_count() == fds, || format!("fd count {} -> {} after deregMr", fds, fd_count()))?;
+    let after = rdma_mrs()?;
+    check(after == mrs, || format!("rdma MRs {mrs} -> {after}: deregistration leaked"))?;
+
+    // What the NIC was asked to do: exactly these three registrations, each released.
+    let log = standin_log();
+    let regs: Vec<&String> = log.iter().filter(|l| l.starts_with("reg ")).collect();
+    let want =
+        [(0, HALF, rp, fd0), (HALF, ARENA - HALF, rp + HALF as u64, fd1), (0, ARENA, sp, fd2)];
+    check(regs.len() == want.len(), || format!("stand-in saw {regs:?}"))?;
+    for (got, (off, len, iova, fd)) in regs.iter().zip(want) {
+        let expect =
+            format!("reg offset={off} len={len} iova={iova:#x} fd={fd} access={access:#x} -> mr ");
+        check(got.starts_with(&expect), || format!("stand-in saw {got:?}, expected {expect:?}"))?;
+    }
+    let deregs = log.iter().filter(|l| l.starts_with("dereg ") && l.ends_with("-> 0")).count();
+    check(deregs == 3, || format!("{deregs} dma-buf MRs released: {log:?}"))?;
+    check(log.iter().filter(|l| l.starts_with("probe fd=-1")).count() == 2, || {
+        format!("expected one probe per device: {log:?}")
+    })?;
+    drv.close(Close::Send, send)?;
+    drv.close(Close::Recv, recv)?;
+    drv.finalize(ctx)?;
+    let (_, warns) = lines();
+    check(warns.is_empty(), || format!("WARNs: {warns:?}"))
+}
+
+/// A dma-buf fd of vgem: real, but every mapping of it is VM_PFNMAP, which rxe cannot pin.
+fn vgem_dmabuf(size: u32) -> Result<OwnedFd, String> {
+    common::run("modprobe", &["vgem"]);
+    let card = std::fs::read_dir("/sys/class/drm")
+        .map_err(|e| e.to_string())?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .find(|p| {
+            // vgem is a bare platform device: its cards live under /sys/devices/platform/vgem.
+            let real = std::fs::canonicalize(p).unwrap_or_default();
+            p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("card"))
+                && real.to_string_lossy().contains("/platform/vgem/")
+        })
+        .ok_or("no vgem card under /sys/class/drm")?;
+    let dev = format!("/dev/dri/{}", card.file_name().unwrap_or_default().to_string_lossy());
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(&dev);
+    let f = f.map_err(|e| format!("{dev}: {e}"))?;
+    #[repr(C)]
+    struct CreateDumb {
+        height: u32,
+        width: u32,
+        bpp: u32,
+        flags: u32,
+        handle: u32,
+        pitch: u32,
+        size: u64,
+    }
+    #[repr(C)]
+    struct PrimeHandle {
+        handle: u32,
+        flags: u32,
+        fd: i32,
+    }
+    const CREATE_DUMB: libc::c_ulong = 0xC020_64B2; // DRM_IOWR(0xB2, 32 bytes)
+    const HANDLE_TO_FD: libc::c_ulong = 0xC00C_642D; // DRM_IOWR(0x2d, 12 bytes)
+    let mut c = CreateDumb {
+        height: size / 4096,
+        width: 1024,
+        bpp: 32,
+        flags: 0,
+        handle: 0,
+        pitch: 0,
+        size: 0,
+    };
+    // SAFETY: the DRM ioctls with correctly laid-out argument structs.
+    let rc = unsafe { libc::ioctl(f.as_raw_fd(), CREATE_DUMB, &mut c) };
+    check(rc == 0, || format!("DRM_IOCTL_MODE_CREATE_DUMB: {}", std::io::Error::last_os_error()))?;
+    let mut p =
+        PrimeHandle { handle: c.handle, flags: (libc::O_CLOEXEC | libc::O_RDWR) as u32, fd: -1 };
+    // SAFETY: as above.
+    let rc = unsafe { libc::ioctl(f.as_raw_fd(), HANDLE_TO_FD, &mut p) };
+    check(rc == 0 && p.fd >= 0, || {
+        format!("PRIME_HANDLE_TO_FD: {}", std::io::Error::last_os_error())
+    })?;
+    // SAFETY: a fresh fd from the kernel, owned from here on (the GEM object lives with it).
+    Ok(unsafe { OwnedFd::from_raw_fd(p.fd) })
+}
+
+/// Bad dma-buf input: each is an error with one WARN naming the device, the errno and what to
+/// check; none crashes or leaks an MR.
+fn dmabuf_bad_input() -> Result<(), String> {
+    require_vm();
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12)?;
+    let ctx = drv.init(1)?;
+    let (send, recv) = pair(&drv, ctx, 1, 0)?;
+    lines();
+    let g = GpuBuf::new(1 << 20)?;
+    let mrs = rdma_mrs()?;
+    let expect_one_warn = |what: &str, r: Result<Ptr, String>, errno: &str| -> Result<(), String> {
+        let e = r.err().ok_or(format!("{what}: registration succeeded"))?;
+        check(e.contains("ncclResult 2"), || format!("{what}: {e} (expected ncclSystemError)"))?;
+        let (_, warns) = lines();
+        check(warns.len() == 1, || format!("{what}: expected one WARN: {warns:?}"))?;
+        let w = &warns[0];
+        check(
+            w.contains("regMrDmaBuf")
+                && w.contains("ibv_reg_dmabuf_mr")
+                && w.contains("rxe1")
+                && w.contains(errno)
+                && w.contains("NCCL_DMABUF_ENABLE=0")
+                && w.contains("5.12"),
+            || format!("{what}: WARN lacks device, errno or advice: {w}"),
+        )?;
+        eprintln!("gpudirect: {what}: {w}");
+        Ok(())
+    };
+    // A closed fd.
+    let fd = g.export()?;
+    // SAFETY: closing our own fd before the call.
+    unsafe { libc::close(fd) };
+    expect_one_warn("closed fd", drv.reg_mr_dmabuf(recv, g.ptr, 4096, CUDA, 0, fd), "errno 9")?;
+    // A length past the buffer's end.
+    let fd = g.export()?;
+    let r = drv.reg_mr_dmabuf(recv, g.ptr, 2 << 20, CUDA, 0, fd);
+    // SAFETY: our fd.
+    unsafe { libc::close(fd) };
+    expect_one_warn("length past the end", r, "errno 14")?;
+    // A real vgem dma-buf that rxe cannot pin.
+    let vgem = vgem_dmabuf(1 << 20)?;
+    let r = drv.reg_mr_dmabuf(recv, 0x7000_0000 as *mut u8, 1 << 20, CUDA, 0, vgem.as_raw_fd());
+    expect_one_warn("vgem dma-buf", r, "errno 14")?;
+    drop(vgem);
+    let after = rdma_mrs()?;
+    check(after == mrs, || format!("rdma MRs {mrs} -> {after} after failed registrations"))?;
+    let pinned = standin_log().iter().filter(|l| l.contains("-> mr ")).count();
+    check(pinned == 0, || format!("{pinned} stand-in registrations succeeded"))?;
+    drv.close(Close::Send, send)?;
+    drv.close(Close::Recv, recv)?;
+    drv.finalize(ctx)
+}
+
+/// Peer memory (in the private namespace): CUDA registrations work, data is verified, and
+/// each GPU receive is flushed, unless NCCL_GDR_FLUSH_DISABLE=1. Host memory needs no flush.
+fn peermem(flush: bool) -> Result<(), String> {
+    require_vm();
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12)?;
+    let ctx = drv.init(1)?;
+    let (info, _) = lines();
+    for dev in 0..2 {
+        let p = drv.ptr_support(dev)?;
+        check(p == HOST | CUDA, || format!("dev {dev}: ptrSupport {p:#x}, expected HOST|CUDA"))?;
+    }
+    let line = info.iter().find(|l| l.contains("device 1: rxe1 GPUDirect")).cloned();
+    let line = line.ok_or("no GPUDirect INFO line")?;
+    check(line.contains("/sys/module/nvidia_peermem/version exists"), || line.clone())?;
+    let want =
+        if flush { "flush: RDMA read after each GPU receive" } else { "NCCL_GDR_FLUSH_DISABLE=1" };
+    check(line.contains(want), || format!("expected {want:?}: {line}"))?;
+    eprintln!("gpudirect: {line}");
+    let (send, recv) = pair(&drv, ctx, 1, 0)?;
+    // "GPU" memory here is host memory registered as NCCL_PTR_CUDA: rxe pins it through the
+    // same ibv_reg_mr that peer memory makes work for device pointers.
+    let mut src = vec![0u8; ARENA];
+    let mut dst = vec![0u8; ARENA];
+    let smh = drv.reg_mr_type(send, src.as_mut_ptr(), ARENA, CUDA)?;
+    let rmh = drv.reg_mr_type(recv, dst.as_mut_ptr(), ARENA, CUDA)?;
+    let (s, r) = (|_: usize| smh, |_: usize| rmh);
+    traffic(&drv, send, recv, &mut src, &mut dst, &s, &r, flush, 12)?;
+    drv.dereg_mr(recv, rmh)?;
+    // Host memory never needs the flush.
+    let hmh = drv.reg_mr_type(recv, dst.as_mut_ptr(), ARENA, HOST)?;
+    let (s, r) = (|_: usize| smh, |_: usize| hmh);
+    traffic(&drv, send, recv, &mut src, &mut dst, &s, &r, false, 8)?;
+    drv.dereg_mr(recv, hmh)?;
+    drv.dereg_mr(send, smh)?;
+    drv.close(Close::Send, send)?;
+    drv.close(Close::Recv, recv)?;
+    drv.finalize(ctx)?;
+    let (_, warns) = lines();
+    check(warns.is_empty(), || format!("WARNs: {warns:?}"))
+}
