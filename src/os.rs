@@ -164,3 +164,19 @@ pub fn memlock_hint(limit: Option<u64>) -> String {
          LimitMEMLOCK=infinity"
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_memlock_hint_names_the_value_and_the_fixes() {
+        let h = memlock_hint(Some(64 << 10));
+        for want in ["RLIMIT_MEMLOCK is 64 KiB", "ulimit -l", "--ulimit memlock=-1", "LimitMEMLOCK"]
+        {
+            assert!(h.contains(want), "{want}: {h}");
+        }
+        assert!(memlock_hint(None).contains("unlimited"));
+        assert_eq!(MEMLOCK_MIN, 64 << 20);
+    }
+}

@@ -39,6 +39,7 @@ fn main() {
         Some("dmabuf-bad") => dmabuf_bad_input(),
         Some("peermem") => peermem(true),
         Some("peermem-noflush") => peermem(false),
+        Some("memlock") => memlock(),
         Some(other) => Err(format!("unknown scenario {other:?}")),
     };
     if let Err(e) = r {
@@ -93,6 +94,11 @@ fn orchestrate() -> Result<(), String> {
         }
         runs.push((format!("{what} (private mount namespace)"), c));
     }
+    // A 1 MiB locked-memory limit that binds even root: CAP_IPC_LOCK dropped before exec.
+    let mut low = Command::new("setpriv");
+    low.args(["--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock"]);
+    low.args(["prlimit", "--memlock=1048576:1048576", &me, "memlock"]);
+    runs.push(("RLIMIT_MEMLOCK of 1 MiB".into(), low));
     let (mut passed, mut failed) = (0, 0);
     for (what, mut cmd) in runs {
         let _ = std::fs::remove_file(&log);
@@ -613,4 +619,37 @@ fn peermem(flush: bool) -> Result<(), String> {
     drv.finalize(ctx)?;
     let (_, warns) = lines();
     check(warns.is_empty(), || format!("WARNs: {warns:?}"))
+}
+
+/// A low RLIMIT_MEMLOCK: a WARN at init naming the value and the fixes, and a registration that
+/// runs into it fails with ENOMEM and says the same.
+fn memlock() -> Result<(), String> {
+    require_vm();
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12)?;
+    let ctx = drv.init(1)?;
+    let (_, warns) = lines();
+    check(
+        warns.len() == 1
+            && warns[0].contains("RLIMIT_MEMLOCK is 1024 KiB")
+            && warns[0].contains("ulimit -l")
+            && warns[0].contains("--ulimit memlock=-1"),
+        || format!("expected one memlock WARN at init: {warns:?}"),
+    )?;
+    let (send, recv) = pair(&drv, ctx, 1, 0)?;
+    let mut big = vec![0u8; 8 << 20];
+    let e = drv.reg_mr(recv, big.as_mut_ptr(), big.len()).err().unwrap_or_default();
+    check(e.contains("ncclResult 2"), || format!("regMr past the limit: {e:?}"))?;
+    let (_, warns) = lines();
+    check(
+        warns.len() == 1
+            && warns[0].contains("errno 12")
+            && warns[0].contains("RLIMIT_MEMLOCK is 1024 KiB")
+            && warns[0].contains("ulimit -l"),
+        || format!("expected one WARN naming ENOMEM and the limit: {warns:?}"),
+    )?;
+    eprintln!("gpudirect: {}", warns[0]);
+    drv.close(Close::Send, send)?;
+    drv.close(Close::Recv, recv)?;
+    drv.finalize(ctx)
 }
