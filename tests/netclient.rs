@@ -38,6 +38,11 @@ fn main() {
         Some(other) => Err(format!("unknown mode {other:?}")),
     };
     if let Err(e) = r {
+        for (level, _, line) in ferroce::ffi::loader::take_captured() {
+            if level <= 2 {
+                eprintln!("netclient: plugin WARN: {line}");
+            }
+        }
         eprintln!("netclient: FAILED: {e}");
         std::process::exit(1);
     }

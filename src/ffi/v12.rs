@@ -11,7 +11,7 @@ use super::abi::*;
 use super::handles::{self, AnyComm, clear, out};
 use super::{Exported, PLUGIN_NAME, guard, log};
 use crate::error::{Error, Result};
-use crate::transport::comm::{Buf, MAX_RECVS, RecvComm, ReqKind, SLOTS, SendComm};
+use crate::transport::comm::{Buf, FLUSH_BASE, MAX_RECVS, RecvComm, ReqKind, SendComm};
 use crate::transport::mr_cache::MemKind;
 use crate::transport::reg::{self, MrHandle};
 use crate::transport::setup::{Connector, Listener};
@@ -459,7 +459,8 @@ pub(super) unsafe extern "C" fn test(
             ReqKind::Recv | ReqKind::Flush => {
                 // SAFETY: a receive or flush request's owner is a live RecvComm.
                 let c = unsafe { handles::owner::<RecvComm>(&h) };
-                let id = usize::from(h.index) + if h.kind == ReqKind::Flush { SLOTS } else { 0 };
+                let id =
+                    usize::from(h.index) + if h.kind == ReqKind::Flush { FLUSH_BASE } else { 0 };
                 let mut got = [0u64; MAX_RECVS];
                 if let Some(n) = c.test(id, &mut got)? {
                     if !sizes.is_null() && h.kind == ReqKind::Recv {

@@ -11,6 +11,7 @@ pub mod gid;
 pub mod handshake;
 pub mod mr_cache;
 pub mod net;
+pub mod proto;
 pub mod reg;
 pub mod setup;
 

@@ -534,7 +534,11 @@ fn accept_parts(net: &Arc<Net>, dev: usize, hello: &Msg) -> Result<Accepted> {
 fn flusher(net: &Arc<Net>, dev: usize, parts: &RecvParts) -> Result<Flusher> {
     let d = &net.devices[dev];
     let cq = parts.cq.clone();
-    let qp = verbs::Qp::create_rc(&d.pd, &cq, verbs::QpCaps { max_send_wr: 64, max_recv_wr: 1 })?;
+    let qp = verbs::Qp::create_rc(
+        &d.pd,
+        &cq,
+        verbs::QpCaps { max_send_wr: 64, max_recv_wr: 1, max_inline: 0 },
+    )?;
     qp.to_init(d.port, verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_READ)?;
     let target = RegisteredBuf::new(&d.pd, 8, verbs::ACCESS_LOCAL_WRITE)?;
     let loopback =

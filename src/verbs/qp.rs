@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 pub struct Qp {
     raw: *mut sys::ibv_qp,
     qpn: u32,
+    max_inline: u32,
     pd: Arc<Pd>,
     _cq: Arc<Cq>,
 }
@@ -28,6 +29,8 @@ unsafe impl Sync for Qp {}
 pub struct QpCaps {
     pub max_send_wr: u32,
     pub max_recv_wr: u32,
+    /// Inline payload to ask for; the QP gets what the device grants (see [`Qp::max_inline`]).
+    pub max_inline: u32,
 }
 
 /// What the RTR transition needs: the remote end and the path to it.
@@ -53,8 +56,9 @@ pub struct RtsAttr {
 }
 
 /// The operation of one send work request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Op {
+    #[default]
     Write,
     /// RDMA write that also consumes a receive at the peer and delivers `imm` (host order).
     WriteImm(u32),
@@ -62,7 +66,8 @@ pub enum Op {
 }
 
 /// One send work request; `local` is `(addr, len, lkey)`, absent for a zero-byte operation.
-#[derive(Clone, Copy, Debug)]
+/// `inline`: the provider copies the bytes at post time (at most the QP's `max_inline`).
+#[derive(Clone, Copy, Debug, Default)]
 pub struct SendWr {
     pub wr_id: u64,
     pub op: Op,
@@ -70,6 +75,7 @@ pub struct SendWr {
     pub local: Option<(u64, u32, u32)>,
     pub remote_addr: u64,
     pub rkey: u32,
+    pub inline: bool,
 }
 
 /// The most work requests [`Qp::post_send`] chains into one call.
@@ -92,24 +98,42 @@ fn zeroed_attr() -> sys::ibv_qp_attr {
 use sys::ibv_qp_attr_mask as M;
 
 impl Qp {
+    /// An RC QP. A device that refuses the inline size asked for is asked again for 64 bytes,
+    /// then none: inline is an optimisation, never a requirement.
     pub fn create_rc(pd: &Arc<Pd>, cq: &Arc<Cq>, caps: QpCaps) -> Result<Qp> {
-        // SAFETY: all-zero is a valid ibv_qp_init_attr; the fields we need are set below.
-        let mut init: sys::ibv_qp_init_attr = unsafe { MaybeUninit::zeroed().assume_init() };
-        init.send_cq = cq.raw();
-        init.recv_cq = cq.raw();
-        init.cap.max_send_wr = caps.max_send_wr;
-        init.cap.max_recv_wr = caps.max_recv_wr;
-        init.cap.max_send_sge = 1;
-        init.cap.max_recv_sge = 1;
-        init.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
-        // SAFETY: pd is live and init is valid; the QP holds Arcs to its PD and CQ.
-        let raw = unsafe { sys::ibv_create_qp(pd.raw(), &mut init) };
+        let create = |inline: u32| {
+            // SAFETY: all-zero is a valid ibv_qp_init_attr; the fields we need are set below.
+            let mut init: sys::ibv_qp_init_attr = unsafe { MaybeUninit::zeroed().assume_init() };
+            init.send_cq = cq.raw();
+            init.recv_cq = cq.raw();
+            init.cap.max_send_wr = caps.max_send_wr;
+            init.cap.max_recv_wr = caps.max_recv_wr;
+            init.cap.max_send_sge = 1;
+            init.cap.max_recv_sge = 1;
+            init.cap.max_inline_data = inline;
+            init.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
+            // SAFETY: pd is live and init is valid; the QP holds Arcs to its PD and CQ.
+            let raw = unsafe { sys::ibv_create_qp(pd.raw(), &mut init) };
+            // ibv_create_qp writes back what the device granted.
+            (raw, init.cap.max_inline_data)
+        };
+        let (mut raw, mut max_inline) = create(caps.max_inline);
+        for smaller in [64, 0] {
+            if raw.is_null() && caps.max_inline > smaller {
+                (raw, max_inline) = create(smaller);
+            }
+        }
         if raw.is_null() {
             return Err(Error::verbs("ibv_create_qp", errno(), pd.context().name()));
         }
         // SAFETY: raw is a valid QP.
         let qpn = unsafe { (*raw).qp_num };
-        Ok(Qp { raw, qpn, pd: pd.clone(), _cq: cq.clone() })
+        Ok(Qp { raw, qpn, max_inline, pd: pd.clone(), _cq: cq.clone() })
+    }
+
+    /// The inline payload this QP takes, in bytes.
+    pub fn max_inline(&self) -> u32 {
+        self.max_inline
     }
 
     pub fn qpn(&self) -> u32 {
@@ -183,44 +207,60 @@ impl Qp {
         modify(self.raw, &mut a, M::IBV_QP_STATE.0, &self.what("ERR"))
     }
 
-    /// Posts up to [`MAX_CHAIN`] send work requests as one chain.
+    /// Posts up to [`MAX_CHAIN`] send work requests as one chain. Only the entries used are
+    /// written: nothing is zeroed per post.
     pub fn post_send(&self, wrs: &[SendWr]) -> Result<()> {
         assert!(wrs.len() <= MAX_CHAIN, "post_send chain of {} > {MAX_CHAIN}", wrs.len());
         if wrs.is_empty() {
             return Ok(());
         }
-        // SAFETY: all-zero is valid for these plain-data structs; every used field is set.
-        let mut sges: [sys::ibv_sge; MAX_CHAIN] = unsafe { MaybeUninit::zeroed().assume_init() };
-        // SAFETY: as above.
-        let mut chain: [sys::ibv_send_wr; MAX_CHAIN] =
-            unsafe { MaybeUninit::zeroed().assume_init() };
+        let mut sges = [const { MaybeUninit::<sys::ibv_sge>::uninit() }; MAX_CHAIN];
+        let mut chain = [const { MaybeUninit::<sys::ibv_send_wr>::uninit() }; MAX_CHAIN];
+        let base = chain.as_mut_ptr().cast::<sys::ibv_send_wr>();
         for (i, w) in wrs.iter().enumerate() {
-            let c = &mut chain[i];
-            c.wr_id = w.wr_id;
-            if let Some((addr, len, lkey)) = w.local {
-                sges[i] = sys::ibv_sge { addr, length: len, lkey };
-                c.sg_list = &mut sges[i];
-                c.num_sge = 1;
-            }
-            c.opcode = match w.op {
-                Op::Write => sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
-                Op::WriteImm(imm) => {
-                    c.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
-                    sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM
+            let (sg_list, num_sge) = match w.local {
+                Some((addr, length, lkey)) => {
+                    (sges[i].write(sys::ibv_sge { addr, length, lkey }) as *mut _, 1)
                 }
-                Op::Read => sys::ibv_wr_opcode::IBV_WR_RDMA_READ,
+                None => (std::ptr::null_mut(), 0),
             };
-            c.send_flags = if w.signaled { sys::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+            let (opcode, imm) = match w.op {
+                Op::Write => (sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE, 0),
+                Op::WriteImm(imm) => (sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM, imm.to_be()),
+                Op::Read => (sys::ibv_wr_opcode::IBV_WR_RDMA_READ, 0),
+            };
+            let mut flags = 0;
+            if w.signaled {
+                flags |= sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+            }
+            if w.inline && w.local.is_some_and(|l| l.1 <= self.max_inline) {
+                flags |= sys::ibv_send_flags::IBV_SEND_INLINE.0;
+            }
+            let next = if i + 1 < wrs.len() {
+                // SAFETY: i + 1 < MAX_CHAIN; the pointer is only stored, written next round.
+                unsafe { base.add(i + 1) }
+            } else {
+                std::ptr::null_mut()
+            };
+            // SAFETY: all-zero is a valid ibv_send_wr; every field the provider reads for an
+            // RDMA write/read is set right after.
+            let mut c: sys::ibv_send_wr = unsafe { MaybeUninit::zeroed().assume_init() };
+            c.wr_id = w.wr_id;
+            c.next = next;
+            c.sg_list = sg_list;
+            c.num_sge = num_sge;
+            c.opcode = opcode;
+            c.send_flags = flags;
+            c.imm_data_invalidated_rkey_union.imm_data = imm;
             c.wr.rdma = sys::rdma_t { remote_addr: w.remote_addr, rkey: w.rkey };
-        }
-        for i in 1..wrs.len() {
-            let next: *mut sys::ibv_send_wr = &mut chain[i];
-            chain[i - 1].next = next;
+            chain[i].write(c);
         }
         let mut bad = std::ptr::null_mut();
-        // SAFETY: the chain and its SGEs live on this stack frame for the duration of the call;
-        // the registered buffers they name are kept alive by the caller until completion.
-        let rc = unsafe { sys::ibv_post_send(self.raw, chain.as_mut_ptr(), &mut bad) };
+        // SAFETY: the first wrs.len() entries of the chain and their SGEs are initialised and
+        // live on this stack frame for the duration of the call; inline payloads are copied by
+        // the provider during it, and the other registered buffers are kept alive by the
+        // caller until completion.
+        let rc = unsafe { sys::ibv_post_send(self.raw, base, &mut bad) };
         if rc != 0 {
             return Err(Error::verbs("ibv_post_send", rc, &format!("QP {:#x}", self.qpn)));
         }

@@ -1,0 +1,820 @@
+//! The data-path protocol with no I/O inside (in the style of quinn-proto): the send and
+//! receive slot tables, the CTS FIFO, tag matching, the multi-QP split and round-robin, the
+//! `wr_id`/immediate encoding and the completion accounting. `comm` owns the verbs objects,
+//! feeds completions in and posts what the core asks for through [`Post`]; the tests below
+//! drive both ends against a simulated network, with no verbs at all.
+//!
+//! The protocol, receiver-driven:
+//! 1. `irecv` posts a buffer-less receive WQE on each lane (it absorbs the sender's
+//!    write-with-immediate), then RDMA-writes the `n` buffer descriptors ([`Cts`] entries) into
+//!    row `head % SLOTS` of the sender's FIFO.
+//! 2. `isend` finds the row in its FIFO, matches by tag, and once all `n` sends of the row are
+//!    matched, posts one chain per lane: RDMA writes of the data, then (for `n > 1`, or sizes
+//!    that do not fit the immediate) a write of the sizes into the receiver's size records,
+//!    and a final signaled write-with-immediate.
+//! 3. Completions find their slot through `wr_id`; the receive is done when every lane's
+//!    immediate has arrived.
+//!
+//! Invariants:
+//! - A slot is reused only after NCCL has seen every request of its previous use complete.
+//! - The receive WQE is posted before the CTS that allows the matching write, so the sender
+//!   never meets receiver-not-ready.
+//! - The CTS of slot `k` is only rewritten after slot `k`'s receive completed, which proves the
+//!   sender consumed it: so CTS writes can go unsignaled (one signaled per FIFO wrap keeps the
+//!   send queue drained) and the staging row can be reused.
+
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::verbs::{Completion, MAX_CHAIN, Op, SendWr};
+
+/// Outstanding (multi-)receives per comm: NCCL's `NCCL_NET_MAX_REQUESTS`.
+pub const SLOTS: usize = 32;
+/// Buffers one `irecv` may group (`maxRecvs`).
+pub const MAX_RECVS: usize = 8;
+/// One CTS entry in bytes, and in u64 words.
+pub const ENTRY: usize = 64;
+const ENTRY_WORDS: usize = ENTRY / 8;
+/// The FIFO (and each staging area) in u64 words: `SLOTS × MAX_RECVS` entries.
+pub const FIFO_WORDS: usize = SLOTS * MAX_RECVS * ENTRY_WORDS;
+/// The size records in u64 words: one per buffer of every slot.
+pub const SIZE_WORDS: usize = SLOTS * MAX_RECVS;
+/// The sender's send-queue depth per QP; a slot whose chain does not fit waits.
+pub const SEND_QUEUE: usize = 1024;
+/// The receiver's send-queue depth per QP (CTS writes, one signaled per FIFO wrap).
+pub const RECV_SEND_QUEUE: usize = 2 * SLOTS;
+
+/// An immediate with this bit set means "sizes are in the size records of slot `imm & 0xff`".
+const IMM_SIZES: u32 = 0x8000_0000;
+
+/// `wr_id` = kind << 32 | lane << 8 | slot.
+pub const WR_SEND: u64 = 1 << 32;
+pub const WR_CTS: u64 = 2 << 32;
+pub const WR_RECV: u64 = 3 << 32;
+pub const WR_FLUSH: u64 = 4 << 32;
+
+fn wr_id(kind: u64, lane: usize, slot: usize) -> u64 {
+    kind | (lane as u64 & 0xff) << 8 | slot as u64 & 0xff
+}
+
+fn wr_kind(id: u64) -> u64 {
+    id & !0xffff_ffff
+}
+
+fn wr_lane(id: u64) -> usize {
+    ((id >> 8) & 0xff) as usize
+}
+
+fn wr_slot(id: u64) -> usize {
+    (id & 0xff) as usize % SLOTS
+}
+
+/// The immediate of a slot's final write: the size itself when one buffer's size fits,
+/// otherwise a pointer to the slot's size records.
+fn imm_for(slot: usize, sizes: &[u64]) -> (u32, bool) {
+    match sizes {
+        [s] if *s < u64::from(IMM_SIZES) => (*s as u32, true),
+        _ => (IMM_SIZES | slot as u32, false),
+    }
+}
+
+/// Registered memory the core reads or writes by u64 word: the FIFO and size records the peer's
+/// NIC writes, the staging areas the local NIC reads.
+pub trait Words {
+    fn load(&self, word: usize) -> u64;
+    fn store(&self, word: usize, v: u64);
+    /// The address of `word`, for a work request.
+    fn addr(&self, word: usize) -> u64;
+    fn lkey(&self) -> u32;
+}
+
+/// Where the core's work requests go: QP `qp` of the comm (index `nqps` is the flush QP).
+pub trait Post {
+    fn send(&mut self, qp: usize, wrs: &[SendWr]) -> Result<()>;
+    fn recv(&mut self, qp: usize, wr_id: u64) -> Result<()>;
+}
+
+/// A local buffer registered for a transfer: its address range and keys.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Buf {
+    pub addr: u64,
+    pub size: u64,
+    pub lkey: u32,
+    pub rkey: u32,
+}
+
+/// One buffer descriptor the receiver writes into the sender's FIFO.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cts {
+    pub addr: u64,
+    pub size: u64,
+    pub rkey: u32,
+    pub tag: i32,
+    /// Buffers in this (multi-)receive; the same in every entry of the row.
+    pub nreqs: u8,
+    /// `head + 1` of the receive: tells a fresh entry from last wrap's.
+    pub idx: u64,
+}
+
+impl Cts {
+    /// The entry's words; `idx` last, as the sender checks it to see a landed entry.
+    pub fn encode(&self) -> [u64; 5] {
+        [
+            self.addr,
+            self.size,
+            u64::from(self.rkey) | u64::from(self.tag as u32) << 32,
+            u64::from(self.nreqs),
+            self.idx,
+        ]
+    }
+
+    pub fn decode(w: [u64; 5]) -> Cts {
+        Cts {
+            addr: w[0],
+            size: w[1],
+            rkey: w[2] as u32,
+            tag: (w[2] >> 32) as u32 as i32,
+            nreqs: w[3] as u8,
+            idx: w[4],
+        }
+    }
+
+    /// Reads entry `r` of `slot`: `idx` first, then the rest, so that an entry whose `idx` is
+    /// current is never paired with last wrap's fields (the peer's write lands in order, and
+    /// each load is an acquire).
+    fn read(fifo: &impl Words, slot: usize, r: usize) -> Cts {
+        let base = (slot * MAX_RECVS + r) * ENTRY_WORDS;
+        let idx = fifo.load(base + 4);
+        let mut w: [u64; 5] = std::array::from_fn(|i| if i < 4 { fifo.load(base + i) } else { 0 });
+        w[4] = idx;
+        Cts::decode(w)
+    }
+}
+
+/// The lanes (QP indices) a slot's message uses.
+pub fn lanes(split: bool, nqps: usize, slot: usize) -> std::ops::Range<usize> {
+    if split { 0..nqps } else { slot % nqps..slot % nqps + 1 }
+}
+
+/// The byte range `(offset, len)` of a `size`-byte buffer that lane `q` of `nqps` carries:
+/// 128-byte-aligned equal chunks in split mode, everything otherwise.
+pub fn lane_part(size: u64, split: bool, nqps: usize, q: usize) -> (u64, u64) {
+    if !split || nqps == 1 {
+        return (0, size);
+    }
+    let chunk = size.div_ceil(nqps as u64).next_multiple_of(128);
+    let off = (q as u64 * chunk).min(size);
+    (off, (off + chunk).min(size) - off)
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum State {
+    #[default]
+    Free,
+    Pending,
+    Done,
+}
+
+/// The hint attached to a failed completion.
+fn hint(status: u32) -> &'static str {
+    match status {
+        12 => {
+            "retry exceeded: the peer stopped answering; check the GID, MTU, PFC/ECN and NCCL_IB_TIMEOUT"
+        }
+        13 => "RNR retry exceeded: the peer had no receive posted",
+        10 | 11 | 4 => {
+            "protection/access error: the peer's registration is gone (its process or device \
+             may have died), or a buffer was not registered"
+        }
+        5 => "flushed: an earlier error moved the queue pair to the error state",
+        _ => "see `rdma resource show qp` and dmesg",
+    }
+}
+
+/// Where a comm's traffic goes, for error messages and statistics.
+#[derive(Clone, Debug, Default)]
+pub struct Path {
+    /// The peer's setup address.
+    pub peer: String,
+    /// GIDs, MTU, traffic class, timeout and retry: what to check when it fails.
+    pub describe: String,
+    /// The UDP source port of each QP.
+    pub sports: Vec<u16>,
+}
+
+/// Turns "work posted, nothing completes" into an error after `timeout`.
+struct Watchdog {
+    outstanding: usize,
+    since: Instant,
+    timeout: Duration,
+}
+
+impl Watchdog {
+    fn new(timeout: Duration) -> Watchdog {
+        Watchdog { outstanding: 0, since: Instant::now(), timeout }
+    }
+
+    fn posted(&mut self) {
+        if self.outstanding == 0 {
+            self.since = Instant::now();
+        }
+        self.outstanding += 1;
+    }
+
+    fn completed(&mut self, all_done: bool) {
+        self.since = Instant::now();
+        if all_done {
+            self.outstanding = self.outstanding.saturating_sub(1);
+        }
+    }
+
+    fn check(&self, path: &Path) -> Option<String> {
+        (self.outstanding > 0 && self.since.elapsed() > self.timeout).then(|| {
+            format!(
+                "no completion from {} for {} ms with {} operations outstanding \
+                 (FERROCE_PROGRESS_TIMEOUT_MS): the peer or its device is gone, or the path \
+                 drops everything; check the GID, MTU, PFC/ECN and NCCL_IB_TIMEOUT on {}",
+                path.peer,
+                self.timeout.as_millis(),
+                self.outstanding,
+                path.describe
+            )
+        })
+    }
+}
+
+/// What both ends share: the first failure (every later call reports it) and the watchdog.
+struct Health {
+    fatal: Option<String>,
+    watchdog: Watchdog,
+    path: Path,
+}
+
+impl Health {
+    fn check(&self) -> Result<()> {
+        self.fatal.as_ref().map_or(Ok(()), |e| Err(Error::Remote(e.clone())))
+    }
+
+    /// Records the first failed completion; `true` if `c` succeeded.
+    fn completion(&mut self, c: &Completion) -> bool {
+        if c.status != 0 && self.fatal.is_none() {
+            self.fatal = Some(format!(
+                "completion error with {}: {} (status {}, vendor_err {:#x}, wr {:#x}) on {}: {}",
+                self.path.peer,
+                crate::verbs::status_str(c.status),
+                c.status,
+                c.vendor_err,
+                c.wr_id,
+                self.path.describe,
+                hint(c.status)
+            ));
+        }
+        c.status == 0
+    }
+
+    /// After a poll found the CQ empty: the watchdog, and a failure from elsewhere (the device).
+    fn idle(&mut self, elsewhere: Option<String>) -> Result<()> {
+        if self.fatal.is_none() {
+            self.fatal = self.watchdog.check(&self.path).or(elsewhere);
+        }
+        self.check()
+    }
+}
+
+/// A growing chain of work requests for one QP, posted in batches of `MAX_CHAIN`.
+struct Chain {
+    qp: usize,
+    wrs: [SendWr; MAX_CHAIN],
+    len: usize,
+    posted: usize,
+}
+
+impl Chain {
+    fn new(qp: usize) -> Chain {
+        Chain { qp, wrs: [SendWr::default(); MAX_CHAIN], len: 0, posted: 0 }
+    }
+
+    fn push(&mut self, io: &mut impl Post, wr: SendWr) -> Result<()> {
+        if self.len == MAX_CHAIN {
+            self.flush(io)?;
+        }
+        self.wrs[self.len] = wr;
+        self.len += 1;
+        Ok(())
+    }
+
+    fn last(&mut self) -> Option<&mut SendWr> {
+        self.len.checked_sub(1).map(|i| &mut self.wrs[i])
+    }
+
+    fn flush(&mut self, io: &mut impl Post) -> Result<()> {
+        io.send(self.qp, &self.wrs[..self.len])?;
+        self.posted += self.len;
+        self.len = 0;
+        Ok(())
+    }
+}
+
+/// The fixed parameters of one end of a connection.
+#[derive(Clone, Debug)]
+pub struct Params {
+    pub nqps: usize,
+    pub split: bool,
+    /// Largest single work request (the port's `max_msg_sz`).
+    pub max_msg: u64,
+    /// Largest inline payload the QPs accept (`max_inline_data`).
+    pub max_inline: u32,
+    pub progress_timeout: Duration,
+    pub path: Path,
+}
+
+// --- the sender ---------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, Default)]
+struct SendReq {
+    state: State,
+    size: u64,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct SendSlot {
+    /// Bitmask of the entries matched by an `isend`.
+    matched: u8,
+    /// The sends matched so far, by entry.
+    bufs: [Option<Buf>; MAX_RECVS],
+    /// Lanes whose final completion has not arrived yet.
+    cqes: u16,
+}
+
+/// The sending end's protocol state.
+pub struct SendCore {
+    reqs: [SendReq; SLOTS * MAX_RECVS],
+    slots: [SendSlot; SLOTS],
+    /// Slots fully posted so far; the next slot is `head % SLOTS`.
+    head: u64,
+    p: Params,
+    /// Where the receiver's size records are: `(addr, rkey)`.
+    remote_sizes: (u64, u32),
+    /// Per QP: send-queue entries in use, and bytes carried (the statistics).
+    sq_used: Vec<usize>,
+    pub bytes: Vec<u64>,
+    /// Per slot and QP: work requests posted for the slot's current use.
+    slot_wrs: Vec<usize>,
+    health: Health,
+}
+
+impl SendCore {
+    pub fn new(mut p: Params, remote_sizes: (u64, u32)) -> SendCore {
+        p.split = p.split && p.nqps > 1;
+        p.max_msg = p.max_msg.max(4096);
+        let health = Health {
+            fatal: None,
+            watchdog: Watchdog::new(p.progress_timeout),
+            path: p.path.clone(),
+        };
+        SendCore {
+            reqs: [SendReq::default(); SLOTS * MAX_RECVS],
+            slots: [SendSlot::default(); SLOTS],
+            head: 0,
+            remote_sizes,
+            sq_used: vec![0; p.nqps],
+            bytes: vec![0; p.nqps],
+            slot_wrs: vec![0; SLOTS * p.nqps],
+            health,
+            p,
+        }
+    }
+
+    pub fn check(&self) -> Result<()> {
+        self.health.check()
+    }
+
+    /// Matches a send against the receiver's posted buffers in `fifo`; posts the row once it
+    /// is complete. `Ok(None)`: not yet (the receive is not posted, or this slot's previous
+    /// requests are still outstanding, or the send queue is full: poll and call again).
+    pub fn isend(
+        &mut self,
+        fifo: &impl Words,
+        stage: &impl Words,
+        io: &mut impl Post,
+        buf: Buf,
+        tag: i32,
+    ) -> Result<Option<usize>> {
+        self.check()?;
+        let slot = (self.head % SLOTS as u64) as usize;
+        let want = self.head + 1;
+        let first = Cts::read(fifo, slot, 0);
+        if first.idx != want {
+            return Ok(None);
+        }
+        let nreqs = usize::from(first.nreqs);
+        if !(1..=MAX_RECVS).contains(&nreqs) {
+            return Err(Error::Remote(format!(
+                "{} sent a CTS with {nreqs} buffers",
+                self.p.path.peer
+            )));
+        }
+        let mut row = [first; MAX_RECVS];
+        for (r, e) in row.iter_mut().enumerate().take(nreqs).skip(1) {
+            *e = Cts::read(fifo, slot, r);
+            if e.idx != want {
+                return Ok(None); // the rest of the row is still landing
+            }
+        }
+        // A fresh slot must not still hold requests NCCL has not yet seen complete.
+        let s = &self.slots[slot];
+        let range = slot * MAX_RECVS..(slot + 1) * MAX_RECVS;
+        if s.matched == 0 && self.reqs[range].iter().any(|r| r.state != State::Free) {
+            return Ok(None);
+        }
+        let Some(r) = (0..nreqs).find(|&r| s.matched & (1 << r) == 0 && row[r].tag == tag) else {
+            return Ok(None);
+        };
+        if buf.size > row[r].size {
+            return Err(Error::Internal(format!(
+                "send of {} bytes (tag {tag}) to {} is larger than the posted receive of {} bytes",
+                buf.size, self.p.path.peer, row[r].size
+            )));
+        }
+        let last = s.matched.count_ones() as usize + 1 == nreqs;
+        let mut bufs = s.bufs;
+        bufs[r] = Some(buf);
+        if last && !self.fits(slot, &bufs[..nreqs]) {
+            return Ok(None);
+        }
+        let id = slot * MAX_RECVS + r;
+        self.reqs[id] = SendReq { state: State::Pending, size: buf.size };
+        let s = &mut self.slots[slot];
+        s.matched |= 1 << r;
+        s.bufs = bufs;
+        if last {
+            self.post(stage, io, slot, &row[..nreqs])?;
+            self.head += 1;
+        }
+        Ok(Some(id))
+    }
+
+    /// Work requests lane `q` needs for `bufs` (data pieces, size record, immediate).
+    fn wrs_for(&self, bufs: &[Option<Buf>], q: usize) -> usize {
+        let data: u64 = bufs
+            .iter()
+            .map(|b| {
+                let size = b.map_or(0, |b| b.size);
+                lane_part(size, self.p.split, self.p.nqps, q).1.div_ceil(self.p.max_msg)
+            })
+            .sum();
+        data as usize + 2
+    }
+
+    fn fits(&self, slot: usize, bufs: &[Option<Buf>]) -> bool {
+        lanes(self.p.split, self.p.nqps, slot)
+            .all(|q| self.sq_used[q] + self.wrs_for(bufs, q) <= SEND_QUEUE)
+    }
+
+    /// Posts the slot's chains: on each lane, the data writes, the size record (first lane of
+    /// the slot, when needed), and the lane's final write-with-immediate.
+    fn post(
+        &mut self,
+        stage: &impl Words,
+        io: &mut impl Post,
+        slot: usize,
+        row: &[Cts],
+    ) -> Result<()> {
+        let nreqs = row.len();
+        let bufs = self.slots[slot].bufs;
+        let sizes: [u64; MAX_RECVS] = std::array::from_fn(|r| bufs[r].map_or(0, |b| b.size));
+        let (imm, single) = imm_for(slot, &sizes[..nreqs]);
+        if !single {
+            for (r, &sz) in sizes.iter().enumerate().take(nreqs) {
+                stage.store(slot * MAX_RECVS + r, sz);
+            }
+        }
+        let (nqps, split, max_msg, inline) =
+            (self.p.nqps, self.p.split, self.p.max_msg, self.p.max_inline);
+        let lanes = lanes(split, nqps, slot);
+        let first = lanes.start;
+        for q in lanes.clone() {
+            let id = wr_id(WR_SEND, q, slot);
+            let mut chain = Chain::new(q);
+            let mut data = 0;
+            for (b, cts) in bufs.iter().zip(row) {
+                let Some(b) = b else { continue };
+                let (off, len) = lane_part(b.size, split, nqps, q);
+                let mut done = 0;
+                while done < len {
+                    let n = (len - done).min(max_msg);
+                    let at = off + done;
+                    chain.push(
+                        io,
+                        SendWr {
+                            wr_id: id,
+                            op: Op::Write,
+                            local: Some((b.addr + at, n as u32, b.lkey)),
+                            remote_addr: cts.addr + at,
+                            rkey: cts.rkey,
+                            inline: n <= u64::from(inline),
+                            ..SendWr::default()
+                        },
+                    )?;
+                    done += n;
+                }
+                data += len;
+            }
+            if !single && q == first {
+                let len = (nreqs * 8) as u32;
+                chain.push(
+                    io,
+                    SendWr {
+                        wr_id: id,
+                        op: Op::Write,
+                        local: Some((stage.addr(slot * MAX_RECVS), len, stage.lkey())),
+                        remote_addr: self.remote_sizes.0 + (slot * MAX_RECVS * 8) as u64,
+                        rkey: self.remote_sizes.1,
+                        inline: len <= inline,
+                        ..SendWr::default()
+                    },
+                )?;
+            }
+            // The last data write carries the immediate when it can; otherwise a 0-byte one.
+            match chain.last() {
+                Some(w) if single && data > 0 && w.op == Op::Write => {
+                    w.op = Op::WriteImm(imm);
+                    w.signaled = true;
+                }
+                _ => chain.push(
+                    io,
+                    SendWr {
+                        wr_id: id,
+                        op: Op::WriteImm(imm),
+                        signaled: true,
+                        ..SendWr::default()
+                    },
+                )?,
+            }
+            chain.flush(io)?;
+            self.slot_wrs[slot * nqps + q] = chain.posted;
+            self.sq_used[q] += chain.posted;
+            self.bytes[q] += data;
+        }
+        let s = &mut self.slots[slot];
+        s.cqes = lanes.len() as u16;
+        s.matched = 0;
+        s.bufs = [None; MAX_RECVS];
+        self.health.watchdog.posted();
+        Ok(())
+    }
+
+    /// Takes in one completion of the comm's CQ.
+    pub fn complete(&mut self, c: &Completion) {
+        if !self.health.completion(c) || wr_kind(c.wr_id) != WR_SEND {
+            return;
+        }
+        let nqps = self.p.nqps;
+        let (slot, q) = (wr_slot(c.wr_id), wr_lane(c.wr_id) % nqps);
+        self.sq_used[q] = self.sq_used[q].saturating_sub(self.slot_wrs[slot * nqps + q]);
+        self.slot_wrs[slot * nqps + q] = 0;
+        let s = &mut self.slots[slot];
+        s.cqes = s.cqes.saturating_sub(1);
+        self.health.watchdog.completed(s.cqes == 0);
+        if s.cqes == 0 {
+            for req in &mut self.reqs[slot * MAX_RECVS..(slot + 1) * MAX_RECVS] {
+                if req.state == State::Pending {
+                    req.state = State::Done;
+                }
+            }
+        }
+    }
+
+    /// After a poll found no more completions.
+    pub fn idle(&mut self, elsewhere: Option<String>) -> Result<()> {
+        self.health.idle(elsewhere)
+    }
+
+    /// Whether request `id` still waits for completions (the caller polls before [`Self::test`]).
+    pub fn pending(&self, id: usize) -> bool {
+        self.reqs.get(id).is_some_and(|r| r.state == State::Pending)
+    }
+
+    /// `Some(size)` once request `id` completed (the request is then free again).
+    pub fn test(&mut self, id: usize) -> Result<Option<u64>> {
+        let req = self
+            .reqs
+            .get_mut(id)
+            .ok_or_else(|| Error::Internal(format!("bad send request {id}")))?;
+        match req.state {
+            State::Free => Err(Error::Internal(format!("test of a free send request {id}"))),
+            State::Pending => self.health.check().map(|_| None),
+            State::Done => {
+                req.state = State::Free;
+                Ok(Some(req.size))
+            }
+        }
+    }
+}
+
+// --- the receiver -------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, Default)]
+struct RecvSlot {
+    state: State,
+    n: usize,
+    /// Immediates still expected (one per lane).
+    imms: u16,
+    sizes: [u64; MAX_RECVS],
+}
+
+/// The receiving end's protocol state.
+pub struct RecvCore {
+    slots: [RecvSlot; SLOTS],
+    flushes: [State; SLOTS],
+    flush_head: usize,
+    head: u64,
+    p: Params,
+    /// Where the sender's FIFO is: `(addr, rkey)`.
+    remote_fifo: (u64, u32),
+    health: Health,
+}
+
+/// Request ids: receives are `0..SLOTS`, flushes `SLOTS..2 * SLOTS`.
+pub const FLUSH_BASE: usize = SLOTS;
+
+impl RecvCore {
+    pub fn new(mut p: Params, remote_fifo: (u64, u32)) -> RecvCore {
+        p.split = p.split && p.nqps > 1;
+        let health = Health {
+            fatal: None,
+            watchdog: Watchdog::new(p.progress_timeout),
+            path: p.path.clone(),
+        };
+        RecvCore {
+            slots: [RecvSlot::default(); SLOTS],
+            flushes: [State::Free; SLOTS],
+            flush_head: 0,
+            head: 0,
+            remote_fifo,
+            health,
+            p,
+        }
+    }
+
+    pub fn check(&self) -> Result<()> {
+        self.health.check()
+    }
+
+    /// Posts `bufs` (with their tags) as one multi-receive, staging the CTS row in `stage`.
+    /// `Ok(None)`: all slots busy (poll, test, call again).
+    pub fn irecv(
+        &mut self,
+        stage: &impl Words,
+        io: &mut impl Post,
+        bufs: &[(Buf, i32)],
+    ) -> Result<Option<usize>> {
+        self.check()?;
+        let n = bufs.len();
+        if !(1..=MAX_RECVS).contains(&n) {
+            return Err(Error::Internal(format!("irecv of {n} buffers (1..={MAX_RECVS})")));
+        }
+        let slot = (self.head % SLOTS as u64) as usize;
+        if self.slots[slot].state != State::Free {
+            return Ok(None);
+        }
+        let lanes = lanes(self.p.split, self.p.nqps, slot);
+        for q in lanes.clone() {
+            io.recv(q, wr_id(WR_RECV, q, slot))?;
+        }
+        let idx = self.head + 1;
+        for (r, (b, tag)) in bufs.iter().enumerate() {
+            let cts =
+                Cts { addr: b.addr, size: b.size, rkey: b.rkey, tag: *tag, nreqs: n as u8, idx };
+            let base = (slot * MAX_RECVS + r) * ENTRY_WORDS;
+            for (i, w) in cts.encode().into_iter().enumerate() {
+                stage.store(base + i, w);
+            }
+        }
+        let base = slot * MAX_RECVS * ENTRY_WORDS;
+        let len = (n * ENTRY) as u32;
+        // One signaled CTS per FIFO wrap drains the send queue; errors complete regardless.
+        let signaled = slot == SLOTS - 1;
+        io.send(
+            0,
+            &[SendWr {
+                wr_id: wr_id(WR_CTS, 0, slot),
+                op: Op::Write,
+                signaled,
+                local: Some((stage.addr(base), len, stage.lkey())),
+                remote_addr: self.remote_fifo.0 + (base * 8) as u64,
+                rkey: self.remote_fifo.1,
+                inline: len <= self.p.max_inline,
+            }],
+        )?;
+        if signaled {
+            self.health.watchdog.posted();
+        }
+        self.slots[slot] =
+            RecvSlot { state: State::Pending, n, imms: lanes.len() as u16, sizes: [0; MAX_RECVS] };
+        self.head += 1;
+        Ok(Some(slot))
+    }
+
+    /// Issues the flush read of `target` (through QP `nqps`, the loopback flush QP), with the
+    /// local `scratch` buffer `(addr, lkey)` as destination.
+    pub fn iflush(
+        &mut self,
+        io: &mut impl Post,
+        target: Buf,
+        scratch: (u64, u32),
+    ) -> Result<usize> {
+        self.check()?;
+        let k = self.flush_head % SLOTS;
+        if self.flushes[k] != State::Free {
+            return Err(Error::Internal(format!("more than {SLOTS} flushes outstanding")));
+        }
+        io.send(
+            self.p.nqps,
+            &[SendWr {
+                wr_id: wr_id(WR_FLUSH, 0, k),
+                op: Op::Read,
+                signaled: true,
+                local: Some((scratch.0, 1, scratch.1)),
+                remote_addr: target.addr,
+                rkey: target.rkey,
+                inline: false,
+            }],
+        )?;
+        self.health.watchdog.posted();
+        self.flushes[k] = State::Pending;
+        self.flush_head += 1;
+        Ok(FLUSH_BASE + k)
+    }
+
+    /// Takes in one completion; `sizes` are the size records the sender writes.
+    pub fn complete(&mut self, c: &Completion, sizes: &impl Words) {
+        if !self.health.completion(c) {
+            return;
+        }
+        let i = wr_slot(c.wr_id);
+        match wr_kind(c.wr_id) {
+            WR_RECV => {
+                let s = &mut self.slots[i];
+                s.imms = s.imms.saturating_sub(1);
+                if s.imms > 0 {
+                    return;
+                }
+                let imm = c.imm.unwrap_or(0);
+                if imm & IMM_SIZES == 0 {
+                    s.sizes[0] = u64::from(imm);
+                } else {
+                    for r in 0..s.n {
+                        s.sizes[r] = sizes.load(i * MAX_RECVS + r);
+                    }
+                }
+                s.state = State::Done;
+            }
+            WR_FLUSH => {
+                self.flushes[i] = State::Done;
+                self.health.watchdog.completed(true);
+            }
+            _ => self.health.watchdog.completed(true), // the signaled CTS write
+        }
+    }
+
+    pub fn idle(&mut self, elsewhere: Option<String>) -> Result<()> {
+        self.health.idle(elsewhere)
+    }
+
+    fn state(&self, id: usize) -> Option<State> {
+        match id {
+            i if i < SLOTS => Some(self.slots[i].state),
+            i => self.flushes.get(i - FLUSH_BASE).copied(),
+        }
+    }
+
+    /// Whether request `id` still waits for completions.
+    pub fn pending(&self, id: usize) -> bool {
+        self.state(id) == Some(State::Pending)
+    }
+
+    /// Receive request `id` (`< SLOTS`) or flush request (`FLUSH_BASE..`): `Some(n)` once done,
+    /// with the `n` received sizes in `sizes` (0 for a flush).
+    pub fn test(&mut self, id: usize, sizes: &mut [u64; MAX_RECVS]) -> Result<Option<usize>> {
+        match self.state(id) {
+            None | Some(State::Free) => {
+                Err(Error::Internal(format!("test of an unknown or free receive request {id}")))
+            }
+            Some(State::Pending) => self.health.check().map(|_| None),
+            Some(State::Done) if id < SLOTS => {
+                let s = &mut self.slots[id];
+                *sizes = s.sizes;
+                s.state = State::Free;
+                Ok(Some(s.n))
+            }
+            Some(State::Done) => {
+                self.flushes[id - FLUSH_BASE] = State::Free;
+                Ok(Some(0))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,635 @@
+//! Both ends of the protocol against a simulated network, with no verbs: random interleavings
+//! of irecv, isend, test and the delivery of each queue pair's work requests, with 1–8 QPs in
+//! split and round-robin modes, multi-receives of 1–8 tagged buffers, sizes from 0 up, inline
+//! and not, FIFO wrap-around over 10⁵ messages, and error completions. Every request must
+//! complete exactly once, with its size and its bytes, in NCCL's order rules (receives match
+//! sends in posting order; tags pick the buffer inside a multi-receive).
+
+use std::cell::RefCell;
+use std::collections::VecDeque;
+
+use super::*;
+
+// --- the simulated hosts and network -----------------------------------------------------------
+
+/// Registered memory of both hosts: regions by base address, each with its key.
+struct Mem {
+    regions: RefCell<Vec<(u64, u32, Vec<u8>)>>,
+}
+
+impl Mem {
+    fn new() -> Mem {
+        Mem { regions: RefCell::new(Vec::new()) }
+    }
+
+    fn add(&self, base: u64, key: u32, len: usize) {
+        self.regions.borrow_mut().push((base, key, vec![0; len]));
+    }
+
+    /// Runs `f` on `[addr, addr + len)`, which must lie in one region (with `key`, if given).
+    fn with<T>(
+        &self,
+        addr: u64,
+        len: usize,
+        key: Option<u32>,
+        f: impl FnOnce(&mut [u8]) -> T,
+    ) -> T {
+        let mut regions = self.regions.borrow_mut();
+        let (base, k, bytes) = regions
+            .iter_mut()
+            .find(|(b, _, v)| *b <= addr && addr + len as u64 <= *b + v.len() as u64)
+            .unwrap_or_else(|| panic!("{len} bytes at {addr:#x} are in no registered region"));
+        if let Some(key) = key {
+            assert_eq!(*k, key, "wrong key for {addr:#x}");
+        }
+        let off = (addr - *base) as usize;
+        f(&mut bytes[off..off + len])
+    }
+
+    fn read(&self, addr: u64, len: usize) -> Vec<u8> {
+        self.with(addr, len, None, |b| b.to_vec())
+    }
+}
+
+/// A region seen as words, as the core sees registered buffers.
+struct Area<'a> {
+    mem: &'a Mem,
+    base: u64,
+    key: u32,
+}
+
+impl Words for Area<'_> {
+    fn load(&self, w: usize) -> u64 {
+        self.mem
+            .with(self.base + 8 * w as u64, 8, None, |b| u64::from_le_bytes(b.try_into().unwrap()))
+    }
+    fn store(&self, w: usize, v: u64) {
+        self.mem.with(self.base + 8 * w as u64, 8, None, |b| b.copy_from_slice(&v.to_le_bytes()))
+    }
+    fn addr(&self, w: usize) -> u64 {
+        self.base + 8 * w as u64
+    }
+    fn lkey(&self) -> u32 {
+        self.key
+    }
+}
+
+/// A posted work request; inline ones carry their bytes from the time of posting.
+struct Queued {
+    wr: SendWr,
+    inline: Option<Vec<u8>>,
+}
+
+/// The queue pairs of both ends (`[side][qp]`, side 0 sends, 1 receives; QP `q` of one side
+/// is connected to QP `q` of the other) and their completion queues.
+struct Wire {
+    sq: [Vec<VecDeque<Queued>>; 2],
+    rq: [Vec<VecDeque<u64>>; 2],
+    cq: [VecDeque<Completion>; 2],
+    /// Per side and QP: send-queue entries not yet reclaimed (a provider frees them only when
+    /// a later signaled work request completes), and entries executed since the last reclaim.
+    held: [Vec<(usize, usize)>; 2],
+    broken: bool,
+}
+
+impl Wire {
+    fn new(nqps: usize) -> Wire {
+        let sq = || (0..=nqps).map(|_| VecDeque::new()).collect::<Vec<_>>();
+        let rq = || (0..=nqps).map(|_| VecDeque::new()).collect::<Vec<_>>();
+        Wire {
+            sq: [sq(), sq()],
+            rq: [rq(), rq()],
+            cq: [VecDeque::new(), VecDeque::new()],
+            held: [vec![(0, 0); nqps + 1], vec![(0, 0); nqps + 1]],
+            broken: false,
+        }
+    }
+
+    /// Executes the head work request of `side`'s QP `q`.
+    fn step(&mut self, mem: &Mem, side: usize, q: usize) {
+        let Some(Queued { wr, inline }) = self.sq[side][q].pop_front() else { return };
+        let peer = 1 - side;
+        if let Some((addr, len, _)) = wr.local {
+            let bytes = inline.unwrap_or_else(|| mem.read(addr, len as usize));
+            match wr.op {
+                Op::Read => {}
+                _ => mem.with(wr.remote_addr, len as usize, Some(wr.rkey), |b| {
+                    b.copy_from_slice(&bytes)
+                }),
+            }
+        }
+        if let Op::WriteImm(imm) = wr.op {
+            let r = self.rq[peer][q]
+                .pop_front()
+                .expect("receiver not ready: a write-with-immediate found no receive posted");
+            self.cq[peer].push_back(Completion { wr_id: r, imm: Some(imm), ..Default::default() });
+        }
+        let held = &mut self.held[side][q];
+        held.1 += 1;
+        if wr.signaled {
+            held.0 -= held.1;
+            held.1 = 0;
+            self.cq[side].push_back(Completion { wr_id: wr.wr_id, ..Default::default() });
+        }
+    }
+
+    /// The link dies: the head of every send queue fails (retry exceeded), everything behind it
+    /// and every posted receive is flushed.
+    fn break_all(&mut self) {
+        self.broken = true;
+        for side in 0..2 {
+            for q in 0..self.sq[side].len() {
+                let mut first = true;
+                while let Some(Queued { wr, .. }) = self.sq[side][q].pop_front() {
+                    let status = if first { 12 } else { 5 };
+                    first = false;
+                    self.cq[side].push_back(Completion {
+                        wr_id: wr.wr_id,
+                        status,
+                        ..Default::default()
+                    });
+                }
+                while let Some(r) = self.rq[side][q].pop_front() {
+                    self.cq[side].push_back(Completion {
+                        wr_id: r,
+                        status: 5,
+                        ..Default::default()
+                    });
+                }
+            }
+        }
+    }
+
+    fn busy(&self) -> Vec<(usize, usize)> {
+        (0..2)
+            .flat_map(|s| (0..self.sq[s].len()).map(move |q| (s, q)))
+            .filter(|&(s, q)| !self.sq[s][q].is_empty())
+            .collect()
+    }
+}
+
+/// One end's view of the wire, as the core's [`Post`].
+struct Io<'a> {
+    wire: &'a RefCell<Wire>,
+    mem: &'a Mem,
+    side: usize,
+    /// The send-queue depth each QP was created with.
+    depth: usize,
+}
+
+impl Post for Io<'_> {
+    fn send(&mut self, qp: usize, wrs: &[SendWr]) -> Result<()> {
+        let mut w = self.wire.borrow_mut();
+        assert!(wrs.len() <= MAX_CHAIN);
+        for wr in wrs {
+            if w.broken {
+                // A QP in the error state flushes whatever is posted to it.
+                let c = Completion { wr_id: wr.wr_id, status: 5, ..Default::default() };
+                w.cq[self.side].push_back(c);
+                continue;
+            }
+            let inline =
+                wr.local.filter(|_| wr.inline).map(|(a, l, _)| self.mem.read(a, l as usize));
+            w.sq[self.side][qp].push_back(Queued { wr: *wr, inline });
+            w.held[self.side][qp].0 += 1;
+            assert!(w.held[self.side][qp].0 <= self.depth, "send queue {qp} overflows");
+        }
+        Ok(())
+    }
+    fn recv(&mut self, qp: usize, wr_id: u64) -> Result<()> {
+        let mut w = self.wire.borrow_mut();
+        if w.broken {
+            w.cq[self.side].push_back(Completion { wr_id, status: 5, ..Default::default() });
+        } else {
+            w.rq[self.side][qp].push_back(wr_id);
+        }
+        Ok(())
+    }
+}
+
+// --- the NCCL side: a random program, driven like NCCL's proxy -----------------------------------
+
+struct Rng(u64);
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n.max(1)
+    }
+}
+
+/// One buffer of a multi-receive: what the receiver posts and what the sender sends.
+#[derive(Clone, Copy, Debug)]
+struct Item {
+    capacity: u64,
+    size: u64,
+    tag: i32,
+}
+
+const CAP: u64 = 8192;
+const SEND_DATA: u64 = 0x1000_0000;
+const RECV_DATA: u64 = 0x2000_0000;
+const FIFO: u64 = 0x3000_0000;
+const SEND_STAGE: u64 = 0x4000_0000;
+const RECV_STAGE: u64 = 0x5000_0000;
+const RECV_SIZES: u64 = 0x6000_0000;
+const SCRATCH: u64 = 0x7000_0000;
+
+/// Twice as many buffer areas as slots: NCCL may try to post group `g` while group
+/// `g - SLOTS` is not yet tested, and the core must then say "not yet".
+const AREAS: usize = 2 * SLOTS;
+
+fn buf_addr(base: u64, g: usize, r: usize) -> u64 {
+    base + ((g % AREAS) * MAX_RECVS + r) as u64 * CAP
+}
+
+fn pattern(g: usize, r: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (g.wrapping_mul(31) ^ r.wrapping_mul(7) ^ i) as u8).collect()
+}
+
+struct Run {
+    nqps: usize,
+    split: bool,
+    max_msg: u64,
+    max_inline: u32,
+    groups: Vec<Vec<Item>>,
+    /// Break the link after this many scheduler steps.
+    break_at: Option<u64>,
+}
+
+fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
+    let nqps = 1 + rng.below(8) as usize;
+    let groups = (0..ngroups)
+        .map(|_| {
+            let n = 1 + rng.below(MAX_RECVS as u64) as usize;
+            let mut tags: Vec<i32> = (0..n as i32).map(|t| t * 3 + 1).collect();
+            // Distinct tags (as NCCL's are within a multi-receive), in a random order.
+            for i in (1..n).rev() {
+                tags.swap(i, rng.below(i as u64 + 1) as usize);
+            }
+            (0..n)
+                .map(|r| {
+                    let size = match rng.below(4) {
+                        0 => 0,
+                        1 => rng.below(65).min(max_size),
+                        _ => rng.below(max_size + 1),
+                    };
+                    let capacity = (size + rng.below(64)).min(CAP);
+                    Item { capacity, size, tag: tags[r] }
+                })
+                .collect()
+        })
+        .collect();
+    Run {
+        nqps,
+        split: rng.below(2) == 1,
+        max_msg: [4096, 1000, 1 << 20][rng.below(3) as usize],
+        max_inline: [0, 64, 512][rng.below(3) as usize],
+        groups,
+        break_at: None,
+    }
+}
+
+/// What happened to the requests: counts of completed ones and of errors seen.
+#[derive(Debug, Default)]
+struct Outcome {
+    recvs_done: usize,
+    sends_done: usize,
+    errors: [usize; 2],
+}
+
+fn drive(run: &Run, seed: u64) -> Outcome {
+    let mut rng = Rng(seed | 1);
+    let mem = Mem::new();
+    let area = AREAS * MAX_RECVS * CAP as usize;
+    mem.add(SEND_DATA, 11, area);
+    mem.add(RECV_DATA, 12, area);
+    mem.add(FIFO, 13, FIFO_WORDS * 8);
+    mem.add(SEND_STAGE, 14, SIZE_WORDS * 8);
+    mem.add(RECV_STAGE, 15, FIFO_WORDS * 8);
+    mem.add(RECV_SIZES, 16, SIZE_WORDS * 8);
+    mem.add(SCRATCH, 17, 8);
+    let fifo = Area { mem: &mem, base: FIFO, key: 13 };
+    let sstage = Area { mem: &mem, base: SEND_STAGE, key: 14 };
+    let rstage = Area { mem: &mem, base: RECV_STAGE, key: 15 };
+    let rsizes = Area { mem: &mem, base: RECV_SIZES, key: 16 };
+    let params = Params {
+        nqps: run.nqps,
+        split: run.split,
+        max_msg: run.max_msg,
+        max_inline: run.max_inline,
+        progress_timeout: Duration::from_secs(3600),
+        path: Path { peer: "sim".into(), ..Default::default() },
+    };
+    let mut sender = SendCore::new(params.clone(), (RECV_SIZES, 16));
+    let mut receiver = RecvCore::new(params, (FIFO, 13));
+    let wire = RefCell::new(Wire::new(run.nqps));
+    let mut sio = Io { wire: &wire, mem: &mem, side: 0, depth: SEND_QUEUE };
+    let mut rio = Io { wire: &wire, mem: &mem, side: 1, depth: RECV_SEND_QUEUE };
+
+    let n = run.groups.len();
+    let (mut next_recv, mut next_send) = (0usize, 0usize);
+    // Sends of the current group still to post, in a random order of its buffers.
+    let mut send_order: Vec<usize> = Vec::new();
+    let mut recv_out: Vec<(usize, usize)> = Vec::new(); // (group, request)
+    let mut send_out: Vec<(usize, usize, usize)> = Vec::new(); // (group, buffer, request)
+    let mut recv_done = vec![false; n];
+    let mut sends_left = vec![0usize; n];
+    let mut out = Outcome::default();
+    let mut steps = 0u64;
+    let mut idle = 0u64;
+    let done = |o: &Outcome| o.recvs_done == n && o.sends_done == n;
+    while !done(&out) {
+        steps += 1;
+        idle += 1;
+        assert!(idle < 200_000, "no progress: {out:?} after {steps} steps, seed {seed}");
+        if run.break_at == Some(steps) {
+            wire.borrow_mut().break_all();
+        }
+        if wire.borrow().broken
+            && recv_out.is_empty()
+            && send_out.is_empty()
+            && send_order.is_empty()
+        {
+            break; // what was outstanding has resolved
+        }
+        match rng.below(7) {
+            0 if next_recv < n && !wire.borrow().broken => {
+                let g = next_recv;
+                if g >= AREAS && !recv_done[g - AREAS] {
+                    continue; // that buffer area is still in use
+                }
+                let items = &run.groups[g];
+                let bufs: Vec<(Buf, i32)> = items
+                    .iter()
+                    .enumerate()
+                    .map(|(r, it)| {
+                        let addr = buf_addr(RECV_DATA, g, r);
+                        mem.with(addr, CAP as usize, None, |b| b.fill(0xee));
+                        (Buf { addr, size: it.capacity, lkey: 12, rkey: 12 }, it.tag)
+                    })
+                    .collect();
+                if let Some(id) = receiver.irecv(&rstage, &mut rio, &bufs).unwrap() {
+                    recv_out.push((g, id));
+                    next_recv += 1;
+                    idle = 0;
+                }
+            }
+            // After a break, only the multi-receive already being matched is finished (its
+            // row has landed), as NCCL would go on posting its sends.
+            1 if next_send < n && (!wire.borrow().broken || !send_order.is_empty()) => {
+                let g = next_send;
+                if g >= AREAS && sends_left[g - AREAS] > 0 {
+                    continue; // the previous sends from that area are not complete
+                }
+                if send_order.is_empty() {
+                    let k = run.groups[g].len();
+                    send_order = (0..k).collect();
+                    for i in (1..k).rev() {
+                        send_order.swap(i, rng.below(i as u64 + 1) as usize);
+                    }
+                    for (r, it) in run.groups[g].iter().enumerate() {
+                        let p = pattern(g, r, it.size as usize);
+                        mem.with(buf_addr(SEND_DATA, g, r), p.len(), None, |b| {
+                            b.copy_from_slice(&p)
+                        });
+                    }
+                    sends_left[g] = k;
+                }
+                let r = *send_order.last().expect("non-empty");
+                let it = run.groups[g][r];
+                let b = Buf { addr: buf_addr(SEND_DATA, g, r), size: it.size, lkey: 11, rkey: 11 };
+                let posted = sender.isend(&fifo, &sstage, &mut sio, b, it.tag);
+                let posted = match posted {
+                    Err(_) if wire.borrow().broken => {
+                        send_order.clear();
+                        next_send = n;
+                        out.errors[0] += 1;
+                        continue;
+                    }
+                    other => other.unwrap(),
+                };
+                if let Some(id) = posted {
+                    send_out.push((g, r, id));
+                    send_order.pop();
+                    idle = 0;
+                    if send_order.is_empty() {
+                        next_send += 1;
+                    }
+                }
+            }
+            2 if !recv_out.is_empty() => {
+                poll(&wire, 1, |c| receiver.complete(c, &rsizes));
+                let i = rng.below(recv_out.len() as u64) as usize;
+                let (g, id) = recv_out[i];
+                let mut sizes = [0u64; MAX_RECVS];
+                match receiver.test(id, &mut sizes) {
+                    Ok(None) => {}
+                    Ok(Some(k)) => {
+                        let items = &run.groups[g];
+                        assert_eq!(k, items.len(), "group {g}: buffer count");
+                        for (r, it) in items.iter().enumerate() {
+                            assert_eq!(sizes[r], it.size, "group {g} buffer {r}: size");
+                            let got = mem.read(buf_addr(RECV_DATA, g, r), it.size as usize);
+                            assert!(
+                                got == pattern(g, r, it.size as usize),
+                                "group {g} buffer {r}: data"
+                            );
+                        }
+                        recv_done[g] = true;
+                        recv_out.swap_remove(i);
+                        out.recvs_done += 1;
+                        idle = 0;
+                    }
+                    Err(_) => {
+                        assert!(wire.borrow().broken, "receive error on a healthy link");
+                        recv_out.swap_remove(i);
+                        out.errors[1] += 1;
+                        idle = 0;
+                    }
+                }
+            }
+            3 if !send_out.is_empty() => {
+                poll(&wire, 0, |c| sender.complete(c));
+                let i = rng.below(send_out.len() as u64) as usize;
+                let (g, r, id) = send_out[i];
+                match sender.test(id) {
+                    Ok(None) => {}
+                    Ok(Some(size)) => {
+                        assert_eq!(size, run.groups[g][r].size, "group {g} send {r}: size");
+                        send_out.swap_remove(i);
+                        sends_left[g] -= 1;
+                        if sends_left[g] == 0 {
+                            out.sends_done += 1;
+                        }
+                        idle = 0;
+                    }
+                    Err(_) => {
+                        assert!(wire.borrow().broken, "send error on a healthy link");
+                        send_out.swap_remove(i);
+                        out.errors[0] += 1;
+                        idle = 0;
+                    }
+                }
+            }
+            _ => {
+                let busy = wire.borrow().busy();
+                if !busy.is_empty() {
+                    let (s, q) = busy[rng.below(busy.len() as u64) as usize];
+                    wire.borrow_mut().step(&mem, s, q);
+                    idle = 0;
+                }
+            }
+        }
+    }
+    // Every request was seen complete exactly once (the counters would have gone past n
+    // otherwise, and tests of freed requests are errors), and nothing is left queued.
+    if !wire.borrow().broken {
+        assert!(wire.borrow().busy().is_empty(), "work left on the wire");
+        assert!(sender.test(0).is_err() && receiver.test(0, &mut [0; MAX_RECVS]).is_err());
+    }
+    out
+}
+
+/// Feeds one side's completions to its core, as the comm's progress loop does.
+fn poll(wire: &RefCell<Wire>, side: usize, mut f: impl FnMut(&Completion)) {
+    loop {
+        let c = wire.borrow_mut().cq[side].pop_front();
+        match c {
+            Some(c) => f(&c),
+            None => return,
+        }
+    }
+}
+
+#[test]
+fn random_interleavings_complete_every_request_once_with_its_bytes() {
+    let mut rng = Rng(0x0f0f_1234_5678_9abc);
+    for seed in 0..150u64 {
+        let run = random_run(&mut rng, 200, [0, 100, 4096, CAP][seed as usize % 4]);
+        let o = drive(&run, seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        assert_eq!((o.recvs_done, o.sends_done), (200, 200), "seed {seed}");
+    }
+}
+
+#[test]
+fn every_mode_and_qp_count_is_covered() {
+    let mut rng = Rng(77);
+    for nqps in 1..=8 {
+        for split in [false, true] {
+            let mut run = random_run(&mut rng, 120, CAP);
+            run.nqps = nqps;
+            run.split = split;
+            run.max_msg = 1000; // large buffers need several work requests per lane
+            let o = drive(&run, (nqps as u64) << 8 | split as u64);
+            assert_eq!(o.recvs_done, 120, "nqps {nqps} split {split}");
+        }
+    }
+}
+
+#[test]
+fn the_fifo_and_every_sequence_wrap_over_a_hundred_thousand_messages() {
+    let mut rng = Rng(5);
+    let mut run = random_run(&mut rng, 100_000, 16);
+    run.nqps = 2;
+    run.max_inline = 64;
+    let o = drive(&run, 99);
+    assert_eq!(o.recvs_done, 100_000);
+}
+
+#[test]
+fn a_broken_link_fails_every_outstanding_request_and_nothing_else() {
+    let mut rng = Rng(0xdead_beef);
+    let mut failed = 0;
+    for seed in 0..100u64 {
+        let mut run = random_run(&mut rng, 150, 4096);
+        run.break_at = Some(200 + rng.below(3000));
+        let o = drive(&run, seed + 1);
+        // Whatever completed before the break was checked byte for byte; whatever was
+        // outstanding failed instead of hanging (the loop ends only when nothing is left).
+        failed += o.errors[0] + o.errors[1];
+    }
+    assert!(failed > 0, "no run had work outstanding at the break");
+}
+
+#[test]
+fn cts_entries_round_trip() {
+    let c = Cts {
+        addr: 0xdead_beef_0000,
+        size: 1 << 40,
+        rkey: 0x1234,
+        tag: -7,
+        nreqs: 8,
+        idx: 1 << 50,
+    };
+    assert_eq!(Cts::decode(c.encode()), c);
+    assert_eq!(ENTRY_WORDS, 8);
+    assert!(c.encode().len() <= ENTRY_WORDS);
+}
+
+#[test]
+fn wr_ids_and_immediates_encode_what_they_carry() {
+    for (kind, lane, slot) in [(WR_SEND, 0, 0), (WR_CTS, 7, 31), (WR_RECV, 3, 17), (WR_FLUSH, 0, 5)]
+    {
+        let id = wr_id(kind, lane, slot);
+        assert_eq!((wr_kind(id), wr_lane(id), wr_slot(id)), (kind, lane, slot));
+    }
+    assert_eq!(imm_for(3, &[100]), (100, true));
+    assert_eq!(imm_for(3, &[1 << 31]), (IMM_SIZES | 3, false));
+    assert_eq!(imm_for(31, &[1, 2]), (IMM_SIZES | 31, false));
+    const { assert!(SLOTS <= 0x100, "a slot must fit the immediate's low byte") };
+}
+
+#[test]
+fn split_parts_cover_the_buffer_in_aligned_chunks() {
+    for size in [0u64, 1, 127, 128, 129, 4095, 65536, 1 << 20, 16 << 20, 12_345_677] {
+        for nqps in [1usize, 2, 3, 4, 7, 8, 128] {
+            let mut next = 0;
+            for q in 0..nqps {
+                let (off, len) = lane_part(size, true, nqps, q);
+                assert_eq!(off, next, "size {size} nqps {nqps} lane {q}");
+                if len > 0 && off + len < size {
+                    assert_eq!(len % 128, 0, "a middle chunk is 128-byte aligned");
+                }
+                next = off + len;
+            }
+            assert_eq!(next, size, "size {size} nqps {nqps}: every byte on some lane");
+        }
+    }
+    let parts: Vec<u64> = (0..4).map(|q| lane_part(1 << 20, true, 4, q).1).collect();
+    assert_eq!(parts, [262144; 4]);
+    assert_eq!(lane_part(1000, false, 4, 2), (0, 1000));
+    assert_eq!(lanes(true, 4, 9), 0..4);
+    assert_eq!(lanes(false, 4, 9), 1..2);
+}
+
+#[test]
+fn the_watchdog_fires_only_with_work_outstanding() {
+    let path = Path { peer: "p".into(), ..Default::default() };
+    let mut w = Watchdog::new(Duration::from_millis(20));
+    std::thread::sleep(Duration::from_millis(30));
+    assert!(w.check(&path).is_none(), "idle is not a failure");
+    w.posted();
+    w.completed(true);
+    std::thread::sleep(Duration::from_millis(30));
+    assert!(w.check(&path).is_none(), "everything completed");
+    w.posted();
+    std::thread::sleep(Duration::from_millis(30));
+    assert!(w.check(&path).unwrap().contains("FERROCE_PROGRESS_TIMEOUT_MS"));
+}
+
+#[test]
+fn failed_completions_carry_a_hint_and_the_first_is_kept() {
+    let path =
+        Path { peer: "198.18.0.2:4000".into(), describe: "GID a -> b".into(), sports: vec![] };
+    let mut h = Health { fatal: None, watchdog: Watchdog::new(Duration::from_secs(1)), path };
+    assert!(!h.completion(&Completion { status: 12, wr_id: WR_SEND | 3, ..Default::default() }));
+    let msg = h.fatal.clone().unwrap();
+    assert!(
+        msg.contains("198.18.0.2") && msg.contains("NCCL_IB_TIMEOUT") && msg.contains("GID a -> b"),
+        "{msg}"
+    );
+    h.completion(&Completion { status: 5, ..Default::default() });
+    assert_eq!(h.fatal.unwrap(), msg);
+}
