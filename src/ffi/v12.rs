@@ -362,9 +362,12 @@ pub(super) unsafe extern "C" fn irecv(
     _phandles: *mut *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    // NCCL may pre-store NCCL_NET_OPTIONAL_RECV_COMPLETION in *request; every receive is
-    // completed normally, so the marker needs nothing beyond always overwriting the slot.
+    // NCCL pre-stores NCCL_NET_OPTIONAL_RECV_COMPLETION in *request for receives whose data it
+    // detects itself (LL/LL128): read it before the slot is cleared.
     // SAFETY: NCCL passes NULL or a valid slot.
+    let optional = unsafe { request.as_ref() }
+        .is_some_and(|r| *r as usize == NCCL_NET_OPTIONAL_RECV_COMPLETION as usize);
+    // SAFETY: as above.
     unsafe { clear(request) };
     guard("irecv", || {
         // SAFETY: recv_comm came from accept and is used by this thread only.
@@ -384,7 +387,7 @@ pub(super) unsafe extern "C" fn irecv(
                 unsafe { (*data.add(i), *sizes.add(i), *tags.add(i), *mhandles.add(i)) };
             *b = (buf(d, s as u64, m)?, t);
         }
-        if let Some(id) = c.irecv(&bufs[..count])? {
+        if let Some(id) = c.irecv(&bufs[..count], optional)? {
             // SAFETY: valid slot per the ABI (NULL rejected).
             *unsafe { out(request, "request") }? = (&raw mut c.headers[id]).cast();
         }

@@ -381,10 +381,11 @@ impl RecvComm {
         c
     }
 
-    /// Posts `bufs` (with their tags) as one multi-receive. `Ok(None)`: all slots busy.
-    pub fn irecv(&mut self, bufs: &[(Buf, i32)]) -> Result<Option<usize>> {
+    /// Posts `bufs` (with their tags) as one multi-receive; `optional`: NCCL needs no
+    /// completion. `Ok(None)`: all slots busy.
+    pub fn irecv(&mut self, bufs: &[(Buf, i32)], optional: bool) -> Result<Option<usize>> {
         let mut io = Qps { qps: &self.qps, flush: None };
-        let r = self.core.irecv(&self.cts_stage, &mut io, bufs)?;
+        let r = self.core.irecv(&self.cts_stage, &self.sizes, &mut io, bufs, optional)?;
         if r.is_none() {
             self.progress()?;
         }

@@ -15,6 +15,13 @@
 //! 3. Completions find their slot through `wr_id`; the receive is done when every lane's
 //!    immediate has arrived.
 //!
+//! Optional receive completions: NCCL marks LL/LL128 receives (one buffer) whose arrival it
+//! detects itself through flags in the data. Their CTS says so; the sender then sends a plain
+//! RDMA write (no immediate, so the receiver posts no WQE and polls no completion), followed by
+//! a small inline write of the row's `idx` into the receiver's ack word. The receive is a
+//! valid request that tests complete at once; the ack word is what lets the receiver reuse
+//! the slot only after the sender has consumed its previous row.
+//!
 //! Invariants:
 //! - A slot is reused only after NCCL has seen every request of its previous use complete.
 //! - The receive WQE is posted before the CTS that allows the matching write, so the sender
@@ -37,8 +44,12 @@ pub const ENTRY: usize = 64;
 const ENTRY_WORDS: usize = ENTRY / 8;
 /// The FIFO (and each staging area) in u64 words: `SLOTS × MAX_RECVS` entries.
 pub const FIFO_WORDS: usize = SLOTS * MAX_RECVS * ENTRY_WORDS;
-/// The size records in u64 words: one per buffer of every slot.
-pub const SIZE_WORDS: usize = SLOTS * MAX_RECVS;
+/// The size records in u64 words: one per buffer of every slot, then the ack word.
+pub const SIZE_WORDS: usize = SLOTS * MAX_RECVS + 1;
+/// The word of the size records that holds the last optional row the sender consumed.
+const ACK_WORD: usize = SLOTS * MAX_RECVS;
+/// Flag in a CTS entry's `nreqs` word: the receiver wants no completion.
+const CTS_OPTIONAL: u64 = 1 << 8;
 /// The sender's send-queue depth per QP; a slot whose chain does not fit waits.
 pub const SEND_QUEUE: usize = 1024;
 /// The receiver's send-queue depth per QP (CTS writes, one signaled per FIFO wrap).
@@ -112,6 +123,8 @@ pub struct Cts {
     pub tag: i32,
     /// Buffers in this (multi-)receive; the same in every entry of the row.
     pub nreqs: u8,
+    /// The receiver asks for no completion (an optional receive, always alone in its row).
+    pub optional: bool,
     /// `head + 1` of the receive: tells a fresh entry from last wrap's.
     pub idx: u64,
 }
@@ -123,7 +136,7 @@ impl Cts {
             self.addr,
             self.size,
             u64::from(self.rkey) | u64::from(self.tag as u32) << 32,
-            u64::from(self.nreqs),
+            u64::from(self.nreqs) | if self.optional { CTS_OPTIONAL } else { 0 },
             self.idx,
         ]
     }
@@ -135,6 +148,7 @@ impl Cts {
             rkey: w[2] as u32,
             tag: (w[2] >> 32) as u32 as i32,
             nreqs: w[3] as u8,
+            optional: w[3] & CTS_OPTIONAL != 0,
             idx: w[4],
         }
     }
@@ -439,7 +453,7 @@ impl SendCore {
         let last = s.matched.count_ones() as usize + 1 == nreqs;
         let mut bufs = s.bufs;
         bufs[r] = Some(buf);
-        if last && !self.fits(slot, &bufs[..nreqs]) {
+        if last && !self.fits(slot, &bufs[..nreqs], nreqs == 1 && row[0].optional) {
             return Ok(None);
         }
         let id = slot * MAX_RECVS + r;
@@ -454,21 +468,26 @@ impl SendCore {
         Ok(Some(id))
     }
 
-    /// Work requests lane `q` needs for `bufs` (data pieces, size record, immediate).
-    fn wrs_for(&self, bufs: &[Option<Buf>], q: usize) -> usize {
+    /// Work requests lane `q` needs for `bufs` (data pieces, then the size record and the
+    /// immediate, or the ack).
+    fn wrs_for(&self, bufs: &[Option<Buf>], split: bool, q: usize) -> usize {
         let data: u64 = bufs
             .iter()
             .map(|b| {
                 let size = b.map_or(0, |b| b.size);
-                lane_part(size, self.p.split, self.p.nqps, q).1.div_ceil(self.p.max_msg)
+                lane_part(size, split, self.p.nqps, q).1.div_ceil(self.p.max_msg)
             })
             .sum();
         data as usize + 2
     }
 
-    fn fits(&self, slot: usize, bufs: &[Option<Buf>]) -> bool {
-        lanes(self.p.split, self.p.nqps, slot)
-            .all(|q| self.sq_used[q] + self.wrs_for(bufs, q) <= SEND_QUEUE)
+    fn fits(&self, slot: usize, bufs: &[Option<Buf>], optional: bool) -> bool {
+        let (split, lanes) = if optional {
+            (false, 0..1)
+        } else {
+            (self.p.split, lanes(self.p.split, self.p.nqps, slot))
+        };
+        lanes.into_iter().all(|q| self.sq_used[q] + self.wrs_for(bufs, split, q) <= SEND_QUEUE)
     }
 
     /// Posts the slot's chains: on each lane, the data writes, the size record (first lane of
@@ -482,6 +501,11 @@ impl SendCore {
     ) -> Result<()> {
         let nreqs = row.len();
         let bufs = self.slots[slot].bufs;
+        if let ([cts], Some(b)) = (row, bufs[0])
+            && cts.optional
+        {
+            return self.post_optional(stage, io, slot, cts, b);
+        }
         let sizes: [u64; MAX_RECVS] = std::array::from_fn(|r| bufs[r].map_or(0, |b| b.size));
         let (imm, single) = imm_for(slot, &sizes[..nreqs]);
         if !single {
@@ -564,6 +588,63 @@ impl SendCore {
         Ok(())
     }
 
+    /// Posts an optional receive's data as plain writes, then the ack of its row (signaled: it
+    /// completes the send). No immediate: the receiver polls nothing. Both go on QP 0, so acks
+    /// land in order and the ack word only grows; these are small LL messages.
+    fn post_optional(
+        &mut self,
+        stage: &impl Words,
+        io: &mut impl Post,
+        slot: usize,
+        cts: &Cts,
+        b: Buf,
+    ) -> Result<()> {
+        let q = 0;
+        let id = wr_id(WR_SEND, q, slot);
+        let mut chain = Chain::new(q);
+        let mut done = 0;
+        while done < b.size {
+            let n = (b.size - done).min(self.p.max_msg);
+            chain.push(
+                io,
+                SendWr {
+                    wr_id: id,
+                    local: Some((b.addr + done, n as u32, b.lkey)),
+                    remote_addr: cts.addr + done,
+                    rkey: cts.rkey,
+                    inline: n <= u64::from(self.p.max_inline),
+                    ..SendWr::default()
+                },
+            )?;
+            done += n;
+        }
+        // Staged rather than inline only where the QP takes no inline data; a later ack
+        // overwriting it before the NIC reads it only reports a later consumed row.
+        stage.store(ACK_WORD, cts.idx);
+        chain.push(
+            io,
+            SendWr {
+                wr_id: id,
+                signaled: true,
+                local: Some((stage.addr(ACK_WORD), 8, stage.lkey())),
+                remote_addr: self.remote_sizes.0 + (ACK_WORD * 8) as u64,
+                rkey: self.remote_sizes.1,
+                inline: 8 <= self.p.max_inline,
+                ..SendWr::default()
+            },
+        )?;
+        chain.flush(io)?;
+        self.slot_wrs[slot * self.p.nqps + q] = chain.posted;
+        self.sq_used[q] += chain.posted;
+        self.bytes[q] += b.size;
+        let s = &mut self.slots[slot];
+        s.cqes = 1;
+        s.matched = 0;
+        s.bufs = [None; MAX_RECVS];
+        self.health.watchdog.posted();
+        Ok(())
+    }
+
     /// Takes in one completion of the comm's CQ.
     pub fn complete(&mut self, c: &Completion) {
         if !self.health.completion(c) || wr_kind(c.wr_id) != WR_SEND {
@@ -618,6 +699,8 @@ impl SendCore {
 struct RecvSlot {
     state: State,
     n: usize,
+    /// The `idx` of an optional receive: the slot is reused once the ack word reaches it.
+    ack_for: u64,
     /// Immediates still expected (one per lane).
     imms: u16,
     sizes: [u64; MAX_RECVS],
@@ -662,12 +745,15 @@ impl RecvCore {
     }
 
     /// Posts `bufs` (with their tags) as one multi-receive, staging the CTS row in `stage`.
-    /// `Ok(None)`: all slots busy (poll, test, call again).
+    /// `optional`: NCCL needs no completion (honoured for a single buffer); `sizes` holds the
+    /// ack word. `Ok(None)`: all slots busy (poll, test, call again).
     pub fn irecv(
         &mut self,
         stage: &impl Words,
+        sizes: &impl Words,
         io: &mut impl Post,
         bufs: &[(Buf, i32)],
+        optional: bool,
     ) -> Result<Option<usize>> {
         self.check()?;
         let n = bufs.len();
@@ -675,17 +761,20 @@ impl RecvCore {
             return Err(Error::Internal(format!("irecv of {n} buffers (1..={MAX_RECVS})")));
         }
         let slot = (self.head % SLOTS as u64) as usize;
-        if self.slots[slot].state != State::Free {
+        let prev = self.slots[slot];
+        if prev.state != State::Free || sizes.load(ACK_WORD) < prev.ack_for {
             return Ok(None);
         }
-        let lanes = lanes(self.p.split, self.p.nqps, slot);
+        let optional = optional && n == 1;
+        let lanes = if optional { 0..0 } else { lanes(self.p.split, self.p.nqps, slot) };
         for q in lanes.clone() {
             io.recv(q, wr_id(WR_RECV, q, slot))?;
         }
         let idx = self.head + 1;
         for (r, (b, tag)) in bufs.iter().enumerate() {
+            let nreqs = n as u8;
             let cts =
-                Cts { addr: b.addr, size: b.size, rkey: b.rkey, tag: *tag, nreqs: n as u8, idx };
+                Cts { addr: b.addr, size: b.size, rkey: b.rkey, tag: *tag, nreqs, optional, idx };
             let base = (slot * MAX_RECVS + r) * ENTRY_WORDS;
             for (i, w) in cts.encode().into_iter().enumerate() {
                 stage.store(base + i, w);
@@ -710,8 +799,15 @@ impl RecvCore {
         if signaled {
             self.health.watchdog.posted();
         }
-        self.slots[slot] =
-            RecvSlot { state: State::Pending, n, imms: lanes.len() as u16, sizes: [0; MAX_RECVS] };
+        self.slots[slot] = if optional {
+            // Done at once: NCCL watches the data itself. The size reported is the posted one.
+            let mut sizes = [0; MAX_RECVS];
+            sizes[0] = bufs[0].0.size;
+            RecvSlot { state: State::Done, n, ack_for: idx, imms: 0, sizes }
+        } else {
+            let imms = lanes.len() as u16;
+            RecvSlot { state: State::Pending, n, ack_for: 0, imms, sizes: [0; MAX_RECVS] }
+        };
         self.head += 1;
         Ok(Some(slot))
     }

@@ -249,6 +249,8 @@ fn pattern(g: usize, r: usize, len: usize) -> Vec<u8> {
 }
 
 struct Run {
+    /// Groups (single-buffer ones only) posted as optional receives.
+    optional: Vec<bool>,
     nqps: usize,
     split: bool,
     max_msg: u64,
@@ -260,7 +262,7 @@ struct Run {
 
 fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
     let nqps = 1 + rng.below(8) as usize;
-    let groups = (0..ngroups)
+    let groups: Vec<Vec<Item>> = (0..ngroups)
         .map(|_| {
             let n = 1 + rng.below(MAX_RECVS as u64) as usize;
             let mut tags: Vec<i32> = (0..n as i32).map(|t| t * 3 + 1).collect();
@@ -281,7 +283,9 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
                 .collect()
         })
         .collect();
+    let optional = groups.iter().map(|g: &Vec<Item>| g.len() == 1 && rng.below(3) == 0).collect();
     Run {
+        optional,
         nqps,
         split: rng.below(2) == 1,
         max_msg: [4096, 1000, 1 << 20][rng.below(3) as usize],
@@ -335,6 +339,9 @@ fn drive(run: &Run, seed: u64) -> Outcome {
     let mut recv_out: Vec<(usize, usize)> = Vec::new(); // (group, request)
     let mut send_out: Vec<(usize, usize, usize)> = Vec::new(); // (group, buffer, request)
     let mut recv_done = vec![false; n];
+    let mut sent = vec![false; n];
+    // Optional receives seen complete whose data is not yet checked.
+    let mut optional_tested: Vec<usize> = Vec::new();
     let mut sends_left = vec![0usize; n];
     let mut out = Outcome::default();
     let mut steps = 0u64;
@@ -370,7 +377,10 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                         (Buf { addr, size: it.capacity, lkey: 12, rkey: 12 }, it.tag)
                     })
                     .collect();
-                if let Some(id) = receiver.irecv(&rstage, &mut rio, &bufs).unwrap() {
+                let optional = run.optional[g];
+                if let Some(id) =
+                    receiver.irecv(&rstage, &rsizes, &mut rio, &bufs, optional).unwrap()
+                {
                     recv_out.push((g, id));
                     next_recv += 1;
                     idle = 0;
@@ -429,15 +439,20 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                     Ok(Some(k)) => {
                         let items = &run.groups[g];
                         assert_eq!(k, items.len(), "group {g}: buffer count");
-                        for (r, it) in items.iter().enumerate() {
-                            assert_eq!(sizes[r], it.size, "group {g} buffer {r}: size");
-                            let got = mem.read(buf_addr(RECV_DATA, g, r), it.size as usize);
-                            assert!(
-                                got == pattern(g, r, it.size as usize),
-                                "group {g} buffer {r}: data"
-                            );
+                        if run.optional[g] {
+                            // Done at once, reporting the posted size; its data is checked
+                            // once the send completed (NCCL would watch its flags).
+                            assert_eq!(sizes[0], items[0].capacity, "group {g}: optional size");
+                            optional_tested.push(g);
+                        } else {
+                            for (r, it) in items.iter().enumerate() {
+                                assert_eq!(sizes[r], it.size, "group {g} buffer {r}: size");
+                                let got = mem.read(buf_addr(RECV_DATA, g, r), it.size as usize);
+                                let want = pattern(g, r, it.size as usize);
+                                assert!(got == want, "group {g} buffer {r}: data");
+                            }
+                            recv_done[g] = true;
                         }
-                        recv_done[g] = true;
                         recv_out.swap_remove(i);
                         out.recvs_done += 1;
                         idle = 0;
@@ -462,7 +477,22 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                         sends_left[g] -= 1;
                         if sends_left[g] == 0 {
                             out.sends_done += 1;
+                            sent[g] = true;
                         }
+                        // An optional receive's data has landed once its send completed.
+                        optional_tested.retain(|&o| {
+                            if !sent[o] {
+                                return true;
+                            }
+                            let it = run.groups[o][0];
+                            let got = mem.read(buf_addr(RECV_DATA, o, 0), it.size as usize);
+                            assert!(
+                                got == pattern(o, 0, it.size as usize),
+                                "optional group {o}: data"
+                            );
+                            recv_done[o] = true;
+                            false
+                        });
                         idle = 0;
                     }
                     Err(_) => {
@@ -561,6 +591,7 @@ fn cts_entries_round_trip() {
         rkey: 0x1234,
         tag: -7,
         nreqs: 8,
+        optional: true,
         idx: 1 << 50,
     };
     assert_eq!(Cts::decode(c.encode()), c);
