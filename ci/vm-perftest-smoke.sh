@@ -30,6 +30,26 @@ main() {
     SERVER=""
     trap cleanup EXIT
 
+    # perftest times itself with the CPU's cycle counter and reports 0 when its calibration
+    # fails ("Correlation coefficient r^2 < 0.9"), which happens on a busy TCG host: a zero
+    # gets two more tries; anything else fails at once.
+    local attempt line=""
+    for attempt in 1 2 3; do
+        line=$(run_once) || exit 1
+        awk -v l="$line" 'BEGIN { split(l, f); exit !(f[4] + 0 > 0) }' && break
+        echo "vm-perftest-smoke: attempt $attempt measured zero bandwidth (perftest's clock calibration); again" >&2
+        line=""
+    done
+    [[ -n $line ]] || fail "zero bandwidth in 3 attempts" "$TMP/client.log"
+
+    echo "vm-perftest-smoke: ib_write_bw $dev0 -> $dev1 (gid $gid0 -> $gid1, MTU $FERROCE_VM_MTU) OK"
+    echo "#bytes #iterations BW-peak[MB/s] BW-average[MB/s] MsgRate[Mpps]"
+    echo "$line"
+}
+
+# One server/client pair; prints the client's last bandwidth line. Runs in a command
+# substitution: a failure exits it (and so main), and the server is bounded by its timeout.
+run_once() {
     timeout 60 ib_write_bw -d "$dev1" -x "$gid1" -F -D 3 >"$TMP/server.log" 2>&1 &
     SERVER=$!
 
@@ -53,15 +73,8 @@ main() {
     ((rc == 0)) || fail "the ib_write_bw server on $dev1 failed with rc $rc" "$TMP/server.log"
 
     # The result row: "#bytes #iterations BW-peak BW-average MsgRate" (MB/sec).
-    local line
     line=$(awk '$1 ~ /^[0-9]+$/ && NF >= 5 && $4 ~ /^[0-9.]+$/ { l = $0 } END { print l }' "$TMP/client.log")
     [[ -n $line ]] || fail "no bandwidth line in the client output" "$TMP/client.log"
-    # Zero average bandwidth means nothing arrived in the 3 s: not a pass.
-    awk -v l="$line" 'BEGIN { split(l, f); exit !(f[4] + 0 > 0) }' ||
-        fail "zero bandwidth: $line" "$TMP/client.log"
-
-    echo "vm-perftest-smoke: ib_write_bw $dev0 -> $dev1 (gid $gid0 -> $gid1, MTU $FERROCE_VM_MTU) OK"
-    echo "#bytes #iterations BW-peak[MB/s] BW-average[MB/s] MsgRate[Mpps]"
     echo "$line"
 }
 
