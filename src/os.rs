@@ -138,6 +138,15 @@ pub fn page_size() -> u64 {
     u64::try_from(p).ok().filter(|p| p.is_power_of_two()).unwrap_or(4096)
 }
 
+/// `CLOCK_MONOTONIC_COARSE`: the time of the last scheduler tick, read from the vDSO without
+/// touching the clock source (which under emulation can cost microseconds per read).
+pub fn coarse_now() -> std::time::Duration {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec; this clock exists on every Linux since 2.6.32.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut t) };
+    std::time::Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
 /// The soft `RLIMIT_MEMLOCK` in bytes; `None` when unlimited (or unreadable).
 pub fn memlock_limit() -> Option<u64> {
     let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };

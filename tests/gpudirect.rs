@@ -18,10 +18,10 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::process::Command;
 
+use common::harness::driver::{Close, Driver, Ptr};
+use common::harness::loader::take_captured;
 use common::{open_plugin, pair, require_vm};
 use ferroce::ffi::abi::{NCCL_PTR_CUDA, NCCL_PTR_DMABUF, NCCL_PTR_HOST};
-use ferroce::ffi::driver::{Close, Driver, Ptr};
-use ferroce::ffi::loader::take_captured;
 
 const CUDA: c_int = NCCL_PTR_CUDA as c_int;
 const HOST: c_int = NCCL_PTR_HOST as c_int;

@@ -7,9 +7,9 @@ use std::ffi::{CStr, c_int, c_void};
 use std::process::Command;
 use std::ptr::null_mut;
 
+use common::harness::loader::{capture_logger, take_captured};
 use common::*;
 use ferroce::ffi::abi::*;
-use ferroce::ffi::loader::{capture_logger, take_captured};
 
 fn has_rdma_devices() -> bool {
     std::fs::read_dir("/sys/class/infiniband").map(|d| d.count() > 0).unwrap_or(false)

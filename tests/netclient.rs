@@ -21,8 +21,12 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ferroce::ffi::driver::{self, Close, Driver, Ptr};
-use ferroce::ffi::loader::{ECHO, Library};
+#[allow(dead_code)] // the harness serves every test; this one uses part of it
+#[path = "../src/harness/mod.rs"]
+mod harness;
+
+use harness::driver::{self, Close, Driver, Ptr};
+use harness::loader::{ECHO, Library};
 
 const WINDOW: usize = 32;
 const AREA: usize = 512 << 10; // per in-flight group: 8 buffers x 64 KiB, or one of 256 KiB
@@ -38,7 +42,7 @@ fn main() {
         Some(other) => Err(format!("unknown mode {other:?}")),
     };
     if let Err(e) = r {
-        for (level, _, line) in ferroce::ffi::loader::take_captured() {
+        for (level, _, line) in harness::loader::take_captured() {
             if level <= 2 {
                 eprintln!("netclient: plugin WARN: {line}");
             }

@@ -10,9 +10,9 @@ use std::io::BufRead;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::harness::driver::{Close, Driver, Ptr};
+use common::harness::loader::take_captured;
 use common::*;
-use ferroce::ffi::driver::{Close, Driver, Ptr};
-use ferroce::ffi::loader::take_captured;
 use ferroce::transport::ecmp;
 
 const SENDER: [u8; 4] = [198, 18, 0, 1];

@@ -8,10 +8,10 @@ use std::ffi::{CStr, CString, c_int, c_void};
 use std::ptr::null_mut;
 use std::time::{Duration, Instant};
 
+use common::harness::driver::{Close, Driver};
+use common::harness::loader::{Library, capture_logger, take_captured};
 use common::*;
 use ferroce::ffi::abi::*;
-use ferroce::ffi::driver::{Close, Driver};
-use ferroce::ffi::loader::{Library, capture_logger, take_captured};
 use ferroce::transport::handshake::{Handle, Kind, Msg};
 
 fn v12(lib: &Library) -> &ncclNet_v12_t {

@@ -6,14 +6,11 @@
 //! - `handles`: typed conversions between NCCL's `void*` and ferroce objects.
 //! - `log`: the `log` facade onto NCCL's logger.
 //! - `v12`: the implementation of the newest ABI; `v11` … `v6`: thin shims onto it.
-//! - `loader`: the client side (dlopen like NCCL), for the tools and tests.
 
 pub mod abi;
 mod boundary;
-pub mod driver;
 mod handles;
 mod legacy;
-pub mod loader;
 
 pub mod log;
 mod v10;

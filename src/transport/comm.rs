@@ -8,6 +8,7 @@
 //! allocation per request) whose `owner` is the address of the boxed comm.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::device::NetDevice;
 use super::mr_cache::MemKind;
@@ -96,15 +97,15 @@ impl Post for Qps<'_> {
 /// One end's core, as the progress loop feeds it.
 trait Drain {
     fn take(&mut self, c: &Completion);
-    fn idle(&mut self, elsewhere: Option<String>) -> Result<()>;
+    fn idle(&mut self, now: Duration, elsewhere: Option<String>) -> Result<()>;
 }
 
 impl Drain for SendCore {
     fn take(&mut self, c: &Completion) {
         self.complete(c)
     }
-    fn idle(&mut self, elsewhere: Option<String>) -> Result<()> {
-        SendCore::idle(self, elsewhere)
+    fn idle(&mut self, now: Duration, elsewhere: Option<String>) -> Result<()> {
+        SendCore::idle(self, now, elsewhere)
     }
 }
 
@@ -118,13 +119,14 @@ impl Drain for RecvDrain<'_> {
     fn take(&mut self, c: &Completion) {
         self.core.complete(c, self.sizes)
     }
-    fn idle(&mut self, elsewhere: Option<String>) -> Result<()> {
-        self.core.idle(elsewhere)
+    fn idle(&mut self, now: Duration, elsewhere: Option<String>) -> Result<()> {
+        self.core.idle(now, elsewhere)
     }
 }
 
 /// The one progress loop: drains the CQ in batches into the core, then lets it check its
-/// watchdog and the device's health.
+/// watchdog (against the coarse clock: a precise read costs microseconds under emulation,
+/// and this runs on every idle poll) and the device's health.
 fn progress(cq: &Cq, dev: &NetDevice, side: &mut impl Drain) -> Result<()> {
     let mut wcs = [Completion::default(); 16];
     loop {
@@ -133,7 +135,8 @@ fn progress(cq: &Cq, dev: &NetDevice, side: &mut impl Drain) -> Result<()> {
             side.take(c);
         }
         if n < wcs.len() {
-            return side.idle(dev.check_alive().err().map(|e| e.to_string()));
+            let now = crate::os::coarse_now();
+            return side.idle(now, dev.check_alive().err().map(|e| e.to_string()));
         }
     }
 }

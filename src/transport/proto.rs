@@ -30,7 +30,7 @@
 //!   sender consumed it: so CTS writes can go unsignaled (one signaled per FIFO wrap keeps the
 //!   send queue drained) and the staging row can be reused.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::verbs::{Completion, MAX_CHAIN, Op, SendWr};
@@ -216,44 +216,61 @@ pub struct Path {
     pub sports: Vec<u16>,
 }
 
-/// Turns "work posted, nothing completes" into an error after `timeout`.
+/// Turns "work posted, nothing completes" into an error after `timeout`. It never reads a
+/// clock: the caller passes `now` when the CQ was found empty (a coarse clock is enough for a
+/// timeout of seconds, and a precise one costs microseconds per read in some VMs).
 struct Watchdog {
     outstanding: usize,
-    since: Instant,
+    /// Completions taken in so far, and how many there were when `since` was set.
+    completions: u64,
+    seen: u64,
+    /// When the watchdog last saw progress (or work start) while work was outstanding.
+    since: Option<Duration>,
     timeout: Duration,
 }
 
 impl Watchdog {
     fn new(timeout: Duration) -> Watchdog {
-        Watchdog { outstanding: 0, since: Instant::now(), timeout }
+        Watchdog { outstanding: 0, completions: 0, seen: 0, since: None, timeout }
     }
 
     fn posted(&mut self) {
-        if self.outstanding == 0 {
-            self.since = Instant::now();
-        }
         self.outstanding += 1;
     }
 
     fn completed(&mut self, all_done: bool) {
-        self.since = Instant::now();
+        self.completions += 1;
         if all_done {
             self.outstanding = self.outstanding.saturating_sub(1);
         }
     }
 
-    fn check(&self, path: &Path) -> Option<String> {
-        (self.outstanding > 0 && self.since.elapsed() > self.timeout).then(|| {
-            format!(
-                "no completion from {} for {} ms with {} operations outstanding \
-                 (FERROCE_PROGRESS_TIMEOUT_MS): the peer or its device is gone, or the path \
-                 drops everything; check the GID, MTU, PFC/ECN and NCCL_IB_TIMEOUT on {}",
-                path.peer,
-                self.timeout.as_millis(),
-                self.outstanding,
-                path.describe
-            )
-        })
+    fn check(&mut self, now: Duration, path: &Path) -> Option<String> {
+        if self.outstanding == 0 {
+            self.since = None;
+            return None;
+        }
+        match self.since {
+            Some(since) if self.completions == self.seen => {
+                (now.saturating_sub(since) > self.timeout).then(|| {
+                    format!(
+                        "no completion from {} for {} ms with {} operations outstanding \
+                         (FERROCE_PROGRESS_TIMEOUT_MS): the peer or its device is gone, or the \
+                         path drops everything; check the GID, MTU, PFC/ECN and NCCL_IB_TIMEOUT \
+                         on {}",
+                        path.peer,
+                        self.timeout.as_millis(),
+                        self.outstanding,
+                        path.describe
+                    )
+                })
+            }
+            _ => {
+                self.seen = self.completions;
+                self.since = Some(now);
+                None
+            }
+        }
     }
 }
 
@@ -286,26 +303,28 @@ impl Health {
         c.status == 0
     }
 
-    /// After a poll found the CQ empty: the watchdog, and a failure from elsewhere (the device).
-    fn idle(&mut self, elsewhere: Option<String>) -> Result<()> {
+    /// After a poll found the CQ empty at `now`: the watchdog, and a failure from elsewhere
+    /// (the device).
+    fn idle(&mut self, now: Duration, elsewhere: Option<String>) -> Result<()> {
         if self.fatal.is_none() {
-            self.fatal = self.watchdog.check(&self.path).or(elsewhere);
+            self.fatal = self.watchdog.check(now, &self.path).or(elsewhere);
         }
         self.check()
     }
 }
 
 /// A growing chain of work requests for one QP, posted in batches of `MAX_CHAIN`.
-struct Chain {
+struct Chain<'a> {
     qp: usize,
-    wrs: [SendWr; MAX_CHAIN],
+    /// The comm's own buffer, reused by every post: nothing is initialised per post.
+    wrs: &'a mut [SendWr; MAX_CHAIN],
     len: usize,
     posted: usize,
 }
 
-impl Chain {
-    fn new(qp: usize) -> Chain {
-        Chain { qp, wrs: [SendWr::default(); MAX_CHAIN], len: 0, posted: 0 }
+impl<'a> Chain<'a> {
+    fn new(qp: usize, wrs: &'a mut [SendWr; MAX_CHAIN]) -> Chain<'a> {
+        Chain { qp, wrs, len: 0, posted: 0 }
     }
 
     fn push(&mut self, io: &mut impl Post, wr: SendWr) -> Result<()> {
@@ -374,6 +393,8 @@ pub struct SendCore {
     pub bytes: Vec<u64>,
     /// Per slot and QP: work requests posted for the slot's current use.
     slot_wrs: Vec<usize>,
+    /// Where chains are built before posting.
+    chain: Box<[SendWr; MAX_CHAIN]>,
     health: Health,
 }
 
@@ -394,6 +415,7 @@ impl SendCore {
             sq_used: vec![0; p.nqps],
             bytes: vec![0; p.nqps],
             slot_wrs: vec![0; SLOTS * p.nqps],
+            chain: Box::new([SendWr::default(); MAX_CHAIN]),
             health,
             p,
         }
@@ -519,7 +541,7 @@ impl SendCore {
         let first = lanes.start;
         for q in lanes.clone() {
             let id = wr_id(WR_SEND, q, slot);
-            let mut chain = Chain::new(q);
+            let mut chain = Chain::new(q, &mut self.chain);
             let mut data = 0;
             for (b, cts) in bufs.iter().zip(row) {
                 let Some(b) = b else { continue };
@@ -601,7 +623,7 @@ impl SendCore {
     ) -> Result<()> {
         let q = 0;
         let id = wr_id(WR_SEND, q, slot);
-        let mut chain = Chain::new(q);
+        let mut chain = Chain::new(q, &mut self.chain);
         let mut done = 0;
         while done < b.size {
             let n = (b.size - done).min(self.p.max_msg);
@@ -666,9 +688,9 @@ impl SendCore {
         }
     }
 
-    /// After a poll found no more completions.
-    pub fn idle(&mut self, elsewhere: Option<String>) -> Result<()> {
-        self.health.idle(elsewhere)
+    /// After a poll found no more completions at `now` (any monotonic clock).
+    pub fn idle(&mut self, now: Duration, elsewhere: Option<String>) -> Result<()> {
+        self.health.idle(now, elsewhere)
     }
 
     /// Whether request `id` still waits for completions (the caller polls before [`Self::test`]).
@@ -874,8 +896,8 @@ impl RecvCore {
         }
     }
 
-    pub fn idle(&mut self, elsewhere: Option<String>) -> Result<()> {
-        self.health.idle(elsewhere)
+    pub fn idle(&mut self, now: Duration, elsewhere: Option<String>) -> Result<()> {
+        self.health.idle(now, elsewhere)
     }
 
     fn state(&self, id: usize) -> Option<State> {

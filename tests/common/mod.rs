@@ -5,7 +5,10 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::{Mutex, OnceLock};
 
-use ferroce::ffi::loader::Library;
+#[path = "../../src/harness/mod.rs"]
+pub mod harness;
+
+use harness::loader::Library;
 
 /// Serialises tests that change the process environment or the plugin's global state.
 pub static SERIAL: Mutex<()> = Mutex::new(());
@@ -67,7 +70,7 @@ pub fn open_plugin() -> Library {
 
 use std::time::Duration;
 
-use ferroce::ffi::driver::{Close, Driver, Ptr};
+use harness::driver::{Close, Driver, Ptr};
 
 /// Connects a send comm on `sdev` to a receive comm on `rdev`, driving both ends from this
 /// thread (connect and accept never block).
@@ -80,7 +83,7 @@ pub fn pair(drv: &Driver, ctx: Ptr, rdev: i32, sdev: i32) -> Result<(Ptr, Ptr), 
 
 /// The WARN lines the plugin logged since the last look (the capture is emptied).
 pub fn warnings() -> Vec<String> {
-    ferroce::ffi::loader::take_captured().into_iter().filter(|l| l.0 == 2).map(|l| l.2).collect()
+    harness::loader::take_captured().into_iter().filter(|l| l.0 == 2).map(|l| l.2).collect()
 }
 
 /// Runs a system command that must succeed (ip, tc, ...).
@@ -91,7 +94,7 @@ pub fn run(cmd: &str, args: &[&str]) {
 
 /// Polls `f` until it yields, for at most 30 s.
 pub fn until<T>(what: &str, f: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
-    ferroce::ffi::driver::until(what, Duration::from_secs(30), f)
+    harness::driver::until(what, Duration::from_secs(30), f)
 }
 
 /// Fails loudly unless this runs inside the test VM.

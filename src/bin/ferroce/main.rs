@@ -4,8 +4,11 @@
 //!   `ferroce`, so `libnccl-net-ferroce.so` on `LD_LIBRARY_PATH`) and checks every exported
 //!   table `ncclNetPlugin_v6` … `_v12`.
 //! - `ferroce info [NAME]`: also initialises it and describes each device NCCL would see.
-//! - `ferroce perf [--plugin PATH] [--no-perftest]`: the benchmark (inside the Soft-RoCE VM:
-//!   two ranks through the plugin, then perftest on the same devices, and the ratio).
+//! - `ferroce perf [--plugin NAME_OR_PATH] [--rounds N] [--seconds S] [--json] [--no-perftest]
+//!   [--dev-send D] [--dev-recv D]`: the benchmark (inside the Soft-RoCE VM: two rank processes
+//!   through the plugin, then perftest on the same devices, rounds of both, and the ratio). It
+//!   runs its ranks as `ferroce perf-rank ...`, which is not meant to be run by hand.
+//! - `ferroce core-bench [MESSAGES]`: the protocol core's cost per message on this host.
 //! - `ferroce sink DEV [NAME]`: a receiving peer for checks across processes or hosts: listens
 //!   on device DEV, prints `HANDLE <hex>` (the 128-byte handle a sender connects to), then keeps
 //!   32 receives of up to 16 MiB posted until the connection fails (or it is killed).
@@ -15,9 +18,15 @@
 use std::ffi::{CStr, CString, c_void};
 use std::process::ExitCode;
 
+use crate::harness::loader::{Library, capture_logger};
 use ferroce::ffi::abi::*;
-use ferroce::ffi::loader::{Library, capture_logger};
 
+// The harness serves the tests as well; this binary uses part of it.
+#[allow(dead_code)]
+#[path = "../../harness/mod.rs"]
+mod harness;
+
+mod corebench;
 mod perf;
 
 fn main() -> ExitCode {
@@ -27,8 +36,14 @@ fn main() -> ExitCode {
         Some("load") => load(name).map(|_| ()),
         Some("info") => info(name),
         Some("perf") => perf::perf(&args[1..]),
+        Some("perf-rank") => perf::rank(&args[1..]),
+        Some("core-bench") => corebench::core_bench(&args[1..]),
         Some("sink") => sink(&args[1..]),
-        _ => Err("usage: ferroce load [NAME] | ferroce info [NAME] | ferroce perf [--plugin PATH] [--no-perftest] | ferroce sink DEV [NAME]".to_string()),
+        _ => Err(format!(
+            "usage: ferroce load [NAME] | ferroce info [NAME] | ferroce sink DEV [NAME] | \
+             ferroce core-bench [MESSAGES]\n{}",
+            perf::USAGE
+        )),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -74,12 +89,12 @@ fn info(name: &str) -> Result<(), String> {
     let lib = load(name)?;
     // SAFETY: ncclNetPlugin_v12 is an ncclNet_v12_t; `net` is not used after `lib` drops.
     let net = unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.ok_or("no v12")?;
-    ferroce::ffi::loader::ECHO.store(false, std::sync::atomic::Ordering::Relaxed);
+    crate::harness::loader::ECHO.store(false, std::sync::atomic::Ordering::Relaxed);
     let mut ctx: *mut c_void = std::ptr::null_mut();
     let mut config = ncclNetCommConfig_v10_t { trafficClass: -1 };
     // SAFETY: valid out-pointers; the ABI's init contract.
     let r = unsafe { net.init.ok_or("no init")?(&mut ctx, 1, &mut config, capture_logger(), None) };
-    let log = ferroce::ffi::loader::take_captured();
+    let log = crate::harness::loader::take_captured();
     for (level, _, line) in &log {
         if *level <= 2 {
             eprintln!("{}: {line}", if *level == 2 { "WARN" } else { "ERROR" });
@@ -123,12 +138,12 @@ fn info(name: &str) -> Result<(), String> {
 }
 
 fn sink(args: &[String]) -> Result<(), String> {
-    use ferroce::ffi::driver::{Close, Driver};
+    use crate::harness::driver::{Close, Driver};
     use std::io::Write;
     let dev: std::ffi::c_int =
         args.first().and_then(|d| d.parse().ok()).ok_or("usage: ferroce sink DEV [NAME]")?;
     let lib = Library::open_like_nccl(args.get(1).map_or("ferroce", String::as_str))?;
-    ferroce::ffi::loader::ECHO.store(false, std::sync::atomic::Ordering::Relaxed);
+    crate::harness::loader::ECHO.store(false, std::sync::atomic::Ordering::Relaxed);
     let drv = Driver::new(&lib, 12)?;
     let ctx = drv.init(1)?;
     let (handle, listen) = drv.listen(ctx, dev)?;

@@ -1,334 +1,1107 @@
-//! `ferroce perf`: two ranks through the plugin's C ABI (v12, loaded with `dlopen` as NCCL does),
-//! one thread each, on two RDMA devices; then perftest `ib_write_bw`/`ib_write_lat` between the
-//! same devices in the same run, and the ratio per size.
+//! `ferroce perf`: the plugin measured the way NCCL drives it, next to perftest on the same
+//! devices in the same boot.
 //!
-//! Bandwidth: the receiver keeps 32 receives posted and the sender 32 sends in flight, as NCCL's
-//! proxy does; algbw = bytes / time. Latency: ping-pong over two connections (one each way),
-//! half the round trip, median of the iterations (perftest's `t_typical`).
+//! Two ranks are two processes, as in NCCL: this orchestrator runs `ferroce perf-rank send|recv`
+//! twice and talks to each over its stdin/stdout, one line per message. Each rank loads the
+//! plugin with `dlopen`, drives its v12 ABI through [`Driver`], listens on its device and
+//! connects to the other's handle (which the orchestrator relays), so each rank has a send comm
+//! and a receive comm. Buffers are registered once; then the ranks run the commands they get:
+//!
+//! - `BW`: rank 0 sends, rank 1 receives, `--seconds` per size. The receiver keeps up to
+//!   [`WINDOW`] receives posted ahead and the sender up to [`WINDOW`] sends in flight (at most
+//!   [`WINDOW_BYTES`], never fewer than 2), so a CTS is never what a send waits for. The
+//!   receiver's clock decides: after a warm-up it times whole messages from one completion to
+//!   the first completion `--seconds` later, then stops posting and names the number of receives
+//!   it posted (`POSTED n`); the orchestrator relays that to the sender (`STOP n`), which sends
+//!   exactly that many. Nothing stays posted, and the drain is not timed.
+//! - `LAT`: ping-pong; each side keeps [`LAT_DEPTH`] receives posted and re-posts while its own
+//!   message is in flight. Rank 0 stamps each ping; a sample is half the time between two pings
+//!   (perftest's method), so everything the application does in a round trip counts.
+//!
+//! Every round runs the whole ferroce set and then perftest (`ib_write_bw -D`, `ib_write_lat`,
+//! `ib_send_lat`), so drift in the VM hits both alike. The table shows the median of the rounds,
+//! the spread (min-max) and ferroce / perftest; `--json` gives every round's raw numbers.
 
-use std::ffi::c_int;
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
+use std::collections::VecDeque;
+use std::ffi::{CStr, c_int};
+use std::io::{BufRead, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
-use ferroce::ffi::driver::{self, Close, Driver, Ptr};
+use crate::harness::driver::{Close, Driver, Ptr};
+use crate::harness::loader::{ECHO, Library, take_captured};
+use ferroce::ffi::abi::{ncclNet_v12_t, ncclNetProperties_v12_t, ncclResult_t};
 
-/// How long one step may make no progress.
-const STEP: Duration = Duration::from_secs(120);
+pub const USAGE: &str = "usage: ferroce perf [--plugin NAME_OR_PATH] [--rounds N] [--seconds S] \
+[--json] [--no-perftest] [--dev-send D] [--dev-recv D]
+  --plugin      the plugin as NCCL_NET_PLUGIN names it, or a path (default: \
+libnccl-net-ferroce.so next to this program, else `ferroce`)
+  --rounds      rounds of the whole set, ferroce and perftest each (default 3)
+  --seconds     bandwidth time per size per round (default 2.0)
+  --json        one JSON object with every round's numbers instead of the table
+  --no-perftest ferroce only
+  --dev-send    plugin device of rank 0, the sender (default 0)
+  --dev-recv    plugin device of rank 1, the receiver (default 1)";
 
-fn until<T>(what: &str, f: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
-    driver::until(what, STEP, f)
-}
-use ferroce::ffi::loader::{ECHO, Library};
-
-const BW_SIZES: [usize; 5] = [8, 4096, 65536, 1 << 20, 8 << 20];
-const LAT_SIZES: [usize; 2] = [8, 4096];
+const BW_SIZES: [usize; 6] = [8, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 8 << 20];
+const LAT_SIZES: [usize; 2] = [8, 4 << 10];
 const LAT_ITERS: usize = 1000;
+const LAT_WARMUP: usize = 100;
+/// Receives posted ahead in ping-pong: one is consumed per round trip and re-posted while the
+/// next message flies, so at least two are always posted when the peer sends.
+const LAT_DEPTH: usize = 3;
+/// Requests in flight per direction: NCCL's `NCCL_NET_MAX_REQUESTS`.
 const WINDOW: usize = 32;
+/// Bytes in flight at most: with 32 x 8 MiB the untimed drain at Soft-RoCE speed would take
+/// longer than the measurement; 32 MiB is far above any link's bandwidth-delay product.
+const WINDOW_BYTES: usize = 32 << 20;
 const MAX: usize = 8 << 20;
+/// How long one plugin step may make no progress before the rank gives up.
+const STEP: Duration = Duration::from_secs(120);
+/// How long a rank waits for its next command (perftest runs in between).
+const IDLE: Duration = Duration::from_secs(1800);
+/// Any shared value: NCCL passes the same communicator id to every rank's `init`.
+const COMM_ID: u64 = 0xfe77_0ce0;
 
-fn count_for(size: usize) -> usize {
-    ((48 << 20) / size).clamp(8, 2000)
+fn window(size: usize) -> usize {
+    (WINDOW_BYTES / size).clamp(2, WINDOW)
 }
 
-struct Opts {
-    plugin: String,
-    devs: (c_int, c_int),
-    gids: (String, String),
-    peer_ip: String,
-    perftest: bool,
+fn warmup(seconds: f64) -> f64 {
+    (seconds * 0.1).min(1.0)
 }
 
-/// One rank: its plugin context, a send comm to the peer, a receive comm from it.
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Result<[u8; 128], String> {
+    let d: Vec<u8> = s.bytes().map_while(|c| (c as char).to_digit(16).map(|v| v as u8)).collect();
+    if d.len() != 256 || s.len() != 256 {
+        return Err(format!("a handle is 256 hex digits, not {s:?}"));
+    }
+    let mut h = [0u8; 128];
+    for (b, p) in h.iter_mut().zip(d.chunks(2)) {
+        *b = p[0] << 4 | p[1];
+    }
+    Ok(h)
+}
+
+fn num<T: std::str::FromStr>(what: &str, s: Option<&str>) -> Result<T, String> {
+    let s = s.ok_or_else(|| format!("{what}: missing"))?;
+    s.parse().map_err(|_| format!("{what}: not a number: {s:?}"))
+}
+
+/// Lines from stdin, read by a thread so a rank can poll for `STOP` inside its send loop.
+fn stdin_lines() -> Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Shows what the plugin warned about, and keeps the capture buffer from growing.
+fn flush_log() {
+    for (level, _, line) in take_captured() {
+        if level <= 2 {
+            eprintln!("plugin {}: {line}", if level == 2 { "WARN" } else { "ERROR" });
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One rank (a child process).
+
+/// One rank's comms and registered buffers.
 struct Rank<'a> {
     drv: Driver<'a>,
-    ctx: Ptr,
     send: Ptr,
     recv: Ptr,
-    buf: Vec<u8>,
+    sbuf: *mut u8,
+    rbuf: *mut u8,
     smh: Ptr,
     rmh: Ptr,
 }
 
-type Handle = [u8; 128];
+/// The device's name (`rxe0`), so perftest can run on the same one.
+fn dev_name(lib: &Library, dev: c_int) -> Result<String, String> {
+    // SAFETY: ncclNetPlugin_v12 is an ncclNet_v12_t; `net` does not outlive `lib`.
+    let net = unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }
+        .ok_or("the plugin has no ncclNetPlugin_v12")?;
+    let mut p = ncclNetProperties_v12_t::default();
+    // SAFETY: valid out-pointer; called after init, as NCCL does.
+    let r = unsafe { net.getProperties.ok_or("getProperties is NULL")?(dev, &mut p) };
+    if r != ncclResult_t::ncclSuccess || p.name.is_null() {
+        return Err(format!("getProperties({dev}) returned ncclResult {}", r.0));
+    }
+    // SAFETY: the plugin returns a NUL-terminated name that lives as long as the library.
+    Ok(unsafe { CStr::from_ptr(p.name) }.to_string_lossy().into_owned())
+}
 
-fn rank<'a>(
-    lib: &'a Library,
-    dev: c_int,
-    tx: mpsc::Sender<Handle>,
-    rx: mpsc::Receiver<Handle>,
-) -> Result<Rank<'a>, String> {
-    let drv = Driver::new(lib, 12)?;
-    let ctx = drv.init(dev as u64)?;
-    let (handle, listen) = drv.listen(ctx, dev)?;
-    tx.send(handle).map_err(|e| e.to_string())?;
-    let mut peer = rx.recv_timeout(Duration::from_secs(60)).map_err(|e| e.to_string())?;
-    let (send, recv) = drv.connect_both(ctx, dev, &mut peer, listen, STEP)?;
-    drv.close(Close::Listen, listen)?;
-    let mut buf = vec![0u8; 2 * MAX];
-    let smh = drv.reg_mr(send, buf.as_mut_ptr(), MAX)?;
-    // SAFETY: MAX < buf.len().
-    let rmh = drv.reg_mr(recv, unsafe { buf.as_mut_ptr().add(MAX) }, MAX)?;
-    Ok(Rank { drv, ctx, send, recv, buf, smh, rmh })
+/// `ferroce perf-rank send|recv PLUGIN DEV`: one rank, driven by the orchestrator.
+pub fn rank(args: &[String]) -> Result<(), String> {
+    let [role, plugin, dev] = args else {
+        return Err("usage: ferroce perf-rank send|recv PLUGIN DEV (run by ferroce perf)".into());
+    };
+    let sender = match role.as_str() {
+        "send" => true,
+        "recv" => false,
+        r => return Err(format!("perf-rank: role {r:?} is neither send nor recv")),
+    };
+    let dev: c_int = num("perf-rank DEV", Some(dev))?;
+    ECHO.store(false, Ordering::Relaxed);
+    let cmds = stdin_lines();
+    let next = |limit| match cmds.recv_timeout(limit) {
+        Ok(line) => Ok(line),
+        Err(RecvTimeoutError::Timeout) => Err(format!("no command within {limit:?}")),
+        Err(RecvTimeoutError::Disconnected) => Err("the orchestrator went away".to_string()),
+    };
+    let r = (|| {
+        let lib = Library::open_like_nccl(plugin)?;
+        let drv = Driver::new(&lib, 12)?;
+        let ctx = drv.init(COMM_ID)?;
+        let (handle, listen) = drv.listen(ctx, dev)?;
+        println!("HANDLE {} {}", hex(&handle), dev_name(&lib, dev)?);
+        let line = next(STEP)?;
+        let mut peer = unhex(line.strip_prefix("PEER ").ok_or(format!("expected PEER: {line}"))?)?;
+        let (send, recv) = drv.connect_both(ctx, dev, &mut peer, listen, STEP)?;
+        drv.close(Close::Listen, listen)?;
+        // Two separate buffers: a rank sends and receives at once in ping-pong.
+        let (mut sb, mut rb) = (vec![0u8; MAX], vec![0u8; MAX]);
+        let (sbuf, rbuf) = (sb.as_mut_ptr(), rb.as_mut_ptr());
+        let smh = drv.reg_mr(send, sbuf, MAX)?;
+        let rmh = drv.reg_mr(recv, rbuf, MAX)?;
+        let r = Rank { drv, send, recv, sbuf, rbuf, smh, rmh };
+        println!("READY");
+        flush_log();
+        let mut result = r.serve(sender, &cmds, next);
+        // Teardown runs to the end whatever failed; the first error is the one returned.
+        for e in [
+            r.drv.dereg_mr(send, smh),
+            r.drv.dereg_mr(recv, rmh),
+            r.drv.close(Close::Send, send),
+            r.drv.close(Close::Recv, recv),
+            r.drv.finalize(ctx),
+        ] {
+            match (e, &result) {
+                (Err(e), Ok(())) => result = Err(format!("teardown: {e}")),
+                (Err(e), Err(_)) => eprintln!("perf-rank {role}: teardown: {e}"),
+                _ => {}
+            }
+        }
+        drop((sb, rb));
+        result
+    })();
+    flush_log();
+    r.map_err(|e| format!("perf-rank {role} (dev {dev}): {e}"))
+}
+
+/// Bounds a polling loop by [`STEP`] without reading the clock on every spin, as
+/// `driver::until` does: in the Soft-RoCE VM the clocksource is HPET (TCG leaves the TSC
+/// unstable), so a read is a syscall plus an emulated device access, about 4 us, which would
+/// slow the spin and add to every latency sample. perftest reads the TSC directly.
+#[derive(Default)]
+struct Stall {
+    spins: u32,
+    since: Option<Instant>,
+}
+
+impl Stall {
+    fn moved(&mut self) {
+        *self = Stall::default();
+    }
+
+    /// Counts one idle spin; true once nothing moved for [`STEP`].
+    fn idle(&mut self) -> bool {
+        self.spins = self.spins.wrapping_add(1);
+        if !self.spins.is_multiple_of(1024) {
+            return false;
+        }
+        let now = Instant::now();
+        now - *self.since.get_or_insert(now) > STEP
+    }
+}
+
+fn until<T>(what: &str, mut f: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
+    let mut stall = Stall::default();
+    loop {
+        if let Some(v) = f()? {
+            return Ok(v);
+        }
+        if stall.idle() {
+            return Err(format!("{what}: no progress within {STEP:?}"));
+        }
+        std::hint::spin_loop();
+    }
 }
 
 impl Rank<'_> {
-    fn sbuf(&mut self) -> *mut u8 {
-        self.buf.as_mut_ptr()
-    }
-    fn rbuf(&mut self) -> *mut u8 {
-        // SAFETY: MAX < buf.len().
-        unsafe { self.buf.as_mut_ptr().add(MAX) }
-    }
-
-    fn post_recv(&mut self, size: usize) -> Result<Ptr, String> {
-        let (d, mh) = (self.rbuf(), self.rmh);
-        until("irecv", || self.drv.irecv(self.recv, &[d], &[size], &[0], &[mh], false))
-    }
-
-    fn stream_send(&mut self, size: usize, count: usize) -> Result<(), String> {
-        let (d, mh) = (self.sbuf(), self.smh);
-        let mut inflight = std::collections::VecDeque::new();
-        for _ in 0..count {
-            if inflight.len() == WINDOW {
-                let q = inflight.pop_front().unwrap();
-                until("test send", || self.drv.test(q))?;
-            }
-            inflight.push_back(until("isend", || self.drv.isend(self.send, d, size, 0, mh))?);
+    fn serve(
+        &self,
+        sender: bool,
+        cmds: &Receiver<String>,
+        next: impl Fn(Duration) -> Result<String, String>,
+    ) -> Result<(), String> {
+        loop {
+            let line = next(IDLE)?;
+            let mut w = line.split_whitespace();
+            let reply = match w.next() {
+                Some("BW") if sender => {
+                    self.bw_send(num("BW size", w.next())?, num("BW window", w.next())?, cmds)?
+                }
+                Some("BW") => self.bw_recv(
+                    num("BW size", w.next())?,
+                    num("BW window", w.next())?,
+                    num("BW seconds", w.next())?,
+                    num("BW warm-up", w.next())?,
+                )?,
+                Some("LAT") => self.lat(
+                    num("LAT size", w.next())?,
+                    num("LAT iterations", w.next())?,
+                    num("LAT warm-up", w.next())?,
+                    sender,
+                )?,
+                Some("QUIT") => {
+                    println!("BYE");
+                    return Ok(());
+                }
+                _ => return Err(format!("unknown command {line:?}")),
+            };
+            println!("{reply}");
+            flush_log();
         }
-        for q in inflight {
-            until("test send", || self.drv.test(q))?;
-        }
-        Ok(())
     }
 
-    fn stream_recv(&mut self, size: usize, count: usize) -> Result<(), String> {
-        let mut inflight = std::collections::VecDeque::new();
-        for _ in 0..count {
-            if inflight.len() == WINDOW {
-                let q = inflight.pop_front().unwrap();
-                until("test recv", || self.drv.test(q))?;
-            }
-            inflight.push_back(self.post_recv(size)?);
-        }
-        for q in inflight {
-            until("test recv", || self.drv.test(q))?;
-        }
-        Ok(())
+    fn irecv(&self, size: usize) -> Result<Option<Ptr>, String> {
+        self.drv.irecv(self.recv, &[self.rbuf], &[size], &[0], &[self.rmh], false)
     }
 
-    fn send_one(&mut self, size: usize) -> Result<(), String> {
-        let (d, mh) = (self.sbuf(), self.smh);
-        let q = until("isend", || self.drv.isend(self.send, d, size, 0, mh))?;
-        until("test send", || self.drv.test(q)).map(|_| ())
+    fn isend(&self, size: usize) -> Result<Option<Ptr>, String> {
+        self.drv.isend(self.send, self.sbuf, size, 0, self.smh)
     }
 
-    fn close(self) -> Result<(), String> {
-        self.drv.dereg_mr(self.send, self.smh)?;
-        self.drv.dereg_mr(self.recv, self.rmh)?;
-        self.drv.close(Close::Send, self.send)?;
-        self.drv.close(Close::Recv, self.recv)?;
-        self.drv.finalize(self.ctx)
-    }
-}
-
-/// The measurements of one side (rank 0 measures; rank 1 serves).
-fn run_rank(
-    plugin: &str,
-    dev: c_int,
-    leader: bool,
-    tx: mpsc::Sender<Handle>,
-    rx: mpsc::Receiver<Handle>,
-) -> Result<(Vec<f64>, Vec<f64>), String> {
-    let lib = Library::open(plugin)?;
-    let mut r = rank(&lib, dev, tx, rx)?;
-    let mut bw = Vec::new();
-    for size in BW_SIZES {
-        let n = count_for(size);
-        // Warm-up, then the timed run. Rank 0 sends, rank 1 receives.
-        if leader {
-            r.stream_send(size, WINDOW)?;
-            let t = Instant::now();
-            r.stream_send(size, n)?;
-            bw.push((size * n) as f64 * 8.0 / t.elapsed().as_secs_f64() / 1e9);
+    /// A completed receive must carry the whole message.
+    fn check(size: usize, got: [c_int; 8]) -> Result<(), String> {
+        if got[0] as usize == size {
+            Ok(())
         } else {
-            r.stream_recv(size, WINDOW)?;
-            r.stream_recv(size, n)?;
+            Err(format!("a {size}-byte receive completed with {} bytes", got[0]))
         }
     }
-    let mut lat = Vec::new();
-    for size in LAT_SIZES {
-        let mut samples = Vec::with_capacity(LAT_ITERS);
-        let mut pending = r.post_recv(size)?;
-        for i in 0..LAT_ITERS + 50 {
-            let t = Instant::now();
+
+    /// Keeps `window` receives posted; times completions on this side (see the module docs).
+    /// Replies `BW bytes seconds` for the timed part.
+    fn bw_recv(&self, size: usize, window: usize, secs: f64, warm: f64) -> Result<String, String> {
+        let dur = |s: f64| Duration::try_from_secs_f64(s).map_err(|e| format!("BW {s} s: {e}"));
+        let (secs, warm) = (dur(secs)?, dur(warm)?);
+        let mut q = VecDeque::with_capacity(window);
+        let (mut posted, mut done) = (0u64, 0u64);
+        let (mut first, mut start, mut end) = (None, None::<(Instant, u64)>, None);
+        let mut stall = Stall::default();
+        loop {
+            let mut moved = false;
+            if end.is_none()
+                && q.len() < window
+                && let Some(r) = self.irecv(size)?
+            {
+                q.push_back(r);
+                posted += 1;
+                moved = true;
+            }
+            if let Some(&r) = q.front()
+                && let Some(got) = self.drv.test(r)?
+            {
+                Self::check(size, got)?;
+                q.pop_front();
+                done += 1;
+                moved = true;
+                let now = Instant::now();
+                let t = *first.get_or_insert(now);
+                match start {
+                    None if now - t >= warm => start = Some((now, done)),
+                    Some((t0, _)) if end.is_none() && now - t0 >= secs => {
+                        end = Some((now, done));
+                        // The sender stops at exactly this many; it is told out of band.
+                        println!("POSTED {posted}");
+                    }
+                    _ => {}
+                }
+            }
+            if end.is_some() && q.is_empty() {
+                break;
+            }
+            if moved {
+                stall.moved();
+            } else if stall.idle() {
+                return Err(format!(
+                    "bandwidth at {size} B: no receive completed for {STEP:?} ({done} of {posted})"
+                ));
+            }
+        }
+        let ((t0, d0), (t1, d1)) = start.zip(end).ok_or("bandwidth: not timed")?;
+        Ok(format!("BW {} {:.9}", (d1 - d0) * size as u64, (t1 - t0).as_secs_f64()))
+    }
+
+    /// Keeps `window` sends in flight until told how many the receiver posted.
+    fn bw_send(
+        &self,
+        size: usize,
+        window: usize,
+        cmds: &Receiver<String>,
+    ) -> Result<String, String> {
+        let mut q = VecDeque::with_capacity(window);
+        let (mut sent, mut stop) = (0u64, None);
+        let mut stall = Stall::default();
+        loop {
+            let mut moved = false;
+            if let Some(&r) = q.front()
+                && self.drv.test(r)?.is_some()
+            {
+                q.pop_front();
+                moved = true;
+            }
+            if q.len() < window
+                && stop.is_none_or(|n| sent < n)
+                && let Some(r) = self.isend(size)?
+            {
+                q.push_back(r);
+                sent += 1;
+                moved = true;
+            }
+            if stop.is_none() {
+                match cmds.try_recv() {
+                    Ok(line) => {
+                        let n = num("STOP", line.strip_prefix("STOP "))?;
+                        if sent > n {
+                            return Err(format!(
+                                "the plugin took {sent} sends for {n} posted receives"
+                            ));
+                        }
+                        stop = Some(n);
+                    }
+                    Err(TryRecvError::Empty) => {}
+                    Err(TryRecvError::Disconnected) => {
+                        return Err("the orchestrator went away".into());
+                    }
+                }
+            }
+            if stop == Some(sent) && q.is_empty() {
+                return Ok(format!("SENT {sent}"));
+            }
+            if moved {
+                stall.moved();
+            } else if stall.idle() {
+                return Err(format!(
+                    "bandwidth at {size} B: no send progressed for {STEP:?} ({sent} sent)"
+                ));
+            }
+        }
+    }
+
+    /// Polls the two requests of one ping-pong step until both are done.
+    fn wait_both(&self, send: Ptr, recv: Ptr, size: usize) -> Result<(), String> {
+        let (mut s, mut r) = (Some(send), Some(recv));
+        until("ping-pong", || {
+            if let Some(q) = s {
+                s = self.drv.test(q)?.is_none().then_some(q);
+            }
+            if let Some(q) = r
+                && let Some(got) = self.drv.test(q)?
+            {
+                Self::check(size, got)?;
+                r = None;
+            }
+            Ok((s.is_none() && r.is_none()).then_some(()))
+        })
+    }
+
+    /// Ping-pong; the leader replies `LAT median_us min_us`, the other side `LAT`.
+    fn lat(&self, size: usize, iters: usize, warm: usize, leader: bool) -> Result<String, String> {
+        // One message more than samples: a sample is the time between two pings.
+        let total = warm + iters + 1;
+        let mut q = VecDeque::with_capacity(LAT_DEPTH);
+        while q.len() < LAT_DEPTH.min(total) {
+            q.push_back(until("irecv", || self.irecv(size))?);
+        }
+        let mut posted = q.len();
+        let mut stamps = Vec::with_capacity(if leader { total } else { 0 });
+        for _ in 0..total {
             if leader {
-                r.send_one(size)?;
-                until("test pong", || r.drv.test(pending))?;
-                pending = r.post_recv(size)?;
+                stamps.push(Instant::now());
             } else {
-                until("test ping", || r.drv.test(pending))?;
-                pending = r.post_recv(size)?;
-                r.send_one(size)?;
+                let r = q.pop_front().ok_or("no receive posted")?;
+                let got = until("ping", || self.drv.test(r))?;
+                Self::check(size, got)?;
             }
-            if i >= 50 {
-                samples.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+            let s = until("isend", || self.isend(size))?;
+            // Re-posting while our message flies keeps irecv off the round trip.
+            if posted < total {
+                q.push_back(until("irecv", || self.irecv(size))?);
+                posted += 1;
+            }
+            if leader {
+                let r = q.pop_front().ok_or("no receive posted")?;
+                self.wait_both(s, r, size)?;
+            } else {
+                until("pong send", || self.drv.test(s))?;
             }
         }
-        // One more exchange answers the receive each side still has posted.
-        if leader {
-            r.send_one(size)?;
-            until("test last pong", || r.drv.test(pending))?;
-        } else {
-            until("test last ping", || r.drv.test(pending))?;
-            r.send_one(size)?;
+        if !leader {
+            return Ok("LAT".into());
         }
-        samples.sort_by(f64::total_cmp);
-        lat.push(samples[samples.len() / 2]);
+        let mut half: Vec<f64> =
+            stamps.windows(2).skip(warm).map(|w| (w[1] - w[0]).as_secs_f64() * 1e6 / 2.0).collect();
+        half.sort_by(f64::total_cmp);
+        Ok(format!("LAT {:.3} {:.3}", median(&half), half.first().copied().unwrap_or(f64::NAN)))
     }
-    r.close()?;
-    Ok((bw, lat))
 }
 
-/// Runs one perftest pair (server on the second device, client on the first) and returns the
-/// client's last result line.
-fn perftest(tool: &str, o: &Opts, extra: &[String]) -> Result<Vec<f64>, String> {
-    let common = |dev: c_int, gid: &str| {
-        let mut c = Command::new("timeout");
-        c.args(["60", tool, "-d", &format!("rxe{dev}"), "-x", gid, "-F"]).args(extra);
-        c
-    };
-    let mut server = common(o.devs.1, &o.gids.1)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("{tool}: {e}"))?;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let ss = Command::new("ss")
-            .args(["-Hltn", "sport = :18515"])
-            .output()
-            .map_err(|e| e.to_string())?;
-        if !ss.stdout.is_empty() {
-            break;
-        }
-        if Instant::now() > deadline {
-            let _ = server.kill();
-            return Err(format!("{tool} server did not listen"));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let out = common(o.devs.0, &o.gids.0).arg(&o.peer_ip).output().map_err(|e| e.to_string())?;
-    let _ = server.wait();
-    let text = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        return Err(format!("{tool} failed: {text}{}", String::from_utf8_lossy(&out.stderr)));
-    }
-    text.lines()
-        .rev()
-        .map(|l| l.split_whitespace().filter_map(|w| w.parse::<f64>().ok()).collect::<Vec<_>>())
-        .find(|v| v.len() >= 4)
-        .ok_or_else(|| format!("no result line from {tool}: {text}"))
+// ---------------------------------------------------------------------------------------------
+// The orchestrator.
+
+/// A rank process; killed on drop, so no error path leaves one behind.
+struct Proc {
+    who: String,
+    child: Child,
+    stdin: ChildStdin,
+    lines: Receiver<String>,
 }
 
-pub fn perf(args: &[String]) -> Result<(), String> {
-    let get = |k: &str, d: &str| {
-        args.iter()
-            .position(|a| a == k)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-            .unwrap_or_else(|| d.to_string())
-    };
-    let env = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
-    let gids: Vec<String> =
-        env("FERROCE_VM_GIDX", "1 1").split_whitespace().map(str::to_string).collect();
-    let ips: Vec<String> = env("FERROCE_VM_IPS", "198.18.0.1 198.18.0.2")
-        .split_whitespace()
-        .map(str::to_string)
-        .collect();
-    let exe_dir = std::env::current_exe()
-        .map_err(|e| e.to_string())?
-        .parent()
-        .map(|p| p.to_path_buf())
-        .unwrap_or_default();
-    let o = Opts {
-        plugin: get("--plugin", &exe_dir.join("libnccl-net-ferroce.so").to_string_lossy()),
+impl Proc {
+    fn spawn(role: &str, plugin: &str, dev: c_int) -> Result<Proc, String> {
+        let who = format!("rank {role} (dev {dev})");
+        let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+        let mut child = Command::new(exe)
+            .args(["perf-rank", role, plugin, &dev.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("spawning {who}: {e}"))?;
+        let (Some(stdin), Some(out)) = (child.stdin.take(), child.stdout.take()) else {
+            let _ = child.kill();
+            return Err(format!("{who}: no pipes"));
+        };
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Proc { who, child, stdin, lines })
+    }
+
+    fn send(&mut self, line: &str) -> Result<(), String> {
+        writeln!(self.stdin, "{line}")
+            .and_then(|_| self.stdin.flush())
+            .map_err(|e| format!("{}: writing {line:?}: {e}", self.who))
+    }
+
+    /// The words after `word` in the next line that starts with it (other lines are passed on
+    /// to stderr: they are not ours). Fails as soon as `other` fails: this one might otherwise
+    /// wait for a peer that is gone until its own limit.
+    fn expect(
+        &mut self,
+        word: &str,
+        limit: Duration,
+        other: &mut Proc,
+    ) -> Result<Vec<String>, String> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left.min(Duration::from_millis(500))) {
+                Ok(line) => {
+                    let mut w = line.split_whitespace();
+                    if w.next() == Some(word) {
+                        return Ok(w.map(str::to_string).collect());
+                    }
+                    eprintln!("{}: {line}", self.who);
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    // A rank that failed exits 1; one that said BYE exits 0.
+                    if let Ok(Some(st)) = other.child.try_wait()
+                        && !st.success()
+                    {
+                        return Err(format!("{} exited ({st}); see above", other.who));
+                    }
+                    if left.is_zero() {
+                        return Err(format!("{}: no {word} within {limit:?}", self.who));
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    let st = self.child.wait().map_or_else(|e| e.to_string(), |s| s.to_string());
+                    return Err(format!("{} exited ({st}) before {word}; see above", self.who));
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
+
+struct Opts {
+    plugin: String,
+    rounds: usize,
+    seconds: f64,
+    json: bool,
+    perftest: bool,
+    devs: (c_int, c_int),
+}
+
+fn parse(args: &[String]) -> Result<Option<Opts>, String> {
+    let exe_dir = std::env::current_exe().ok().and_then(|e| e.parent().map(|p| p.to_path_buf()));
+    let beside = exe_dir.map(|d| d.join("libnccl-net-ferroce.so")).filter(|p| p.exists());
+    let mut o = Opts {
+        plugin: beside.map_or("ferroce".into(), |p| p.to_string_lossy().into_owned()),
+        rounds: 3,
+        seconds: 2.0,
+        json: false,
+        perftest: true,
         devs: (0, 1),
-        gids: (
-            gids.first().cloned().unwrap_or("1".into()),
-            gids.get(1).cloned().unwrap_or("1".into()),
-        ),
-        peer_ip: ips.get(1).cloned().unwrap_or("198.18.0.2".into()),
-        perftest: !args.iter().any(|a| a == "--no-perftest"),
     };
-    ECHO.store(false, std::sync::atomic::Ordering::Relaxed);
-    println!(
-        "# ferroce perf: rank 0 on rxe{} -> rank 1 on rxe{}, plugin {} (ncclNet v12)",
-        o.devs.0, o.devs.1, o.plugin
-    );
-    let (tx0, rx1) = mpsc::channel();
-    let (tx1, rx0) = mpsc::channel();
-    let p1 = o.plugin.clone();
-    let dev1 = o.devs.1;
-    let peer = std::thread::spawn(move || run_rank(&p1, dev1, false, tx1, rx1));
-    let mine = run_rank(&o.plugin, o.devs.0, true, tx0, rx0);
-    let theirs = peer.join().map_err(|_| "rank 1 panicked".to_string())?;
-    let (bw, lat) = mine?;
-    theirs?;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut val = || it.next().map(String::as_str).ok_or(format!("{a} needs a value"));
+        match a.as_str() {
+            "-h" | "--help" => return Ok(None),
+            "--json" => o.json = true,
+            "--no-perftest" => o.perftest = false,
+            "--plugin" => o.plugin = val()?.to_string(),
+            "--rounds" => o.rounds = num(a, Some(val()?))?,
+            "--seconds" => o.seconds = num(a, Some(val()?))?,
+            "--dev-send" => o.devs.0 = num(a, Some(val()?))?,
+            "--dev-recv" => o.devs.1 = num(a, Some(val()?))?,
+            _ => return Err(format!("unknown argument {a:?}")),
+        }
+    }
+    if o.rounds == 0 {
+        return Err("--rounds must be at least 1".into());
+    }
+    if !(0.1..=3600.0).contains(&o.seconds) {
+        return Err("--seconds must be from 0.1 to 3600".into());
+    }
+    if o.devs.0 < 0 || o.devs.1 < 0 {
+        return Err("devices are numbered from 0".into());
+    }
+    Ok(Some(o))
+}
 
-    println!();
+/// Where perftest finds a plugin device: its verbs name, RoCE v2 GID index and IP address, from
+/// what ci/vm.sh exports (with its usual values as defaults).
+struct Port {
+    name: String,
+    gid: String,
+    ip: String,
+}
+
+fn port(name: &str) -> Result<Port, String> {
+    let list = |k: &str, d: &str| -> Vec<String> {
+        std::env::var(k).unwrap_or(d.into()).split_whitespace().map(str::to_string).collect()
+    };
+    let devs = list("FERROCE_VM_DEVS", "rxe0 rxe1");
+    let i = devs.iter().position(|d| d == name).ok_or(format!(
+        "perftest: device {name} is not in FERROCE_VM_DEVS ({devs:?}); use --no-perftest"
+    ))?;
+    let pick = |v: Vec<String>, what: &str| {
+        v.get(i).cloned().ok_or(format!("perftest: no {what} for {name} (index {i})"))
+    };
+    Ok(Port {
+        name: name.into(),
+        gid: pick(list("FERROCE_VM_GIDX", "1 1"), "FERROCE_VM_GIDX")?,
+        ip: pick(list("FERROCE_VM_IPS", "198.18.0.1 198.18.0.2"), "FERROCE_VM_IPS")?,
+    })
+}
+
+/// Ends a `timeout`-wrapped process: TERM, which timeout forwards to the tool.
+fn stop(child: &mut Child) {
+    if let Ok(None) = child.try_wait() {
+        // SAFETY: kill(2) on our own child's pid, which is not yet reaped.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    }
+    let _ = child.wait();
+}
+
+/// One perftest pair: server on the receiving device, client on the sending one, each under
+/// `timeout` (perftest's retry count 7 means "forever" on rxe). `label` names the column read.
+struct Perftest<'a> {
+    tx: &'a Port,
+    rx: &'a Port,
+    limit: u64,
+    label: &'a str,
+}
+
+impl Perftest<'_> {
+    /// Column `col` of the result row. A zero (nothing completed while perftest sampled: rxe
+    /// stalls now and then) gets one more try, then counts as no result.
+    fn run(&self, tool: &str, extra: &[&str], col: usize) -> Result<f64, String> {
+        for _ in 0..2 {
+            let v = self.once(tool, extra)?.get(col).copied().unwrap_or(0.0);
+            if v > 0.0 {
+                return Ok(v);
+            }
+            eprintln!(
+                "# {tool} {}: 0 measured (nothing completed while it sampled)",
+                extra.join(" ")
+            );
+        }
+        eprintln!("# {tool} {}: no result; left out of the median", extra.join(" "));
+        Ok(f64::NAN)
+    }
+
+    fn once(&self, tool: &str, extra: &[&str]) -> Result<Vec<f64>, String> {
+        let (limit, rx, tx) = (self.limit.to_string(), self.rx, self.tx);
+        let cmd = |p: &Port| {
+            let mut c = Command::new("timeout");
+            c.args(["-k", "5", &limit, tool, "-d", &p.name, "-x", &p.gid, "-F"]).args(extra);
+            c
+        };
+        let mut server = cmd(rx)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("{tool}: {e}"))?;
+        // The client must not connect before the server listens on perftest's TCP port.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match Command::new("ss").args(["-Hltn", "sport = :18515"]).output() {
+                Ok(o) if !o.stdout.is_empty() => break,
+                Ok(_) if Instant::now() < deadline && matches!(server.try_wait(), Ok(None)) => {
+                    std::thread::sleep(Duration::from_millis(50))
+                }
+                Ok(_) => {
+                    stop(&mut server);
+                    return Err(format!("{tool} server on {} did not listen on :18515", rx.name));
+                }
+                Err(e) => {
+                    stop(&mut server);
+                    return Err(format!("ss: {e}"));
+                }
+            }
+        }
+        let out = cmd(tx).arg(&rx.ip).output();
+        stop(&mut server);
+        let out = out.map_err(|e| format!("{tool}: {e}"))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            let (t, r) = (&tx.name, &rx.name);
+            return Err(format!("{tool} {t} -> {r} failed ({}): {text}{err}", out.status));
+        }
+        // A different layout is an error, not a wrong number.
+        if !text.contains(self.label) {
+            return Err(format!("{tool}: no {:?} column in its output: {text}", self.label));
+        }
+        text.lines()
+            .rev()
+            .map(|l| l.split_whitespace().map_while(|w| w.parse::<f64>().ok()).collect::<Vec<_>>())
+            .find(|v| v.len() >= 5)
+            .ok_or_else(|| format!("no result row from {tool}: {text}"))
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
+}
+
+fn spread(v: &[f64]) -> (f64, f64) {
+    let f = v.iter().copied().filter(|x| x.is_finite());
+    (f.clone().fold(f64::INFINITY, f64::min), f.fold(f64::NEG_INFINITY, f64::max))
+}
+
+/// Every round's numbers of one size.
+#[derive(Default)]
+struct Row {
+    size: usize,
+    /// ferroce: Gb/s (bandwidth) or median half round trip in us (latency), per round.
+    ours: Vec<f64>,
+    /// Bandwidth: bytes and seconds timed; latency: the minimum half round trip.
+    bytes: Vec<f64>,
+    secs: Vec<f64>,
+    min: Vec<f64>,
+    /// ib_write_bw Gb/s, or ib_write_lat t_typical us, per round.
+    write: Vec<f64>,
+    /// ib_send_lat t_typical us (latency only).
+    send: Vec<f64>,
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 { a / b } else { f64::NAN }
+}
+
+/// `perf-rank` and perftest drive a plugin and a VM that may stall; every wait is bounded.
+pub fn perf(args: &[String]) -> Result<(), String> {
+    let o = match parse(args) {
+        Ok(Some(o)) => o,
+        Ok(None) => {
+            println!("{USAGE}");
+            return Ok(());
+        }
+        Err(e) => return Err(format!("{e}\n{USAGE}")),
+    };
+    let limit = STEP + Duration::from_secs(60);
+    let mut recv = Proc::spawn("recv", &o.plugin, o.devs.1)?;
+    let mut send = Proc::spawn("send", &o.plugin, o.devs.0)?;
+    let h_recv = recv.expect("HANDLE", limit, &mut send)?;
+    let h_send = send.expect("HANDLE", limit, &mut recv)?;
+    let [hr, rx_name] = &h_recv[..] else { return Err(format!("bad HANDLE line {h_recv:?}")) };
+    let [hs, tx_name] = &h_send[..] else { return Err(format!("bad HANDLE line {h_send:?}")) };
+    recv.send(&format!("PEER {hs}"))?;
+    send.send(&format!("PEER {hr}"))?;
+    recv.expect("READY", limit, &mut send)?;
+    send.expect("READY", limit, &mut recv)?;
+    let ports = if o.perftest { Some((port(tx_name)?, port(rx_name)?)) } else { None };
+
+    let pt_secs = o.seconds.round().max(1.0) as u64;
+    let warm = warmup(o.seconds);
+    let mut bw: Vec<Row> = BW_SIZES.iter().map(|&size| Row { size, ..Row::default() }).collect();
+    let mut lat: Vec<Row> = LAT_SIZES.iter().map(|&size| Row { size, ..Row::default() }).collect();
+    for round in 1..=o.rounds {
+        let tag = format!("# round {round}/{}", o.rounds);
+        for row in bw.iter_mut() {
+            let (size, w) = (row.size, window(row.size));
+            recv.send(&format!("BW {size} {w} {} {warm}", o.seconds))?;
+            send.send(&format!("BW {size} {w}"))?;
+            let posted =
+                recv.expect("POSTED", limit + Duration::from_secs_f64(o.seconds), &mut send)?;
+            send.send(&format!("STOP {}", posted.first().ok_or("POSTED without a count")?))?;
+            send.expect("SENT", limit, &mut recv)?;
+            let r = recv.expect("BW", limit, &mut send)?;
+            let bytes: f64 = num("BW bytes", r.first().map(String::as_str))?;
+            let secs: f64 = num("BW seconds", r.get(1).map(String::as_str))?;
+            let gbps = bytes * 8.0 / secs / 1e9;
+            eprintln!(
+                "{tag}: ferroce bandwidth {size:>8} B: {gbps:.4} Gb/s ({bytes} B in {secs:.2} s)"
+            );
+            row.ours.push(gbps);
+            row.bytes.push(bytes);
+            row.secs.push(secs);
+        }
+        for row in lat.iter_mut() {
+            let cmd = format!("LAT {} {LAT_ITERS} {LAT_WARMUP}", row.size);
+            recv.send(&cmd)?;
+            send.send(&cmd)?;
+            let r = send.expect("LAT", limit, &mut recv)?;
+            recv.expect("LAT", limit, &mut send)?;
+            let med: f64 = num("LAT median", r.first().map(String::as_str))?;
+            let min: f64 = num("LAT min", r.get(1).map(String::as_str))?;
+            eprintln!("{tag}: ferroce latency   {:>8} B: {med:.1} us (min {min:.1})", row.size);
+            row.ours.push(med);
+            row.min.push(min);
+        }
+        let Some((tx, rx)) = &ports else { continue };
+        for row in bw.iter_mut() {
+            let (size, d) = (row.size.to_string(), pt_secs.to_string());
+            let args = ["-s", &size, "-D", &d, "--report_gbits"];
+            // Row: bytes, iterations, peak, average Gb/s, message rate.
+            let pt = Perftest { tx, rx, limit: 60 + 4 * pt_secs, label: "BW average[Gb/sec]" };
+            let v = pt.run("ib_write_bw", &args, 3)?;
+            eprintln!("{tag}: ib_write_bw       {size:>8} B: {v:.4} Gb/s");
+            row.write.push(v);
+        }
+        for row in lat.iter_mut() {
+            let (size, n) = (row.size.to_string(), LAT_ITERS.to_string());
+            // Row: bytes, iterations, t_min, t_max, t_typical, ...
+            let pt = Perftest { tx, rx, limit: 120, label: "t_typical" };
+            let w = pt.run("ib_write_lat", &["-s", &size, "-n", &n], 4)?;
+            let s = pt.run("ib_send_lat", &["-s", &size, "-n", &n], 4)?;
+            eprintln!("{tag}: ib_write_lat / ib_send_lat {size:>8} B: {w:.1} / {s:.1} us");
+            row.write.push(w);
+            row.send.push(s);
+        }
+    }
+    recv.send("QUIT")?;
+    send.send("QUIT")?;
+    recv.expect("BYE", limit, &mut send)?;
+    send.expect("BYE", limit, &mut recv)?;
+
+    let header = Header { o: &o, tx: tx_name, rx: rx_name, warm, pt_secs };
+    if o.json {
+        print_json(&header, &bw, &lat)
+    } else {
+        print_table(&header, &bw, &lat)
+    }
+    Ok(())
+}
+
+struct Header<'a> {
+    o: &'a Opts,
+    tx: &'a str,
+    rx: &'a str,
+    warm: f64,
+    pt_secs: u64,
+}
+
+fn f(x: f64, prec: usize) -> String {
+    if x.is_finite() { format!("{x:.prec$}") } else { "-".into() }
+}
+
+fn range(v: &[f64], prec: usize) -> String {
+    let (a, b) = spread(v);
+    if a.is_finite() { format!("{}-{}", f(a, prec), f(b, prec)) } else { "-".into() }
+}
+
+/// One table line, nccl-tests style: right-aligned columns; `mark` is `#` on headings.
+fn line(mark: char, widths: &[usize], cells: &[String]) -> String {
+    let mut s = String::from(mark);
+    for (i, (&w, c)) in widths.iter().zip(cells).enumerate() {
+        let (sep, w) = if i == 0 { ("", w.saturating_sub(1)) } else { ("  ", w) };
+        s += &format!("{sep}{c:>w$}");
+    }
+    s
+}
+
+fn strs<const N: usize>(a: [&str; N]) -> [String; N] {
+    a.map(String::from)
+}
+
+fn print_table(h: &Header, bw: &[Row], lat: &[Row]) {
+    let o = h.o;
+    println!("# ferroce perf: plugin {} through ncclNet v12, two processes", o.plugin);
     println!(
-        "#  bandwidth: {WINDOW} messages in flight; perftest ib_write_bw -D 2 on the same devices"
+        "#   rank 0 sends on {} (dev {}), rank 1 receives on {} (dev {})",
+        h.tx, o.devs.0, h.rx, o.devs.1
     );
     println!(
-        "#       size    count   time(us)  algbw(GB/s)  ferroce(Gb/s)  perftest(Gb/s)   ratio"
+        "#   median of {} round(s); spread: min-max over the rounds; ratio: ferroce / perftest",
+        o.rounds
     );
-    for (i, size) in BW_SIZES.into_iter().enumerate() {
-        let n = count_for(size);
-        let gbps = bw[i];
-        let time_us = size as f64 * 8.0 / (gbps * 1e9) * 1e6;
-        let pt = if o.perftest {
-            perftest(
-                "ib_write_bw",
-                &o,
-                &["-s".into(), size.to_string(), "-D".into(), "2".into(), "--report_gbits".into()],
-            )?
-            .get(3)
-            .copied()
-        } else {
-            None
-        };
-        let (pts, ratio) = match pt {
-            Some(p) if p > 0.0 => (format!("{p:14.3}"), format!("{:7.2}", gbps / p)),
-            _ => (format!("{:>14}", "-"), format!("{:>7}", "-")),
-        };
+    println!(
+        "#   bandwidth: algbw on the receiver's clock, {} s per size after {:.2} s warm-up, up to \
+         {WINDOW} receives posted ahead and {WINDOW} sends in flight (at most {} MiB); \
+         ib_write_bw -D {} --report_gbits, BW average",
+        o.seconds,
+        h.warm,
+        WINDOW_BYTES >> 20,
+        h.pt_secs
+    );
+    let w = [12, 12, 17, 12, 17, 6];
+    println!(
+        "{}",
+        line('#', &w, &strs(["size", "ferroce", "spread", "ib_write_bw", "spread", "ratio"]))
+    );
+    println!("{}", line('#', &w, &strs(["(B)", "(Gb/s)", "(Gb/s)", "(Gb/s)", "(Gb/s)", ""])));
+    for r in bw {
+        let (m, p) = (median(&r.ours), median(&r.write));
+        let (ours, theirs) = (range(&r.ours, 4), range(&r.write, 4));
         println!(
-            "{size:>12} {n:>8} {time_us:>10.1} {:>12.4} {gbps:>14.3} {pts}  {ratio}",
-            gbps / 8.0
+            "{}",
+            line(' ', &w, &[r.size.to_string(), f(m, 4), ours, f(p, 4), theirs, f(ratio(m, p), 2)])
         );
     }
     println!();
     println!(
-        "#  latency: ping-pong, half round trip, median; perftest ib_write_lat -n {LAT_ITERS} t_typical"
+        "#   latency: ping-pong, half the round trip, {LAT_ITERS} iterations after {LAT_WARMUP} \
+         warm-up, {LAT_DEPTH} receives posted ahead; min: the fastest sample of all rounds; \
+         ib_write_lat / ib_send_lat -n {LAT_ITERS}, t_typical; ratio vs ib_write_lat"
     );
-    println!("#       size   ferroce(us)  perftest(us)   ratio");
-    for (i, size) in LAT_SIZES.into_iter().enumerate() {
-        let pt = if o.perftest {
-            perftest(
-                "ib_write_lat",
-                &o,
-                &["-s".into(), size.to_string(), "-n".into(), LAT_ITERS.to_string()],
-            )?
-            .get(4)
-            .copied()
-        } else {
-            None
-        };
-        let (pts, ratio) = match pt {
-            Some(p) if p > 0.0 => (format!("{p:13.1}"), format!("{:7.2}", lat[i] / p)),
-            _ => (format!("{:>13}", "-"), format!("{:>7}", "-")),
-        };
-        println!("{size:>12} {:>13.1} {pts}  {ratio}", lat[i]);
+    let w = [12, 9, 13, 8, 12, 13, 11, 13, 6];
+    let head = [
+        "size",
+        "ferroce",
+        "spread",
+        "min",
+        "ib_write_lat",
+        "spread",
+        "ib_send_lat",
+        "spread",
+        "ratio",
+    ];
+    println!("{}", line('#', &w, &strs(head)));
+    println!(
+        "{}",
+        line('#', &w, &strs(["(B)", "(us)", "(us)", "(us)", "(us)", "(us)", "(us)", "(us)", ""]))
+    );
+    for r in lat {
+        let (m, p) = (median(&r.ours), median(&r.write));
+        let cells = [
+            r.size.to_string(),
+            f(m, 1),
+            range(&r.ours, 1),
+            f(spread(&r.min).0, 1),
+            f(p, 1),
+            range(&r.write, 1),
+            f(median(&r.send), 1),
+            range(&r.send, 1),
+            f(ratio(m, p), 2),
+        ];
+        println!("{}", line(' ', &w, &cells));
     }
-    Ok(())
+}
+
+fn jnum(x: f64) -> String {
+    if x.is_finite() { format!("{x}") } else { "null".into() }
+}
+
+fn jarr(v: &[f64]) -> String {
+    format!("[{}]", v.iter().map(|&x| jnum(x)).collect::<Vec<_>>().join(","))
+}
+
+fn jstr(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' | '\\' => out.extend(['\\', c]),
+            c if (c as u32) < 0x20 => out += &format!("\\u{:04x}", c as u32),
+            c => out.push(c),
+        }
+    }
+    out + "\""
+}
+
+/// `{"key":value,...}` from values already in JSON.
+fn jobj(fields: &[(&str, String)]) -> String {
+    let f: Vec<String> = fields.iter().map(|(k, v)| format!("{}:{v}", jstr(k))).collect();
+    format!("{{{}}}", f.join(","))
+}
+
+fn print_json(h: &Header, bw: &[Row], lat: &[Row]) {
+    let o = h.o;
+    let bw: Vec<String> = bw
+        .iter()
+        .map(|r| {
+            let (m, p) = (median(&r.ours), median(&r.write));
+            jobj(&[
+                ("size", r.size.to_string()),
+                ("window", window(r.size).to_string()),
+                ("ferroce_gbps", jarr(&r.ours)),
+                ("ferroce_bytes", jarr(&r.bytes)),
+                ("ferroce_seconds", jarr(&r.secs)),
+                ("ferroce_gbps_median", jnum(m)),
+                ("ib_write_bw_gbps", jarr(&r.write)),
+                ("ib_write_bw_gbps_median", jnum(p)),
+                ("ratio", jnum(ratio(m, p))),
+            ])
+        })
+        .collect();
+    let lat: Vec<String> = lat
+        .iter()
+        .map(|r| {
+            let (m, p) = (median(&r.ours), median(&r.write));
+            jobj(&[
+                ("size", r.size.to_string()),
+                ("ferroce_us", jarr(&r.ours)),
+                ("ferroce_min_us", jarr(&r.min)),
+                ("ferroce_us_median", jnum(m)),
+                ("ib_write_lat_us", jarr(&r.write)),
+                ("ib_write_lat_us_median", jnum(p)),
+                ("ib_send_lat_us", jarr(&r.send)),
+                ("ib_send_lat_us_median", jnum(median(&r.send))),
+                ("ratio_vs_write_lat", jnum(ratio(m, p))),
+            ])
+        })
+        .collect();
+    let dev = |d: c_int, name: &str| jobj(&[("dev", d.to_string()), ("name", jstr(name))]);
+    println!(
+        "{}",
+        jobj(&[
+            ("plugin", jstr(&o.plugin)),
+            ("abi", "12".into()),
+            ("sender", dev(o.devs.0, h.tx)),
+            ("receiver", dev(o.devs.1, h.rx)),
+            ("rounds", o.rounds.to_string()),
+            ("seconds", jnum(o.seconds)),
+            ("warmup_seconds", jnum(h.warm)),
+            ("perftest", o.perftest.to_string()),
+            ("perftest_seconds", h.pt_secs.to_string()),
+            ("lat_iters", LAT_ITERS.to_string()),
+            ("lat_warmup", LAT_WARMUP.to_string()),
+            ("lat_depth", LAT_DEPTH.to_string()),
+            ("bandwidth", format!("[{}]", bw.join(","))),
+            ("latency", format!("[{}]", lat.join(","))),
+        ])
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn options() {
+        let o =
+            parse(&args("--rounds 5 --seconds 0.5 --json --no-perftest --dev-send 2 --dev-recv 3"))
+                .unwrap()
+                .unwrap();
+        assert_eq!(
+            (o.rounds, o.seconds, o.json, o.perftest, o.devs),
+            (5, 0.5, true, false, (2, 3))
+        );
+        let o = parse(&args("--plugin /x/libnccl-net-ferroce.so")).unwrap().unwrap();
+        assert_eq!(
+            (o.plugin.as_str(), o.rounds, o.seconds, o.devs),
+            ("/x/libnccl-net-ferroce.so", 3, 2.0, (0, 1))
+        );
+        assert!(parse(&args("--help")).unwrap().is_none());
+        for bad in [
+            "--rounds",
+            "--rounds 0",
+            "--rounds x",
+            "--seconds 0",
+            "--seconds nan",
+            "--bogus",
+            "--dev-send -1",
+        ] {
+            assert!(parse(&args(bad)).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn handles_round_trip_and_reject_garbage() {
+        let h: [u8; 128] = std::array::from_fn(|i| (i * 7) as u8);
+        assert_eq!(unhex(&hex(&h)).unwrap(), h);
+        assert!(unhex(&hex(&h[..127])).is_err());
+        assert!(unhex(&format!("{}zz", &hex(&h)[2..])).is_err());
+        assert!(unhex(&format!("{}é", &hex(&h)[..254])).is_err());
+    }
+
+    #[test]
+    fn statistics() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(median(&[f64::NAN, 1.0]), 1.0);
+        assert!(median(&[]).is_nan());
+        assert_eq!(spread(&[2.0, f64::NAN, 5.0, 1.0]), (1.0, 5.0));
+        assert_eq!(range(&[], 1), "-");
+        assert!(ratio(1.0, 0.0).is_nan());
+        assert_eq!((window(8), window(1 << 20), window(8 << 20)), (32, 32, 4));
+    }
+
+    #[test]
+    fn json() {
+        assert_eq!(jstr("a\"b\\c\n"), r#""a\"b\\c\u000a""#);
+        assert_eq!(jarr(&[1.5, f64::NAN]), "[1.5,null]");
+        assert_eq!(jobj(&[("a", "1".into()), ("b", jstr("x"))]), r#"{"a":1,"b":"x"}"#);
+    }
+
+    #[test]
+    fn table_lines() {
+        let w = [12, 6];
+        assert_eq!(line('#', &w, &strs(["size", "ratio"])), "#       size   ratio");
+        assert_eq!(line(' ', &w, &strs(["8", "0.50"])), "           8    0.50");
+    }
 }

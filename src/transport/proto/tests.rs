@@ -636,18 +636,24 @@ fn split_parts_cover_the_buffer_in_aligned_chunks() {
 }
 
 #[test]
-fn the_watchdog_fires_only_with_work_outstanding() {
+fn the_watchdog_fires_only_after_a_timeout_without_progress() {
     let path = Path { peer: "p".into(), ..Default::default() };
-    let mut w = Watchdog::new(Duration::from_millis(20));
-    std::thread::sleep(Duration::from_millis(30));
-    assert!(w.check(&path).is_none(), "idle is not a failure");
+    let ms = Duration::from_millis;
+    let mut w = Watchdog::new(ms(20));
+    assert!(w.check(ms(0), &path).is_none());
+    assert!(w.check(ms(100), &path).is_none(), "idle is not a failure");
     w.posted();
+    assert!(w.check(ms(100), &path).is_none(), "work starts the clock");
+    assert!(w.check(ms(115), &path).is_none());
+    w.completed(false); // progress on a multi-lane slot restarts the clock
+    assert!(w.check(ms(130), &path).is_none());
+    assert!(w.check(ms(140), &path).is_none());
     w.completed(true);
-    std::thread::sleep(Duration::from_millis(30));
-    assert!(w.check(&path).is_none(), "everything completed");
+    assert!(w.check(ms(500), &path).is_none(), "everything completed");
     w.posted();
-    std::thread::sleep(Duration::from_millis(30));
-    assert!(w.check(&path).unwrap().contains("FERROCE_PROGRESS_TIMEOUT_MS"));
+    assert!(w.check(ms(600), &path).is_none());
+    let msg = w.check(ms(621), &path).expect("20 ms without a completion");
+    assert!(msg.contains("FERROCE_PROGRESS_TIMEOUT_MS"), "{msg}");
 }
 
 #[test]

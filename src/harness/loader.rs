@@ -5,7 +5,7 @@
 use std::ffi::{CStr, CString, c_char, c_int, c_ulong, c_void};
 use std::sync::Mutex;
 
-use super::abi::{ncclDebugLogLevel, ncclDebugLogger_t};
+use ferroce::ffi::abi::{ncclDebugLogLevel, ncclDebugLogger_t};
 
 /// A `dlopen`ed plugin library; `dlclose`d on drop.
 pub struct Library {

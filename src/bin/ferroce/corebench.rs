@@ -1,0 +1,161 @@
+//! `ferroce core-bench [MESSAGES]`: the cost per message of the data path's protocol core on
+//! this host, with no NIC: a send core and a receive core wired back to back through an
+//! in-memory loopback that carries the CTS rows and the immediates (data bytes are not
+//! copied). One message is an irecv, an isend, the completions and both tests: what the
+//! plugin does per message besides the verbs calls themselves. Prints ns per message; run it
+//! under `valgrind --tool=callgrind` for instructions per message, which do not depend on the
+//! machine's load.
+
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use ferroce::transport::proto::{
+    Buf, FIFO_WORDS, Params, Path, Post, RecvCore, SIZE_WORDS, SendCore, Words,
+};
+use ferroce::verbs::{Completion, Op, SendWr};
+
+/// Regions, told apart by the top bits of their fake addresses.
+const FIFO: u64 = 1 << 40;
+const RECV_STAGE: u64 = 2 << 40;
+const SEND_STAGE: u64 = 3 << 40;
+const SIZES: u64 = 4 << 40;
+const DATA: u64 = 5 << 40;
+
+struct Region {
+    base: u64,
+    words: Vec<Cell<u64>>,
+}
+
+impl Region {
+    fn new(base: u64, n: usize) -> Region {
+        Region { base, words: (0..n).map(|_| Cell::new(0)).collect() }
+    }
+}
+
+impl Words for Region {
+    fn load(&self, w: usize) -> u64 {
+        self.words[w].get()
+    }
+    fn store(&self, w: usize, v: u64) {
+        self.words[w].set(v)
+    }
+    fn addr(&self, w: usize) -> u64 {
+        self.base + 8 * w as u64
+    }
+    fn lkey(&self) -> u32 {
+        1
+    }
+}
+
+/// Executes work requests as they are posted: CTS rows land in the FIFO, size records and
+/// acks in the size records, immediates become the receiver's completions.
+struct Loopback<'a> {
+    regions: [&'a Region; 4],
+    cq: &'a RefCell<[VecDeque<Completion>; 2]>,
+    rq: &'a RefCell<VecDeque<u64>>,
+    side: usize,
+}
+
+impl Loopback<'_> {
+    fn copy(&self, from: u64, to: u64, len: u32) {
+        let find = |a: u64| self.regions.iter().find(|r| a >> 40 == r.base >> 40).copied();
+        if let (Some(src), Some(dst)) = (find(from), find(to)) {
+            let (s, d) = (((from - src.base) / 8) as usize, ((to - dst.base) / 8) as usize);
+            for i in 0..len as usize / 8 {
+                dst.store(d + i, src.load(s + i));
+            }
+        }
+    }
+}
+
+impl Post for Loopback<'_> {
+    fn send(&mut self, _qp: usize, wrs: &[SendWr]) -> ferroce::error::Result<()> {
+        let mut cq = self.cq.borrow_mut();
+        for w in wrs {
+            if let Some((addr, len, _)) = w.local {
+                self.copy(addr, w.remote_addr, len);
+            }
+            if let Op::WriteImm(imm) = w.op {
+                let wr_id = self.rq.borrow_mut().pop_front().expect("a receive is posted");
+                cq[1 - self.side].push_back(Completion {
+                    wr_id,
+                    imm: Some(imm),
+                    ..Default::default()
+                });
+            }
+            if w.signaled {
+                cq[self.side].push_back(Completion { wr_id: w.wr_id, ..Default::default() });
+            }
+        }
+        Ok(())
+    }
+    fn recv(&mut self, _qp: usize, wr_id: u64) -> ferroce::error::Result<()> {
+        self.rq.borrow_mut().push_back(wr_id);
+        Ok(())
+    }
+}
+
+/// Runs `n` messages of `size` bytes; returns the time they took.
+fn run(n: usize, size: u64, inline: u32) -> Result<Duration, String> {
+    let fifo = Region::new(FIFO, FIFO_WORDS);
+    let rstage = Region::new(RECV_STAGE, FIFO_WORDS);
+    let sstage = Region::new(SEND_STAGE, SIZE_WORDS);
+    let sizes = Region::new(SIZES, SIZE_WORDS);
+    let regions = [&fifo, &rstage, &sstage, &sizes];
+    let cq = RefCell::new([VecDeque::new(), VecDeque::new()]);
+    let rq = RefCell::new(VecDeque::new());
+    let params = Params {
+        nqps: 1,
+        split: false,
+        max_msg: 1 << 23,
+        max_inline: inline,
+        progress_timeout: Duration::from_secs(60),
+        path: Path::default(),
+    };
+    let mut send = SendCore::new(params.clone(), (SIZES, 1));
+    let mut recv = RecvCore::new(params, (FIFO, 1));
+    let mut sio = Loopback { regions, cq: &cq, rq: &rq, side: 0 };
+    let mut rio = Loopback { regions, cq: &cq, rq: &rq, side: 1 };
+    let e = |e: ferroce::error::Error| e.to_string();
+    let buf = Buf { addr: DATA, size, lkey: 1, rkey: 1 };
+    let mut got = [0u64; 8];
+    let t = Instant::now();
+    for i in 0..n {
+        let r = recv.irecv(&rstage, &sizes, &mut rio, &[(buf, 0)], false).map_err(e)?;
+        let r = r.ok_or(format!("irecv {i} found no free slot"))?;
+        let s = send.isend(&fifo, &sstage, &mut sio, buf, 0).map_err(e)?;
+        let s = s.ok_or(format!("isend {i} found no CTS"))?;
+        while let Some(c) = cq.borrow_mut()[0].pop_front() {
+            send.complete(&c);
+        }
+        while let Some(c) = cq.borrow_mut()[1].pop_front() {
+            recv.complete(&c, &sizes);
+        }
+        let done = send.test(s).map_err(e)?.zip(recv.test(r, &mut got).map_err(e)?);
+        if done.is_none() || got[0] != size {
+            return Err(format!("message {i} did not complete ({done:?}, size {})", got[0]));
+        }
+    }
+    Ok(t.elapsed())
+}
+
+pub fn core_bench(args: &[String]) -> Result<(), String> {
+    let n: usize = match args.first() {
+        None => 1_000_000,
+        Some(a) => {
+            a.parse().map_err(|_| format!("usage: ferroce core-bench [MESSAGES], not {a:?}"))?
+        }
+    };
+    println!(
+        "protocol core, one message = irecv + isend + completions + both tests ({n} messages)"
+    );
+    for (size, inline) in [(8, 512), (8, 0), (4096, 512), (1 << 20, 512)] {
+        let t = run(n, size, inline)?;
+        println!(
+            "  {size:>8} B, inline {inline:>3}: {:>6.1} ns/message",
+            t.as_nanos() as f64 / n as f64
+        );
+    }
+    Ok(())
+}
