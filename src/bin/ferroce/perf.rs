@@ -218,8 +218,11 @@ impl Stall {
         *self = Stall::default();
     }
 
-    /// Counts one idle spin; true once nothing moved for [`STEP`].
+    /// Counts one idle spin and yields the CPU, as NCCL's proxy thread does after a pass that
+    /// made no progress (on Soft-RoCE the NIC is kernel threads on the same cores); true once
+    /// nothing moved for [`STEP`].
     fn idle(&mut self) -> bool {
+        std::thread::yield_now();
         self.spins = self.spins.wrapping_add(1);
         if !self.spins.is_multiple_of(1024) {
             return false;
@@ -238,7 +241,6 @@ fn until<T>(what: &str, mut f: impl FnMut() -> Result<Option<T>, String>) -> Res
         if stall.idle() {
             return Err(format!("{what}: no progress within {STEP:?}"));
         }
-        std::hint::spin_loop();
     }
 }
 
