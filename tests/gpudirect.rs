@@ -18,6 +18,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::process::Command;
 
+use common::harness::Rng;
 use common::harness::driver::{Close, Driver, Ptr};
 use common::harness::loader::take_captured;
 use common::{open_plugin, pair, require_vm};
@@ -235,16 +236,6 @@ fn rdma_mrs() -> Result<u64, String> {
         total += f.get(i + 1).and_then(|v| v.parse::<u64>().ok()).ok_or("bad mr count")?;
     }
     Ok(total)
-}
-
-struct Rng(u64);
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n.max(1)
-    }
 }
 
 fn pattern(g: usize, r: usize, buf: &mut [u8]) {

@@ -96,8 +96,9 @@ impl Post for Loopback<'_> {
     }
 }
 
-/// Runs `n` messages of `size` bytes; returns the time they took.
-fn run(n: usize, size: u64, inline: u32) -> Result<Duration, String> {
+/// Runs `n` messages of `size` bytes (as optional receives: no immediate, no receive WQE, no
+/// receiver completion); returns the time they took.
+fn run(n: usize, size: u64, inline: u32, optional: bool) -> Result<Duration, String> {
     let fifo = Region::new(FIFO, FIFO_WORDS);
     let rstage = Region::new(RECV_STAGE, FIFO_WORDS);
     let sstage = Region::new(SEND_STAGE, SIZE_WORDS);
@@ -122,7 +123,7 @@ fn run(n: usize, size: u64, inline: u32) -> Result<Duration, String> {
     let mut got = [0u64; 8];
     let t = Instant::now();
     for i in 0..n {
-        let r = recv.irecv(&rstage, &sizes, &mut rio, &[(buf, 0)], false).map_err(e)?;
+        let r = recv.irecv(&rstage, &sizes, &mut rio, &[(buf, 0)], optional).map_err(e)?;
         let r = r.ok_or(format!("irecv {i} found no free slot"))?;
         let s = send.isend(&fifo, &sstage, &mut sio, buf, 0).map_err(e)?;
         let s = s.ok_or(format!("isend {i} found no CTS"))?;
@@ -140,20 +141,30 @@ fn run(n: usize, size: u64, inline: u32) -> Result<Duration, String> {
     Ok(t.elapsed())
 }
 
+/// `ferroce core-bench [MESSAGES] [normal|optional]`: every configuration, or only 8-byte
+/// messages with normal or optional receives (one instruction count each under callgrind).
 pub fn core_bench(args: &[String]) -> Result<(), String> {
+    const USAGE: &str = "usage: ferroce core-bench [MESSAGES] [normal|optional]";
     let n: usize = match args.first() {
         None => 1_000_000,
-        Some(a) => {
-            a.parse().map_err(|_| format!("usage: ferroce core-bench [MESSAGES], not {a:?}"))?
-        }
+        Some(a) => a.parse().map_err(|_| format!("{USAGE}, not {a:?}"))?,
+    };
+    let all =
+        [(8, 512, false), (8, 512, true), (8, 0, false), (4096, 512, false), (1 << 20, 512, false)];
+    let configs = match args.get(1).map(String::as_str) {
+        None => &all[..],
+        Some("normal") => &all[..1],
+        Some("optional") => &all[1..2],
+        Some(other) => return Err(format!("{USAGE}, not {other:?}")),
     };
     println!(
         "protocol core, one message = irecv + isend + completions + both tests ({n} messages)"
     );
-    for (size, inline) in [(8, 512), (8, 0), (4096, 512), (1 << 20, 512)] {
-        let t = run(n, size, inline)?;
+    for &(size, inline, optional) in configs {
+        let t = run(n, size, inline, optional)?;
+        let kind = if optional { "optional" } else { "normal" };
         println!(
-            "  {size:>8} B, inline {inline:>3}: {:>6.1} ns/message",
+            "  {size:>8} B, inline {inline:>3}, {kind:>8} receive: {:>6.1} ns/message",
             t.as_nanos() as f64 / n as f64
         );
     }

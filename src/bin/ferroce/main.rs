@@ -8,7 +8,8 @@
 //!   [--dev-send D] [--dev-recv D]`: the benchmark (inside the Soft-RoCE VM: two rank processes
 //!   through the plugin, then perftest on the same devices, rounds of both, and the ratio). It
 //!   runs its ranks as `ferroce perf-rank ...`, which is not meant to be run by hand.
-//! - `ferroce core-bench [MESSAGES]`: the protocol core's cost per message on this host.
+//! - `ferroce core-bench [MESSAGES] [normal|optional]`: the protocol core's cost per message on
+//!   this host.
 //! - `ferroce sink DEV [NAME]`: a receiving peer for checks across processes or hosts: listens
 //!   on device DEV, prints `HANDLE <hex>` (the 128-byte handle a sender connects to), then keeps
 //!   32 receives of up to 16 MiB posted until the connection fails (or it is killed).
@@ -41,7 +42,7 @@ fn main() -> ExitCode {
         Some("sink") => sink(&args[1..]),
         _ => Err(format!(
             "usage: ferroce load [NAME] | ferroce info [NAME] | ferroce sink DEV [NAME] | \
-             ferroce core-bench [MESSAGES]\n{}",
+             ferroce core-bench [MESSAGES] [normal|optional]\n{}",
             perf::USAGE
         )),
     };
