@@ -45,6 +45,7 @@ knobs! {
     "FERROCE_RNR_RETRY", "6", "QP RNR retry count (0..=6; 7 would retry forever)";
     "FERROCE_ALLOW_UNBOUNDED", "0", "1: accept NCCL_IB_TIMEOUT=0 and FERROCE_RNR_RETRY=7 (waits without bound)";
     "FERROCE_PROGRESS_TIMEOUT_MS", "0", "error when posted work sees no completion for this long; 0: 2x the retry bound + 10 s";
+    "FERROCE_PROBE_INTERVAL_MS", "5000", "a comm that waits with no completion for this long probes its peer (a zero-length write): a dead peer fails within this + the retry bound";
     "NCCL_IB_QPS_PER_CONNECTION", "1", "queue pairs per connection (1..=128), each with its own UDP source port";
     "NCCL_IB_SPLIT_DATA_ON_QPS", "0", "1: split every message across the QPs; 0: whole messages round-robin";
     "FERROCE_SPORT_BASE", "49152", "first RoCEv2 UDP source port (49152..=65535)";
@@ -107,6 +108,7 @@ pub struct Config {
     pub ib_retry_cnt: u8,
     pub rnr_retry: u8,
     pub progress_timeout: Duration,
+    pub probe_interval: Duration,
     pub qps_per_conn: usize,
     pub split_data: bool,
     pub sport_base: u16,
@@ -284,6 +286,8 @@ impl Config {
         } else {
             retry_bound(ib_timeout, ib_retry_cnt) * 2 + Duration::from_secs(10)
         };
+        let probe_interval =
+            Duration::from_millis(r.int("FERROCE_PROBE_INTERVAL_MS", 5000u64, 10..=86_400_000)?);
 
         let qps_per_conn = r.int("NCCL_IB_QPS_PER_CONNECTION", 1usize, 1..=128)?;
         let split_data = r.int("NCCL_IB_SPLIT_DATA_ON_QPS", 0u8, 0..=1)? == 1;
@@ -329,6 +333,7 @@ impl Config {
             ib_retry_cnt,
             rnr_retry,
             progress_timeout,
+            probe_interval,
             qps_per_conn,
             split_data,
             sport_base,
@@ -409,6 +414,7 @@ mod tests {
             (None, None, 0, Family::V4, 2)
         );
         assert_eq!(d.setup_timeout, Duration::from_secs(120));
+        assert_eq!(d.probe_interval, Duration::from_secs(5));
         assert_eq!((d.dmabuf_enable, d.gdr_flush_disable, d.relaxed_ordering), (true, false, 2));
         // 2 x (4.096 us x 2^20 x 8) + 10 s
         assert_eq!(d.progress_timeout.as_millis(), 2 * 34_359_738 / 1000 + 10_000);
@@ -457,6 +463,7 @@ mod tests {
             ("NCCL_IB_SL", "16"),
             ("FERROCE_SETUP_TIMEOUT_MS", "0"),
             ("FERROCE_FORCE_FLUSH", "yes"),
+            ("FERROCE_PROBE_INTERVAL_MS", "5"),
             ("NCCL_DMABUF_ENABLE", "2"),
             ("NCCL_GDR_FLUSH_DISABLE", "-1"),
             ("NCCL_IB_PCI_RELAXED_ORDERING", "3"),

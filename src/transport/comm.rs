@@ -97,15 +97,15 @@ impl Post for Qps<'_> {
 /// One end's core, as the progress loop feeds it.
 trait Drain {
     fn take(&mut self, c: &Completion);
-    fn idle(&mut self, now: Duration, elsewhere: Option<String>) -> Result<()>;
+    fn idle(&mut self, now: Duration, elsewhere: Option<String>, io: &mut Qps) -> Result<()>;
 }
 
 impl Drain for SendCore {
     fn take(&mut self, c: &Completion) {
         self.complete(c)
     }
-    fn idle(&mut self, now: Duration, elsewhere: Option<String>) -> Result<()> {
-        SendCore::idle(self, now, elsewhere)
+    fn idle(&mut self, now: Duration, elsewhere: Option<String>, io: &mut Qps) -> Result<()> {
+        SendCore::idle(self, now, elsewhere, io)
     }
 }
 
@@ -119,15 +119,15 @@ impl Drain for RecvDrain<'_> {
     fn take(&mut self, c: &Completion) {
         self.core.complete(c, self.sizes)
     }
-    fn idle(&mut self, now: Duration, elsewhere: Option<String>) -> Result<()> {
-        self.core.idle(now, elsewhere)
+    fn idle(&mut self, now: Duration, elsewhere: Option<String>, io: &mut Qps) -> Result<()> {
+        self.core.idle(now, elsewhere, io)
     }
 }
 
 /// The one progress loop: drains the CQ in batches into the core, then lets it check its
 /// watchdog (against the coarse clock: a precise read costs microseconds under emulation,
 /// and this runs on every idle poll) and the device's health.
-fn progress(cq: &Cq, dev: &NetDevice, side: &mut impl Drain) -> Result<()> {
+fn progress(cq: &Cq, dev: &NetDevice, side: &mut impl Drain, io: &mut Qps) -> Result<()> {
     let mut wcs = [Completion::default(); 16];
     loop {
         let n = cq.poll(&mut wcs)?;
@@ -136,7 +136,7 @@ fn progress(cq: &Cq, dev: &NetDevice, side: &mut impl Drain) -> Result<()> {
         }
         if n < wcs.len() {
             let now = crate::os::coarse_now();
-            return side.idle(now, dev.check_alive().err().map(|e| e.to_string()));
+            return side.idle(now, dev.check_alive().err().map(|e| e.to_string()), io);
         }
     }
 }
@@ -166,6 +166,7 @@ fn params(net: &Net, qps: &[Qp], split: bool, max_msg: u64, path: &Path) -> Para
         max_msg,
         max_inline: qps.iter().map(Qp::max_inline).min().unwrap_or(0),
         progress_timeout: net.config.progress_timeout,
+        probe_interval: net.config.probe_interval,
         path: path.clone(),
     }
 }
@@ -259,7 +260,8 @@ impl SendComm {
     }
 
     pub fn progress(&mut self) -> Result<()> {
-        progress(&self.cq, &self.net.devices[self.dev], &mut self.core)
+        let mut io = Qps { qps: &self.qps, flush: None };
+        progress(&self.cq, &self.net.devices[self.dev], &mut self.core, &mut io)
     }
 
     /// `Some(size)` once request `id` completed (the request is then free again).
@@ -410,7 +412,8 @@ impl RecvComm {
 
     pub fn progress(&mut self) -> Result<()> {
         let mut side = RecvDrain { core: &mut self.core, sizes: &self.sizes };
-        progress(&self.cq, &self.net.devices[self.dev], &mut side)
+        let mut io = Qps { qps: &self.qps, flush: None };
+        progress(&self.cq, &self.net.devices[self.dev], &mut side, &mut io)
     }
 
     /// Receive request `id` (`< SLOTS`) or flush request (`FLUSH_BASE..`): `Some(n)` once

@@ -22,6 +22,12 @@
 //! valid request that tests complete at once; the ack word is what lets the receiver reuse
 //! the slot only after the sender has consumed its previous row.
 //!
+//! Liveness: a comm that waits (requests pending, or a send waiting for its CTS) and has seen no
+//! completion for the probe interval posts a zero-length RDMA write to its peer. A live peer's
+//! NIC acknowledges it even when the process is stopped or busy, so a slow peer is never an
+//! error; a dead one (process, node or link gone) fails it after the retry bound, which fails
+//! every pending request. The watchdog covers a probe that never completes at all.
+//!
 //! Invariants:
 //! - A slot is reused only after NCCL has seen every request of its previous use complete.
 //! - The receive WQE is posted before the CTS that allows the matching write, so the sender
@@ -63,6 +69,7 @@ pub const WR_SEND: u64 = 1 << 32;
 pub const WR_CTS: u64 = 2 << 32;
 pub const WR_RECV: u64 = 3 << 32;
 pub const WR_FLUSH: u64 = 4 << 32;
+pub const WR_PROBE: u64 = 5 << 32;
 
 fn wr_id(kind: u64, lane: usize, slot: usize) -> u64 {
     kind | (lane as u64 & 0xff) << 8 | slot as u64 & 0xff
@@ -274,11 +281,53 @@ impl Watchdog {
     }
 }
 
-/// What both ends share: the first failure (every later call reports it) and the watchdog.
+/// When to probe a quiet peer: after `interval` of waiting with no completion at all.
+struct Prober {
+    interval: Duration,
+    /// Completions seen so far, and when (and at which count) the current quiet spell began.
+    activity: u64,
+    quiet: Option<(Duration, u64)>,
+    /// A probe is in flight (at most one).
+    out: bool,
+}
+
+impl Prober {
+    /// Whether to post a probe now: waiting, quiet for the interval, none in flight.
+    fn due(&mut self, now: Duration, waiting: bool) -> bool {
+        if !waiting || self.out {
+            self.quiet = None;
+            return false;
+        }
+        match self.quiet {
+            Some((since, seen)) if seen == self.activity => {
+                now.saturating_sub(since) >= self.interval
+            }
+            _ => {
+                self.quiet = Some((now, self.activity));
+                false
+            }
+        }
+    }
+}
+
+/// What both ends share: the first failure (every later call reports it), the watchdog and
+/// the liveness prober.
 struct Health {
     fatal: Option<String>,
     watchdog: Watchdog,
+    prober: Prober,
     path: Path,
+}
+
+impl Health {
+    fn new(p: &Params) -> Health {
+        Health {
+            fatal: None,
+            watchdog: Watchdog::new(p.progress_timeout),
+            prober: Prober { interval: p.probe_interval, activity: 0, quiet: None, out: false },
+            path: p.path.clone(),
+        }
+    }
 }
 
 impl Health {
@@ -286,12 +335,20 @@ impl Health {
         self.fatal.as_ref().map_or(Ok(()), |e| Err(Error::Remote(e.clone())))
     }
 
-    /// Records the first failed completion; `true` if `c` succeeded.
+    /// Records the first failed completion; `true` if `c` succeeded. A probe's completion is
+    /// taken here too.
     fn completion(&mut self, c: &Completion) -> bool {
+        self.prober.activity += 1;
+        let probe = wr_kind(c.wr_id) == WR_PROBE;
+        if probe {
+            self.prober.out = false;
+            self.watchdog.completed(true);
+        }
         if c.status != 0 && self.fatal.is_none() {
             self.fatal = Some(format!(
-                "completion error with {}: {} (status {}, vendor_err {:#x}, wr {:#x}) on {}: {}",
+                "completion error with {}{}: {} (status {}, vendor_err {:#x}, wr {:#x}) on {}: {}",
                 self.path.peer,
+                if probe { " (liveness probe of a quiet peer)" } else { "" },
                 crate::verbs::status_str(c.status),
                 c.status,
                 c.vendor_err,
@@ -300,7 +357,35 @@ impl Health {
                 hint(c.status)
             ));
         }
-        c.status == 0
+        c.status == 0 && !probe
+    }
+
+    /// Posts a zero-length RDMA write to the peer on QP 0 when one is due; `target` is a
+    /// region of the peer's this comm may write (a zero-length write checks no key anyway).
+    fn probe(
+        &mut self,
+        now: Duration,
+        waiting: bool,
+        io: &mut impl Post,
+        target: (u64, u32),
+    ) -> Result<()> {
+        if self.fatal.is_some() || !self.prober.due(now, waiting) {
+            return Ok(());
+        }
+        io.send(
+            0,
+            &[SendWr {
+                wr_id: wr_id(WR_PROBE, 0, 0),
+                signaled: true,
+                remote_addr: target.0,
+                rkey: target.1,
+                ..SendWr::default()
+            }],
+        )?;
+        self.prober.out = true;
+        self.prober.quiet = None;
+        self.watchdog.posted();
+        Ok(())
     }
 
     /// After a poll found the CQ empty at `now`: the watchdog, and a failure from elsewhere
@@ -358,6 +443,8 @@ pub struct Params {
     /// Largest inline payload the QPs accept (`max_inline_data`).
     pub max_inline: u32,
     pub progress_timeout: Duration,
+    /// Probe a quiet peer after this long (`FERROCE_PROBE_INTERVAL_MS`).
+    pub probe_interval: Duration,
     pub path: Path,
 }
 
@@ -393,6 +480,8 @@ pub struct SendCore {
     pub bytes: Vec<u64>,
     /// Per slot and QP: work requests posted for the slot's current use.
     slot_wrs: Vec<usize>,
+    /// The last isend found no CTS for its slot: the sender waits on the receiver.
+    wants_cts: bool,
     /// Where chains are built before posting.
     chain: Box<[SendWr; MAX_CHAIN]>,
     health: Health,
@@ -402,11 +491,7 @@ impl SendCore {
     pub fn new(mut p: Params, remote_sizes: (u64, u32)) -> SendCore {
         p.split = p.split && p.nqps > 1;
         p.max_msg = p.max_msg.max(4096);
-        let health = Health {
-            fatal: None,
-            watchdog: Watchdog::new(p.progress_timeout),
-            path: p.path.clone(),
-        };
+        let health = Health::new(&p);
         SendCore {
             reqs: [SendReq::default(); SLOTS * MAX_RECVS],
             slots: [SendSlot::default(); SLOTS],
@@ -415,6 +500,7 @@ impl SendCore {
             sq_used: vec![0; p.nqps],
             bytes: vec![0; p.nqps],
             slot_wrs: vec![0; SLOTS * p.nqps],
+            wants_cts: false,
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
             health,
             p,
@@ -440,7 +526,8 @@ impl SendCore {
         let slot = (self.head % SLOTS as u64) as usize;
         let want = self.head + 1;
         let first = Cts::read(fifo, slot, 0);
-        if first.idx != want {
+        self.wants_cts = first.idx != want;
+        if self.wants_cts {
             return Ok(None);
         }
         let nreqs = usize::from(first.nreqs);
@@ -509,7 +596,8 @@ impl SendCore {
         } else {
             (self.p.split, lanes(self.p.split, self.p.nqps, slot))
         };
-        lanes.into_iter().all(|q| self.sq_used[q] + self.wrs_for(bufs, split, q) <= SEND_QUEUE)
+        // One entry stays free for a liveness probe.
+        lanes.into_iter().all(|q| self.sq_used[q] + self.wrs_for(bufs, split, q) < SEND_QUEUE)
     }
 
     /// Posts the slot's chains: on each lane, the data writes, the size record (first lane of
@@ -688,8 +776,16 @@ impl SendCore {
         }
     }
 
-    /// After a poll found no more completions at `now` (any monotonic clock).
-    pub fn idle(&mut self, now: Duration, elsewhere: Option<String>) -> Result<()> {
+    /// After a poll found no more completions at `now` (any monotonic clock): the watchdog,
+    /// the device, and a liveness probe if the sender has been waiting quietly.
+    pub fn idle(
+        &mut self,
+        now: Duration,
+        elsewhere: Option<String>,
+        io: &mut impl Post,
+    ) -> Result<()> {
+        let waiting = self.wants_cts || self.reqs.iter().any(|r| r.state == State::Pending);
+        self.health.probe(now, waiting, io, self.remote_sizes)?;
         self.health.idle(now, elsewhere)
     }
 
@@ -746,11 +842,7 @@ pub const FLUSH_BASE: usize = SLOTS;
 impl RecvCore {
     pub fn new(mut p: Params, remote_fifo: (u64, u32)) -> RecvCore {
         p.split = p.split && p.nqps > 1;
-        let health = Health {
-            fatal: None,
-            watchdog: Watchdog::new(p.progress_timeout),
-            path: p.path.clone(),
-        };
+        let health = Health::new(&p);
         RecvCore {
             slots: [RecvSlot::default(); SLOTS],
             flushes: [State::Free; SLOTS],
@@ -896,7 +988,16 @@ impl RecvCore {
         }
     }
 
-    pub fn idle(&mut self, now: Duration, elsewhere: Option<String>) -> Result<()> {
+    /// After a poll found no more completions: as [`SendCore::idle`], waiting meaning a
+    /// receive whose data has not arrived.
+    pub fn idle(
+        &mut self,
+        now: Duration,
+        elsewhere: Option<String>,
+        io: &mut impl Post,
+    ) -> Result<()> {
+        let waiting = self.slots.iter().any(|s| s.state == State::Pending);
+        self.health.probe(now, waiting, io, self.remote_fifo)?;
         self.health.idle(now, elsewhere)
     }
 

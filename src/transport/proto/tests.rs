@@ -324,6 +324,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         max_msg: run.max_msg,
         max_inline: run.max_inline,
         progress_timeout: Duration::from_secs(3600),
+        probe_interval: Duration::from_millis(3),
         path: Path { peer: "sim".into(), ..Default::default() },
     };
     let mut sender = SendCore::new(params.clone(), (RECV_SIZES, 16));
@@ -346,6 +347,8 @@ fn drive(run: &Run, seed: u64) -> Outcome {
     let mut out = Outcome::default();
     let mut steps = 0u64;
     let mut idle = 0u64;
+    // A fake clock for the cores' idle checks (and so their liveness probes).
+    let mut now = Duration::ZERO;
     let done = |o: &Outcome| o.recvs_done == n && o.sends_done == n;
     while !done(&out) {
         steps += 1;
@@ -361,7 +364,16 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         {
             break; // what was outstanding has resolved
         }
-        match rng.below(7) {
+        match rng.below(8) {
+            // An empty poll: the cores may probe their quiet peer.
+            7 => {
+                now += Duration::from_millis(1);
+                let s = sender.idle(now, None, &mut sio);
+                let r = receiver.idle(now, None, &mut rio);
+                if !wire.borrow().broken {
+                    s.and(r).expect("idle on a healthy link");
+                }
+            }
             0 if next_recv < n && !wire.borrow().broken => {
                 let g = next_recv;
                 if g >= AREAS && !recv_done[g - AREAS] {
@@ -660,7 +672,16 @@ fn the_watchdog_fires_only_after_a_timeout_without_progress() {
 fn failed_completions_carry_a_hint_and_the_first_is_kept() {
     let path =
         Path { peer: "198.18.0.2:4000".into(), describe: "GID a -> b".into(), sports: vec![] };
-    let mut h = Health { fatal: None, watchdog: Watchdog::new(Duration::from_secs(1)), path };
+    let params = Params {
+        nqps: 1,
+        split: false,
+        max_msg: 4096,
+        max_inline: 0,
+        progress_timeout: Duration::from_secs(1),
+        probe_interval: Duration::from_secs(1),
+        path,
+    };
+    let mut h = Health::new(&params);
     assert!(!h.completion(&Completion { status: 12, wr_id: WR_SEND | 3, ..Default::default() }));
     let msg = h.fatal.clone().unwrap();
     assert!(
@@ -669,4 +690,57 @@ fn failed_completions_carry_a_hint_and_the_first_is_kept() {
     );
     h.completion(&Completion { status: 5, ..Default::default() });
     assert_eq!(h.fatal.unwrap(), msg);
+}
+
+/// A receiver that waits quietly probes its peer once per interval: a live peer answers and
+/// nothing fails however long the wait; a dead one fails the probe, and the pending receive
+/// fails with it, naming the probe.
+#[test]
+fn a_quiet_wait_probes_the_peer_and_only_a_dead_peer_fails() {
+    let mem = Mem::new();
+    mem.add(FIFO, 13, FIFO_WORDS * 8);
+    mem.add(RECV_STAGE, 15, FIFO_WORDS * 8);
+    mem.add(RECV_SIZES, 16, SIZE_WORDS * 8);
+    mem.add(RECV_DATA, 12, 4096);
+    let rstage = Area { mem: &mem, base: RECV_STAGE, key: 15 };
+    let rsizes = Area { mem: &mem, base: RECV_SIZES, key: 16 };
+    let ms = Duration::from_millis;
+    let params = Params {
+        nqps: 1,
+        split: false,
+        max_msg: 4096,
+        max_inline: 0,
+        progress_timeout: Duration::from_secs(3600),
+        probe_interval: ms(100),
+        path: Path { peer: "peer".into(), ..Default::default() },
+    };
+    let mut receiver = RecvCore::new(params, (FIFO, 13));
+    let wire = RefCell::new(Wire::new(1));
+    let mut rio = Io { wire: &wire, mem: &mem, side: 1, depth: RECV_SEND_QUEUE };
+    let buf = Buf { addr: RECV_DATA, size: 4096, lkey: 12, rkey: 12 };
+    let id = receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
+    let probes = |w: &RefCell<Wire>| {
+        w.borrow().sq[1][0].iter().filter(|q| wr_kind(q.wr.wr_id) == WR_PROBE).count()
+    };
+    // A live peer: every probe is acknowledged, for as long as the sender stays silent.
+    let mut acked = 0;
+    for t in 0..50 {
+        receiver.idle(ms(t * 40), None, &mut rio).unwrap();
+        if probes(&wire) > 0 {
+            while !wire.borrow().sq[1][0].is_empty() {
+                wire.borrow_mut().step(&mem, 1, 0);
+            }
+            acked += 1;
+        }
+        poll(&wire, 1, |c| receiver.complete(c, &rsizes));
+        assert_eq!(receiver.test(id, &mut [0; MAX_RECVS]).unwrap(), None, "still waiting");
+    }
+    assert!((6..=20).contains(&acked), "one probe per quiet interval, not per poll: {acked}");
+    // A dead peer: the next probe fails, and so does the receive.
+    receiver.idle(ms(10_000), None, &mut rio).unwrap();
+    assert_eq!(probes(&wire), 1);
+    wire.borrow_mut().break_all();
+    poll(&wire, 1, |c| receiver.complete(c, &rsizes));
+    let e = receiver.test(id, &mut [0; MAX_RECVS]).unwrap_err().to_string();
+    assert!(e.contains("liveness probe") && e.contains("peer"), "{e}");
 }
