@@ -11,11 +11,13 @@ main() {
   [[ -n "${FERROCE_PLUGIN_DIR:-}" ]] || fail "FERROCE_PLUGIN_DIR is not set"
   echo "vm-tests: kernel $(uname -r); RDMA devices:"
   rdma link show
-  local passed=0 bin t
+  local passed=0 bin t own_main
   for bin in "$@"; do
-    if [[ "$(basename "$bin")" == netclient-* || "$(basename "$bin")" == gpudirect-* ]]; then
+    case "$(basename "$bin")" in netclient-* | gpudirect-* | liveness-*) own_main=1 ;; *) own_main=0 ;; esac
+    if ((own_main)); then
       # Test programs with their own main: the two-process test client (every ABI version,
-      # every byte verified) and the GPUDirect scenarios (each in a child process).
+      # every byte verified), the GPUDirect scenarios and the liveness scenarios (each in
+      # child processes).
       echo "vm-tests: $(basename "$bin")"
       timeout -k 5 900 "$bin" || fail "$(basename "$bin")"
       passed=$((passed + 1))

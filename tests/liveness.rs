@@ -1,0 +1,433 @@
+//! Liveness on Soft-RoCE: a peer that dies becomes an error within the bound, a peer that is
+//! merely stopped never does. Two processes (a receiver on rxe1, a sender on rxe0) drive the
+//! plugin through its C ABI; this orchestrator kills or stops them with signals and watches
+//! what the survivor reports.
+//!
+//! The knobs make the bound short: `NCCL_IB_TIMEOUT=14`, `NCCL_IB_RETRY_CNT=3` (retries end
+//! after 4.096 µs × 2^14 × 4 = 268 ms) and `FERROCE_PROBE_INTERVAL_MS=1000`.
+//!
+//! Scenarios:
+//! - the sender is killed while the receiver has a receive pending;
+//! - the receiver is killed while the sender waits for a CTS, and while its writes are in flight;
+//! - the receiver is stopped (SIGSTOP) for 60 s while the sender waits for a CTS, and the sender
+//!   while the receiver waits for data: no error, and the data completes after SIGCONT.
+//!
+//! After each, the survivor closes its comms and finalizes: its fds and threads, and the
+//! devices' QP/CQ/MR/PD counts, return to their baseline. Built with its own `main`
+//! (`harness = false`) and run by `ci/vm-tests.sh` in the VM.
+
+mod common;
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{self, Receiver, TryRecvError};
+use std::time::{Duration, Instant};
+
+use common::harness::driver::{Close, Driver, Ptr};
+use common::{open_plugin, require_vm};
+
+const SIZE: usize = 1 << 20;
+const BIG: usize = 8 << 20;
+/// Probe interval + retry bound (1.27 s), with room for TCG's slowness.
+const BOUND: Duration = Duration::from_secs(8);
+const STOP: Duration = Duration::from_secs(60);
+const KNOBS: [(&str, &str); 3] =
+    [("NCCL_IB_TIMEOUT", "14"), ("NCCL_IB_RETRY_CNT", "3"), ("FERROCE_PROBE_INTERVAL_MS", "1000")];
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let r = match args.first().map(String::as_str) {
+        None => orchestrate(),
+        Some("recv") => role(false, args.get(1)),
+        Some("send") => role(true, args.get(1)),
+        Some(other) => Err(format!("unknown mode {other:?}")),
+    };
+    if let Err(e) = r {
+        eprintln!("liveness: FAILED: {e}");
+        std::process::exit(1);
+    }
+}
+
+// --- one side (a child process) ----------------------------------------------------------------
+
+/// The byte at `i` of message `m`.
+fn byte(m: usize, i: usize) -> u8 {
+    (m.wrapping_mul(131) ^ i.wrapping_mul(7) ^ (i >> 9)) as u8
+}
+
+fn counts() -> (usize, usize) {
+    let n = |d: &str| std::fs::read_dir(d).map(|d| d.count()).unwrap_or(0);
+    (n("/proc/self/fd"), n("/proc/self/task"))
+}
+
+/// Commands on stdin (`POST n`, `SEND n size`, `CLOSE`), events on stdout (`HANDLE`, `POSTED`,
+/// `COMPLETED k`, `ERROR ms text`, `CLEAN ...`).
+fn role(sender: bool, handle: Option<&String>) -> Result<(), String> {
+    let say = |s: String| {
+        println!("{s}");
+        std::io::stdout().flush().map_err(|e| e.to_string())
+    };
+    let lines = {
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in std::io::stdin().lock().lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        rx
+    };
+    // The baseline includes the stdin reader; everything the plugin opens must go again.
+    let (fds0, threads0) = counts();
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12)?;
+    let ctx = drv.init(7)?;
+    let comm = if sender {
+        let hex = handle.ok_or("send needs the receiver's handle")?;
+        let mut h = [0u8; 128];
+        for (i, b) in h.iter_mut().enumerate() {
+            *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2).ok_or("short handle")?, 16)
+                .map_err(|e| e.to_string())?;
+        }
+        common::until("connect", || drv.connect(ctx, 0, &mut h))?
+    } else {
+        let (h, listen) = drv.listen(ctx, 1)?;
+        say(format!("HANDLE {}", h.iter().map(|b| format!("{b:02x}")).collect::<String>()))?;
+        let c = common::until("accept", || drv.accept(listen))?;
+        drv.close(Close::Listen, listen)?;
+        c
+    };
+    let mut buf = vec![0u8; 4 * BIG];
+    let mh = drv.reg_mr(comm, buf.as_mut_ptr(), buf.len())?;
+    say("READY".into())?;
+    // (message number, size, request) in flight; sends not yet taken by the plugin.
+    let mut pending: VecDeque<(usize, usize, Ptr)> = VecDeque::new();
+    let mut to_send: VecDeque<(usize, usize)> = VecDeque::new();
+    let (mut next, mut done) = (0usize, 0usize);
+    let mut since = Instant::now();
+    let slot = |m: usize| (m % 4) * BIG;
+    loop {
+        match lines.try_recv() {
+            Ok(l) => {
+                since = Instant::now();
+                let w: Vec<&str> = l.split_whitespace().collect();
+                match w.as_slice() {
+                    ["POST", n] => {
+                        for _ in 0..n.parse::<usize>().map_err(|e| e.to_string())? {
+                            let p = buf[slot(next)..].as_mut_ptr();
+                            let r = common::until("irecv", || {
+                                drv.irecv(comm, &[p], &[BIG], &[0], &[mh], false)
+                            })?;
+                            pending.push_back((next, BIG, r));
+                            next += 1;
+                        }
+                        say("POSTED".into())?;
+                    }
+                    ["SEND", n, size] => {
+                        let size: usize = size.parse().map_err(|_| "bad size")?;
+                        for _ in 0..n.parse::<usize>().map_err(|_| "bad count")? {
+                            let m = next;
+                            buf[slot(m)..slot(m) + size]
+                                .iter_mut()
+                                .enumerate()
+                                .for_each(|(i, b)| *b = byte(m, i));
+                            to_send.push_back((m, size));
+                            next += 1;
+                        }
+                    }
+                    ["CLOSE"] => break,
+                    _ => return Err(format!("bad command {l:?}")),
+                }
+            }
+            Err(TryRecvError::Empty) => {}
+            Err(TryRecvError::Disconnected) => return Err("the orchestrator went away".into()),
+        }
+        let step = (|| -> Result<(), String> {
+            if let Some(&(m, size)) = to_send.front() {
+                let p = buf[slot(m)..].as_mut_ptr();
+                if let Some(r) = drv.isend(comm, p, size, 0, mh)? {
+                    to_send.pop_front();
+                    pending.push_back((m, size, r));
+                    say("POSTED".into())?;
+                }
+            }
+            if let Some(&(m, _, r)) = pending.front()
+                && let Some(sizes) = drv.test(r)?
+            {
+                pending.pop_front();
+                if !sender {
+                    let got = sizes[0] as usize;
+                    let bad = (0..got).position(|i| buf[slot(m) + i] != byte(m, i));
+                    if got != SIZE && got != BIG || bad.is_some() {
+                        return Err(format!("message {m}: {got} bytes, first bad byte {bad:?}"));
+                    }
+                }
+                done += 1;
+                say(format!("COMPLETED {done}"))?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = step {
+            // The plugin's WARN says who and what; the call itself only returns a code.
+            let warn = common::warnings().pop().unwrap_or_default();
+            say(format!("ERROR {} {e}: {warn}", since.elapsed().as_millis()))?;
+            // Wait for the orchestrator's CLOSE; every later call fails the same way.
+            loop {
+                match lines.recv_timeout(Duration::from_secs(120)) {
+                    Ok(l) if l == "CLOSE" => break,
+                    Ok(_) => {}
+                    Err(_) => return Err("no CLOSE after the error".into()),
+                }
+            }
+            break;
+        }
+        std::thread::yield_now();
+    }
+    // Close with whatever is pending: the comm must still come apart cleanly.
+    drv.dereg_mr(comm, mh)?;
+    drv.close(if sender { Close::Send } else { Close::Recv }, comm)?;
+    drv.finalize(ctx)?;
+    drop(lib);
+    let (fds1, threads1) = counts();
+    say(format!("CLEAN fds {fds0}->{fds1} threads {threads0}->{threads1}"))?;
+    if (fds0, threads0) != (fds1, threads1) {
+        return Err(format!("fds {fds0}->{fds1}, threads {threads0}->{threads1}"));
+    }
+    Ok(())
+}
+
+// --- the orchestrator -------------------------------------------------------------------------
+
+struct Side {
+    name: &'static str,
+    child: Child,
+    stdin: ChildStdin,
+    events: Receiver<String>,
+}
+
+impl Side {
+    fn start(mode: &'static str, handle: Option<&str>) -> Result<Side, String> {
+        let me = std::env::current_exe().map_err(|e| e.to_string())?;
+        let mut c = Command::new(me);
+        c.arg(mode).args(handle).envs(KNOBS).stdin(Stdio::piped()).stdout(Stdio::piped());
+        let mut child = c.spawn().map_err(|e| format!("{mode}: {e}"))?;
+        let stdin = child.stdin.take().ok_or("no stdin")?;
+        let out = child.stdout.take().ok_or("no stdout")?;
+        let (tx, events) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Side { name: mode, child, stdin, events })
+    }
+
+    fn tell(&mut self, cmd: &str) -> Result<(), String> {
+        writeln!(self.stdin, "{cmd}").map_err(|e| format!("{}: {e}", self.name))
+    }
+
+    /// The next event starting with `want`, within `limit`; any other event is an error.
+    fn expect(&self, want: &str, limit: Duration) -> Result<String, String> {
+        let l = self
+            .events
+            .recv_timeout(limit)
+            .map_err(|_| format!("{}: no {want:?} within {limit:?}", self.name))?;
+        if l.starts_with(want) {
+            Ok(l)
+        } else {
+            Err(format!("{}: expected {want:?}, got {l:?}", self.name))
+        }
+    }
+
+    /// Nothing reported for `d` (a stopped peer must cause no error).
+    fn quiet_for(&self, d: Duration) -> Result<(), String> {
+        match self.events.recv_timeout(d) {
+            Ok(l) => Err(format!("{}: reported {l:?} while its peer was stopped", self.name)),
+            Err(_) => Ok(()),
+        }
+    }
+
+    fn signal(&self, sig: &str) -> Result<(), String> {
+        let st = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .map_err(|e| e.to_string())?;
+        if st.success() { Ok(()) } else { Err(format!("kill {sig} {}", self.name)) }
+    }
+
+    /// CLOSE, then the clean-up report and exit 0.
+    fn close(mut self) -> Result<(), String> {
+        self.tell("CLOSE")?;
+        let clean = self.expect("CLEAN", Duration::from_secs(60))?;
+        eprintln!("liveness: {} {clean}", self.name);
+        let st = self.child.wait().map_err(|e| e.to_string())?;
+        if st.success() { Ok(()) } else { Err(format!("{} exited with {st}", self.name)) }
+    }
+}
+
+impl Drop for Side {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A connected receiver and sender, both ready.
+fn pair() -> Result<(Side, Side), String> {
+    let recv = Side::start("recv", None)?;
+    let handle = recv.expect("HANDLE", Duration::from_secs(60))?;
+    let send = Side::start("send", handle.split_whitespace().nth(1))?;
+    recv.expect("READY", Duration::from_secs(60))?;
+    send.expect("READY", Duration::from_secs(60))?;
+    Ok((recv, send))
+}
+
+/// Waits for the survivor's ERROR and checks it came within the bound and names the peer.
+fn expect_error(side: &Side, after: Instant, what: &str) -> Result<(), String> {
+    let l = side.expect("ERROR", BOUND + Duration::from_secs(20))?;
+    let took = after.elapsed();
+    eprintln!("liveness: {what}: {} failed after {:.2} s: {l}", side.name, took.as_secs_f64());
+    if took > BOUND {
+        return Err(format!("{what}: the error took {took:?}, bound {BOUND:?}"));
+    }
+    if !l.contains("198.18.0.") {
+        return Err(format!("{what}: the error does not name the peer: {l}"));
+    }
+    Ok(())
+}
+
+/// QP, CQ, MR and PD counts of the RDMA devices (`rdma resource show`).
+fn resources() -> Result<String, String> {
+    let out =
+        Command::new("rdma").args(["resource", "show"]).output().map_err(|e| e.to_string())?;
+    Ok(String::from_utf8_lossy(&out.stdout).lines().collect::<Vec<_>>().join("; "))
+}
+
+fn orchestrate() -> Result<(), String> {
+    require_vm();
+    let base = resources()?;
+    type Scenario = fn() -> Result<(), String>;
+    let scenarios: [(&str, Scenario); 5] = [
+        ("sender killed while a receive is pending", sender_killed),
+        ("receiver killed while the sender waits for a CTS", receiver_killed_before_cts),
+        ("receiver killed while writes are in flight", receiver_killed_in_flight),
+        ("receiver stopped 60 s while the sender waits", receiver_stopped),
+        ("sender stopped 60 s while the receiver waits", sender_stopped),
+    ];
+    let (mut passed, mut failed) = (0, 0);
+    for (what, run) in scenarios {
+        eprintln!("liveness: --- {what}");
+        let r = run().and_then(|_| {
+            let now = resources()?;
+            if now == base { Ok(()) } else { Err(format!("resources {base} -> {now}")) }
+        });
+        match r {
+            Ok(()) => {
+                passed += 1;
+                eprintln!("liveness: passed: {what}");
+            }
+            Err(e) => {
+                failed += 1;
+                eprintln!("liveness: FAILED: {what}: {e}");
+            }
+        }
+    }
+    println!("liveness: {passed} passed, {failed} failed");
+    if failed > 0 { Err(format!("{failed} scenario(s) failed")) } else { Ok(()) }
+}
+
+fn sender_killed() -> Result<(), String> {
+    let (mut recv, mut send) = pair()?;
+    recv.tell("POST 2")?;
+    recv.expect("POSTED", BOUND)?;
+    send.tell(&format!("SEND 1 {SIZE}"))?;
+    send.expect("POSTED", BOUND)?;
+    recv.expect("COMPLETED 1", Duration::from_secs(60))?;
+    send.signal("-KILL")?;
+    let t = Instant::now();
+    expect_error(&recv, t, "sender killed")?;
+    drop(send);
+    recv.close()
+}
+
+fn receiver_killed_before_cts() -> Result<(), String> {
+    let (recv, mut send) = pair()?;
+    send.tell(&format!("SEND 1 {SIZE}"))?;
+    std::thread::sleep(Duration::from_millis(500)); // the send is waiting for a CTS
+    recv.signal("-KILL")?;
+    let t = Instant::now();
+    expect_error(&send, t, "receiver killed before its CTS")?;
+    drop(recv);
+    send.close()
+}
+
+fn receiver_killed_in_flight() -> Result<(), String> {
+    let (mut recv, mut send) = pair()?;
+    recv.tell("POST 3")?;
+    recv.expect("POSTED", BOUND)?;
+    send.tell(&format!("SEND 3 {BIG}"))?;
+    send.expect("POSTED", Duration::from_secs(60))?;
+    recv.signal("-KILL")?;
+    let t = Instant::now();
+    // The first 8 MiB may still land; the rest cannot.
+    loop {
+        let l = send
+            .events
+            .recv_timeout(BOUND + Duration::from_secs(20))
+            .map_err(|_| format!("send: no error within {:?} after the receiver died", BOUND))?;
+        if l.starts_with("ERROR") {
+            let took = t.elapsed();
+            eprintln!(
+                "liveness: writes in flight: send failed after {:.2} s: {l}",
+                took.as_secs_f64()
+            );
+            if took > BOUND || !l.contains("198.18.0.") {
+                return Err(format!("too late ({took:?}) or the peer unnamed: {l}"));
+            }
+            break;
+        }
+    }
+    drop(recv);
+    send.close()
+}
+
+fn receiver_stopped() -> Result<(), String> {
+    let (mut recv, mut send) = pair()?;
+    recv.tell("POST 1")?;
+    recv.expect("POSTED", BOUND)?;
+    send.tell(&format!("SEND 2 {SIZE}"))?;
+    recv.expect("COMPLETED 1", Duration::from_secs(60))?;
+    recv.signal("-STOP")?;
+    // The second send waits for a CTS and probes the stopped receiver's NIC all along.
+    send.expect("POSTED", BOUND)?;
+    send.expect("COMPLETED 1", BOUND)?;
+    send.quiet_for(STOP)?;
+    recv.signal("-CONT")?;
+    recv.tell("POST 1")?;
+    recv.expect("POSTED", BOUND)?;
+    send.expect("POSTED", Duration::from_secs(30))?;
+    recv.expect("COMPLETED 2", Duration::from_secs(30))?;
+    send.expect("COMPLETED 2", Duration::from_secs(30))?;
+    send.close()?;
+    recv.close()
+}
+
+fn sender_stopped() -> Result<(), String> {
+    let (mut recv, mut send) = pair()?;
+    recv.tell("POST 1")?;
+    recv.expect("POSTED", BOUND)?;
+    send.signal("-STOP")?;
+    // The receive waits for data and probes the stopped sender's NIC all along.
+    recv.quiet_for(STOP)?;
+    send.signal("-CONT")?;
+    send.tell(&format!("SEND 1 {SIZE}"))?;
+    send.expect("POSTED", Duration::from_secs(30))?;
+    recv.expect("COMPLETED 1", Duration::from_secs(30))?;
+    send.expect("COMPLETED 1", Duration::from_secs(30))?;
+    send.close()?;
+    recv.close()
+}
