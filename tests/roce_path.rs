@@ -510,3 +510,18 @@ fn after_a_gid_change_new_connections_use_the_new_table() {
         "{lines:#?}"
     );
 }
+
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn a_link_local_gid_still_connects_and_moves_data() {
+    require_vm();
+    let _g = serial();
+    // GID index 0 on rxe is the IPv6 link-local one; the setup socket must not bind it.
+    set_env(&[("NCCL_IB_GID_INDEX", Some("0"))]);
+    let info = traffic(65536, 3, -1);
+    set_env(&[("NCCL_IB_GID_INDEX", None)]);
+    let line = info.iter().find(|l| l.contains("connected to")).expect("connection INFO line");
+    eprintln!("  {line}");
+    assert!(line.contains("(index 0)") && line.contains("fe80::"), "{line}");
+    assert!(line.contains("connected to 198.18.0."), "setup over the routable address: {line}");
+}

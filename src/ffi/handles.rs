@@ -1,6 +1,7 @@
 //! Typed conversions between NCCL's raw pointers and ferroce objects. Every NULL check lives
 //! here, so the entry points stay three lines of plumbing.
 
+use std::cell::UnsafeCell;
 use std::ffi::c_void;
 
 use std::sync::Arc;
@@ -57,19 +58,52 @@ pub unsafe fn borrow<'a, T>(p: *mut c_void, what: &str) -> Result<&'a mut T> {
     unsafe { p.cast::<T>().as_mut() }.ok_or_else(|| Error::Internal(format!("NULL {what}")))
 }
 
-/// A send or receive comm, as NCCL holds it: `regMr` and `deregMr` accept either.
+/// A send or receive comm.
 pub enum AnyComm {
     Send(Box<SendComm>),
     Recv(Box<RecvComm>),
 }
 
-impl AnyComm {
-    pub fn device(&self) -> (&Arc<Net>, usize) {
-        match self {
-            AnyComm::Send(c) => (&c.net, c.dev),
-            AnyComm::Recv(c) => (&c.net, c.dev),
-        }
+/// What NCCL holds as a send or receive comm. Which calls may run at once, per the ncclNet
+/// contract: NCCL's proxy thread drives a comm's data path (`isend`, `irecv`, `iflush`,
+/// `test`, close) from one thread, while `regMr`/`regMrDmaBuf`/`deregMr` may come from another
+/// thread at the same time. So registration only reads the immutable part (`net`, `dev`)
+/// through `&`, and the comm itself sits in an `UnsafeCell` that only the data-path calls
+/// reach (through [`comm_mut`]): no two `&mut` to one comm ever exist.
+pub struct CommHandle {
+    pub net: Arc<Net>,
+    pub dev: usize,
+    comm: UnsafeCell<AnyComm>,
+}
+
+impl CommHandle {
+    pub fn new(comm: AnyComm) -> CommHandle {
+        let (net, dev) = match &comm {
+            AnyComm::Send(c) => (c.net.clone(), c.dev),
+            AnyComm::Recv(c) => (c.net.clone(), c.dev),
+        };
+        CommHandle { net, dev, comm: UnsafeCell::new(comm) }
     }
+}
+
+/// The shared, immutable part of a comm, for registration.
+///
+/// # Safety
+/// `p` must be NULL or a live pointer made by [`into_raw`] from a [`CommHandle`].
+pub unsafe fn comm_shared<'a>(p: *mut c_void) -> Result<&'a CommHandle> {
+    // SAFETY: per the contract; `&` is sound next to a data-path call, which only touches the
+    // UnsafeCell.
+    unsafe { p.cast::<CommHandle>().as_ref() }.ok_or_else(|| Error::Internal("NULL comm".into()))
+}
+
+/// The comm, for a data-path call.
+///
+/// # Safety
+/// As for [`comm_shared`], and the caller is the one thread NCCL drives this comm's data path
+/// from, so this is the only `&mut` to it.
+pub unsafe fn comm_mut<'a>(p: *mut c_void) -> Result<&'a mut AnyComm> {
+    // SAFETY: forwarded contract; the UnsafeCell permits mutation behind the shared handle.
+    Ok(unsafe { &mut *comm_shared(p)?.comm.get() })
 }
 
 /// The communicator context of a v11+ call.

@@ -8,7 +8,7 @@ use std::ffi::{CString, c_char, c_int, c_void};
 use std::sync::Mutex;
 
 use super::abi::*;
-use super::handles::{self, AnyComm, clear, out};
+use super::handles::{self, AnyComm, CommHandle, clear, out};
 use super::{Exported, PLUGIN_NAME, guard, log};
 use crate::error::{Error, Result};
 use crate::transport::comm::{Buf, FLUSH_BASE, MAX_RECVS, RecvComm, ReqKind, SendComm};
@@ -224,7 +224,8 @@ pub(super) unsafe fn connect_with(
         // On error the connector is dropped here, closing everything it built.
         if let Some(comm) = connector.progress()? {
             // SAFETY: valid slot per the ABI (NULL rejected).
-            *unsafe { out(send_comm, "sendComm") }? = handles::into_raw(AnyComm::Send(comm));
+            *unsafe { out(send_comm, "sendComm") }? =
+                handles::into_raw(CommHandle::new(AnyComm::Send(comm)));
         } else {
             let p = handles::into_raw(connector) as u64;
             bytes[STATE..STATE + 8].copy_from_slice(&p.to_le_bytes());
@@ -246,7 +247,8 @@ pub(super) unsafe extern "C" fn accept(
         let l = unsafe { handles::borrow::<Listener>(listen_comm, "listenComm") }?;
         if let Some(comm) = l.accept()? {
             // SAFETY: valid slot per the ABI (NULL rejected).
-            *unsafe { out(recv_comm, "recvComm") }? = handles::into_raw(AnyComm::Recv(comm));
+            *unsafe { out(recv_comm, "recvComm") }? =
+                handles::into_raw(CommHandle::new(AnyComm::Recv(comm)));
         }
         Ok(())
     })
@@ -272,7 +274,8 @@ pub(super) unsafe extern "C" fn reg_mr(
             }
         };
         // SAFETY: comm came from connect/accept.
-        let (net, dev) = unsafe { handles::borrow::<AnyComm>(comm, "comm") }?.device();
+        let c = unsafe { handles::comm_shared(comm) }?;
+        let (net, dev) = (&c.net, c.dev);
         let h = reg::register(net, dev, kind, data as u64, size as u64)?;
         // SAFETY: valid slot per the ABI (NULL rejected).
         *unsafe { out(mhandle, "mhandle") }? = handles::into_raw(h);
@@ -296,7 +299,8 @@ pub(super) unsafe extern "C" fn reg_mr_dma_buf(
     unsafe { clear(mhandle) };
     guard("regMrDmaBuf", || {
         // SAFETY: comm came from connect/accept.
-        let (net, dev) = unsafe { handles::borrow::<AnyComm>(comm, "comm") }?.device();
+        let c = unsafe { handles::comm_shared(comm) }?;
+        let (net, dev) = (&c.net, c.dev);
         let h = reg::register_dmabuf(net, dev, data as u64, size as u64, offset, fd)?;
         // SAFETY: valid slot per the ABI (NULL rejected).
         *unsafe { out(mhandle, "mhandle") }? = handles::into_raw(h);
@@ -340,7 +344,7 @@ pub(super) unsafe extern "C" fn isend(
     unsafe { clear(request) };
     guard("isend", || {
         // SAFETY: send_comm came from connect and is used by this thread only.
-        let AnyComm::Send(c) = unsafe { handles::borrow::<AnyComm>(send_comm, "sendComm") }? else {
+        let AnyComm::Send(c) = unsafe { handles::comm_mut(send_comm) }? else {
             return Err(Error::Internal("isend on a receive comm".into()));
         };
         if let Some(id) = c.isend(buf(data, size as u64, mhandle)?, tag)? {
@@ -371,7 +375,7 @@ pub(super) unsafe extern "C" fn irecv(
     unsafe { clear(request) };
     guard("irecv", || {
         // SAFETY: recv_comm came from accept and is used by this thread only.
-        let AnyComm::Recv(c) = unsafe { handles::borrow::<AnyComm>(recv_comm, "recvComm") }? else {
+        let AnyComm::Recv(c) = unsafe { handles::comm_mut(recv_comm) }? else {
             return Err(Error::Internal("irecv on a send comm".into()));
         };
         let count = usize::try_from(n).ok().filter(|k| (1..=MAX_RECVS).contains(k));
@@ -407,7 +411,7 @@ pub(super) unsafe extern "C" fn iflush(
     unsafe { clear(request) };
     guard("iflush", || {
         // SAFETY: recv_comm came from accept and is used by this thread only.
-        let AnyComm::Recv(c) = unsafe { handles::borrow::<AnyComm>(recv_comm, "recvComm") }? else {
+        let AnyComm::Recv(c) = unsafe { handles::comm_mut(recv_comm) }? else {
             return Err(Error::Internal("iflush on a send comm".into()));
         };
         let count = usize::try_from(n).unwrap_or(0).min(MAX_RECVS);
@@ -483,7 +487,7 @@ pub(super) unsafe extern "C" fn test(
 pub(super) unsafe extern "C" fn close_send(send_comm: *mut c_void) -> ncclResult_t {
     guard("closeSend", || {
         // SAFETY: send_comm came from connect and is closed once.
-        drop(unsafe { handles::take::<AnyComm>(send_comm, "sendComm") }?);
+        drop(unsafe { handles::take::<CommHandle>(send_comm, "sendComm") }?);
         Ok(())
     })
 }
@@ -491,7 +495,7 @@ pub(super) unsafe extern "C" fn close_send(send_comm: *mut c_void) -> ncclResult
 pub(super) unsafe extern "C" fn close_recv(recv_comm: *mut c_void) -> ncclResult_t {
     guard("closeRecv", || {
         // SAFETY: recv_comm came from accept and is closed once.
-        drop(unsafe { handles::take::<AnyComm>(recv_comm, "recvComm") }?);
+        drop(unsafe { handles::take::<CommHandle>(recv_comm, "recvComm") }?);
         Ok(())
     })
 }

@@ -49,6 +49,25 @@ impl GidChoice {
     }
 }
 
+/// Whether `ip` is IPv6 link-local (fe80::/10): usable only with a scope id, and not an
+/// address a peer on another host can be handed.
+pub fn is_link_local_ip(ip: IpAddr) -> bool {
+    matches!(ip, IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 == 0xfe80)
+}
+
+/// The address the connection-setup listener binds for a GID: the GID's own address, unless it
+/// is link-local; then a routable address of the same interface (IPv4 first), as NCCL's setup
+/// socket never depends on the GID being routable. `None`: the interface has none.
+pub fn listen_ip_for(gid_ip: IpAddr, interface_ips: &[IpAddr]) -> Option<IpAddr> {
+    if !is_link_local_ip(gid_ip) {
+        return Some(gid_ip);
+    }
+    let routable = |v4: bool| {
+        interface_ips.iter().copied().find(|ip| ip.is_ipv4() == v4 && !is_link_local_ip(*ip))
+    };
+    routable(true).or_else(|| routable(false))
+}
+
 /// The address in a GID: IPv4 for `::ffff:a.b.c.d`, else the IPv6 address.
 pub fn ip_of(gid: &[u8; 16]) -> IpAddr {
     let v6 = Ipv6Addr::from(*gid);
@@ -63,7 +82,7 @@ fn is_zero(gid: &[u8; 16]) -> bool {
 }
 
 fn is_link_local(gid: &[u8; 16]) -> bool {
-    gid[0] == 0xfe && gid[1] & 0xc0 == 0x80
+    is_link_local_ip(ip_of(gid))
 }
 
 fn is_ipv4(gid: &[u8; 16]) -> bool {
@@ -248,5 +267,17 @@ mod tests {
     fn infiniband_uses_index_zero() {
         let t = vec![entry(0, "fe80::2", GidType::Unknown, "ib0")];
         assert_eq!(choose("mlx5_0", &t, &cfg(&[]), false).unwrap().index, 0);
+    }
+
+    #[test]
+    fn a_link_local_gid_listens_on_a_routable_address_of_its_interface() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let on_iface = [ip("fe80::1"), ip("fd00::5"), ip("198.18.0.1")];
+        assert_eq!(listen_ip_for(ip("198.18.0.1"), &on_iface), Some(ip("198.18.0.1")));
+        assert_eq!(listen_ip_for(ip("fd00::5"), &[]), Some(ip("fd00::5")));
+        assert_eq!(listen_ip_for(ip("fe80::1"), &on_iface), Some(ip("198.18.0.1")));
+        assert_eq!(listen_ip_for(ip("fe80::1"), &on_iface[..2]), Some(ip("fd00::5")));
+        assert_eq!(listen_ip_for(ip("fe80::1"), &on_iface[..1]), None);
+        assert!(is_link_local_ip(ip("febf::1")) && !is_link_local_ip(ip("fec0::1")));
     }
 }

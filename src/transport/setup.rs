@@ -286,7 +286,8 @@ struct Pending {
 }
 
 /// The address the listener binds: the IP of `NCCL_SOCKET_IFNAME`, else the IP in the
-/// device's GID (the address of the interface that owns it).
+/// device's GID (the address of the interface that owns it), or, for a link-local GID, a
+/// routable address of that interface.
 fn listen_ip(net: &Net, dev: usize) -> Result<IpAddr> {
     if let Some(ifname) = &net.config.socket_ifname {
         let addrs = crate::os::interface_addrs().map_err(|err| Error::Os {
@@ -306,7 +307,28 @@ fn listen_ip(net: &Net, dev: usize) -> Result<IpAddr> {
             },
         );
     }
-    Ok(gid_of(net, dev)?.ip())
+    let g = gid_of(net, dev)?;
+    if !super::gid::is_link_local_ip(g.ip()) {
+        return Ok(g.ip());
+    }
+    // A link-local GID (e.g. NCCL_IB_GID_INDEX=0 on rxe): RoCE uses it, the setup socket does
+    // not; it binds a routable address of the same interface.
+    let netdev = g.netdev.clone().unwrap_or_default();
+    let addrs = crate::os::interface_addrs().map_err(|err| Error::Os {
+        call: "getifaddrs",
+        err,
+        context: netdev.clone(),
+    })?;
+    let mine: Vec<IpAddr> =
+        addrs.into_iter().filter(|(n, _)| *n == netdev).map(|(_, ip)| ip).collect();
+    super::gid::listen_ip_for(g.ip(), &mine).ok_or_else(|| {
+        Error::NoDevice(format!(
+            "{}: its GID {} is link-local and interface {netdev:?} has no routable address \
+             for the connection-setup socket; set NCCL_SOCKET_IFNAME",
+            net.devices[dev].name,
+            g.ip()
+        ))
+    })
 }
 
 impl Listener {
