@@ -285,18 +285,22 @@ struct Pending {
     deadline: Instant,
 }
 
+/// The addresses of interface `name`.
+fn interface_ips(name: &str) -> Result<Vec<IpAddr>> {
+    let addrs = crate::os::interface_addrs().map_err(|err| Error::Os {
+        call: "getifaddrs",
+        err,
+        context: name.to_string(),
+    })?;
+    Ok(addrs.into_iter().filter(|(n, _)| n == name).map(|(_, ip)| ip).collect())
+}
+
 /// The address the listener binds: the IP of `NCCL_SOCKET_IFNAME`, else the IP in the
 /// device's GID (the address of the interface that owns it), or, for a link-local GID, a
 /// routable address of that interface.
 fn listen_ip(net: &Net, dev: usize) -> Result<IpAddr> {
     if let Some(ifname) = &net.config.socket_ifname {
-        let addrs = crate::os::interface_addrs().map_err(|err| Error::Os {
-            call: "getifaddrs",
-            err,
-            context: ifname.clone(),
-        })?;
-        let mine: Vec<IpAddr> =
-            addrs.into_iter().filter(|(n, _)| n == ifname).map(|(_, ip)| ip).collect();
+        let mine = interface_ips(ifname)?;
         return mine.iter().find(|ip| ip.is_ipv4()).or_else(|| mine.first()).copied().ok_or_else(
             || {
                 Error::config(
@@ -314,14 +318,7 @@ fn listen_ip(net: &Net, dev: usize) -> Result<IpAddr> {
     // A link-local GID (e.g. NCCL_IB_GID_INDEX=0 on rxe): RoCE uses it, the setup socket does
     // not; it binds a routable address of the same interface.
     let netdev = g.netdev.clone().unwrap_or_default();
-    let addrs = crate::os::interface_addrs().map_err(|err| Error::Os {
-        call: "getifaddrs",
-        err,
-        context: netdev.clone(),
-    })?;
-    let mine: Vec<IpAddr> =
-        addrs.into_iter().filter(|(n, _)| *n == netdev).map(|(_, ip)| ip).collect();
-    super::gid::listen_ip_for(g.ip(), &mine).ok_or_else(|| {
+    super::gid::listen_ip_for(g.ip(), &interface_ips(&netdev)?).ok_or_else(|| {
         Error::NoDevice(format!(
             "{}: its GID {} is link-local and interface {netdev:?} has no routable address \
              for the connection-setup socket; set NCCL_SOCKET_IFNAME",
