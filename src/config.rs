@@ -44,7 +44,7 @@ knobs! {
     "NCCL_IB_RETRY_CNT", "7", "QP transport retry count (0..=7; rxe treats 7 as unlimited)";
     "FERROCE_RNR_RETRY", "6", "QP RNR retry count (0..=6; 7 would retry forever)";
     "FERROCE_ALLOW_UNBOUNDED", "0", "1: accept NCCL_IB_TIMEOUT=0 and FERROCE_RNR_RETRY=7 (waits without bound)";
-    "FERROCE_PROGRESS_TIMEOUT_MS", "0", "error when posted work sees no completion for this long; 0: 2x the retry bound + 10 s";
+    "FERROCE_PROGRESS_TIMEOUT_MS", "0", "error when posted work sees no completion for this long; 0: 2x the retry bound + 10 s (none with an unbounded NCCL_IB_TIMEOUT=0)";
     "FERROCE_PROBE_INTERVAL_MS", "5000", "a comm that waits with no completion for this long probes its peer (a zero-length write): a dead peer fails within this + the retry bound";
     "NCCL_IB_QPS_PER_CONNECTION", "1", "queue pairs per connection (1..=128), each with its own UDP source port";
     "NCCL_IB_SPLIT_DATA_ON_QPS", "0", "1: split every message across the QPs; 0: whole messages round-robin";
@@ -281,10 +281,24 @@ impl Config {
             rnr_retry = 6;
         }
         let progress_ms = r.int("FERROCE_PROGRESS_TIMEOUT_MS", 0u64, 0..=86_400_000)?;
-        let progress_timeout = if progress_ms > 0 {
-            Duration::from_millis(progress_ms)
-        } else {
-            retry_bound(ib_timeout, ib_retry_cnt) * 2 + Duration::from_secs(10)
+        let bound = retry_bound(ib_timeout, ib_retry_cnt);
+        let progress_timeout = match progress_ms {
+            // NCCL_IB_TIMEOUT=0 kept on purpose disables the ACK timeout: the derived deadline
+            // would be 10 s, far tighter than what was asked for, so there is none.
+            0 if ib_timeout == 0 => Duration::MAX,
+            0 => bound * 2 + Duration::from_secs(10),
+            ms => {
+                let t = Duration::from_millis(ms);
+                if t < bound && ib_timeout != 0 {
+                    warnings.push(format!(
+                        "FERROCE_PROGRESS_TIMEOUT_MS={ms} is below the retry bound of {} ms \
+                         (NCCL_IB_TIMEOUT {ib_timeout}, NCCL_IB_RETRY_CNT {ib_retry_cnt}): a \
+                         path that only needs its retries is declared dead early",
+                        bound.as_millis()
+                    ));
+                }
+                t
+            }
         };
         let probe_interval =
             Duration::from_millis(r.int("FERROCE_PROBE_INTERVAL_MS", 5000u64, 10..=86_400_000)?);
@@ -490,6 +504,19 @@ mod tests {
         assert_eq!((c.ib_timeout, c.warnings.len()), (0, 0));
         let c = with2(("FERROCE_RNR_RETRY", "7"), ("FERROCE_ALLOW_UNBOUNDED", "1")).unwrap();
         assert_eq!(c.rnr_retry, 7);
+    }
+
+    #[test]
+    fn timeout_knobs_never_tighten_what_was_asked_for() {
+        // An unbounded ACK timeout, asked for, gets no derived progress deadline.
+        let c = with2(("NCCL_IB_TIMEOUT", "0"), ("FERROCE_ALLOW_UNBOUNDED", "1")).unwrap();
+        assert_eq!(c.progress_timeout, Duration::MAX);
+        // A progress deadline below the retry bound is kept, with a WARN.
+        let c = with2(("NCCL_IB_TIMEOUT", "20"), ("FERROCE_PROGRESS_TIMEOUT_MS", "1000")).unwrap();
+        assert_eq!(c.progress_timeout, Duration::from_secs(1));
+        assert!(c.warnings.iter().any(|w| w.contains("below the retry bound")), "{:?}", c.warnings);
+        let c = with("FERROCE_PROGRESS_TIMEOUT_MS", "60000").unwrap();
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
     }
 
     #[test]
