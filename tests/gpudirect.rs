@@ -353,6 +353,15 @@ fn plain() -> Result<(), String> {
         )?;
         eprintln!("gpudirect: {line}");
     }
+    // `ferroce info` shows each device's line too.
+    let out = Command::new(env!("CARGO_BIN_EXE_ferroce"))
+        .args(["info", "ferroce"])
+        .env("LD_LIBRARY_PATH", plugin_dir())
+        .output()
+        .map_err(|e| format!("ferroce info: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let shown = text.matches("GPUDirect RDMA HOST: no peer memory").count();
+    check(out.status.success() && shown == 2, || format!("ferroce info:\n{text}"))?;
     let (send, recv) = pair(&drv, ctx, 1, 0)?;
     let mut buf = vec![0u8; 4096];
     let e = drv.reg_mr_type(recv, buf.as_mut_ptr(), 4096, CUDA).err().unwrap_or_default();

@@ -366,8 +366,7 @@ impl RecvComm {
             let kind = if i < SLOTS { ReqKind::Recv } else { ReqKind::Flush };
             *h = ReqHeader { owner: 0, kind, index: (i % SLOTS) as u16 };
         }
-        // The CTS goes on QP 0 only: its inline size is what counts, the others' too for
-        // consistency (they are created alike).
+        // The receiver only sends CTS rows and probes, on QP 0; all its QPs are created alike.
         let core = RecvCore::new(params(&net, &parts.qps, split, 0, &path), remote_fifo);
         let mut c = Box::new(RecvComm {
             headers,

@@ -482,6 +482,9 @@ pub struct SendCore {
     slot_wrs: Vec<usize>,
     /// The last isend found no CTS for its slot: the sender waits on the receiver.
     wants_cts: bool,
+    /// Posted slots whose completions have not all arrived (kept, not scanned for, because
+    /// every empty poll asks).
+    in_flight: usize,
     /// Where chains are built before posting.
     chain: Box<[SendWr; MAX_CHAIN]>,
     health: Health,
@@ -501,6 +504,7 @@ impl SendCore {
             bytes: vec![0; p.nqps],
             slot_wrs: vec![0; SLOTS * p.nqps],
             wants_cts: false,
+            in_flight: 0,
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
             health,
             p,
@@ -692,6 +696,7 @@ impl SendCore {
         }
         let s = &mut self.slots[slot];
         s.cqes = lanes.len() as u16;
+        self.in_flight += 1;
         s.matched = 0;
         s.bufs = [None; MAX_RECVS];
         self.health.watchdog.posted();
@@ -749,6 +754,7 @@ impl SendCore {
         self.bytes[q] += b.size;
         let s = &mut self.slots[slot];
         s.cqes = 1;
+        self.in_flight += 1;
         s.matched = 0;
         s.bufs = [None; MAX_RECVS];
         self.health.watchdog.posted();
@@ -765,9 +771,13 @@ impl SendCore {
         self.sq_used[q] = self.sq_used[q].saturating_sub(self.slot_wrs[slot * nqps + q]);
         self.slot_wrs[slot * nqps + q] = 0;
         let s = &mut self.slots[slot];
-        s.cqes = s.cqes.saturating_sub(1);
+        if s.cqes == 0 {
+            return; // not this slot's: nothing of it is in flight
+        }
+        s.cqes -= 1;
         self.health.watchdog.completed(s.cqes == 0);
         if s.cqes == 0 {
+            self.in_flight -= 1;
             for req in &mut self.reqs[slot * MAX_RECVS..(slot + 1) * MAX_RECVS] {
                 if req.state == State::Pending {
                     req.state = State::Done;
@@ -784,7 +794,9 @@ impl SendCore {
         elsewhere: Option<String>,
         io: &mut impl Post,
     ) -> Result<()> {
-        let waiting = self.wants_cts || self.reqs.iter().any(|r| r.state == State::Pending);
+        // Waiting on the peer: for a CTS, for completions, or with a row half matched.
+        let half = self.slots[(self.head % SLOTS as u64) as usize].matched != 0;
+        let waiting = self.wants_cts || self.in_flight > 0 || half;
         self.health.probe(now, waiting, io, self.remote_sizes)?;
         self.health.idle(now, elsewhere)
     }
@@ -833,6 +845,8 @@ pub struct RecvCore {
     p: Params,
     /// Where the sender's FIFO is: `(addr, rkey)`.
     remote_fifo: (u64, u32),
+    /// Receives waiting for their data (kept, not scanned for, because every empty poll asks).
+    waiting: usize,
     health: Health,
 }
 
@@ -849,6 +863,7 @@ impl RecvCore {
             flush_head: 0,
             head: 0,
             remote_fifo,
+            waiting: 0,
             health,
             p,
         }
@@ -920,6 +935,7 @@ impl RecvCore {
             RecvSlot { state: State::Done, n, ack_for: idx, imms: 0, sizes }
         } else {
             let imms = lanes.len() as u16;
+            self.waiting += 1;
             RecvSlot { state: State::Pending, n, ack_for: 0, imms, sizes: [0; MAX_RECVS] }
         };
         self.head += 1;
@@ -966,10 +982,14 @@ impl RecvCore {
         match wr_kind(c.wr_id) {
             WR_RECV => {
                 let s = &mut self.slots[i];
-                s.imms = s.imms.saturating_sub(1);
+                if s.state != State::Pending || s.imms == 0 {
+                    return; // not this slot's: it expects no immediate
+                }
+                s.imms -= 1;
                 if s.imms > 0 {
                     return;
                 }
+                self.waiting -= 1;
                 let imm = c.imm.unwrap_or(0);
                 if imm & IMM_SIZES == 0 {
                     s.sizes[0] = u64::from(imm);
@@ -996,8 +1016,7 @@ impl RecvCore {
         elsewhere: Option<String>,
         io: &mut impl Post,
     ) -> Result<()> {
-        let waiting = self.slots.iter().any(|s| s.state == State::Pending);
-        self.health.probe(now, waiting, io, self.remote_fifo)?;
+        self.health.probe(now, self.waiting > 0, io, self.remote_fifo)?;
         self.health.idle(now, elsewhere)
     }
 

@@ -187,7 +187,8 @@ impl Mr {
 }
 
 impl Mr {
-    /// Registers memory the caller (NCCL) owns and promises to keep mapped while registered.
+    /// Registers memory the caller (NCCL) owns and promises to keep mapped while registered:
+    /// host memory, or GPU memory through peer memory.
     ///
     /// This is the registration `regMr` does on NCCL's behalf: the ncclNet contract, not Rust,
     /// guarantees the range stays mapped until the matching `deregMr`. An unmapped range is

@@ -367,6 +367,11 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         match rng.below(8) {
             // An empty poll: the cores may probe their quiet peer.
             7 => {
+                // The counters the idle check reads agree with the tables they summarise.
+                let pending = receiver.slots.iter().filter(|s| s.state == State::Pending).count();
+                assert_eq!(receiver.waiting, pending, "receives waiting");
+                let posted = sender.slots.iter().filter(|s| s.cqes > 0).count();
+                assert_eq!(sender.in_flight, posted, "slots in flight");
                 now += Duration::from_millis(1);
                 let s = sender.idle(now, None, &mut sio);
                 let r = receiver.idle(now, None, &mut rio);
