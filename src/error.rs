@@ -3,11 +3,14 @@
 //! Each variant says who is at fault, which decides the `ncclResult_t` NCCL sees (the mapping
 //! lives in `ffi::boundary`, the only place that knows NCCL's codes):
 //! - [`Error::Verbs`] and [`Error::Os`]: the OS or the RDMA stack (`ncclSystemError`);
+//! - [`Error::Local`]: our own side failed outside a call, e.g. a fatal device or a completion
+//!   error the local NIC caused (`ncclSystemError`);
 //! - [`Error::Internal`]: misuse by the caller, e.g. a NULL pointer (`ncclInternalError`);
 //! - [`Error::InvalidArgument`]: an argument the device cannot take, e.g. a memory type that
 //!   `ptrSupport` does not list (`ncclInvalidArgument`);
 //! - [`Error::Config`] and [`Error::NoDevice`]: the user's configuration (`ncclInvalidUsage`);
-//! - [`Error::Remote`]: the peer or a failed completion (`ncclRemoteError`).
+//! - [`Error::Remote`]: only what the peer or the network caused: a peer that misbehaved or
+//!   died, retries exhausted on the path (`ncclRemoteError`).
 
 use std::fmt;
 
@@ -25,7 +28,10 @@ pub enum Error {
     NoDevice(String),
     /// The caller broke the ABI contract (NULL pointer, bad index, call before init, ...).
     Internal(String),
-    /// The peer misbehaved or a transfer failed; the text carries an actionable hint.
+    /// The local device or NIC failed (not a call's errno): a fatal device, a local protection
+    /// or length error, an async QP or CQ error; the text names the device and what to check.
+    Local(String),
+    /// The peer or the network failed; the text carries an actionable hint.
     Remote(String),
     /// An argument this device cannot take (a memory type `ptrSupport` does not list).
     InvalidArgument(String),
@@ -38,6 +44,25 @@ impl Error {
 
     pub fn config(knob: &'static str, value: &str, reason: impl Into<String>) -> Self {
         Error::Config { knob, value: value.to_string(), reason: reason.into() }
+    }
+
+    /// The same error with `what` in front of its context, keeping its variant: a local
+    /// failure met while serving a peer stays local (its `ncclResult_t` does not change).
+    pub fn context(self, what: impl fmt::Display) -> Self {
+        match self {
+            Error::Verbs { verb, errno, context } => {
+                Error::Verbs { verb, errno, context: format!("{what}: {context}") }
+            }
+            Error::Os { call, err, context } => {
+                Error::Os { call, err, context: format!("{what}: {context}") }
+            }
+            Error::Config { .. } => self,
+            Error::NoDevice(why) => Error::NoDevice(format!("{what}: {why}")),
+            Error::Internal(why) => Error::Internal(format!("{what}: {why}")),
+            Error::Local(why) => Error::Local(format!("{what}: {why}")),
+            Error::Remote(why) => Error::Remote(format!("{what}: {why}")),
+            Error::InvalidArgument(why) => Error::InvalidArgument(format!("{what}: {why}")),
+        }
     }
 }
 
@@ -55,7 +80,7 @@ impl fmt::Display for Error {
             }
             Error::NoDevice(why) => write!(f, "no usable RDMA device: {why}"),
             Error::Internal(what) => write!(f, "internal error: {what}"),
-            Error::Remote(what) => write!(f, "{what}"),
+            Error::Local(what) | Error::Remote(what) => write!(f, "{what}"),
             Error::InvalidArgument(what) => write!(f, "invalid argument: {what}"),
         }
     }

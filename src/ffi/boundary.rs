@@ -13,7 +13,7 @@ use crate::error::Error;
 /// The one mapping from ferroce errors to NCCL result codes.
 pub fn code(e: &Error) -> ncclResult_t {
     match e {
-        Error::Verbs { .. } | Error::Os { .. } => ncclResult_t::ncclSystemError,
+        Error::Verbs { .. } | Error::Os { .. } | Error::Local(_) => ncclResult_t::ncclSystemError,
         Error::Internal(_) => ncclResult_t::ncclInternalError,
         Error::InvalidArgument(_) => ncclResult_t::ncclInvalidArgument,
         Error::Config { .. } | Error::NoDevice(_) => ncclResult_t::ncclInvalidUsage,
@@ -79,5 +79,6 @@ mod tests {
         assert_eq!(code(&Error::config("K", "v", "r")), ncclResult_t::ncclInvalidUsage);
         assert_eq!(code(&Error::NoDevice("x".into())), ncclResult_t::ncclInvalidUsage);
         assert_eq!(code(&Error::Remote("x".into())), ncclResult_t::ncclRemoteError);
+        assert_eq!(code(&Error::Local("x".into())), ncclResult_t::ncclSystemError);
     }
 }

@@ -68,7 +68,7 @@ impl NetDevice {
     /// An error if the device has failed fatally.
     pub fn check_alive(&self) -> Result<()> {
         if self.flags.fatal.load(Ordering::Relaxed) {
-            return Err(Error::Remote(format!(
+            return Err(Error::Local(format!(
                 "{} reported a fatal device error (IBV_EVENT_DEVICE_FATAL); see dmesg",
                 self.name
             )));
