@@ -309,6 +309,10 @@ fn expect_error(side: &Side, after: Instant, what: &str) -> Result<(), String> {
     if !l.contains("198.18.0.") {
         return Err(format!("{what}: the error does not name the peer: {l}"));
     }
+    // The peer's death is the peer's fault: ncclRemoteError (6), not a local error.
+    if !l.contains("ncclResult 6") {
+        return Err(format!("{what}: expected ncclRemoteError (6): {l}"));
+    }
     Ok(())
 }
 

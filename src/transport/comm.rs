@@ -10,10 +10,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::device::NetDevice;
+use super::device::{NetDevice, Queue, Watch};
 use super::mr_cache::MemKind;
 use super::net::Net;
-use super::proto::{FIFO_WORDS, Post, RECV_SEND_QUEUE, RecvCore, SIZE_WORDS, SendCore, Words};
+use super::proto::{
+    FIFO_WORDS, Fault, Post, RECV_SEND_QUEUE, RecvCore, SIZE_WORDS, SendCore, Words,
+};
 use crate::error::{Error, Result};
 use crate::verbs::{self, Completion, Cq, Mr, Qp, RegisteredBuf, SendWr};
 
@@ -97,14 +99,14 @@ impl Post for Qps<'_> {
 /// One end's core, as the progress loop feeds it.
 trait Drain {
     fn take(&mut self, c: &Completion);
-    fn idle(&mut self, now: Duration, elsewhere: Option<String>, io: &mut Qps) -> Result<()>;
+    fn idle(&mut self, now: Duration, elsewhere: Option<Fault>, io: &mut Qps) -> Result<()>;
 }
 
 impl Drain for SendCore {
     fn take(&mut self, c: &Completion) {
         self.complete(c)
     }
-    fn idle(&mut self, now: Duration, elsewhere: Option<String>, io: &mut Qps) -> Result<()> {
+    fn idle(&mut self, now: Duration, elsewhere: Option<Fault>, io: &mut Qps) -> Result<()> {
         SendCore::idle(self, now, elsewhere, io)
     }
 }
@@ -119,24 +121,37 @@ impl Drain for RecvDrain<'_> {
     fn take(&mut self, c: &Completion) {
         self.core.complete(c, self.sizes)
     }
-    fn idle(&mut self, now: Duration, elsewhere: Option<String>, io: &mut Qps) -> Result<()> {
+    fn idle(&mut self, now: Duration, elsewhere: Option<Fault>, io: &mut Qps) -> Result<()> {
         self.core.idle(now, elsewhere, io)
     }
 }
 
 /// The one progress loop: drains the CQ in batches into the core, then lets it check its
 /// watchdog (against the coarse clock: a precise read costs microseconds under emulation,
-/// and this runs on every idle poll) and the device's health.
-fn progress(cq: &Cq, dev: &NetDevice, side: &mut impl Drain, io: &mut Qps) -> Result<()> {
+/// and this runs on every idle poll), the device's health and the comm's async alarm. Every
+/// failure here is local and fails the comm for good.
+fn progress(
+    cq: &Cq,
+    dev: &NetDevice,
+    watch: &Watch,
+    side: &mut impl Drain,
+    io: &mut Qps,
+) -> Result<()> {
     let mut wcs = [Completion::default(); 16];
     loop {
-        let n = cq.poll(&mut wcs)?;
+        let (n, polled) = match cq.poll(&mut wcs) {
+            Ok(n) => (n, None),
+            Err(e) => (0, Some(Fault::Local(format!("{e}; the connection is unusable")))),
+        };
         for c in &wcs[..n] {
             side.take(c);
         }
         if n < wcs.len() {
             let now = crate::os::coarse_now();
-            return side.idle(now, dev.check_alive().err().map(|e| e.to_string()), io);
+            let elsewhere = polled
+                .or_else(|| dev.check_alive().err().map(|e| Fault::Local(e.to_string())))
+                .or_else(|| watch.alarm.raised.get().map(|w| Fault::Local(w.clone())));
+            return side.idle(now, elsewhere, io);
         }
     }
 }
@@ -156,6 +171,12 @@ fn create_qps(
             Ok(qp)
         })
         .collect()
+}
+
+/// Registers a comm's queue pairs and CQ with its device, so an async error on them fails it.
+fn watch(net: &Net, dev: usize, comm: String, qps: &[&Qp], cq: &Cq) -> Watch {
+    let queues = qps.iter().map(|q| Queue::Qp(q.qpn())).chain([Queue::Cq(cq.id())]).collect();
+    net.devices[dev].flags.watch(comm, queues)
 }
 
 /// The core's parameters for a comm on `net`'s device with these QPs.
@@ -184,6 +205,7 @@ pub struct SendComm {
     pub path: Path,
     qps: Vec<Qp>,
     cq: Arc<Cq>,
+    watch: Watch,
     pub net: Arc<Net>,
     pub dev: usize,
 }
@@ -233,6 +255,8 @@ impl SendComm {
             *h = ReqHeader { owner: 0, kind: ReqKind::Send, index: i as u16 };
         }
         let core = SendCore::new(params(&net, &parts.qps, split, max_msg, &path), remote_sizes);
+        let qps: Vec<&Qp> = parts.qps.iter().collect();
+        let watch = watch(&net, dev, format!("send comm to {}", path.peer), &qps, &parts.cq);
         let mut c = Box::new(SendComm {
             headers,
             core,
@@ -241,6 +265,7 @@ impl SendComm {
             path,
             qps: parts.qps,
             cq: parts.cq,
+            watch,
             net,
             dev,
         });
@@ -261,7 +286,8 @@ impl SendComm {
 
     pub fn progress(&mut self) -> Result<()> {
         let mut io = Qps { qps: &self.qps, flush: None };
-        progress(&self.cq, &self.net.devices[self.dev], &mut self.core, &mut io)
+        let dev = &self.net.devices[self.dev];
+        progress(&self.cq, dev, &self.watch, &mut self.core, &mut io)
     }
 
     /// `Some(size)` once request `id` completed (the request is then free again).
@@ -317,6 +343,7 @@ pub struct RecvComm {
     flusher: Option<Flusher>,
     qps: Vec<Qp>,
     cq: Arc<Cq>,
+    watch: Watch,
     pub net: Arc<Net>,
     pub dev: usize,
 }
@@ -368,6 +395,9 @@ impl RecvComm {
         }
         // The receiver only sends CTS rows and probes, on QP 0; all its QPs are created alike.
         let core = RecvCore::new(params(&net, &parts.qps, split, 0, &path), remote_fifo);
+        let qps: Vec<&Qp> = parts.qps.iter().chain(flusher.as_ref().map(|f| &f.qp)).collect();
+        let name = format!("receive comm from {}", path.peer);
+        let watch = watch(&net, dev, name, &qps, &parts.cq);
         let mut c = Box::new(RecvComm {
             headers,
             core,
@@ -377,6 +407,7 @@ impl RecvComm {
             flusher,
             qps: parts.qps,
             cq: parts.cq,
+            watch,
             net,
             dev,
         });
@@ -412,7 +443,8 @@ impl RecvComm {
     pub fn progress(&mut self) -> Result<()> {
         let mut side = RecvDrain { core: &mut self.core, sizes: &self.sizes };
         let mut io = Qps { qps: &self.qps, flush: None };
-        progress(&self.cq, &self.net.devices[self.dev], &mut side, &mut io)
+        let dev = &self.net.devices[self.dev];
+        progress(&self.cq, dev, &self.watch, &mut side, &mut io)
     }
 
     /// Receive request `id` (`< SLOTS`) or flush request (`FLUSH_BASE..`): `Some(n)` once

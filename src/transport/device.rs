@@ -6,8 +6,9 @@
 //! everything filtered out by `NCCL_IB_HCA`, or no ACTIVE port), so NCCL's fallback to another
 //! transport is explained instead of silent.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use super::gdr::{self, Gdr};
 use super::gid::{self, GidChoice, GidEntry, GidType};
@@ -50,8 +51,78 @@ pub struct NetDevice {
 pub struct DeviceFlags {
     /// The port's GID table changed: the next connection re-reads it.
     pub gid_stale: AtomicBool,
-    /// The device reported `IBV_EVENT_DEVICE_FATAL`: every later call fails.
+    /// The device reported `IBV_EVENT_DEVICE_FATAL`, or its event fd broke: every later call
+    /// fails.
     pub fatal: AtomicBool,
+    /// Why, when `fatal` is set.
+    pub fatal_why: OnceLock<String>,
+    /// The comms on this device, by the queues an async error can name.
+    alarms: Mutex<HashMap<Queue, Arc<Alarm>>>,
+}
+
+/// A queue an asynchronous error event names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Queue {
+    /// A queue pair, by number.
+    Qp(u32),
+    /// A completion queue, by [`verbs::Cq::id`].
+    Cq(usize),
+}
+
+/// Raised by the async-event thread when one of a comm's queues fails (`QP_FATAL`,
+/// `QP_REQ_ERR`, `QP_ACCESS_ERR`, `CQ_ERR`); the comm's progress loop reads it.
+#[derive(Debug)]
+pub struct Alarm {
+    /// The comm, for the WARN: e.g. "send comm to 198.18.0.2:4000".
+    pub comm: String,
+    pub raised: OnceLock<String>,
+}
+
+/// A comm's registration in its device's alarm table; dropping it unregisters the comm.
+pub struct Watch {
+    flags: Arc<DeviceFlags>,
+    queues: Vec<Queue>,
+    pub alarm: Arc<Alarm>,
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        let mut alarms = self.flags.alarms.lock().unwrap_or_else(|p| p.into_inner());
+        for q in &self.queues {
+            // Only its own entry: a queue number may already be reused by a newer comm.
+            if alarms.get(q).is_some_and(|a| Arc::ptr_eq(a, &self.alarm)) {
+                alarms.remove(q);
+            }
+        }
+    }
+}
+
+impl DeviceFlags {
+    /// Registers a comm's queues, so an async error on any of them raises its alarm.
+    pub fn watch(self: &Arc<Self>, comm: String, queues: Vec<Queue>) -> Watch {
+        let alarm = Arc::new(Alarm { comm, raised: OnceLock::new() });
+        let mut alarms = self.alarms.lock().unwrap_or_else(|p| p.into_inner());
+        for q in &queues {
+            alarms.insert(*q, alarm.clone());
+        }
+        drop(alarms);
+        Watch { flags: self.clone(), queues, alarm }
+    }
+
+    /// Raises the alarm of the comm that owns `queue` with `why`; the comm's name, if one
+    /// does (the queue may belong to a comm being closed, or to nothing of ours).
+    pub fn raise(&self, queue: Queue, why: String) -> Option<String> {
+        let alarms = self.alarms.lock().unwrap_or_else(|p| p.into_inner());
+        let alarm = alarms.get(&queue)?;
+        let _ = alarm.raised.set(why);
+        Some(alarm.comm.clone())
+    }
+
+    /// Marks the device failed (the first reason is kept).
+    pub fn set_fatal(&self, why: String) {
+        let _ = self.fatal_why.set(why);
+        self.fatal.store(true, Ordering::Release);
+    }
 }
 
 impl NetDevice {
@@ -67,9 +138,10 @@ impl NetDevice {
 
     /// An error if the device has failed fatally.
     pub fn check_alive(&self) -> Result<()> {
-        if self.flags.fatal.load(Ordering::Relaxed) {
+        if self.flags.fatal.load(Ordering::Acquire) {
+            let why = self.flags.fatal_why.get().map_or("a fatal device error", |w| w.as_str());
             return Err(Error::Local(format!(
-                "{} reported a fatal device error (IBV_EVENT_DEVICE_FATAL); see dmesg",
+                "{} failed: {why}; see dmesg and `rdma link show`",
                 self.name
             )));
         }
@@ -334,6 +406,28 @@ mod tests {
 
     fn filter(v: &str) -> HcaFilter {
         HcaFilter::parse(v).unwrap()
+    }
+
+    #[test]
+    fn an_async_error_raises_the_alarm_of_the_comm_that_owns_the_queue() {
+        let flags = Arc::new(DeviceFlags::default());
+        let a = flags.watch("send comm to a".into(), vec![Queue::Qp(7), Queue::Cq(0x1000)]);
+        let b = flags.watch("receive comm from b".into(), vec![Queue::Qp(8)]);
+        assert_eq!(flags.raise(Queue::Qp(9), "x".into()), None, "no comm owns QP 9");
+        assert_eq!(flags.raise(Queue::Cq(0x1000), "CQ_ERR".into()).unwrap(), "send comm to a");
+        assert_eq!(a.alarm.raised.get().unwrap(), "CQ_ERR");
+        assert!(b.alarm.raised.get().is_none(), "only the owner is failed");
+        // The first cause is kept.
+        flags.raise(Queue::Qp(7), "QP_FATAL".into());
+        assert_eq!(a.alarm.raised.get().unwrap(), "CQ_ERR");
+        // A closed comm is unregistered, but not a newer comm that reuses its QP number.
+        drop(a);
+        let c = flags.watch("send comm to c".into(), vec![Queue::Qp(8)]);
+        drop(b);
+        assert_eq!(flags.raise(Queue::Qp(8), "QP_ACCESS_ERR".into()).unwrap(), "send comm to c");
+        assert_eq!(flags.raise(Queue::Cq(0x1000), "x".into()), None);
+        drop(c);
+        assert!(flags.alarms.lock().unwrap().is_empty());
     }
 
     #[test]

@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::device::{self, DeviceFlags, NetDevice};
+use super::device::{self, DeviceFlags, NetDevice, Queue};
 use crate::verbs;
 
 /// The devices and configuration shared by every communicator.
@@ -39,8 +39,10 @@ impl Drop for Net {
 type Watched = (u8, String, Arc<DeviceFlags>);
 
 /// The one thread that reads the devices' asynchronous events: GID changes mark the GID stale
-/// (new connections re-read the table), a fatal device error marks the device failed, port
-/// state changes are logged. It wakes every 100 ms to see whether it must stop.
+/// (new connections re-read the table), a fatal device error or a broken event fd marks the
+/// device failed (and that fd is not polled again), an error on a queue pair or CQ fails the
+/// comm that owns it, port state changes are logged. It wakes every 100 ms to see whether it
+/// must stop.
 struct EventThread {
     stop: Arc<AtomicBool>,
     handle: std::thread::JoinHandle<()>,
@@ -65,11 +67,19 @@ impl EventThread {
         let handle = std::thread::Builder::new()
             .name("ferroce-events".into())
             .spawn(move || {
-                let contexts: Vec<&verbs::Context> = watched.iter().map(|(c, _)| &**c).collect();
+                // Indices into `watched` of the fds still polled.
+                let mut live: Vec<usize> = (0..watched.len()).collect();
                 while !stopping.load(Ordering::Acquire) {
+                    let contexts: Vec<&verbs::Context> =
+                        live.iter().map(|&i| &*watched[i].0).collect();
+                    let mut broken = Vec::new();
                     for (i, ev) in verbs::wait_async(&contexts, 100) {
-                        handle_event(&watched[i].1, ev);
+                        if matches!(ev, verbs::AsyncEvent::Broken(_)) {
+                            broken.push(live[i]);
+                        }
+                        handle_event(&watched[live[i]].1, ev);
                     }
+                    live.retain(|i| !broken.contains(i));
                 }
             })
             .map_err(|err| Error::Os {
@@ -89,6 +99,7 @@ impl EventThread {
 }
 
 fn handle_event(ports: &[Watched], ev: verbs::AsyncEvent) {
+    let device = ports.first().map_or("?", |p| p.1.as_str());
     use verbs::AsyncEvent::*;
     let on_port = |p: u8| ports.iter().filter(move |(port, _, _)| *port == p || p == 0);
     match ev {
@@ -117,12 +128,41 @@ fn handle_event(ports: &[Watched], ev: verbs::AsyncEvent) {
                 log::warn!(
                     "{name}: fatal device error (IBV_EVENT_DEVICE_FATAL); its connections fail from now on"
                 );
-                flags.fatal.store(true, Ordering::Release);
+                flags.set_fatal("a fatal device error (IBV_EVENT_DEVICE_FATAL)".into());
             }
         }
-        Other(kind) => {
-            log::info!("async event {kind} on {}", ports.first().map_or("?", |p| p.1.as_str()))
+        Broken(how) => {
+            for (_, name, flags) in ports {
+                log::warn!(
+                    "{name}: its async event fd failed ({how}); the device is treated as gone: \
+                     its connections fail from now on and its events are no longer read"
+                );
+                flags.set_fatal(format!("its async event fd failed ({how})"));
+            }
         }
+        QpError { qpn, what } => {
+            let why = format!(
+                "asynchronous {what} on queue pair {qpn:#x} of {device}: the queue pair is in the \
+                 error state; see dmesg and `rdma resource show qp`"
+            );
+            raise(ports, Queue::Qp(qpn), why);
+        }
+        CqError { cq } => {
+            let why = format!(
+                "asynchronous CQ_ERR on {device}: the completion queue overran or failed; \
+                 see dmesg"
+            );
+            raise(ports, Queue::Cq(cq), why);
+        }
+        Other(kind) => log::info!("async event {kind} on {device}"),
+    }
+}
+
+/// Fails the comm that owns `queue` (whichever port of the context it is on) with one WARN.
+fn raise(ports: &[Watched], queue: Queue, why: String) {
+    match ports.iter().find_map(|(_, _, flags)| flags.raise(queue, why.clone())) {
+        Some(comm) => log::warn!("{comm}: {why}; this connection fails from now on"),
+        None => log::warn!("{why} (no open connection owns it)"),
     }
 }
 
@@ -235,4 +275,33 @@ pub fn finalize(ctx: CommContext) {
 /// The shared state, for calls that carry no context (`devices`, `getProperties`).
 pub fn current() -> Result<Arc<Net>> {
     registry().net.clone().ok_or_else(|| Error::Internal("called before a successful init".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verbs::AsyncEvent;
+
+    fn ports() -> Vec<Watched> {
+        let flags = || Arc::new(DeviceFlags::default());
+        vec![(1, "mlx5_0".into(), flags()), (2, "mlx5_0_2".into(), flags())]
+    }
+
+    #[test]
+    fn queue_errors_fail_their_comm_and_a_broken_fd_the_device() {
+        let ports = ports();
+        let watch = ports[1].2.watch("send comm to peer".into(), vec![Queue::Qp(0x11)]);
+        handle_event(&ports, AsyncEvent::QpError { qpn: 0x11, what: "QP_FATAL" });
+        let why = watch.alarm.raised.get().expect("the owner's alarm is raised");
+        assert!(why.contains("QP_FATAL") && why.contains("0x11"), "{why}");
+        // An error on a queue no comm owns fails nothing.
+        handle_event(&ports, AsyncEvent::QpError { qpn: 0x12, what: "QP_REQ_ERR" });
+        handle_event(&ports, AsyncEvent::CqError { cq: 0x99 });
+        assert!(ports.iter().all(|p| !p.2.fatal.load(Ordering::Acquire)));
+        handle_event(&ports, AsyncEvent::Broken("POLLHUP (the device went away)".into()));
+        for p in &ports {
+            assert!(p.2.fatal.load(Ordering::Acquire));
+            assert!(p.2.fatal_why.get().unwrap().contains("POLLHUP"));
+        }
+    }
 }

@@ -196,6 +196,32 @@ pub enum State {
     Done,
 }
 
+/// Why a comm failed, and on whose side: what decides `ncclSystemError` or `ncclRemoteError`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Our device, NIC or a verb failed (a post, a local protection error, a fatal device).
+    Local(String),
+    /// The peer or the network: retries exhausted, a remote access error, silence.
+    Remote(String),
+}
+
+impl Fault {
+    pub fn error(&self) -> Error {
+        match self {
+            Fault::Local(m) => Error::Local(m.clone()),
+            Fault::Remote(m) => Error::Remote(m.clone()),
+        }
+    }
+}
+
+/// Whether a failed completion's status (`ibv_wc_status`) is the peer's or the network's doing:
+/// a bad response, the remote's invalid-request, access, operation or abort errors, retries or
+/// RNR retries exhausted, a response timeout. Every other status (local length, QP, protection
+/// or access errors, a flush, a fatal or general error) is our own side's.
+fn remote_status(status: u32) -> bool {
+    matches!(status, 7 | 9 | 10 | 11 | 12 | 13 | 15 | 16 | 20)
+}
+
 /// The hint attached to a failed completion.
 fn hint(status: u32) -> &'static str {
     match status {
@@ -208,6 +234,10 @@ fn hint(status: u32) -> &'static str {
              may have died), or a buffer was not registered"
         }
         5 => "flushed: an earlier error moved the queue pair to the error state",
+        1 | 2 | 8 => {
+            "local error: a work request this NIC could not execute (a buffer outside its \
+             registration, or the queue pair in a bad state); see dmesg"
+        }
         _ => "see `rdma resource show qp` and dmesg",
     }
 }
@@ -313,7 +343,7 @@ impl Prober {
 /// What both ends share: the first failure (every later call reports it), the watchdog and
 /// the liveness prober.
 struct Health {
-    fatal: Option<String>,
+    fatal: Option<Fault>,
     watchdog: Watchdog,
     prober: Prober,
     path: Path,
@@ -332,7 +362,22 @@ impl Health {
 
 impl Health {
     fn check(&self) -> Result<()> {
-        self.fatal.as_ref().map_or(Ok(()), |e| Err(Error::Remote(e.clone())))
+        self.fatal.as_ref().map_or(Ok(()), |f| Err(f.error()))
+    }
+
+    /// Records `f` unless the comm already failed; returns the comm's (first) error.
+    fn fail(&mut self, f: Fault) -> Error {
+        self.fatal.get_or_insert(f).error()
+    }
+
+    /// A post that failed leaves the queue pairs in an unknown state: the comm is unusable
+    /// from now on, and every request still pending fails with this error.
+    fn post_failed(&mut self, e: Error) -> Error {
+        let f = Fault::Local(format!(
+            "{e} (posting work to {}); the connection is unusable from now on",
+            self.path.peer
+        ));
+        self.fail(f)
     }
 
     /// Records the first failed completion; `true` if `c` succeeded. A probe's completion is
@@ -345,7 +390,8 @@ impl Health {
             self.watchdog.completed(true);
         }
         if c.status != 0 && self.fatal.is_none() {
-            self.fatal = Some(format!(
+            let class = if remote_status(c.status) { Fault::Remote } else { Fault::Local };
+            self.fatal = Some(class(format!(
                 "completion error with {}{}: {} (status {}, vendor_err {:#x}, wr {:#x}) on {}: {}",
                 self.path.peer,
                 if probe { " (liveness probe of a quiet peer)" } else { "" },
@@ -355,7 +401,7 @@ impl Health {
                 c.wr_id,
                 self.path.describe,
                 hint(c.status)
-            ));
+            )));
         }
         c.status == 0 && !probe
     }
@@ -372,16 +418,14 @@ impl Health {
         if self.fatal.is_some() || !self.prober.due(now, waiting) {
             return Ok(());
         }
-        io.send(
-            0,
-            &[SendWr {
-                wr_id: wr_id(WR_PROBE, 0, 0),
-                signaled: true,
-                remote_addr: target.0,
-                rkey: target.1,
-                ..SendWr::default()
-            }],
-        )?;
+        let probe = SendWr {
+            wr_id: wr_id(WR_PROBE, 0, 0),
+            signaled: true,
+            remote_addr: target.0,
+            rkey: target.1,
+            ..SendWr::default()
+        };
+        io.send(0, &[probe]).map_err(|e| self.post_failed(e))?;
         self.prober.out = true;
         self.prober.quiet = None;
         self.watchdog.posted();
@@ -389,10 +433,10 @@ impl Health {
     }
 
     /// After a poll found the CQ empty at `now`: the watchdog, and a failure from elsewhere
-    /// (the device).
-    fn idle(&mut self, now: Duration, elsewhere: Option<String>) -> Result<()> {
+    /// (the device, or an async error on one of the comm's queues).
+    fn idle(&mut self, now: Duration, elsewhere: Option<Fault>) -> Result<()> {
         if self.fatal.is_none() {
-            self.fatal = self.watchdog.check(now, &self.path).or(elsewhere);
+            self.fatal = self.watchdog.check(now, &self.path).map(Fault::Remote).or(elsewhere);
         }
         self.check()
     }
@@ -536,10 +580,11 @@ impl SendCore {
         }
         let nreqs = usize::from(first.nreqs);
         if !(1..=MAX_RECVS).contains(&nreqs) {
-            return Err(Error::Remote(format!(
-                "{} sent a CTS with {nreqs} buffers",
-                self.p.path.peer
-            )));
+            let peer = &self.p.path.peer;
+            return Err(self.health.fail(Fault::Remote(format!(
+                "{peer} sent a CTS with {nreqs} buffers: its memory is corrupt or it is not \
+                 a ferroce peer; the connection is unusable from now on"
+            ))));
         }
         let mut row = [first; MAX_RECVS];
         for (r, e) in row.iter_mut().enumerate().take(nreqs).skip(1) {
@@ -575,7 +620,11 @@ impl SendCore {
         s.matched |= 1 << r;
         s.bufs = bufs;
         if last {
-            self.post(stage, io, slot, &row[..nreqs])?;
+            if let Err(e) = self.post(stage, io, slot, &row[..nreqs]) {
+                // Never handed out; the row's earlier requests fail with the comm.
+                self.reqs[id] = SendReq::default();
+                return Err(self.health.post_failed(e));
+            }
             self.head += 1;
         }
         Ok(Some(id))
@@ -791,7 +840,7 @@ impl SendCore {
     pub fn idle(
         &mut self,
         now: Duration,
-        elsewhere: Option<String>,
+        elsewhere: Option<Fault>,
         io: &mut impl Post,
     ) -> Result<()> {
         // Waiting on the peer: for a CTS, for completions, or with a row half matched.
@@ -897,7 +946,7 @@ impl RecvCore {
         let optional = optional && n == 1;
         let lanes = if optional { 0..0 } else { lanes(self.p.split, self.p.nqps, slot) };
         for q in lanes.clone() {
-            io.recv(q, wr_id(WR_RECV, q, slot))?;
+            io.recv(q, wr_id(WR_RECV, q, slot)).map_err(|e| self.health.post_failed(e))?;
         }
         let idx = self.head + 1;
         for (r, (b, tag)) in bufs.iter().enumerate() {
@@ -913,18 +962,16 @@ impl RecvCore {
         let len = (n * ENTRY) as u32;
         // One signaled CTS per FIFO wrap drains the send queue; errors complete regardless.
         let signaled = slot == SLOTS - 1;
-        io.send(
-            0,
-            &[SendWr {
-                wr_id: wr_id(WR_CTS, 0, slot),
-                op: Op::Write,
-                signaled,
-                local: Some((stage.addr(base), len, stage.lkey())),
-                remote_addr: self.remote_fifo.0 + (base * 8) as u64,
-                rkey: self.remote_fifo.1,
-                inline: len <= self.p.max_inline,
-            }],
-        )?;
+        let cts = SendWr {
+            wr_id: wr_id(WR_CTS, 0, slot),
+            op: Op::Write,
+            signaled,
+            local: Some((stage.addr(base), len, stage.lkey())),
+            remote_addr: self.remote_fifo.0 + (base * 8) as u64,
+            rkey: self.remote_fifo.1,
+            inline: len <= self.p.max_inline,
+        };
+        io.send(0, &[cts]).map_err(|e| self.health.post_failed(e))?;
         if signaled {
             self.health.watchdog.posted();
         }
@@ -955,18 +1002,16 @@ impl RecvCore {
         if self.flushes[k] != State::Free {
             return Err(Error::Internal(format!("more than {SLOTS} flushes outstanding")));
         }
-        io.send(
-            self.p.nqps,
-            &[SendWr {
-                wr_id: wr_id(WR_FLUSH, 0, k),
-                op: Op::Read,
-                signaled: true,
-                local: Some((scratch.0, 1, scratch.1)),
-                remote_addr: target.addr,
-                rkey: target.rkey,
-                inline: false,
-            }],
-        )?;
+        let read = SendWr {
+            wr_id: wr_id(WR_FLUSH, 0, k),
+            op: Op::Read,
+            signaled: true,
+            local: Some((scratch.0, 1, scratch.1)),
+            remote_addr: target.addr,
+            rkey: target.rkey,
+            inline: false,
+        };
+        io.send(self.p.nqps, &[read]).map_err(|e| self.health.post_failed(e))?;
         self.health.watchdog.posted();
         self.flushes[k] = State::Pending;
         self.flush_head += 1;
@@ -1013,7 +1058,7 @@ impl RecvCore {
     pub fn idle(
         &mut self,
         now: Duration,
-        elsewhere: Option<String>,
+        elsewhere: Option<Fault>,
         io: &mut impl Post,
     ) -> Result<()> {
         self.health.probe(now, self.waiting > 0, io, self.remote_fifo)?;

@@ -51,6 +51,11 @@ impl Cq {
         self.raw
     }
 
+    /// What names this CQ in an asynchronous `CQ_ERR` event (its address; stable while it lives).
+    pub fn id(&self) -> usize {
+        self.raw as usize
+    }
+
     /// Polls up to `out.len()` (at most 16) completions; returns how many were written.
     pub fn poll(&self, out: &mut [Completion]) -> Result<usize> {
         let mut wc = [const { MaybeUninit::<sys::ibv_wc>::uninit() }; 16];

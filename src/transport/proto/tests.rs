@@ -90,6 +90,8 @@ struct Wire {
     /// a later signaled work request completes), and entries executed since the last reclaim.
     held: [Vec<(usize, usize)>; 2],
     broken: bool,
+    /// Every post fails (as `ibv_post_send` does with ENOMEM or a QP in a bad state).
+    posts_fail: bool,
 }
 
 impl Wire {
@@ -102,6 +104,7 @@ impl Wire {
             cq: [VecDeque::new(), VecDeque::new()],
             held: [vec![(0, 0); nqps + 1], vec![(0, 0); nqps + 1]],
             broken: false,
+            posts_fail: false,
         }
     }
 
@@ -160,6 +163,11 @@ impl Wire {
         }
     }
 
+    /// The link is broken or nothing can be posted: requests may fail.
+    fn failing(&self) -> bool {
+        self.broken || self.posts_fail
+    }
+
     fn busy(&self) -> Vec<(usize, usize)> {
         (0..2)
             .flat_map(|s| (0..self.sq[s].len()).map(move |q| (s, q)))
@@ -179,8 +187,36 @@ struct Io<'a> {
 
 impl Post for Io<'_> {
     fn send(&mut self, qp: usize, wrs: &[SendWr]) -> Result<()> {
-        let mut w = self.wire.borrow_mut();
+        let w = self.wire.borrow_mut();
         assert!(wrs.len() <= MAX_CHAIN);
+        if w.posts_fail {
+            // Part of a chain may have gone out before the failure.
+            let n = wrs.len() / 2;
+            drop(w);
+            self.send_ok(qp, &wrs[..n]);
+            return Err(Error::verbs("ibv_post_send", libc::ENOMEM, "sim"));
+        }
+        drop(w);
+        self.send_ok(qp, wrs);
+        Ok(())
+    }
+    fn recv(&mut self, qp: usize, wr_id: u64) -> Result<()> {
+        let mut w = self.wire.borrow_mut();
+        if w.posts_fail {
+            return Err(Error::verbs("ibv_post_recv", libc::ENOMEM, "sim"));
+        }
+        if w.broken {
+            w.cq[self.side].push_back(Completion { wr_id, status: 5, ..Default::default() });
+        } else {
+            w.rq[self.side][qp].push_back(wr_id);
+        }
+        Ok(())
+    }
+}
+
+impl Io<'_> {
+    fn send_ok(&mut self, qp: usize, wrs: &[SendWr]) {
+        let mut w = self.wire.borrow_mut();
         for wr in wrs {
             if w.broken {
                 // A QP in the error state flushes whatever is posted to it.
@@ -194,16 +230,6 @@ impl Post for Io<'_> {
             w.held[self.side][qp].0 += 1;
             assert!(w.held[self.side][qp].0 <= self.depth, "send queue {qp} overflows");
         }
-        Ok(())
-    }
-    fn recv(&mut self, qp: usize, wr_id: u64) -> Result<()> {
-        let mut w = self.wire.borrow_mut();
-        if w.broken {
-            w.cq[self.side].push_back(Completion { wr_id, status: 5, ..Default::default() });
-        } else {
-            w.rq[self.side][qp].push_back(wr_id);
-        }
-        Ok(())
     }
 }
 
@@ -258,6 +284,8 @@ struct Run {
     groups: Vec<Vec<Item>>,
     /// Break the link after this many scheduler steps.
     break_at: Option<u64>,
+    /// Make every post fail after this many scheduler steps.
+    posts_fail_at: Option<u64>,
 }
 
 fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
@@ -292,6 +320,7 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         max_inline: [0, 64, 512][rng.below(3) as usize],
         groups,
         break_at: None,
+        posts_fail_at: None,
     }
 }
 
@@ -357,7 +386,10 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         if run.break_at == Some(steps) {
             wire.borrow_mut().break_all();
         }
-        if wire.borrow().broken
+        if run.posts_fail_at == Some(steps) {
+            wire.borrow_mut().posts_fail = true;
+        }
+        if wire.borrow().failing()
             && recv_out.is_empty()
             && send_out.is_empty()
             && send_order.is_empty()
@@ -375,7 +407,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                 now += Duration::from_millis(1);
                 let s = sender.idle(now, None, &mut sio);
                 let r = receiver.idle(now, None, &mut rio);
-                if !wire.borrow().broken {
+                if !wire.borrow().failing() {
                     s.and(r).expect("idle on a healthy link");
                 }
             }
@@ -395,9 +427,16 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                     })
                     .collect();
                 let optional = run.optional[g];
-                if let Some(id) =
-                    receiver.irecv(&rstage, &rsizes, &mut rio, &bufs, optional).unwrap()
-                {
+                let posted = receiver.irecv(&rstage, &rsizes, &mut rio, &bufs, optional);
+                let posted = match posted {
+                    Err(e) if wire.borrow().posts_fail => {
+                        assert!(matches!(e, Error::Local(_)), "a failed post is local: {e}");
+                        next_recv = n; // NCCL stops posting on a failed comm
+                        continue;
+                    }
+                    other => other.unwrap(),
+                };
+                if let Some(id) = posted {
                     recv_out.push((g, id));
                     next_recv += 1;
                     idle = 0;
@@ -429,7 +468,10 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                 let b = Buf { addr: buf_addr(SEND_DATA, g, r), size: it.size, lkey: 11, rkey: 11 };
                 let posted = sender.isend(&fifo, &sstage, &mut sio, b, it.tag);
                 let posted = match posted {
-                    Err(_) if wire.borrow().broken => {
+                    Err(e) if wire.borrow().failing() => {
+                        if wire.borrow().posts_fail && !wire.borrow().broken {
+                            assert!(matches!(e, Error::Local(_)), "a failed post is local: {e}");
+                        }
                         send_order.clear();
                         next_send = n;
                         out.errors[0] += 1;
@@ -475,7 +517,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                         idle = 0;
                     }
                     Err(_) => {
-                        assert!(wire.borrow().broken, "receive error on a healthy link");
+                        assert!(wire.borrow().failing(), "receive error on a healthy link");
                         recv_out.swap_remove(i);
                         out.errors[1] += 1;
                         idle = 0;
@@ -513,7 +555,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                         idle = 0;
                     }
                     Err(_) => {
-                        assert!(wire.borrow().broken, "send error on a healthy link");
+                        assert!(wire.borrow().failing(), "send error on a healthy link");
                         send_out.swap_remove(i);
                         out.errors[0] += 1;
                         idle = 0;
@@ -532,7 +574,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
     }
     // Every request was seen complete exactly once (the counters would have gone past n
     // otherwise, and tests of freed requests are errors), and nothing is left queued.
-    if !wire.borrow().broken {
+    if !wire.borrow().failing() {
         assert!(wire.borrow().busy().is_empty(), "work left on the wire");
         assert!(sender.test(0).is_err() && receiver.test(0, &mut [0; MAX_RECVS]).is_err());
     }
@@ -598,6 +640,21 @@ fn a_broken_link_fails_every_outstanding_request_and_nothing_else() {
         failed += o.errors[0] + o.errors[1];
     }
     assert!(failed > 0, "no run had work outstanding at the break");
+}
+
+/// A failed post fails the comm for good, as a local error: every request still pending fails
+/// with it, later calls fail, and nothing completes twice or with wrong bytes.
+#[test]
+fn a_failed_post_fails_the_comm_and_every_pending_request() {
+    let mut rng = Rng(0x005e_ed0f_fa11);
+    let mut failed = 0;
+    for seed in 0..100u64 {
+        let mut run = random_run(&mut rng, 150, 4096);
+        run.posts_fail_at = Some(100 + rng.below(3000));
+        let o = drive(&run, seed + 7);
+        failed += o.errors[0] + o.errors[1];
+    }
+    assert!(failed > 0, "no run had work outstanding when posts began to fail");
 }
 
 #[test]
@@ -688,13 +745,50 @@ fn failed_completions_carry_a_hint_and_the_first_is_kept() {
     };
     let mut h = Health::new(&params);
     assert!(!h.completion(&Completion { status: 12, wr_id: WR_SEND | 3, ..Default::default() }));
-    let msg = h.fatal.clone().unwrap();
+    let Some(Fault::Remote(msg)) = h.fatal.clone() else { panic!("{:?}", h.fatal) };
     assert!(
         msg.contains("198.18.0.2") && msg.contains("NCCL_IB_TIMEOUT") && msg.contains("GID a -> b"),
         "{msg}"
     );
     h.completion(&Completion { status: 5, ..Default::default() });
-    assert_eq!(h.fatal.unwrap(), msg);
+    assert_eq!(h.fatal, Some(Fault::Remote(msg)));
+}
+
+/// Failed completions are `ncclRemoteError` only where the peer or the network caused them
+/// (so is silence past the progress timeout); our own NIC's errors are local
+/// (`ncclSystemError`).
+#[test]
+fn completion_errors_are_classed_by_who_caused_them() {
+    let params = Params {
+        nqps: 1,
+        split: false,
+        max_msg: 4096,
+        max_inline: 0,
+        progress_timeout: Duration::from_secs(1),
+        probe_interval: Duration::from_secs(1),
+        path: Path::default(),
+    };
+    let class = |status| {
+        let mut h = Health::new(&params);
+        h.completion(&Completion { status, ..Default::default() });
+        h.check().unwrap_err()
+    };
+    for remote in [7, 9, 10, 11, 12, 13, 15, 16, 20] {
+        assert!(matches!(class(remote), Error::Remote(_)), "status {remote}");
+    }
+    for local in [1, 2, 4, 5, 6, 8, 19, 21, 99] {
+        assert!(matches!(class(local), Error::Local(_)), "status {local}");
+    }
+    // A peer that stays silent past the progress timeout is the peer's (or the path's) fault.
+    let mut h = Health::new(&params);
+    h.watchdog.posted();
+    let s = Duration::from_secs;
+    assert!(h.idle(s(0), None).is_ok() && h.idle(s(5), None).is_err());
+    assert!(matches!(h.check(), Err(Error::Remote(_))));
+    // A device failure reported from elsewhere keeps its class.
+    let mut h = Health::new(&params);
+    h.idle(s(0), Some(Fault::Local("rxe0 failed".into()))).unwrap_err();
+    assert!(matches!(h.check(), Err(Error::Local(m)) if m == "rxe0 failed"));
 }
 
 /// A receiver that waits quietly probes its peer once per interval: a live peer answers and
