@@ -54,7 +54,7 @@ knobs! {
     "NCCL_IB_TC", "-1", "traffic class (DSCP << 2 | ECN) of the data QPs; -1: the communicator's, else 0";
     "NCCL_IB_FIFO_TC", "-1", "traffic class of the receiver's control (CTS) writes; -1: the data one";
     "NCCL_IB_SL", "-1", "service level; -1: 0";
-    "NCCL_SOCKET_IFNAME", "(the GID's interface)", "interface whose address the connection-setup listener binds";
+    "NCCL_SOCKET_IFNAME", "(the GID's interface)", "interfaces for the connection-setup listener, NCCL syntax: prefixes, =exact, ^exclude, lists";
     "FERROCE_SETUP_TIMEOUT_MS", "120000", "deadline of each connection-setup step (TCP connect, each handshake message, waiting for a peer)";
     "FERROCE_FORCE_FLUSH", "0", "1: iflush issues the GPUDirect RDMA-read flush even for host memory (testing)";
     "NCCL_DMABUF_ENABLE", "1", "0: never offer dma-buf registration of GPU memory (peer memory still works)";
@@ -117,7 +117,8 @@ pub struct Config {
     pub tc: Option<u8>,
     pub fifo_tc: Option<u8>,
     pub sl: u8,
-    pub socket_ifname: Option<String>,
+    /// `NCCL_SOCKET_IFNAME`, in NCCL's list syntax (prefixes, `=` exact, `^` exclude).
+    pub socket_ifname: Option<HcaFilter>,
     pub setup_timeout: Duration,
     pub force_flush: bool,
     pub dmabuf_enable: bool,
@@ -151,7 +152,8 @@ impl<F: Fn(&str) -> Option<String>> Reader<F> {
         self.effective.push((knob, value.to_string()));
     }
 
-    /// An integer within `range`, or `default` when unset.
+    /// An integer within `range`, or `default` when unset; written as NCCL reads integers
+    /// (`strtoll` with base 0: `0x68`, `010` octal, a sign), but the whole value must be one.
     fn int<T>(
         &mut self,
         knob: &'static str,
@@ -159,17 +161,21 @@ impl<F: Fn(&str) -> Option<String>> Reader<F> {
         range: std::ops::RangeInclusive<T>,
     ) -> Result<T>
     where
-        T: std::str::FromStr + PartialOrd + std::fmt::Display + Copy,
+        T: TryFrom<i128> + PartialOrd + std::fmt::Display + Copy,
     {
         let v = match self.raw(knob) {
             None => default,
             Some(raw) => {
-                let v: T = raw.parse().map_err(|_| Error::config(knob, &raw, "not an integer"))?;
-                if !range.contains(&v) {
-                    let why = format!("must be in {}..={}", range.start(), range.end());
-                    return Err(Error::config(knob, &raw, why));
+                let out_of_range =
+                    || format!("out of range: must be in {}..={}", range.start(), range.end());
+                let v = parse_int(&raw).map_err(|why| match why {
+                    IntError::NotAnInteger => Error::config(knob, &raw, "not an integer"),
+                    IntError::TooLarge => Error::config(knob, &raw, out_of_range()),
+                })?;
+                match T::try_from(v) {
+                    Ok(v) if range.contains(&v) => v,
+                    _ => return Err(Error::config(knob, &raw, out_of_range())),
                 }
-                v
             }
         };
         self.record(knob, v);
@@ -193,9 +199,20 @@ impl<F: Fn(&str) -> Option<String>> Reader<F> {
 }
 
 impl Config {
-    /// Reads the process environment.
+    /// Reads the process environment. A knob whose value is not UTF-8 is ignored with a WARN.
     pub fn from_env() -> Result<Config> {
-        Self::from_lookup(|k| std::env::var(k).ok())
+        let mut cfg = Self::from_lookup(|k| std::env::var(k).ok())?;
+        for k in KNOBS {
+            if std::env::var_os(k.name).is_some_and(|v| v.to_str().is_none()) {
+                let v = std::env::var_os(k.name).unwrap_or_default();
+                cfg.warnings.push(format!(
+                    "{}={} is not valid UTF-8; ignored (the default applies)",
+                    k.name,
+                    v.to_string_lossy()
+                ));
+            }
+        }
+        Ok(cfg)
     }
 
     /// Reads knobs through `get`, so tests need not touch the process environment.
@@ -217,14 +234,16 @@ impl Config {
             let bad =
                 || Error::config("FERROCE_GID_INDEX", &item, "expected device:index, e.g. rxe0:1");
             let (dev, idx) = item.split_once(':').ok_or_else(bad)?;
-            gid_index_per_dev
-                .push((dev.trim().to_string(), idx.trim().parse().map_err(|_| bad())?));
+            let idx = parse_int(idx.trim()).ok().and_then(|i| u8::try_from(i).ok());
+            gid_index_per_dev.push((dev.trim().to_string(), idx.ok_or_else(bad)?));
         }
         let gid_netdevs = r.list("FERROCE_GID_NETDEV");
         let gid_ips = r
             .list("FERROCE_GID_IP")
             .iter()
-            .map(|s| s.parse().map_err(|_| Error::config("FERROCE_GID_IP", s, "not an IP address")))
+            .map(|s| {
+                parse_ip(s).ok_or_else(|| Error::config("FERROCE_GID_IP", s, "not an IP address"))
+            })
             .collect::<Result<Vec<IpAddr>>>()?;
         // NCCL treats any value but AF_INET6 as AF_INET; ferroce says so.
         let family_raw = r.raw("NCCL_IB_ADDR_FAMILY");
@@ -320,10 +339,13 @@ impl Config {
         let tc = r.tc("NCCL_IB_TC")?;
         let fifo_tc = r.tc("NCCL_IB_FIFO_TC")?;
         let sl = u8::try_from(r.int("NCCL_IB_SL", -1i32, -1..=15)?).unwrap_or(0);
-        let socket_ifname = r.raw("NCCL_SOCKET_IFNAME");
+        let socket_ifname = match r.raw("NCCL_SOCKET_IFNAME") {
+            None => None,
+            Some(v) => Some(parse_ifname(&v)?),
+        };
         r.record(
             "NCCL_SOCKET_IFNAME",
-            socket_ifname.clone().unwrap_or("(the GID's interface)".into()),
+            socket_ifname.as_ref().map_or("(the GID's interface)".into(), |f| f.raw.clone()),
         );
         let setup_timeout =
             Duration::from_millis(r.int("FERROCE_SETUP_TIMEOUT_MS", 120_000u64, 1..=86_400_000)?);
@@ -387,6 +409,62 @@ impl Config {
 /// 4.096 µs × 2^timeout × (retry + 1): the time to `IBV_WC_RETRY_EXC_ERR` on a dead path.
 pub fn retry_bound(timeout: u8, retry: u8) -> Duration {
     Duration::from_nanos(4096 << timeout.min(31)) * (u32::from(retry) + 1)
+}
+
+/// Why a value is not an integer NCCL would accept.
+#[derive(Debug, PartialEq, Eq)]
+enum IntError {
+    NotAnInteger,
+    /// Beyond what any knob can hold.
+    TooLarge,
+}
+
+/// An integer as C's `strtoll(s, NULL, 0)` reads it: an optional sign, then `0x`/`0X` and hex
+/// digits, or `0` and octal digits, or decimal digits. Unlike `strtoll`, trailing text is an
+/// error rather than ignored.
+fn parse_int(s: &str) -> std::result::Result<i128, IntError> {
+    let (neg, body) = match s.as_bytes().first() {
+        Some(b'-') => (true, &s[1..]),
+        Some(b'+') => (false, &s[1..]),
+        _ => (false, s),
+    };
+    let (radix, digits) = if let Some(h) = body.strip_prefix("0x").or(body.strip_prefix("0X")) {
+        (16, h)
+    } else if body.len() > 1 && body.starts_with('0') {
+        (8, &body[1..])
+    } else {
+        (10, body)
+    };
+    if digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
+        return Err(IntError::NotAnInteger);
+    }
+    // Only digits are left: the one failure is overflow.
+    let v = i128::from_str_radix(digits, radix).map_err(|_| IntError::TooLarge)?;
+    Ok(if neg { -v } else { v })
+}
+
+/// A literal IP address, allowing an IPv6 zone (`fe80::1%eth0`): a GID has no zone, so it is
+/// dropped.
+fn parse_ip(s: &str) -> Option<IpAddr> {
+    let addr = match s.split_once('%') {
+        Some((a, zone)) if !zone.is_empty() && a.contains(':') => a,
+        Some(_) => return None,
+        None => s,
+    };
+    addr.parse().ok()
+}
+
+/// `NCCL_SOCKET_IFNAME`: NCCL's list syntax as for `NCCL_IB_HCA`, with names only.
+fn parse_ifname(v: &str) -> Result<HcaFilter> {
+    let bad = |why: String| Error::config("NCCL_SOCKET_IFNAME", v, why);
+    let f = HcaFilter::parse(v).map_err(|e| bad(e.0))?;
+    if f.entries.iter().any(|e| e.port.is_some() || e.rail.is_some() || e.plane.is_some()) {
+        return Err(bad("expected interface names (e.g. eth0,eth1, =eth0 or ^docker,lo)".into()));
+    }
+    if f.entries.is_empty() {
+        return Err(bad("names no interface".into()));
+    }
+    Ok(f)
 }
 
 fn parse_cidr(v: &str) -> Option<Cidr> {
@@ -488,6 +566,65 @@ mod tests {
         let e =
             with2(("FERROCE_SPORT_BASE", "65000"), ("FERROCE_SPORT_RANGE", "1000")).unwrap_err();
         assert!(e.to_string().contains("FERROCE_SPORT_RANGE"), "{e}");
+    }
+
+    #[test]
+    fn integers_are_read_as_nccl_reads_them() {
+        assert_eq!(parse_int("0x68"), Ok(0x68));
+        assert_eq!(parse_int("0X1f"), Ok(31));
+        assert_eq!(parse_int("010"), Ok(8));
+        assert_eq!(parse_int("0"), Ok(0));
+        assert_eq!(parse_int("-1"), Ok(-1));
+        assert_eq!(parse_int("+7"), Ok(7));
+        for bad in ["", "-", "0x", "08", "1e3", "12abc", "0x1g", " 1", "--1", "1.0"] {
+            assert_eq!(parse_int(bad), Err(IntError::NotAnInteger), "{bad:?}");
+        }
+        assert_eq!(parse_int(&"9".repeat(60)), Err(IntError::TooLarge));
+        assert_eq!(with("NCCL_IB_TC", "0x68").unwrap().tc, Some(0x68));
+        assert_eq!(with("NCCL_IB_TIMEOUT", "016").unwrap().ib_timeout, 14);
+        assert_eq!(with("NCCL_IB_GID_INDEX", "0x3").unwrap().gid_index, Some(3));
+        let c = with("FERROCE_GID_INDEX", "rxe0:0x3").unwrap();
+        assert_eq!(c.gid_index_per_dev, vec![("rxe0".to_string(), 3)]);
+        // Out of range says so, also past every integer type, and for negatives of unsigned.
+        for (k, v) in [
+            ("NCCL_IB_TC", "0x100"),
+            ("NCCL_IB_TIMEOUT", "99999999999999999999999999"),
+            ("FERROCE_SETUP_TIMEOUT_MS", "-5"),
+            ("NCCL_IB_QPS_PER_CONNECTION", "0201"), // octal 129
+        ] {
+            let e = with(k, v).unwrap_err().to_string();
+            assert!(e.contains("out of range") && e.contains(k), "{k}={v}: {e}");
+        }
+        let e = with("NCCL_IB_TIMEOUT", "14s").unwrap_err().to_string();
+        assert!(e.contains("not an integer"), "{e}");
+    }
+
+    #[test]
+    fn socket_ifname_takes_nccls_list_syntax() {
+        let f = with("NCCL_SOCKET_IFNAME", "eth,ib").unwrap().socket_ifname.unwrap();
+        assert!(f.keeps("eth0") && f.keeps("ib1") && !f.keeps("docker0"));
+        let f = with("NCCL_SOCKET_IFNAME", "=eth0").unwrap().socket_ifname.unwrap();
+        assert!(f.keeps("eth0") && !f.keeps("eth01"));
+        let f = with("NCCL_SOCKET_IFNAME", "^docker,lo").unwrap().socket_ifname.unwrap();
+        assert!(f.keeps("eth0") && !f.keeps("docker0") && !f.keeps("lo"));
+        let f = with("NCCL_SOCKET_IFNAME", "^=veth").unwrap().socket_ifname.unwrap();
+        assert!(f.keeps("vethA") && !f.keeps("veth"));
+        for bad in ["eth0:1", "^", "=^eth0"] {
+            let e = with("NCCL_SOCKET_IFNAME", bad).unwrap_err().to_string();
+            assert!(e.contains("NCCL_SOCKET_IFNAME"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn an_ipv6_zone_is_accepted_and_dropped() {
+        let c = with("FERROCE_GID_IP", "fe80::1%vethA,10.0.0.1").unwrap();
+        assert_eq!(
+            c.gid_ips,
+            vec!["fe80::1".parse::<IpAddr>().unwrap(), "10.0.0.1".parse().unwrap()]
+        );
+        for bad in ["10.0.0.1%eth0", "fe80::1%"] {
+            assert!(with("FERROCE_GID_IP", bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //! - an empty or missing port matches every port; rail and plane tag the matching device.
 //!
 //! Pure logic: parsed once by `config`, applied by `transport::device` to each (device, port).
+//! `NCCL_SOCKET_IFNAME` uses the same list syntax, with names only ([`HcaFilter::keeps`]).
 
 use std::fmt;
 
@@ -98,6 +99,22 @@ impl HcaFilter {
         }
     }
 
+    /// Whether the name `name` (e.g. an interface) is kept, ports aside.
+    pub fn keeps(&self, name: &str) -> bool {
+        self.select(name, 0).is_some()
+    }
+
+    /// The entries that match none of `names`: a typo the user should hear about.
+    pub fn unmatched<'a>(&'a self, names: &[&str]) -> Vec<&'a str> {
+        let hits =
+            |e: &HcaEntry, n: &str| if self.exact { n == e.name } else { n.starts_with(&e.name) };
+        self.entries
+            .iter()
+            .filter(|e| !names.iter().any(|n| hits(e, n)))
+            .map(|e| e.name.as_str())
+            .collect()
+    }
+
     /// Decides one (device, port): `None` if filtered out, else the matching entry (which is
     /// `None` for a device kept by an empty or exclude filter).
     pub fn select(&self, dev: &str, port: u32) -> Option<Option<&HcaEntry>> {
@@ -136,6 +153,18 @@ mod tests {
 
     fn keeps(filter: &str, dev: &str, port: u32) -> bool {
         HcaFilter::parse(filter).unwrap().select(dev, port).is_some()
+    }
+
+    #[test]
+    fn entries_that_match_no_name_are_reported() {
+        let names = ["mlx5_0", "mlx5_1", "rxe0"];
+        let f = HcaFilter::parse("mlx5,mlx6_0:1,rxe").unwrap();
+        assert_eq!(f.unmatched(&names), vec!["mlx6_0"]);
+        let f = HcaFilter::parse("=mlx5,rxe0").unwrap();
+        assert_eq!(f.unmatched(&names), vec!["mlx5"]);
+        let f = HcaFilter::parse("^rxe9").unwrap();
+        assert_eq!(f.unmatched(&names), vec!["rxe9"]);
+        assert!(HcaFilter::default().unmatched(&names).is_empty());
     }
 
     #[test]

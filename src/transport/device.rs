@@ -292,6 +292,14 @@ pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
     let mut ports = Vec::new();
     let mut found = Vec::new(); // (context, attr, port attr) per entry of `ports`
     let (all, opened) = verbs::open_all(|name| config.ib_hca.may_keep(name))?;
+    let names: Vec<&str> = all.iter().map(String::as_str).collect();
+    for typo in config.ib_hca.unmatched(&names) {
+        log::warn!(
+            "NCCL_IB_HCA={}: {typo:?} matches no RDMA device (devices: {})",
+            config.ib_hca.raw,
+            if names.is_empty() { "none".into() } else { names.join(", ") }
+        );
+    }
     if opened.is_empty() && !all.is_empty() {
         return Err(Error::NoDevice(format!(
             "every device was filtered out by NCCL_IB_HCA={} (available: {})",
@@ -352,6 +360,15 @@ pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
             })
         })
         .collect::<Result<Vec<_>>>()?;
+    for (dev, index) in &config.gid_index_per_dev {
+        if !devices.iter().any(|d: &NetDevice| &d.name == dev) {
+            let names: Vec<&str> = devices.iter().map(|d| d.name.as_str()).collect();
+            log::warn!(
+                "FERROCE_GID_INDEX: {dev:?} (index {index}) names no device in use (devices: {})",
+                names.join(", ")
+            );
+        }
+    }
     Ok(devices)
 }
 

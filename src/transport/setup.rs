@@ -295,21 +295,31 @@ fn interface_ips(name: &str) -> Result<Vec<IpAddr>> {
     Ok(addrs.into_iter().filter(|(n, _)| n == name).map(|(_, ip)| ip).collect())
 }
 
-/// The address the listener binds: the IP of `NCCL_SOCKET_IFNAME`, else the IP in the
-/// device's GID (the address of the interface that owns it), or, for a link-local GID, a
-/// routable address of that interface.
+/// The address the listener binds: an address of the first interface `NCCL_SOCKET_IFNAME`
+/// keeps (IPv4 first, then routable IPv6), else the IP in the device's GID (the address of the
+/// interface that owns it), or, for a link-local GID, a routable address of that interface.
 fn listen_ip(net: &Net, dev: usize) -> Result<IpAddr> {
-    if let Some(ifname) = &net.config.socket_ifname {
-        let mine = interface_ips(ifname)?;
-        return mine.iter().find(|ip| ip.is_ipv4()).or_else(|| mine.first()).copied().ok_or_else(
-            || {
+    if let Some(filter) = &net.config.socket_ifname {
+        let all = crate::os::interface_addrs().map_err(|err| Error::Os {
+            call: "getifaddrs",
+            err,
+            context: "NCCL_SOCKET_IFNAME".into(),
+        })?;
+        let kept: Vec<IpAddr> =
+            all.into_iter().filter(|(n, _)| filter.keeps(n)).map(|(_, ip)| ip).collect();
+        let routable = |ip: &&IpAddr| !super::gid::is_link_local_ip(**ip);
+        return kept
+            .iter()
+            .find(|ip| ip.is_ipv4())
+            .or_else(|| kept.iter().find(routable))
+            .copied()
+            .ok_or_else(|| {
                 Error::config(
                     "NCCL_SOCKET_IFNAME",
-                    ifname,
-                    "no interface with that name has an address",
+                    &filter.raw,
+                    "no interface it keeps has an IPv4 or routable IPv6 address",
                 )
-            },
-        );
+            });
     }
     let g = gid_of(net, dev)?;
     if !super::gid::is_link_local_ip(g.ip()) {
