@@ -525,3 +525,37 @@ fn a_link_local_gid_still_connects_and_moves_data() {
     assert!(line.contains("(index 0)") && line.contains("fe80::"), "{line}");
     assert!(line.contains("connected to 198.18.0."), "setup over the routable address: {line}");
 }
+
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn socket_ifname_in_nccl_syntax_picks_the_setup_interface() {
+    require_vm();
+    let _g = serial();
+    // Both devices' listeners on vethB's address (exact name), then on the first interface
+    // an exclude list keeps: data still flows between the GIDs.
+    for (ifname, want) in
+        [("=vethB", "198.18.0.2"), ("^=lo,vethA", "198.18.0.2"), ("veth", "198.18.0.")]
+    {
+        set_env(&[("NCCL_SOCKET_IFNAME", Some(ifname))]);
+        let info = traffic(4096, 2, -1);
+        set_env(&[("NCCL_SOCKET_IFNAME", None)]);
+        let line = info.iter().find(|l| l.contains("connected to")).expect("connection INFO line");
+        eprintln!("  NCCL_SOCKET_IFNAME={ifname}: {line}");
+        assert!(line.contains(&format!("connected to {want}")), "{ifname}: {line}");
+    }
+    // An interface list that keeps nothing usable fails listen naming the knob.
+    set_env(&[("NCCL_SOCKET_IFNAME", Some("=nosuch0"))]);
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12).unwrap();
+    let ctx = drv.init(7).unwrap();
+    let Err(e) = drv.listen(ctx, 1) else { panic!("listen with no usable interface succeeded") };
+    set_env(&[("NCCL_SOCKET_IFNAME", None)]);
+    let warns: Vec<String> =
+        take_captured().into_iter().filter(|l| l.0 == 2).map(|l| l.2).collect();
+    assert!(e.contains("ncclResult 5"), "ncclInvalidUsage: {e}");
+    assert!(
+        warns.iter().any(|w| w.contains("NCCL_SOCKET_IFNAME") && w.contains("nosuch0")),
+        "{warns:#?}"
+    );
+    drv.finalize(ctx).unwrap();
+}

@@ -192,16 +192,31 @@ fn nccl_ib_hca_forms_select_what_they_should() {
         }
         finalize(net, ctx);
     }
-    // Filters that keep nothing fail init with one WARN naming the filter.
-    for hca in ["=rxe", "rxe0:2", "^rxe", "mlx5"] {
+    // Filters that keep nothing fail init with one WARN naming the filter, after one naming
+    // each entry that matches no device at all (a typo).
+    for (hca, typo) in
+        [("=rxe", Some("rxe")), ("rxe0:2", None), ("^rxe", None), ("mlx5", Some("mlx5"))]
+    {
         take_captured();
         let (r, ctx, _) = init_with(net, Some(hca));
         assert_eq!(r, ncclResult_t::ncclInvalidUsage, "NCCL_IB_HCA={hca}");
         assert!(ctx.is_null());
         let warns: Vec<_> = take_captured().into_iter().filter(|l| l.0 == 2).collect();
-        assert_eq!(warns.len(), 1, "{warns:?}");
-        assert!(warns[0].2.contains(&format!("filtered out by NCCL_IB_HCA={hca}")), "{warns:?}");
+        assert_eq!(warns.len(), 1 + usize::from(typo.is_some()), "{warns:?}");
+        if let Some(t) = typo {
+            assert!(warns[0].2.contains(&format!("{t:?} matches no RDMA device")), "{warns:?}");
+        }
+        let last = &warns[warns.len() - 1].2;
+        assert!(last.contains(&format!("filtered out by NCCL_IB_HCA={hca}")), "{warns:?}");
     }
+    // A typo next to a good entry: init succeeds with what matched, and the typo is named.
+    take_captured();
+    let (r, ctx, names) = init_with(net, Some("rxe0,mxl5_0"));
+    assert_eq!((r, names), (ncclResult_t::ncclSuccess, vec!["rxe0".to_string()]));
+    let warns: Vec<_> = take_captured().into_iter().filter(|l| l.0 == 2).collect();
+    assert_eq!(warns.len(), 1, "{warns:?}");
+    assert!(warns[0].2.contains("\"mxl5_0\" matches no RDMA device (devices: rxe0, rxe1)"));
+    finalize(net, ctx);
 }
 
 #[test]
