@@ -627,18 +627,24 @@ fn the_fifo_and_every_sequence_wrap_over_a_hundred_thousand_messages() {
     assert_eq!(o.recvs_done, 100_000);
 }
 
-#[test]
-fn a_broken_link_fails_every_outstanding_request_and_nothing_else() {
-    let mut rng = Rng(0xdead_beef);
+/// Runs 100 random programs with a fault injected by `fault` at a random step; returns how
+/// many requests failed. Whatever completed before the fault was checked byte for byte; whatever
+/// was outstanding failed instead of hanging (the loop ends only when nothing is left).
+fn with_fault(seed: u64, fault: impl Fn(&mut Run, u64)) -> usize {
+    let mut rng = Rng(seed);
     let mut failed = 0;
-    for seed in 0..100u64 {
+    for s in 0..100u64 {
         let mut run = random_run(&mut rng, 150, 4096);
-        run.break_at = Some(200 + rng.below(3000));
-        let o = drive(&run, seed + 1);
-        // Whatever completed before the break was checked byte for byte; whatever was
-        // outstanding failed instead of hanging (the loop ends only when nothing is left).
+        fault(&mut run, 100 + rng.below(3000));
+        let o = drive(&run, s + 1);
         failed += o.errors[0] + o.errors[1];
     }
+    failed
+}
+
+#[test]
+fn a_broken_link_fails_every_outstanding_request_and_nothing_else() {
+    let failed = with_fault(0xdead_beef, |run, at| run.break_at = Some(at));
     assert!(failed > 0, "no run had work outstanding at the break");
 }
 
@@ -646,14 +652,7 @@ fn a_broken_link_fails_every_outstanding_request_and_nothing_else() {
 /// with it, later calls fail, and nothing completes twice or with wrong bytes.
 #[test]
 fn a_failed_post_fails_the_comm_and_every_pending_request() {
-    let mut rng = Rng(0x005e_ed0f_fa11);
-    let mut failed = 0;
-    for seed in 0..100u64 {
-        let mut run = random_run(&mut rng, 150, 4096);
-        run.posts_fail_at = Some(100 + rng.below(3000));
-        let o = drive(&run, seed + 7);
-        failed += o.errors[0] + o.errors[1];
-    }
+    let failed = with_fault(0x005e_ed0f_fa11, |run, at| run.posts_fail_at = Some(at));
     assert!(failed > 0, "no run had work outstanding when posts began to fail");
 }
 
