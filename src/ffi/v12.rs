@@ -4,18 +4,22 @@
 //! Every function is plumbing around a safe call: clear the "not ready" outputs, run the body in
 //! [`guard`], write outputs only on success.
 
+use std::collections::HashMap;
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::sync::Mutex;
+
+use once_cell::sync::Lazy;
 
 use super::abi::*;
 use super::handles::{self, AnyComm, CommHandle, clear, out};
 use super::{Exported, PLUGIN_NAME, guard, log};
 use crate::error::{Error, Result};
 use crate::transport::comm::{Buf, FLUSH_BASE, MAX_RECVS, RecvComm, ReqKind, SendComm};
+use crate::transport::handshake::{self, HANDLE_SIZE};
 use crate::transport::mr_cache::MemKind;
 use crate::transport::reg::{self, MrHandle};
 use crate::transport::setup::{Connector, Listener};
-use crate::transport::{self, CommContext, NetDevice, handshake};
+use crate::transport::{self, CommContext, NetDevice};
 
 #[unsafe(no_mangle)]
 pub static ncclNetPlugin_v12: Exported<ncclNet_v12_t> = Exported(ncclNet_v12_t {
@@ -152,14 +156,80 @@ fn intern(s: &str) -> *mut c_char {
     ptr
 }
 
-/// Where the connector keeps its state in NCCL's handle buffer between `connect` calls: the
-/// `Box<Connector>` pointer, and a check word so a foreign handle is never taken for one.
+/// Where a connect in progress keeps its id in NCCL's handle buffer between `connect` calls
+/// (the bytes `listen` leaves zero and never sends).
 const STATE: usize = handshake::HANDLE_STATE_OFFSET;
-const CHECK: u64 = 0x5354_4154_4543_4f4e;
+/// The most connects in progress at once. NCCL may abandon a connect (an error elsewhere, a
+/// job torn down); beyond this many, the one advanced least recently is dropped.
+const MAX_CONNECTS: usize = 4096;
 
-fn handle_bytes<'a>(handle: *mut c_void) -> Result<&'a mut [u8; handshake::HANDLE_SIZE]> {
+/// Connects in progress, keyed by a random id kept in the handle's state bytes: those bytes are
+/// only ever looked up, never taken for a pointer, so a garbled or foreign handle is simply not
+/// found. An entry leaves when its connect finishes or fails, or when it is pushed out.
+static CONNECTS: Lazy<Mutex<Parked<Box<Connector>>>> =
+    Lazy::new(|| Mutex::new(Parked::new(MAX_CONNECTS)));
+
+fn connects() -> std::sync::MutexGuard<'static, Parked<Box<Connector>>> {
+    CONNECTS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A bounded table of values parked between calls under 64-bit ids; when full, parking pushes
+/// out the value parked longest ago.
+struct Parked<T> {
+    cap: usize,
+    /// Park order: each park takes the next number.
+    seq: u64,
+    map: HashMap<u64, (u64, T)>,
+}
+
+impl<T> Parked<T> {
+    fn new(cap: usize) -> Self {
+        Parked { cap, seq: 0, map: HashMap::new() }
+    }
+
+    /// Parks `v` under `id` (a new id, or one just taken); returns what was pushed out.
+    fn park(&mut self, id: u64, v: T) -> Option<(u64, T)> {
+        let mut out = None;
+        if self.map.len() >= self.cap && !self.map.contains_key(&id) {
+            let oldest = self.map.iter().min_by_key(|(_, (seq, _))| *seq).map(|(k, _)| *k);
+            out = oldest.and_then(|k| self.map.remove(&k).map(|(_, v)| (k, v)));
+        }
+        self.seq += 1;
+        self.map.insert(id, (self.seq, v));
+        out
+    }
+
+    /// Takes the value under `id` if there is one and `belongs` accepts it.
+    fn take(&mut self, id: u64, belongs: impl FnOnce(&T) -> bool) -> Option<T> {
+        let (_, v) = self.map.get(&id)?;
+        if !belongs(v) {
+            return None;
+        }
+        self.map.remove(&id).map(|(_, v)| v)
+    }
+
+    fn contains(&self, id: u64) -> bool {
+        self.map.contains_key(&id)
+    }
+}
+
+/// A fresh id for a connect in progress: random, non-zero (zero means "none"), unused.
+fn fresh_id() -> Result<u64> {
+    loop {
+        let id = crate::os::random_u64().map_err(|err| Error::Os {
+            call: "getrandom",
+            err,
+            context: "connect id".into(),
+        })?;
+        if id != 0 && !connects().contains(id) {
+            return Ok(id);
+        }
+    }
+}
+
+fn handle_bytes<'a>(handle: *mut c_void) -> Result<&'a mut [u8; HANDLE_SIZE]> {
     // SAFETY: NCCL's handle buffer is NCCL_NET_HANDLE_MAXSIZE (128) bytes, valid for the call.
-    unsafe { handle.cast::<[u8; handshake::HANDLE_SIZE]>().as_mut() }
+    unsafe { handle.cast::<[u8; HANDLE_SIZE]>().as_mut() }
         .ok_or_else(|| Error::Internal("NULL handle".into()))
 }
 
@@ -207,29 +277,43 @@ pub(super) unsafe fn connect_with(
     unsafe { clear(send_comm) };
     guard("connect", || {
         let bytes = handle_bytes(handle)?;
-        let stored = u64::from_le_bytes(bytes[STATE..STATE + 8].try_into().expect("8 bytes"));
-        let check = u64::from_le_bytes(bytes[STATE + 8..STATE + 16].try_into().expect("8 bytes"));
-        let mut connector = if stored != 0 && check == stored ^ CHECK {
-            // SAFETY: this pointer was stored by an earlier call on this same handle buffer.
-            unsafe { handles::take::<Connector>(stored as *mut c_void, "connector") }?
-        } else {
-            // SAFETY: ctx is what init returned (or the legacy context).
-            let c = unsafe { handles::ctx(ctx) }?;
-            let h = handshake::Handle::decode(bytes)
-                .map_err(|r| Error::Internal(format!("connect: invalid handle: {r}")))?;
-            let tc = tc.and_then(|t| u8::try_from(t).ok()).or(c.traffic_class);
-            Connector::start(c, dev, h, tc)?
+        let id = u64::from_le_bytes(bytes[STATE..STATE + 8].try_into().expect("8 bytes"));
+        // Cleared until this call parks the connect again: after an error, nothing points at
+        // a connect that no longer exists.
+        bytes[STATE..HANDLE_SIZE].fill(0);
+        // The published part, decoded afresh on every call: a parked connect is taken only for
+        // the same listener, and without one a connect starts.
+        let decoded = handshake::Handle::decode(bytes)
+            .map_err(|r| Error::Internal(format!("connect: invalid handle: {r}")));
+        let parked = match (&decoded, id) {
+            (Ok(h), id) if id != 0 => connects().take(id, |c| c.handle() == *h),
+            _ => None,
         };
-        bytes[STATE..STATE + 16].fill(0);
+        let (id, mut connector) = match parked {
+            Some(c) => (id, c),
+            None => {
+                let h = decoded?;
+                // SAFETY: ctx is what init returned (or the legacy context).
+                let c = unsafe { handles::ctx(ctx) }?;
+                let tc = tc.and_then(|t| u8::try_from(t).ok()).or(c.traffic_class);
+                (fresh_id()?, Box::new(Connector::start(c, dev, h, tc)?))
+            }
+        };
         // On error the connector is dropped here, closing everything it built.
         if let Some(comm) = connector.progress()? {
             // SAFETY: valid slot per the ABI (NULL rejected).
             *unsafe { out(send_comm, "sendComm") }? =
                 handles::into_raw(CommHandle::new(AnyComm::Send(comm)));
-        } else {
-            let p = handles::into_raw(connector) as u64;
-            bytes[STATE..STATE + 8].copy_from_slice(&p.to_le_bytes());
-            bytes[STATE + 8..STATE + 16].copy_from_slice(&(p ^ CHECK).to_le_bytes());
+            return Ok(());
+        }
+        let pushed_out = connects().park(id, connector);
+        bytes[STATE..STATE + 8].copy_from_slice(&id.to_le_bytes());
+        if let Some((_, old)) = pushed_out {
+            ::log::warn!(
+                "connect: {MAX_CONNECTS} connects in progress; dropped the one to {} advanced \
+                 least recently (NCCL stopped calling connect for it)",
+                old.handle().addr
+            );
         }
         Ok(())
     })
@@ -506,4 +590,38 @@ pub(super) unsafe extern "C" fn close_listen(listen_comm: *mut c_void) -> ncclRe
         drop(unsafe { handles::take::<Listener>(listen_comm, "listenComm") }?);
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parked_values_are_found_by_id_only_and_leave_when_taken() {
+        let mut t = Parked::new(3);
+        assert_eq!(t.park(10, "a"), None);
+        assert_eq!(t.park(20, "b"), None);
+        assert_eq!(t.take(99, |_| true), None, "an unknown id is not found");
+        assert_eq!(t.take(10, |v| *v == "other"), None, "another listener's entry stays");
+        assert!(t.contains(10));
+        assert_eq!(t.take(10, |v| *v == "a"), Some("a"));
+        assert_eq!(t.take(10, |_| true), None, "taken once");
+    }
+
+    #[test]
+    fn a_full_table_pushes_out_the_value_advanced_least_recently() {
+        let mut t = Parked::new(3);
+        for (id, v) in [(1, 'a'), (2, 'b'), (3, 'c')] {
+            assert_eq!(t.park(id, v), None);
+        }
+        // 1 is advanced again (taken and parked): 2 is now the stalest.
+        let a = t.take(1, |_| true).unwrap();
+        assert_eq!(t.park(1, a), None);
+        assert_eq!(t.park(4, 'd'), Some((2, 'b')));
+        assert_eq!(t.park(5, 'e'), Some((3, 'c')));
+        assert_eq!(t.map.len(), 3);
+        // Re-parking a present id never pushes anything out.
+        assert_eq!(t.park(5, 'f'), None);
+        assert_eq!(t.map.len(), 3);
+    }
 }

@@ -11,7 +11,7 @@
 //! in `Reply`).
 
 use std::fmt;
-use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr, SocketAddrV6};
 
 pub const MAGIC: u64 = 0x3145_434f_5252_4546; // "FERROCE1", little-endian
 pub const VERSION: u32 = 1;
@@ -24,7 +24,8 @@ pub const MAX_QPS: usize = 128;
 pub const MSG_LEN: usize = 96 + MAX_QPS * 6;
 const HEADER_LEN: usize = 32;
 
-/// What `listen` publishes.
+/// What `listen` publishes. An IPv6 address keeps its scope id (the interface index of a
+/// link-local address, bytes 40..44), as NCCL's own socket address does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Handle {
     pub addr: SocketAddr,
@@ -92,21 +93,27 @@ impl Handle {
         put(out, 14, self.addr.port().to_le_bytes());
         put(out, 16, ip);
         put(out, 32, self.nonce.to_le_bytes());
+        if let SocketAddr::V6(a) = self.addr {
+            put(out, 40, a.scope_id().to_le_bytes());
+        }
     }
 
     pub fn decode(b: &[u8; HANDLE_SIZE]) -> Result<Handle, Reject> {
         check_magic_version(b)?;
         let v6 = Ipv6Addr::from(get::<16>(b, 16));
-        let ip = match b[12] {
-            4 => IpAddr::V4(v6.to_ipv4_mapped().ok_or(Reject::Field("handle address"))?),
-            6 => IpAddr::V6(v6),
-            _ => return Err(Reject::Field("handle family")),
-        };
         let port = u16::from_le_bytes(get(b, 14));
         if port == 0 {
             return Err(Reject::Field("handle port"));
         }
-        Ok(Handle { addr: SocketAddr::new(ip, port), nonce: u64::from_le_bytes(get(b, 32)) })
+        let addr = match b[12] {
+            4 => SocketAddr::new(
+                IpAddr::V4(v6.to_ipv4_mapped().ok_or(Reject::Field("handle address"))?),
+                port,
+            ),
+            6 => SocketAddr::V6(SocketAddrV6::new(v6, port, 0, u32::from_le_bytes(get(b, 40)))),
+            _ => return Err(Reject::Field("handle family")),
+        };
+        Ok(Handle { addr, nonce: u64::from_le_bytes(get(b, 32)) })
     }
 }
 
@@ -272,6 +279,21 @@ mod tests {
     }
 
     #[test]
+    fn handle_keeps_the_scope_of_a_link_local_address() {
+        let addr = SocketAddr::V6(SocketAddrV6::new("fe80::1".parse().unwrap(), 4000, 0, 7));
+        let h = Handle { addr, nonce: 5 };
+        let mut b = [0; HANDLE_SIZE];
+        h.encode(&mut b);
+        let back = Handle::decode(&b).unwrap();
+        assert_eq!(back, h);
+        let SocketAddr::V6(a) = back.addr else { panic!("not v6: {back:?}") };
+        assert_eq!(a.scope_id(), 7);
+        // An IPv4 handle carries no scope: those bytes stay zero.
+        Handle { addr: "10.0.0.1:9".parse().unwrap(), nonce: 5 }.encode(&mut b);
+        assert!(b[40..44].iter().all(|&x| x == 0));
+    }
+
+    #[test]
     fn handle_rejects_garbage() {
         let mut b = [0u8; HANDLE_SIZE];
         assert!(matches!(Handle::decode(&b), Err(Reject::Magic(0))));
@@ -331,5 +353,133 @@ mod tests {
         let mut long = good;
         long[16..20].copy_from_slice(&4096u32.to_le_bytes());
         assert_eq!(Msg::check_header(&long[..header_len()]), Err(Reject::Length(4096)));
+    }
+}
+
+/// Property tests: whatever bytes a stranger sends, decoding never panics, and what it accepts
+/// is a message that encodes back to itself.
+#[cfg(test)]
+mod props {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn kind() -> impl Strategy<Value = Kind> {
+        prop_oneof![Just(Kind::Hello), Just(Kind::Reply), Just(Kind::Ready)]
+    }
+
+    /// A message that passes every check of `decode` for `kind`.
+    fn valid(kind: Kind) -> impl Strategy<Value = Msg> {
+        (
+            (1..=MAX_QPS, any::<u64>(), any::<bool>(), any::<u8>(), 0u8..=15, 1u8..=5),
+            (1u8..=255, any::<u8>(), any::<[u8; 16]>(), 1..=u64::MAX, any::<u32>(), 1..=u32::MAX),
+            (proptest::collection::vec((1u32..=0xff_ffff, 0xc000u16..=0xffff), MAX_QPS)),
+        )
+            .prop_map(move |((nqps, nonce, split, fifo_tc, sl, mtu), rest, qps)| {
+                let (port, traffic_class, gid, buf_addr, buf_rkey, max_msg) = rest;
+                // Unused slots are zero, as `endpoint` leaves them.
+                let slot = |i: usize, v: u32| if i < nqps { v } else { 0 };
+                Msg {
+                    kind,
+                    nonce,
+                    nqps: nqps as u8,
+                    qpns: std::array::from_fn(|i| slot(i, qps[i].0)),
+                    sports: std::array::from_fn(|i| slot(i, u32::from(qps[i].1)) as u16),
+                    split,
+                    fifo_tc,
+                    sl,
+                    mtu,
+                    port,
+                    traffic_class,
+                    gid,
+                    buf_addr,
+                    buf_rkey,
+                    max_msg,
+                }
+            })
+    }
+
+    fn bytes(n: usize) -> impl Strategy<Value = Vec<u8>> {
+        proptest::collection::vec(any::<u8>(), n)
+    }
+
+    /// Decodes, and checks an accepted message re-encodes to one that decodes to itself.
+    fn decode_checked(b: &[u8; MSG_LEN], want: Kind, nonce: u64) -> Result<Msg, Reject> {
+        let r = Msg::decode(b, want, nonce);
+        if let Ok(m) = &r {
+            assert_eq!(m.kind, want);
+            assert_eq!(m.nonce, nonce);
+            assert_eq!(Msg::decode(&m.encode(), want, nonce).as_ref(), Ok(m));
+        }
+        r
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(b in bytes(MSG_LEN), want in kind(), nonce: u64) {
+            let b: [u8; MSG_LEN] = b.try_into().unwrap();
+            let _ = Msg::check_header(&b[..header_len()]);
+            let _ = decode_checked(&b, want, nonce);
+            // The nonce in the bytes themselves, so decoding gets past the nonce check.
+            let own = u64::from_le_bytes(get(&b, 24));
+            let _ = decode_checked(&b, want, own);
+        }
+
+        #[test]
+        fn a_valid_header_with_a_garbage_body_never_panics(
+            body in bytes(MSG_LEN - header_len()), want in kind(), nonce: u64,
+        ) {
+            let mut b = [0u8; MSG_LEN];
+            b[header_len()..].copy_from_slice(&body);
+            put(&mut b, 0, MAGIC.to_le_bytes());
+            put(&mut b, 8, VERSION.to_le_bytes());
+            put(&mut b, 12, (want as u32).to_le_bytes());
+            put(&mut b, 16, (MSG_LEN as u32).to_le_bytes());
+            put(&mut b, 24, nonce.to_le_bytes());
+            prop_assert_eq!(Msg::check_header(&b), Ok(()));
+            let _ = decode_checked(&b, want, nonce);
+        }
+
+        #[test]
+        fn mutated_messages_decode_or_reject(
+            m in kind().prop_flat_map(valid),
+            edits in proptest::collection::vec((0..MSG_LEN, any::<u8>()), 1..8),
+            want in kind(),
+        ) {
+            let mut b = m.encode();
+            for (at, v) in edits {
+                b[at] = v;
+            }
+            let _ = decode_checked(&b, want, m.nonce);
+        }
+
+        #[test]
+        fn valid_messages_round_trip(m in kind().prop_flat_map(valid)) {
+            prop_assert_eq!(decode_checked(&m.encode(), m.kind, m.nonce), Ok(m));
+            // Another listener's nonce is always refused.
+            prop_assert_eq!(Msg::decode(&m.encode(), m.kind, !m.nonce), Err(Reject::Nonce));
+        }
+
+        #[test]
+        fn handle_decode_of_any_bytes_never_panics(b in bytes(HANDLE_SIZE)) {
+            let b: [u8; HANDLE_SIZE] = b.try_into().unwrap();
+            if let Ok(h) = Handle::decode(&b) {
+                let mut again = [0u8; HANDLE_SIZE];
+                h.encode(&mut again);
+                prop_assert_eq!(Handle::decode(&again), Ok(h));
+            }
+        }
+
+        #[test]
+        fn handles_round_trip(v6: bool, ip: [u8; 16], port in 1u16.., scope: u32, nonce: u64) {
+            let addr = if v6 {
+                SocketAddr::V6(SocketAddrV6::new(Ipv6Addr::from(ip), port, 0, scope))
+            } else {
+                SocketAddr::new(IpAddr::from([ip[0], ip[1], ip[2], ip[3]]), port)
+            };
+            let h = Handle { addr, nonce };
+            let mut b = [0u8; HANDLE_SIZE];
+            h.encode(&mut b);
+            prop_assert_eq!(Handle::decode(&b), Ok(h));
+        }
     }
 }

@@ -4,18 +4,29 @@
 //! again. Every step has a deadline (`FERROCE_SETUP_TIMEOUT_MS`); a passed deadline is an error
 //! naming the peer and the step.
 //!
-//! The listener rejects connections that are not the rightful peer (wrong magic, version,
-//! length or nonce, a truncated message, or silence until the deadline) with one WARN each and
-//! keeps serving; only a peer that proved itself and then fails makes `accept` fail.
+//! The listener serves any connection until it proves itself with a hello carrying this
+//! listener's nonce. It holds at most [`MAX_PENDING`] unproven ones (a newcomer pushes out the
+//! oldest), gives each [`HELLO_TIMEOUT`] to send its hello, and drops one that fails (wrong
+//! magic, version, length or nonce, a truncated message, silence) alone, with a WARN for the
+//! first [`REJECT_WARNS`] and a count for the rest. Nothing a stranger does moves the
+//! listener's own deadline: the rightful peer must prove itself within
+//! `FERROCE_SETUP_TIMEOUT_MS` of the first `accept` call. `accept(2)` errors that concern one
+//! connection are skipped, running out of fds backs off, and only a broken listening socket
+//! fails `accept`. A peer that proved itself and then fails makes `accept` fail.
+//!
+//! Error classes: what the peer or the network caused (closed, garbled, late, wrong nonce) is
+//! `Error::Remote`; a failure of our own side (queue pairs, registration, a fatal device)
+//! keeps its class through `Error::context`.
 //!
 //! Exchange: connector → `Hello` (its QP, GID, MTU, FIFO); acceptor → `Reply` (its QP, GID,
 //! MTU, size records), after moving its QP to RTS; connector → `Ready`, after moving its QP to
 //! RTS. So no CTS is ever written before the sender's QP can take it.
 
+use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::comm::{Flusher, Path, RecvComm, RecvParts, SendComm, SendParts};
 use super::device;
@@ -255,16 +266,37 @@ fn log_connection(role: &str, path: &Path, p: &Policy) {
 
 // ---------------------------------------------------------------------------------------------
 
+/// The most connections a listener serves before they prove themselves; when another
+/// arrives, the oldest unproven one is dropped.
+pub const MAX_PENDING: usize = 64;
+/// How long a connection may take to prove itself with its hello (never longer than
+/// `FERROCE_SETUP_TIMEOUT_MS`). A stranger holds a slot at most this long. The rightful peer
+/// sends its hello on NCCL's next `connect` call after its TCP connection completes, so this
+/// leaves room for a proxy thread busy elsewhere (e.g. registering buffers) in between.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long `accept` stops taking connections after the process ran out of fds or memory
+/// (EMFILE, ENFILE, ENOBUFS, ENOMEM); the connections already taken are still served.
+pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// Turned-away connections logged one by one per listener; the rest are counted.
+pub const REJECT_WARNS: u64 = 8;
+/// At most this often a count of the unlogged ones, while they keep coming.
+pub const REJECT_SUMMARY_EVERY: Duration = Duration::from_secs(60);
+
 /// A bound listener: what `listen` returns.
 pub struct Listener {
     listener: TcpListener,
     handle: Handle,
     net: Arc<Net>,
     dev: usize,
-    pending: Vec<Pending>,
-    /// Deadline for some peer to prove itself; extended while bad connections keep the
-    /// listener busy.
+    /// Connections being served, oldest first; at most [`MAX_PENDING`].
+    pending: VecDeque<Pending>,
+    /// When the wait for the rightful peer ends: `FERROCE_SETUP_TIMEOUT_MS` after the first
+    /// `accept` call of this wait. Nothing a stranger does moves it.
     deadline: Option<Instant>,
+    /// No `accept(2)` before this (the process ran out of fds or memory).
+    paused_until: Option<Instant>,
+    rejects: RejectLog,
+    exhausted: RejectLog,
 }
 
 enum Stage {
@@ -283,6 +315,121 @@ struct Pending {
     link: Link,
     stage: Stage,
     deadline: Instant,
+}
+
+impl Pending {
+    /// Whether this connection sent a valid hello with this listener's nonce.
+    fn proven(&self) -> bool {
+        !matches!(self.stage, Stage::AwaitHello)
+    }
+}
+
+/// Appends `new` to `q`, which holds at most `cap`. When full, the oldest item `evictable`
+/// allows is taken out to make room; if none may go, `new` is refused. Returns the item that
+/// did not stay, if any.
+fn admit<T>(q: &mut VecDeque<T>, new: T, cap: usize, evictable: impl Fn(&T) -> bool) -> Option<T> {
+    let mut out = None;
+    if q.len() >= cap {
+        match q.iter().position(evictable) {
+            Some(i) => out = q.remove(i),
+            None => return Some(new),
+        }
+    }
+    q.push_back(new);
+    out
+}
+
+/// What an `accept(2)` error means for the listener.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum AcceptErr {
+    /// Nothing more to take now.
+    Empty,
+    /// That one connection failed (accept(2): network errors of the new socket, EINTR, EPERM
+    /// from a firewall): take the next.
+    Transient,
+    /// The process or system is out of fds or memory: stop taking connections for
+    /// [`ACCEPT_BACKOFF`], keep serving those already taken.
+    Exhausted,
+    /// The listening socket itself is broken (EBADF, EINVAL, ENOTSOCK, ...).
+    Fatal,
+}
+
+fn classify_accept(errno: Option<i32>) -> AcceptErr {
+    match errno {
+        Some(libc::EAGAIN) => AcceptErr::Empty,
+        Some(
+            libc::EINTR
+            | libc::ECONNABORTED
+            | libc::ECONNRESET
+            | libc::EPROTO
+            | libc::ENETDOWN
+            | libc::ENOPROTOOPT
+            | libc::EHOSTDOWN
+            | libc::ENONET
+            | libc::EHOSTUNREACH
+            | libc::EOPNOTSUPP
+            | libc::ENETUNREACH
+            | libc::EPERM
+            | libc::ETIMEDOUT
+            | libc::ENOSR
+            | libc::ESOCKTNOSUPPORT
+            | libc::EPROTONOSUPPORT,
+        ) => AcceptErr::Transient,
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => AcceptErr::Exhausted,
+        _ => AcceptErr::Fatal,
+    }
+}
+
+/// The rate limit of one kind of WARN: the first [`REJECT_WARNS`] are logged one by one, the
+/// rest only counted and reported as one line when [`RejectLog::summary`] says so.
+#[derive(Debug, Default)]
+struct RejectLog {
+    total: u64,
+    /// Counted since the last summary, not logged.
+    unreported: u64,
+    /// When the first of `unreported` came.
+    quiet_since: Option<Instant>,
+}
+
+impl RejectLog {
+    /// Counts one; `true` if this one is to be logged by itself.
+    fn note(&mut self, now: Instant) -> bool {
+        self.total += 1;
+        if self.total <= REJECT_WARNS {
+            return true;
+        }
+        self.unreported += 1;
+        self.quiet_since.get_or_insert(now);
+        false
+    }
+
+    /// Whether this is the last one logged by itself (its line says the rest are counted).
+    fn last_logged(&self) -> bool {
+        self.total == REJECT_WARNS
+    }
+
+    /// `(unreported, total)` when a summary line is due: `force`d (the peer arrived, the
+    /// listener closes) or [`REJECT_SUMMARY_EVERY`] after the first unreported one.
+    fn summary(&mut self, now: Instant, force: bool) -> Option<(u64, u64)> {
+        let since = self.quiet_since?;
+        if !force && now < since + REJECT_SUMMARY_EVERY {
+            return None;
+        }
+        let n = std::mem::take(&mut self.unreported);
+        self.quiet_since = None;
+        Some((n, self.total))
+    }
+}
+
+/// A failure of our own side while serving or connecting to the proven peer (queue pairs,
+/// registration, a fatal device): it keeps its class (`ncclSystemError`), with `what` in front.
+fn ours(what: String) -> impl FnOnce(Error) -> Error {
+    move |e| e.context(what)
+}
+
+/// A failure the peer or the network caused (closed, garbled, late, wrong nonce): `Remote`.
+fn theirs(what: &str, why: impl std::fmt::Display) -> Error {
+    Error::Remote(format!("{what}: {why}"))
 }
 
 /// The addresses of interface `name`.
@@ -370,8 +517,11 @@ impl Listener {
             handle: Handle { addr, nonce },
             net,
             dev,
-            pending: Vec::new(),
+            pending: VecDeque::new(),
             deadline: None,
+            paused_until: None,
+            rejects: RejectLog::default(),
+            exhausted: RejectLog::default(),
         })
     }
 
@@ -379,66 +529,146 @@ impl Listener {
         self.handle
     }
 
-    fn timeout(&self) -> std::time::Duration {
+    fn timeout(&self) -> Duration {
         self.net.config.setup_timeout
     }
 
-    /// Advances every pending connection; `Some` once the rightful peer is connected.
-    pub fn accept(&mut self) -> Result<Option<Box<RecvComm>>> {
-        let now = Instant::now();
-        self.deadline.get_or_insert(now + self.timeout());
-        loop {
-            match self.listener.accept() {
+    fn describe(&self) -> String {
+        format!("listener {} (device {})", self.handle.addr, self.net.devices[self.dev].name)
+    }
+
+    /// Logs one turned-away connection, or counts it once [`REJECT_WARNS`] were logged.
+    fn reject(&mut self, from: &dyn std::fmt::Display, why: &str, now: Instant) {
+        if self.rejects.note(now) {
+            let more = if self.rejects.last_logged() {
+                " (further rejections are counted, not logged one by one)"
+            } else {
+                ""
+            };
+            log::warn!(
+                "{}: rejected connection from {from}: {why}; still waiting for the peer{more}",
+                self.describe()
+            );
+        }
+    }
+
+    /// The count of the rejections not logged one by one, when one is due.
+    fn summarize(&mut self, now: Instant, force: bool) {
+        if let Some((n, total)) = self.rejects.summary(now, force) {
+            log::warn!(
+                "{}: {n} more connection(s) rejected without a line each ({total} in total)",
+                self.describe()
+            );
+        }
+        if let Some((n, total)) = self.exhausted.summary(now, force) {
+            log::warn!(
+                "{}: accept ran out of fds or memory {n} more time(s) ({total} in total)",
+                self.describe()
+            );
+        }
+    }
+
+    /// Takes the connections waiting in the kernel, at most [`MAX_PENDING`] per call, so a
+    /// flood cannot keep the listener from serving those it has.
+    fn take_new(&mut self, now: Instant) -> Result<()> {
+        if self.paused_until.is_some_and(|t| now < t) {
+            return Ok(());
+        }
+        self.paused_until = None;
+        let hello_deadline = now + HELLO_TIMEOUT.min(self.timeout());
+        for _ in 0..MAX_PENDING {
+            let err = match self.listener.accept() {
                 Ok((stream, peer)) => {
-                    let link = Link::new(stream, peer).map_err(|err| Error::Os {
-                        call: "setsockopt",
-                        err,
-                        context: peer.to_string(),
-                    })?;
-                    self.pending.push(Pending {
-                        link,
-                        stage: Stage::AwaitHello,
-                        deadline: now + self.timeout(),
-                    });
+                    match Link::new(stream, peer) {
+                        Ok(link) => {
+                            let p = Pending {
+                                link,
+                                stage: Stage::AwaitHello,
+                                deadline: hello_deadline,
+                            };
+                            if let Some(out) =
+                                admit(&mut self.pending, p, MAX_PENDING, |p| !p.proven())
+                            {
+                                let why = format!(
+                                    "{MAX_PENDING} connections pending; dropped the oldest that had not proven itself"
+                                );
+                                self.reject(&out.link.peer, &why, now);
+                            }
+                        }
+                        Err(e) => self.reject(&peer, &format!("setsockopt: {e}"), now),
+                    }
+                    continue;
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(err) => {
-                    return Err(Error::Os {
-                        call: "accept",
-                        err,
-                        context: self.handle.addr.to_string(),
-                    });
+                Err(e) => e,
+            };
+            match classify_accept(err.raw_os_error()) {
+                AcceptErr::Empty => break,
+                AcceptErr::Transient => {
+                    self.reject(
+                        &"(unknown)",
+                        &format!("accept: {err}; that connection is lost"),
+                        now,
+                    );
+                }
+                AcceptErr::Exhausted => {
+                    self.paused_until = Some(now + ACCEPT_BACKOFF);
+                    if self.exhausted.note(now) {
+                        log::warn!(
+                            "{}: accept: {err}; not taking connections for {} ms (raise the \
+                             open-files limit `ulimit -n` if this persists)",
+                            self.describe(),
+                            ACCEPT_BACKOFF.as_millis()
+                        );
+                    }
+                    break;
+                }
+                AcceptErr::Fatal => {
+                    return Err(Error::Os { call: "accept", err, context: self.describe() });
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Advances every pending connection; `Some` once the rightful peer is connected.
+    ///
+    /// A connection that has not proven itself (valid hello, this listener's nonce) and fails
+    /// is dropped alone. Only the proven peer's failure, or no proven peer by the deadline,
+    /// makes `accept` fail.
+    pub fn accept(&mut self) -> Result<Option<Box<RecvComm>>> {
+        let now = Instant::now();
+        let deadline = *self.deadline.get_or_insert(now + self.timeout());
+        self.take_new(now)?;
         let mut i = 0;
         while i < self.pending.len() {
             match self.step(i, now) {
                 Ok(Some(comm)) => {
-                    self.pending.clear(); // anything else on this listener is not our peer
+                    // Anything else on this listener is not our peer; a next wait starts anew.
+                    self.pending.clear();
+                    self.deadline = None;
+                    self.summarize(now, true);
                     return Ok(Some(comm));
                 }
                 Ok(None) => i += 1,
-                Err(Drop(why)) => {
-                    let p = self.pending.swap_remove(i);
-                    log::warn!(
-                        "listener {} (device {}): rejected connection from {}: {why}; still waiting for the peer",
-                        self.handle.addr,
-                        self.net.devices[self.dev].name,
-                        p.link.peer
-                    );
-                    self.deadline = Some(now + self.timeout());
+                Err(Stranger(why)) => {
+                    if let Some(p) = self.pending.remove(i) {
+                        self.reject(&p.link.peer, &why, now);
+                    }
                 }
-                Err(Fail(e)) => return Err(e),
+                Err(Peer(e)) => {
+                    self.pending.remove(i);
+                    return Err(e);
+                }
             }
         }
-        if self.pending.is_empty() && self.deadline.is_some_and(|d| now > d) {
+        self.summarize(now, false);
+        if now > deadline && !self.pending.iter().any(Pending::proven) {
             return Err(Error::Remote(format!(
                 "accept on {}: no peer connected within {} ms (step: wait for connection; \
-                 FERROCE_SETUP_TIMEOUT_MS)",
+                 FERROCE_SETUP_TIMEOUT_MS; {} other connection(s) rejected meanwhile)",
                 self.handle.addr,
-                self.timeout().as_millis()
+                self.timeout().as_millis(),
+                self.rejects.total
             )));
         }
         Ok(None)
@@ -453,26 +683,27 @@ impl Listener {
         let (dev, nonce, timeout) = (self.dev, self.handle.nonce, self.timeout());
         let p = &mut self.pending[i];
         let peer = p.link.peer;
-        let fail = |step: &str, why: String| {
-            Fail(Error::Remote(format!("accept from {peer}: {step}: {why}")))
-        };
+        let what = format!("accept from {peer}");
+        let fail = |step: &str, why: String| Peer(theirs(&format!("{what}: {step}"), why));
         loop {
             match &mut p.stage {
                 Stage::AwaitHello => {
-                    let Some(bytes) = p.link.recv().map_err(|b| Drop(b.to_string()))? else {
+                    let Some(bytes) = p.link.recv().map_err(|b| Stranger(b.to_string()))? else {
                         if now > p.deadline {
-                            return Err(Drop(format!(
+                            return Err(Stranger(format!(
                                 "no hello within {} ms",
-                                timeout.as_millis()
+                                HELLO_TIMEOUT.min(timeout).as_millis()
                             )));
                         }
                         return Ok(None);
                     };
-                    let hello =
-                        Msg::decode(&bytes, Kind::Hello, nonce).map_err(|r| Drop(r.to_string()))?;
-                    // The peer proved itself: from here on, failures are errors.
+                    let hello = Msg::decode(&bytes, Kind::Hello, nonce)
+                        .map_err(|r| Stranger(r.to_string()))?;
+                    // The peer proved itself: from here on, failures are errors, each of the
+                    // class of whoever caused it.
                     let acc = accept_parts(&net, dev, &hello)
-                        .map_err(|e| fail("create queue pair", e.to_string()))?;
+                        .map_err(ours(format!("{what}: create queue pairs")))
+                        .map_err(Peer)?;
                     let policy = Policy::of(&hello);
                     let reply = endpoint(
                         &net,
@@ -483,7 +714,8 @@ impl Listener {
                         &policy,
                         &acc.parts.sizes,
                     )
-                    .map_err(|e| fail("reply", e.to_string()))?;
+                    .map_err(ours(format!("{what}: reply")))
+                    .map_err(Peer)?;
                     p.link.queue(&reply);
                     p.stage = Stage::SendReply(Box::new(acc));
                     p.deadline = now + timeout;
@@ -540,14 +772,20 @@ impl Listener {
     }
 }
 
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.summarize(Instant::now(), true);
+    }
+}
+
 /// How one pending connection ended a step badly.
 enum StepErr {
-    /// Not our peer: drop the connection, keep listening.
-    Drop(String),
-    /// Our peer failed: `accept` fails.
-    Fail(Error),
+    /// Not (yet) our peer: drop the connection, keep listening.
+    Stranger(String),
+    /// Our peer failed: `accept` fails with this error.
+    Peer(Error),
 }
-use StepErr::{Drop, Fail};
+use StepErr::{Peer, Stranger};
 
 fn accept_parts(net: &Arc<Net>, dev: usize, hello: &Msg) -> Result<Accepted> {
     let policy = Policy::of(hello);
@@ -622,13 +860,26 @@ impl Connector {
             context: peer.to_string(),
         })?;
         let policy = Policy::local(&net, comm_tc, handle.nonce);
-        let parts = Some(SendParts::new(&net, dev, policy.nqps)?);
+        let parts = SendParts::new(&net, dev, policy.nqps)
+            .map_err(ours(format!("connect to {peer}: create queue pairs")))?;
+        let parts = Some(parts);
         let deadline = Instant::now() + net.config.setup_timeout;
         Ok(Connector { net, dev, policy, handle, link, stage: CStage::Connecting, parts, deadline })
     }
 
+    /// The listener this connector is connecting to.
+    pub fn handle(&self) -> Handle {
+        self.handle
+    }
+
+    /// A failure the peer or the network caused.
     fn fail(&self, step: &str, why: impl std::fmt::Display) -> Error {
-        Error::Remote(format!("connect to {}: {step}: {why}", self.handle.addr))
+        theirs(&format!("connect to {}: {step}", self.handle.addr), why)
+    }
+
+    /// A failure of our own side, keeping its class.
+    fn local(&self, step: &str) -> impl FnOnce(Error) -> Error {
+        ours(format!("connect to {}: {step}", self.handle.addr))
     }
 
     fn check_deadline(&self, step: &str) -> Result<()> {
@@ -669,7 +920,8 @@ impl Connector {
                         &parts.qps,
                         &self.policy,
                         &parts.fifo,
-                    )?;
+                    )
+                    .map_err(self.local("hello"))?;
                     self.link.queue(&hello);
                     self.next(CStage::SendHello);
                 }
@@ -703,7 +955,8 @@ impl Connector {
                         &reply,
                         &self.policy,
                         self.policy.tc,
-                    )?;
+                    )
+                    .map_err(self.local("connect queue pairs"))?;
                     let ready = Msg { kind: Kind::Ready, ..reply };
                     self.link.queue(&ready);
                     self.next(CStage::SendReady(Box::new(reply)));
@@ -732,5 +985,100 @@ impl Connector {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admit_drops_the_oldest_evictable_when_full() {
+        let mut q: VecDeque<u32> = VecDeque::new();
+        for i in 0..4 {
+            assert_eq!(admit(&mut q, i, 4, |_| true), None);
+        }
+        // Full: the oldest goes, arrival order stays.
+        assert_eq!(admit(&mut q, 4, 4, |_| true), Some(0));
+        assert_eq!(q, [1, 2, 3, 4]);
+        // Odd numbers stand for proven connections: never pushed out.
+        assert_eq!(admit(&mut q, 5, 4, |x| x % 2 == 0), Some(2));
+        assert_eq!(q, [1, 3, 4, 5]);
+        assert_eq!(admit(&mut q, 6, 4, |x| x % 2 == 0), Some(4));
+        assert_eq!(q, [1, 3, 5, 6]);
+        // Nothing may go but the newcomer's predecessor 6; then nothing: the newcomer is refused.
+        assert_eq!(admit(&mut q, 7, 4, |x| x % 2 == 0), Some(6));
+        assert_eq!(admit(&mut q, 8, 4, |x| x % 2 == 0), Some(8));
+        assert_eq!(q, [1, 3, 5, 7]);
+    }
+
+    #[test]
+    fn accept_errors_are_classified_as_accept_2_says() {
+        for e in [
+            libc::ECONNABORTED,
+            libc::EPROTO,
+            libc::ENETDOWN,
+            libc::ENOPROTOOPT,
+            libc::EHOSTDOWN,
+            libc::ENONET,
+            libc::EHOSTUNREACH,
+            libc::EOPNOTSUPP,
+            libc::ENETUNREACH,
+            libc::EPERM,
+            libc::EINTR,
+            libc::ETIMEDOUT,
+        ] {
+            assert_eq!(classify_accept(Some(e)), AcceptErr::Transient, "errno {e}");
+        }
+        assert_eq!(classify_accept(Some(libc::EAGAIN)), AcceptErr::Empty);
+        assert_eq!(classify_accept(Some(libc::EWOULDBLOCK)), AcceptErr::Empty);
+        for e in [libc::EMFILE, libc::ENFILE, libc::ENOBUFS, libc::ENOMEM] {
+            assert_eq!(classify_accept(Some(e)), AcceptErr::Exhausted, "errno {e}");
+        }
+        for e in [Some(libc::EBADF), Some(libc::EINVAL), Some(libc::ENOTSOCK), None] {
+            assert_eq!(classify_accept(e), AcceptErr::Fatal, "errno {e:?}");
+        }
+    }
+
+    #[test]
+    fn rejections_log_the_first_eight_then_a_count() {
+        let t0 = Instant::now();
+        let mut log = RejectLog::default();
+        assert_eq!(log.summary(t0, true), None, "nothing to report yet");
+        for i in 1..=REJECT_WARNS {
+            assert!(log.note(t0), "rejection {i} is logged");
+            assert_eq!(log.last_logged(), i == REJECT_WARNS);
+        }
+        assert_eq!(log.summary(t0, true), None, "all were logged");
+        for _ in 0..5 {
+            assert!(!log.note(t0));
+        }
+        assert!(!log.last_logged());
+        // Not due before the period, unless forced.
+        assert_eq!(log.summary(t0 + REJECT_SUMMARY_EVERY / 2, false), None);
+        assert_eq!(log.summary(t0 + REJECT_SUMMARY_EVERY, false), Some((5, 13)));
+        assert_eq!(log.summary(t0 + REJECT_SUMMARY_EVERY, true), None, "reported once");
+        // Counting goes on silently: a listener logs at most eight by themselves.
+        assert!(!log.note(t0 + REJECT_SUMMARY_EVERY));
+        assert_eq!(log.summary(t0 + REJECT_SUMMARY_EVERY, true), Some((1, 14)));
+    }
+
+    #[test]
+    fn local_failures_keep_their_class_and_peer_failures_are_remote() {
+        // A local failure while serving the proven peer: the verb's error, with the step.
+        let e = ours("accept from 10.0.0.2:5: create queue pairs".into())(Error::verbs(
+            "ibv_create_qp",
+            libc::ENOMEM,
+            "mlx5_0",
+        ));
+        assert!(matches!(e, Error::Verbs { verb: "ibv_create_qp", errno: libc::ENOMEM, .. }));
+        assert!(e.to_string().contains("accept from 10.0.0.2:5: create queue pairs"), "{e}");
+        let dead = ours("connect to 10.0.0.1:7: hello".into())(Error::Local("device dead".into()));
+        assert!(matches!(dead, Error::Local(ref t) if t.contains("connect to 10.0.0.1:7")));
+        // What the peer did.
+        let r = theirs("accept from 10.0.0.2:5: wait for ready", Reject::Nonce);
+        assert!(matches!(r, Error::Remote(ref t) if t.contains("nonce")), "{r}");
+        let closed = theirs("connect to 10.0.0.1:7: wait for reply", Bad::Closed(10));
+        assert!(matches!(closed, Error::Remote(ref t) if t.contains("truncated")), "{closed}");
     }
 }

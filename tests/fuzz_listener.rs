@@ -1,0 +1,703 @@
+//! A live fuzzer of the connection-setup listener on Soft-RoCE.
+//!
+//! This process listens on rxe1 through the plugin's C ABI and keeps calling `accept`, while a
+//! child process (the same program, `clients` mode) hits the listen port from 16 threads:
+//! - first a burst of 2 × `MAX_PENDING` silent connections, which the listener must bound (the
+//!   oldest unproven ones go, the rest at the hello deadline);
+//! - then `--streams N` random and mutated handshake streams: random bytes, a valid header
+//!   with a garbage body, valid hellos truncated, with a wrong nonce, a wrong version, one
+//!   invalid field (with the right nonce), random byte edits, connect-and-close, connect-and-
+//!   reset, and held ones: connect-and-silence and slowloris (a hello with the right nonce
+//!   dripped one byte every 250 ms), which the listener must close within its hello deadline.
+//!
+//! Meanwhile `accept` must never fail nor return a comm; the rightful peer (a real `connect`
+//! through the plugin on rxe0 with the real handle) connects before, in the middle of and after
+//! the flood, and a 64 KiB transfer is verified each time; this process's fd count and RSS are
+//! sampled and must stay within explicit bounds; the listener logs at most 8 rejections by
+//! themselves and counts the rest. Last, the error classes of a proven peer's failure: a wrong
+//! nonce in its `Ready` is `ncclRemoteError`; a failure to move our own queue pair to RTR (an
+//! unreachable GID) is `ncclSystemError`.
+//!
+//! Built with its own `main` (`harness = false`) and run by `ci/vm-tests.sh` in the VM with
+//! the default stream count (sized for about a minute under TCG); `--streams 100000` for a long
+//! run. Outside the VM it fails.
+
+mod common;
+
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::harness::Rng;
+use common::harness::driver::{Close, Driver, Ptr};
+use common::{open_plugin, require_vm};
+use ferroce::ffi::abi::ncclResult_t;
+use ferroce::transport::handshake::{Handle, Kind, MAGIC, MAX_QPS, MSG_LEN, Msg};
+use ferroce::transport::setup::{HELLO_TIMEOUT, MAX_PENDING, REJECT_WARNS};
+
+/// Streams per CI run: 60-90 s of the VM at the rate measured under TCG (90 streams/s with
+/// three other VMs sharing the 2-core host; faster alone).
+const DEFAULT_STREAMS: u64 = 8_000;
+const CLIENTS: usize = 16;
+const BURST: usize = 2 * MAX_PENDING;
+/// Held (silent or slowloris) connections per client thread at once.
+const HOLD: usize = 2;
+/// Room on top of the hello deadline for a loaded TCG VM.
+const SLACK: Duration = Duration::from_secs(30);
+/// The listener's own deadline for its rightful peer: longer than any run.
+const SETUP_TIMEOUT_MS: &str = "3600000";
+/// Bounds of this (the listener's) process over its baseline during the flood.
+const FD_SLACK: usize = 16;
+const RSS_BOUND_KIB: u64 = 16 << 10;
+const TRANSFER: usize = 64 << 10;
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let r = match args.first().map(String::as_str) {
+        Some("clients") => clients(&args[1..]),
+        _ => listener(&args),
+    };
+    if let Err(e) = r {
+        eprintln!("fuzz_listener: FAILED: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn arg<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> Result<T, String> {
+    match args.iter().position(|a| a == name) {
+        None => Ok(default),
+        Some(i) => args
+            .get(i + 1)
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| format!("{name} needs a number")),
+    }
+}
+
+// --- the listener (this process) --------------------------------------------------------------
+
+/// Open fds and resident KiB of this process.
+fn usage() -> (usize, u64) {
+    let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
+    let rss = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
+        })
+        .unwrap_or(0);
+    (fds, rss)
+}
+
+fn last_warn() -> String {
+    common::warnings().pop().unwrap_or_default()
+}
+
+/// The rightful peer: a real connect on rxe0 with the listener's handle, accepted by the same
+/// `accept` the flood is hitting, then a verified transfer; the comms are closed again.
+fn rightful(
+    drv: &Driver,
+    ctx: Ptr,
+    handle: &[u8; 128],
+    listen: Ptr,
+    when: &str,
+) -> Result<(), String> {
+    let t = Instant::now();
+    let mut h = *handle;
+    let (send, recv) = drv
+        .connect_both(ctx, 0, &mut h, listen, Duration::from_secs(120))
+        .map_err(|e| format!("rightful peer ({when}): {e}: {}", last_warn()))?;
+    common::transfer(drv, send, recv, TRANSFER, when.len() as u8)
+        .map_err(|e| format!("rightful peer ({when}): transfer: {e}"))?;
+    drv.close(Close::Send, send)?;
+    drv.close(Close::Recv, recv)?;
+    eprintln!(
+        "fuzz_listener: rightful peer ({when}) connected and transferred {TRANSFER} bytes in {:.2} s",
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// The rejection lines the plugin logged: (lines logged one by one, total from the last count).
+fn rejection_log(lines: &[String]) -> (usize, Option<u64>) {
+    let one_by_one = lines.iter().filter(|l| l.contains("rejected connection from")).count();
+    let total = lines
+        .iter()
+        .filter(|l| l.contains("connection(s) rejected without a line each"))
+        .filter_map(|l| l.rsplit('(').next()?.split_whitespace().next()?.parse().ok())
+        .next_back();
+    (one_by_one, total)
+}
+
+fn listener(args: &[String]) -> Result<(), String> {
+    require_vm();
+    let streams: u64 = arg(args, "--streams", DEFAULT_STREAMS)?;
+    let nclients: usize = arg(args, "--clients", CLIENTS)?;
+    common::set_env(&[("FERROCE_SETUP_TIMEOUT_MS", Some(SETUP_TIMEOUT_MS))]);
+    common::harness::loader::ECHO.store(true, Ordering::Relaxed);
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12)?;
+    let ctx = drv.init(1)?;
+    let (handle, listen) = drv.listen(ctx, 1)?;
+    let h = Handle::decode(&handle).map_err(|r| format!("own handle: {r}"))?;
+    eprintln!(
+        "fuzz_listener: listening on {} (rxe1), {streams} streams from {nclients} clients",
+        h.addr
+    );
+
+    // Warm up (the allocator, the device's first comm), then take the baseline.
+    rightful(&drv, ctx, &handle, listen, "before the flood")?;
+    let mut warns = common::warnings();
+    let (fds0, _) = usage();
+
+    let me = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut child = Command::new(me)
+        .args(["clients", &h.addr.to_string(), &format!("{:x}", h.nonce)])
+        .args([streams.to_string(), nclients.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("start the clients: {e}"))?;
+    let mut go = child.stdin.take().ok_or("no stdin")?;
+    let out = child.stdout.take().ok_or("no stdout")?;
+    let (tx, lines) = mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    let (fds1, rss1) = usage();
+    writeln!(go, "GO").map_err(|e| e.to_string())?;
+
+    let t0 = Instant::now();
+    let limit = Duration::from_secs(120) + Duration::from_millis(streams * 10);
+    let (mut fd_max, mut rss_max) = (fds1, rss1);
+    let mut last_sample = t0;
+    let mut middle_done = false;
+    let mut calls = 0u64;
+    let mut done_line = None;
+    let status = loop {
+        match drv.accept(listen) {
+            Ok(None) => {}
+            Ok(Some(_)) => return Err("accept returned a comm to a stranger".into()),
+            Err(e) => return Err(format!("accept failed during the flood: {e}: {}", last_warn())),
+        }
+        calls += 1;
+        let now = Instant::now();
+        if now - last_sample >= Duration::from_millis(50) {
+            last_sample = now;
+            let (fds, rss) = usage();
+            fd_max = fd_max.max(fds);
+            rss_max = rss_max.max(rss);
+            while let Ok(l) = lines.try_recv() {
+                eprintln!("fuzz_listener: clients: {l}");
+                let progress = l.strip_prefix("PROGRESS ").and_then(|n| n.parse::<u64>().ok());
+                if !middle_done && progress.is_some_and(|n| n >= streams / 2) {
+                    middle_done = true;
+                    rightful(&drv, ctx, &handle, listen, "in the middle of the flood")?;
+                    warns.extend(common::warnings());
+                }
+                if l.starts_with("DONE") {
+                    done_line = Some(l);
+                }
+            }
+            if let Some(st) = child.try_wait().map_err(|e| e.to_string())? {
+                break st;
+            }
+            if now - t0 > limit {
+                let _ = child.kill();
+                return Err(format!("the clients did not finish within {limit:?}"));
+            }
+        }
+        std::thread::yield_now();
+    };
+    let took = t0.elapsed();
+    drop(go);
+    let _ = reader.join();
+    while let Ok(l) = lines.try_recv() {
+        eprintln!("fuzz_listener: clients: {l}");
+        if l.starts_with("DONE") {
+            done_line = Some(l);
+        }
+    }
+    if !status.success() {
+        return Err(format!("the clients failed ({status}); see their lines above"));
+    }
+    let done = done_line.ok_or("the clients reported no DONE line")?;
+    if !middle_done && streams > 0 {
+        return Err("the rightful peer never connected in the middle of the flood".into());
+    }
+    rightful(&drv, ctx, &handle, listen, "after the flood")?;
+    warns.extend(common::warnings());
+    let (fds_end, rss_end) = usage();
+
+    eprintln!(
+        "fuzz_listener: {streams} streams + {BURST} burst in {:.1} s; {calls} accept calls; \
+         fds baseline {fds1} (before the clients {fds0}), max {fd_max}, after {fds_end}; \
+         RSS baseline {rss1} KiB, max {rss_max} KiB (+{} KiB), after {rss_end} KiB",
+        took.as_secs_f64(),
+        rss_max.saturating_sub(rss1)
+    );
+    println!("fuzz_listener: {done}");
+
+    let mut bad = Vec::new();
+    if fd_max > fds1 + MAX_PENDING + FD_SLACK {
+        bad.push(format!("fds reached {fd_max}, bound {} + {MAX_PENDING} + {FD_SLACK}", fds1));
+    }
+    if fds_end > fds0 {
+        bad.push(format!("fds after the flood {fds_end}, before {fds0}"));
+    }
+    if rss_max > rss1 + RSS_BOUND_KIB {
+        bad.push(format!("RSS reached {rss_max} KiB, bound {rss1} + {RSS_BOUND_KIB} KiB"));
+    }
+    let (one_by_one, total) = rejection_log(&warns);
+    eprintln!(
+        "fuzz_listener: rejections logged one by one {one_by_one}, counted in total {total:?}"
+    );
+    if one_by_one as u64 > REJECT_WARNS {
+        bad.push(format!("{one_by_one} rejections logged one by one, limit {REJECT_WARNS}"));
+    }
+    let expected = (streams + BURST as u64) * 9 / 10;
+    if total.unwrap_or(0) < expected {
+        bad.push(format!(
+            "the listener counted {total:?} rejections, expected at least {expected}"
+        ));
+    }
+    if warns.iter().any(|l| l.contains("BAD FORMAT")) {
+        bad.push("a log line with a bad format".into());
+    }
+    drv.close(Close::Listen, listen)?;
+
+    error_classes(&drv, ctx).map_err(|e| format!("error classes: {e}"))?;
+    drv.finalize(ctx)?;
+    if !bad.is_empty() {
+        return Err(bad.join("; "));
+    }
+    println!("fuzz_listener: passed");
+    Ok(())
+}
+
+/// A proven peer (the right nonce, valid fields) that then fails: a wrong nonce in its `Ready`
+/// is the peer's fault (`ncclRemoteError`); an unreachable GID, which our own queue pair cannot
+/// be moved to RTR towards, is ours (`ncclSystemError`).
+fn error_classes(drv: &Driver, ctx: Ptr) -> Result<(), String> {
+    let rxe0_gid = {
+        let mut g = [0u8; 16];
+        g[10] = 0xff;
+        g[11] = 0xff;
+        g[12..].copy_from_slice(&[198, 18, 0, 1]);
+        g
+    };
+    let mut unreachable = rxe0_gid;
+    unreachable[15] = 99;
+    for (gid, bad_ready, want, what) in [
+        (rxe0_gid, true, ncclResult_t::ncclRemoteError, "wrong nonce in Ready"),
+        (unreachable, false, ncclResult_t::ncclSystemError, "unreachable GID (RTR fails here)"),
+    ] {
+        let (handle, listen) = drv.listen(ctx, 1)?;
+        let h = Handle::decode(&handle).map_err(|r| r.to_string())?;
+        let peer = std::thread::spawn(move || -> Result<(), String> {
+            let mut s = TcpStream::connect_timeout(&h.addr, SLACK).map_err(|e| e.to_string())?;
+            let mut hello = valid_hello(&mut Rng(7), h.nonce);
+            hello.gid = gid;
+            s.write_all(&hello.encode()).map_err(|e| e.to_string())?;
+            if bad_ready {
+                s.set_read_timeout(Some(SLACK)).map_err(|e| e.to_string())?;
+                let mut reply = [0u8; MSG_LEN];
+                s.read_exact(&mut reply).map_err(|e| format!("reply: {e}"))?;
+                let ready = Msg { kind: Kind::Ready, nonce: h.nonce ^ 1, ..hello };
+                s.write_all(&ready.encode()).map_err(|e| e.to_string())?;
+            }
+            // Hold the connection until the listener gives up on it.
+            let _ = s.read(&mut [0u8; 1]);
+            Ok(())
+        });
+        let r = common::harness::driver::until("accept", Duration::from_secs(60), || {
+            drv.accept(listen)
+        });
+        let warn = last_warn();
+        drv.close(Close::Listen, listen)?;
+        peer.join().map_err(|_| "peer thread panicked")??;
+        let code = format!("ncclResult {}", want.0);
+        match r {
+            Err(e) if e.contains(&code) => {
+                eprintln!("fuzz_listener: {what}: accept failed with {e} as it should: {warn}")
+            }
+            Err(e) => {
+                return Err(format!("{what}: accept failed with {e}, expected {code}: {warn}"));
+            }
+            Ok(_) => return Err(format!("{what}: accept succeeded")),
+        }
+    }
+    Ok(())
+}
+
+// --- the clients (a child process) ------------------------------------------------------------
+
+/// A hello that passes every check for a listener with `nonce`.
+fn valid_hello(rng: &mut Rng, nonce: u64) -> Msg {
+    let nqps = 1 + rng.below(4) as usize;
+    Msg {
+        kind: Kind::Hello,
+        nonce,
+        nqps: nqps as u8,
+        qpns: std::array::from_fn(
+            |i| if i < nqps { 0x100 + rng.below(0xff_0000) as u32 } else { 0 },
+        ),
+        sports: std::array::from_fn(|i| if i < nqps { 0xc000 + i as u16 } else { 0 }),
+        split: rng.below(2) == 1,
+        fifo_tc: 0,
+        sl: 0,
+        mtu: 3,
+        port: 1,
+        traffic_class: 0,
+        gid: std::array::from_fn(|_| rng.next() as u8),
+        buf_addr: 0x7f00_0000_0000 | (rng.next() & 0xffff_f000),
+        buf_rkey: rng.next() as u32,
+        max_msg: 1 << 23,
+    }
+}
+
+fn random_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
+    (0..n).map(|_| rng.next() as u8).collect()
+}
+
+/// One invalid field of a hello that carries the right nonce: decoding reaches the field checks
+/// and must refuse it.
+fn break_one_field(rng: &mut Rng, b: &mut [u8; MSG_LEN]) {
+    let r = rng.next() as u8;
+    match rng.below(13) {
+        0 => b[32] = 0,                                                              // nqps
+        1 => b[32] = MAX_QPS as u8 + 1 + r % 127,                                    // nqps > 128
+        2 => b[33] = 2 + r % 200,                                                    // split
+        3 => b[35] = 16 + r % 200,                                                   // sl
+        4 => b[36] = if r % 2 == 0 { 0 } else { 6 + r % 200 },                       // mtu
+        5 => b[96..100].copy_from_slice(&0u32.to_le_bytes()),                        // qpn 0
+        6 => b[96..100].copy_from_slice(&(0x100_0000 + u32::from(r)).to_le_bytes()), // qpn > 24 bits
+        7 => b[96 + 4 * MAX_QPS..98 + 4 * MAX_QPS].copy_from_slice(&u16::from(r).to_le_bytes()), // sport
+        8 => b[37] = 0,          // port
+        9 => b[56..64].fill(0),  // buffer address
+        10 => b[68..72].fill(0), // max_msg
+        11 => b[12..16].copy_from_slice(&(2 + u32::from(r % 3)).to_le_bytes()), // kind
+        _ => b[16..20].copy_from_slice(&(MSG_LEN as u32 + 1 + u32::from(r)).to_le_bytes()), // length
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stream {
+    Random,
+    GarbageBody,
+    Truncated,
+    WrongNonce,
+    WrongVersion,
+    BadField,
+    Mutated,
+    ConnectClose,
+    ConnectReset,
+    Silent,
+    Slowloris,
+}
+
+const KINDS: [Stream; 11] = [
+    Stream::Random,
+    Stream::GarbageBody,
+    Stream::Truncated,
+    Stream::WrongNonce,
+    Stream::WrongVersion,
+    Stream::BadField,
+    Stream::Mutated,
+    Stream::ConnectClose,
+    Stream::ConnectReset,
+    Stream::Silent,
+    Stream::Slowloris,
+];
+
+/// The kind of stream `i`: held ones (which tie up a slot for the hello deadline) are 1 in 128.
+fn kind_of(rng: &mut Rng) -> Stream {
+    match rng.below(256) {
+        0 => Stream::Silent,
+        1 => Stream::Slowloris,
+        n => KINDS[(n % 9) as usize],
+    }
+}
+
+/// The bytes a quick stream sends (then it shuts down its side and waits for the close).
+fn payload(kind: Stream, rng: &mut Rng, nonce: u64) -> Vec<u8> {
+    let wrong = nonce ^ (rng.next() | 1);
+    match kind {
+        Stream::Random => {
+            let n = 1 + rng.below(2 * MSG_LEN as u64) as usize;
+            let mut b = random_bytes(rng, n);
+            if rng.below(4) == 0 && b.len() >= 8 {
+                b[..8].copy_from_slice(&MAGIC.to_le_bytes());
+            }
+            b
+        }
+        Stream::GarbageBody => {
+            let mut b = valid_hello(rng, wrong).encode();
+            let body = random_bytes(rng, MSG_LEN - 32);
+            b[32..].copy_from_slice(&body);
+            b.to_vec()
+        }
+        Stream::Truncated => {
+            let b = valid_hello(rng, nonce).encode();
+            b[..rng.below(MSG_LEN as u64) as usize].to_vec()
+        }
+        Stream::WrongNonce => valid_hello(rng, wrong).encode().to_vec(),
+        Stream::WrongVersion => {
+            let mut b = valid_hello(rng, nonce).encode();
+            let v = 2 + rng.below(u64::from(u32::MAX) - 2) as u32;
+            b[8..12].copy_from_slice(&v.to_le_bytes());
+            b.to_vec()
+        }
+        Stream::BadField => {
+            let mut b = valid_hello(rng, nonce).encode();
+            break_one_field(rng, &mut b);
+            b.to_vec()
+        }
+        Stream::Mutated => {
+            let mut b = valid_hello(rng, wrong).encode();
+            for _ in 0..1 + rng.below(8) {
+                let at = rng.below(MSG_LEN as u64) as usize;
+                b[at] = rng.next() as u8;
+            }
+            b.to_vec()
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// A held connection: silent, or a slowloris dripping `drip` one byte at a time.
+struct Held {
+    s: TcpStream,
+    since: Instant,
+    drip: Vec<u8>,
+    sent: usize,
+    last_drip: Instant,
+}
+
+#[derive(Default)]
+struct Stats {
+    kinds: [u64; 11],
+    held_max_close: Duration,
+    errors: Vec<String>,
+}
+
+impl Stats {
+    fn error(&mut self, e: String) {
+        if self.errors.len() < 20 {
+            self.errors.push(e);
+        }
+    }
+}
+
+fn connect(addr: SocketAddr) -> Result<TcpStream, String> {
+    let s = TcpStream::connect_timeout(&addr, SLACK).map_err(|e| format!("connect: {e}"))?;
+    s.set_nodelay(true).map_err(|e| e.to_string())?;
+    Ok(s)
+}
+
+/// Whether the listener has closed `s` (EOF or reset); waits at most `wait`.
+fn closed(s: &mut TcpStream, wait: Option<Duration>) -> bool {
+    let mut buf = [0u8; 2048];
+    if let Some(w) = wait {
+        let _ = s.set_nonblocking(false);
+        let _ = s.set_read_timeout(Some(w.max(Duration::from_millis(1))));
+    } else {
+        let _ = s.set_nonblocking(true);
+    }
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {} // the listener never sends to a stranger, but be lenient
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                return false;
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return true, // reset
+        }
+    }
+}
+
+/// A quick stream: send, shut down our side, and wait for the listener to close.
+fn quick(addr: SocketAddr, kind: Stream, bytes: &[u8]) -> Result<(), String> {
+    let mut s = connect(addr)?;
+    match kind {
+        Stream::ConnectClose => return Ok(()),
+        Stream::ConnectReset => {
+            let l = libc::linger { l_onoff: 1, l_linger: 0 };
+            // SAFETY: setsockopt with a valid linger struct on our own socket.
+            unsafe {
+                libc::setsockopt(
+                    s.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_LINGER,
+                    (&raw const l).cast(),
+                    std::mem::size_of::<libc::linger>() as libc::socklen_t,
+                )
+            };
+            return Ok(()); // closed with an RST
+        }
+        _ => {}
+    }
+    // The listener may reject after the header and close before all is sent: fine.
+    let _ = s.write_all(bytes);
+    let _ = s.shutdown(Shutdown::Write);
+    if !closed(&mut s, Some(HELLO_TIMEOUT + SLACK)) {
+        return Err(format!("{kind:?}: the listener kept a rejected connection open"));
+    }
+    Ok(())
+}
+
+/// Services the held connections: drips, and checks which the listener closed in time. With
+/// `wait_oldest`, blocks until the oldest is closed (or its bound passes).
+fn tend(held: &mut Vec<Held>, stats: &mut Stats, wait_oldest: bool) {
+    let bound = HELLO_TIMEOUT + SLACK;
+    let now = Instant::now();
+    let mut i = 0;
+    while i < held.len() {
+        let h = &mut held[i];
+        if h.sent < h.drip.len() && now - h.last_drip >= Duration::from_millis(250) {
+            h.last_drip = now;
+            let _ = h.s.set_nonblocking(true);
+            if h.s.write(&h.drip[h.sent..h.sent + 1]).is_ok_and(|n| n == 1) {
+                h.sent += 1;
+            }
+        }
+        let wait = (wait_oldest && i == 0).then(|| bound.saturating_sub(h.since.elapsed()));
+        if closed(&mut h.s, wait) {
+            let took = h.since.elapsed();
+            stats.held_max_close = stats.held_max_close.max(took);
+            if took > bound {
+                stats.error(format!("a held connection was closed only after {took:?}"));
+            }
+            held.remove(i);
+        } else if h.since.elapsed() > bound {
+            stats.error(format!("a held connection is still open after {bound:?}"));
+            held.remove(i);
+        } else {
+            i += 1;
+        }
+    }
+}
+
+fn client(addr: SocketAddr, nonce: u64, streams: u64, next: &AtomicU64, done: &AtomicU64) -> Stats {
+    // PROGRESS lines: at least ten per run, at most one per 1000 streams.
+    let every = (streams / 10).clamp(1, 1000);
+    let mut stats = Stats::default();
+    let mut held: Vec<Held> = Vec::new();
+    loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        if i >= streams {
+            break;
+        }
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (i + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
+        let kind = kind_of(&mut rng);
+        stats.kinds[KINDS.iter().position(|k| *k == kind).unwrap_or(0)] += 1;
+        tend(&mut held, &mut stats, false);
+        let r = match kind {
+            Stream::Silent | Stream::Slowloris => {
+                while held.len() >= HOLD {
+                    tend(&mut held, &mut stats, true);
+                }
+                connect(addr).map(|s| {
+                    let drip = if kind == Stream::Slowloris {
+                        valid_hello(&mut rng, nonce).encode().to_vec()
+                    } else {
+                        Vec::new()
+                    };
+                    let now = Instant::now();
+                    held.push(Held { s, since: now, drip, sent: 0, last_drip: now });
+                })
+            }
+            _ => quick(addr, kind, &payload(kind, &mut rng, nonce)),
+        };
+        if let Err(e) = r {
+            stats.error(format!("stream {i}: {e}"));
+        }
+        let n = done.fetch_add(1, Ordering::Relaxed) + 1;
+        if n % every == 0 {
+            println!("PROGRESS {n}");
+        }
+    }
+    while !held.is_empty() {
+        tend(&mut held, &mut stats, true);
+    }
+    stats
+}
+
+/// `clients <addr> <nonce hex> <streams> <threads>`: waits for `GO` on stdin, then the burst,
+/// then the streams; reports `DONE ...` and exits 0, or lists the errors and exits 1.
+fn clients(args: &[String]) -> Result<(), String> {
+    let [addr, nonce, streams, threads] = args else {
+        return Err("clients <addr> <nonce hex> <streams> <threads>".into());
+    };
+    let addr: SocketAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
+    let nonce = u64::from_str_radix(nonce, 16).map_err(|e| e.to_string())?;
+    let streams: u64 = streams.parse().map_err(|_| "bad stream count")?;
+    let threads: usize = threads.parse().map_err(|_| "bad thread count")?;
+    let mut go = String::new();
+    std::io::stdin().read_line(&mut go).map_err(|e| e.to_string())?;
+
+    // The burst: more silent connections than the listener may hold.
+    let t = Instant::now();
+    let mut burst = Vec::new();
+    for _ in 0..BURST {
+        let s = connect(addr)?;
+        let now = Instant::now();
+        burst.push(Held { s, since: now, drip: Vec::new(), sent: 0, last_drip: now });
+    }
+    let mut bstats = Stats::default();
+    while !burst.is_empty() {
+        tend(&mut burst, &mut bstats, true);
+    }
+    if !bstats.errors.is_empty() {
+        return Err(format!("burst: {}", bstats.errors.join("; ")));
+    }
+    println!(
+        "BURST {BURST} silent connections all closed by the listener in {:.2} s (the last after {:.2} s)",
+        t.elapsed().as_secs_f64(),
+        bstats.held_max_close.as_secs_f64()
+    );
+
+    let t = Instant::now();
+    let (next, done) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let workers: Vec<_> = (0..threads)
+        .map(|_| {
+            let (next, done) = (next.clone(), done.clone());
+            std::thread::spawn(move || client(addr, nonce, streams, &next, &done))
+        })
+        .collect();
+    let mut total = Stats::default();
+    for w in workers {
+        let s = w.join().map_err(|_| "a client thread panicked")?;
+        for (a, b) in total.kinds.iter_mut().zip(s.kinds) {
+            *a += b;
+        }
+        total.held_max_close = total.held_max_close.max(s.held_max_close);
+        for e in s.errors {
+            total.error(e);
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let kinds: Vec<String> =
+        KINDS.iter().zip(total.kinds).map(|(k, n)| format!("{k:?}={n}")).collect();
+    println!(
+        "DONE {streams} streams in {secs:.1} s ({:.0} streams/s) from {threads} threads; held \
+         connections closed after at most {:.2} s; {}",
+        streams as f64 / secs.max(1e-9),
+        total.held_max_close.as_secs_f64(),
+        kinds.join(" ")
+    );
+    if !total.errors.is_empty() {
+        return Err(total.errors.join("; "));
+    }
+    Ok(())
+}
