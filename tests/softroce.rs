@@ -388,7 +388,7 @@ fn garbage_and_silent_peers_are_dropped_and_the_rightful_peer_is_served() {
     while warns.len() < attacks.len() {
         let c0 = Instant::now();
         assert_eq!(drv.accept(listen).unwrap(), None);
-        assert!(c0.elapsed() < Duration::from_millis(200), "accept blocked");
+        assert!(c0.elapsed() < Duration::from_secs(1), "accept blocked"); // the silent peer would block 5 s
         warns.extend(warnings());
         assert!(t.elapsed() < Duration::from_secs(15), "not all rejected: {warns:#?}");
     }
