@@ -49,7 +49,7 @@ const POISON: u8 = 0xa5;
 /// No comm may go this long without a completion.
 const STALL: Duration = Duration::from_secs(60);
 /// The registration thread must manage at least this many cycles in each process.
-const MIN_REG_CYCLES: u64 = 200;
+const MIN_REG_CYCLES: u64 = 100;
 /// The whole of one run (both processes), in the emulated VM.
 const RUN_LIMIT: Duration = Duration::from_secs(300);
 
