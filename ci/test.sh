@@ -26,7 +26,8 @@ main() {
   ci/build.sh
   local bins
   bins=$(cargo test --release --locked --no-run --test softroce --test netclient --test roce_path \
-    --test gpudirect --test liveness --test fuzz_listener --test soak --message-format=json |
+    --test gpudirect --test liveness --test fuzz_listener --test soak --test concurrency \
+    --test census --message-format=json |
     python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)

@@ -13,7 +13,10 @@ main() {
   rdma link show
   local passed=0 bin t own_main
   for bin in "$@"; do
-    case "$(basename "$bin")" in netclient-* | gpudirect-* | liveness-* | fuzz_listener-* | soak-*) own_main=1 ;; *) own_main=0 ;; esac
+    case "$(basename "$bin")" in
+      netclient-* | gpudirect-* | liveness-* | fuzz_listener-* | soak-* | concurrency-* | census-*) own_main=1 ;;
+      *) own_main=0 ;;
+    esac
     if ((own_main)); then
       # Test programs with their own main: the two-process test client (every ABI version,
       # every byte verified), the GPUDirect scenarios and the liveness scenarios (each in

@@ -25,7 +25,7 @@ use std::sync::mpsc::{self, Receiver, TryRecvError};
 use std::time::{Duration, Instant};
 
 use common::harness::driver::{Close, Driver, Ptr};
-use common::{open_plugin, require_vm};
+use common::{fds_threads, open_plugin, rdma_resources, require_vm};
 
 const SIZE: usize = 1 << 20;
 const BIG: usize = 8 << 20;
@@ -56,11 +56,6 @@ fn byte(m: usize, i: usize) -> u8 {
     (m.wrapping_mul(131) ^ i.wrapping_mul(7) ^ (i >> 9)) as u8
 }
 
-fn counts() -> (usize, usize) {
-    let n = |d: &str| std::fs::read_dir(d).map(|d| d.count()).unwrap_or(0);
-    (n("/proc/self/fd"), n("/proc/self/task"))
-}
-
 /// Commands on stdin (`POST n`, `SEND n size`, `CLOSE`), events on stdout (`HANDLE`, `POSTED`,
 /// `COMPLETED k`, `ERROR ms text`, `CLEAN ...`).
 fn role(sender: bool, handle: Option<&String>) -> Result<(), String> {
@@ -80,7 +75,7 @@ fn role(sender: bool, handle: Option<&String>) -> Result<(), String> {
         rx
     };
     // The baseline includes the stdin reader; everything the plugin opens must go again.
-    let (fds0, threads0) = counts();
+    let (fds0, threads0) = fds_threads();
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12)?;
     let ctx = drv.init(7)?;
@@ -190,7 +185,7 @@ fn role(sender: bool, handle: Option<&String>) -> Result<(), String> {
     drv.close(if sender { Close::Send } else { Close::Recv }, comm)?;
     drv.finalize(ctx)?;
     drop(lib);
-    let (fds1, threads1) = counts();
+    let (fds1, threads1) = fds_threads();
     say(format!("CLEAN fds {fds0}->{fds1} threads {threads0}->{threads1}"))?;
     if (fds0, threads0) != (fds1, threads1) {
         return Err(format!("fds {fds0}->{fds1}, threads {threads0}->{threads1}"));
@@ -316,16 +311,9 @@ fn expect_error(side: &Side, after: Instant, what: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// QP, CQ, MR and PD counts of the RDMA devices (`rdma resource show`).
-fn resources() -> Result<String, String> {
-    let out =
-        Command::new("rdma").args(["resource", "show"]).output().map_err(|e| e.to_string())?;
-    Ok(String::from_utf8_lossy(&out.stdout).lines().collect::<Vec<_>>().join("; "))
-}
-
 fn orchestrate() -> Result<(), String> {
     require_vm();
-    let base = resources()?;
+    let base = rdma_resources()?;
     type Scenario = fn() -> Result<(), String>;
     let scenarios: [(&str, Scenario); 5] = [
         ("sender killed while a receive is pending", sender_killed),
@@ -338,7 +326,7 @@ fn orchestrate() -> Result<(), String> {
     for (what, run) in scenarios {
         eprintln!("liveness: --- {what}");
         let r = run().and_then(|_| {
-            let now = resources()?;
+            let now = rdma_resources()?;
             if now == base { Ok(()) } else { Err(format!("resources {base} -> {now}")) }
         });
         match r {

@@ -245,3 +245,86 @@ pub fn set_env(vars: &[(&str, Option<&str>)]) {
         }
     }
 }
+
+/// Open file descriptors and threads of this process (`/proc/self/fd`, `/proc/self/task`).
+pub fn fds_threads() -> (usize, usize) {
+    let n = |d: &str| std::fs::read_dir(d).map(|d| d.count()).unwrap_or(0);
+    (n("/proc/self/fd"), n("/proc/self/task"))
+}
+
+/// Resident set size of this process in bytes (`/proc/self/statm`).
+pub fn rss_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("read /proc/self/statm");
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .expect("statm has a resident field");
+    // SAFETY: sysconf has no preconditions.
+    pages * unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64
+}
+
+/// The RDMA devices' resource counts (QP, CQ, MR, PD, ... per device), as `rdma resource show`
+/// prints them, one device per `; `-separated entry.
+pub fn rdma_resources() -> Result<String, String> {
+    let out =
+        Command::new("rdma").args(["resource", "show"]).output().map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err(format!("rdma resource show: {}", String::from_utf8_lossy(&out.stderr)));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).lines().collect::<Vec<_>>().join("; "))
+}
+
+/// Waits (at most `limit`) until `now()` equals `base`: the kernel releases some resources a
+/// moment after their owner let go (a reaped child's QPs, a joined thread's task entry).
+/// Returns the last value seen, so the caller can report a difference.
+pub fn settle<T: PartialEq>(base: &T, limit: Duration, mut now: impl FnMut() -> T) -> T {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let v = now();
+        if v == *base || std::time::Instant::now() > deadline {
+            return v;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The QPs, CQs, MRs and PDs that process `pid` holds on the RDMA devices (the entries of
+/// `rdma resource show qp|cq|mr|pd` owned by it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RdmaCounts {
+    pub qp: usize,
+    pub cq: usize,
+    pub mr: usize,
+    pub pd: usize,
+}
+
+impl std::fmt::Display for RdmaCounts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "qp {} cq {} mr {} pd {}", self.qp, self.cq, self.mr, self.pd)
+    }
+}
+
+pub fn rdma_counts(pid: u32) -> Result<RdmaCounts, String> {
+    let owned = |kind: &str| -> Result<usize, String> {
+        let out = Command::new("rdma")
+            .args(["resource", "show", kind])
+            .output()
+            .map_err(|e| format!("rdma resource show {kind}: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "rdma resource show {kind}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        let want = pid.to_string();
+        Ok(String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| {
+                let w: Vec<&str> = l.split_whitespace().collect();
+                w.windows(2).any(|p| p[0] == "pid" && p[1] == want)
+            })
+            .count())
+    };
+    Ok(RdmaCounts { qp: owned("qp")?, cq: owned("cq")?, mr: owned("mr")?, pd: owned("pd")? })
+}

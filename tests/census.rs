@@ -1,0 +1,675 @@
+//! Leak census on Soft-RoCE: thousands of connect/transfer/close cycles in ONE process, with
+//! failed setups mixed in, after which the process holds exactly what it held before.
+//!
+//! The census process is both peers: it listens on rxe1 and connects from rxe0, driving both
+//! ends from one loop (connect and accept never block). Every cycle ends with the rightful peer
+//! connected, one transfer of a varied size (0 B to 1 MiB) whose every byte and size is
+//! checked, and both comms and the listener closed. Mixed in, by cycle number:
+//! - **half hello**: a stranger sends part of a hello and then half-closes; the listener must
+//!   close that connection and keep waiting (accept returns nothing, never an error);
+//! - **cut hello**: a stranger sends part of a hello and vanishes with a TCP reset;
+//! - **wrong nonce**: the plugin's own connector, given the handle with its nonce flipped,
+//!   must fail `connect`, while the listener keeps waiting;
+//! - **silent**: a stranger connects and says nothing while the rightful peer connects; the
+//!   stranger's connection is closed by the time the listener is;
+//! - **proven**: a stranger sends a whole hello with the right nonce (so it is the peer, as far
+//!   as the listener can tell) and vanishes: `accept` fails naming the peer, or (a listener
+//!   that drops only that connection) keeps waiting and the rightful peer connects;
+//! - **killed** (every 200th cycle): a child process running the plugin's connector is killed
+//!   with SIGKILL after sending its hello; the same two outcomes are allowed.
+//! Once, after the baseline, a silent stranger is left alone with the listener until the
+//! listener closes its connection (its deadline), with no error, and the rightful peer then
+//! connects.
+//!
+//! After a warm-up, the baseline is taken; after all cycles, this process's fds
+//! (`/proc/self/fd`), threads (`/proc/self/task`) and QPs/CQs/MRs/PDs (`rdma resource show`)
+//! must equal it, and its RSS (`/proc/self/statm`) may have grown by less than 2 MiB. After
+//! `finalize` and `dlclose`, the fds and threads are those from before the plugin was loaded,
+//! and it holds no device resources at all.
+//!
+//! `census [--cycles N] [--warmup W]` (default 1000, what CI runs, and 16). It sets
+//! `FERROCE_SETUP_TIMEOUT_MS=10000` (so the one silent stranger is dropped within seconds even
+//! where the setup deadline is what drops it) and, unless set, `NCCL_IB_QPS_PER_CONNECTION=2`. Built with
+//! its own `main` (`harness = false`) and run by `ci/vm-tests.sh` in the VM.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
+use std::net::{Ipv4Addr, Shutdown, TcpStream};
+use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use common::harness::Rng;
+use common::harness::driver::{self, Close, Driver, Ptr};
+use common::{RdmaCounts, fds_threads, open_plugin, rdma_counts, require_vm, rss_bytes, settle};
+use ferroce::transport::handshake::{Handle, Kind as MsgKind, MAX_QPS, MSG_LEN, Msg};
+
+const SETUP_TIMEOUT_MS: &str = "10000";
+const QPS: &str = "2";
+/// The largest transfer; the buffers are allocated once so RSS measures the plugin.
+const BUF: usize = 1 << 20;
+const GUARD: usize = 64;
+const POISON: u8 = 0x5a;
+/// Any one expected event (an error, a closed connection) must come within this.
+const BOUND: Duration = Duration::from_secs(30);
+/// A silent stranger alone with the listener must be dropped within this.
+const SILENT_BOUND: Duration = Duration::from_secs(45);
+const RSS_GROWTH: u64 = 2 << 20;
+const CHILD_EVERY: usize = 200;
+/// rxe0's listener and connector (device order as the plugin reports it) and rxe1's.
+const SEND_DEV: i32 = 0;
+const RECV_DEV: i32 = 1;
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let r = match args.first().map(String::as_str) {
+        Some("child-connect") => child_connect(args.get(1)),
+        _ => census(&args),
+    };
+    if let Err(e) = r {
+        for w in common::warnings() {
+            eprintln!("census: plugin WARN: {w}");
+        }
+        eprintln!("census: FAILED: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn arg(args: &[String], name: &str, default: usize) -> Result<usize, String> {
+    match args.iter().position(|a| a == name) {
+        None => Ok(default),
+        Some(i) => args
+            .get(i + 1)
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| format!("{name} needs a number")),
+    }
+}
+
+/// Calls `f` until it yields, for at most `limit`, giving the CPU away between calls: the
+/// emulated VM has two vCPUs, and rxe does its work in kernel threads that need them.
+fn spin<T>(
+    what: &str,
+    limit: Duration,
+    mut f: impl FnMut() -> Result<Option<T>, String>,
+) -> Result<T, String> {
+    driver::until(what, limit, || {
+        let r = f()?;
+        if r.is_none() {
+            std::thread::yield_now();
+        }
+        Ok(r)
+    })
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+// --- what a cycle does ------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Kind {
+    Normal,
+    HalfHello,
+    CutHello,
+    WrongNonce,
+    Silent,
+    Proven,
+    Killed,
+}
+
+fn kind_of(i: usize) -> Kind {
+    if i % CHILD_EVERY == 9 {
+        return Kind::Killed;
+    }
+    match i % 8 {
+        1 if (i / 8) % 2 == 0 => Kind::HalfHello,
+        1 => Kind::CutHello,
+        3 => Kind::WrongNonce,
+        5 => Kind::Silent,
+        7 => Kind::Proven,
+        _ => Kind::Normal,
+    }
+}
+
+struct Census<'a> {
+    drv: &'a Driver<'a>,
+    ctx: Ptr,
+    src: Vec<u8>,
+    dst: Vec<u8>,
+    rng: Rng,
+    /// (what happened) -> how often.
+    outcomes: BTreeMap<String, usize>,
+    /// Kinds seen so far, for the checks done on a first occurrence only.
+    seen: Vec<Kind>,
+    bytes: u64,
+    /// Per kind: cycles and seconds spent.
+    time: BTreeMap<Kind, (usize, f64)>,
+}
+
+fn fill(seed: usize, buf: &mut [u8]) {
+    let mut x = Rng(0x0ddb_a11 ^ ((seed as u64) << 16) | 1);
+    for chunk in buf.chunks_mut(8) {
+        let w = x.next().to_le_bytes();
+        chunk.copy_from_slice(&w[..chunk.len()]);
+    }
+}
+
+/// Whether the other end closed `s` (EOF or reset), looking without blocking.
+fn closed(s: &TcpStream) -> Result<bool, String> {
+    s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let mut b = [0u8; 1024];
+    loop {
+        match (&*s).read(&mut b) {
+            Ok(0) => return Ok(true),
+            Ok(_) => {} // a reply to a proven stranger: read past it
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(false),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return Ok(true), // reset
+        }
+    }
+}
+
+/// Closes `s` with a reset (as a killed peer with unread data does), not a FIN.
+fn reset(s: TcpStream) {
+    use std::os::fd::AsRawFd;
+    let l = libc::linger { l_onoff: 1, l_linger: 0 };
+    // SAFETY: a valid socket and a linger struct of the size passed.
+    unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&raw const l).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    drop(s);
+}
+
+impl Census<'_> {
+    fn count(&mut self, what: impl Into<String>) {
+        *self.outcomes.entry(what.into()).or_default() += 1;
+    }
+
+    fn listen(&self) -> Result<([u8; 128], Ptr), String> {
+        self.drv.listen(self.ctx, RECV_DEV)
+    }
+
+    /// A hello as a peer would send it (right format, plausible endpoint), with `nonce`.
+    fn hello(&mut self, nonce: u64) -> [u8; MSG_LEN] {
+        let nqps = 1 + self.rng.below(2) as u8;
+        let mut qpns = [0u32; MAX_QPS];
+        let mut sports = [0u16; MAX_QPS];
+        for i in 0..usize::from(nqps) {
+            qpns[i] = 1 + self.rng.below(0xff_fffe) as u32;
+            sports[i] = 0xc000 + self.rng.below(0x3fff) as u16;
+        }
+        let ip: Ipv4Addr = std::env::var("FERROCE_VM_IPS")
+            .ok()
+            .and_then(|v| v.split_whitespace().next().and_then(|a| a.parse().ok()))
+            .unwrap_or(Ipv4Addr::new(198, 18, 0, 1));
+        Msg {
+            kind: MsgKind::Hello,
+            nonce,
+            nqps,
+            qpns,
+            sports,
+            split: false,
+            fifo_tc: 0,
+            sl: 0,
+            mtu: 3,
+            port: 1,
+            traffic_class: 0,
+            gid: ip.to_ipv6_mapped().octets(),
+            buf_addr: 0x10_0000,
+            buf_rkey: 0x1234,
+            max_msg: 8 << 20,
+        }
+        .encode()
+    }
+
+    fn stranger(&self, handle: &[u8; 128]) -> Result<(TcpStream, u64), String> {
+        let h = Handle::decode(handle).map_err(|e| format!("our own handle: {e}"))?;
+        let s = TcpStream::connect_timeout(&h.addr, BOUND)
+            .map_err(|e| format!("stranger connect to {}: {e}", h.addr))?;
+        Ok((s, h.nonce))
+    }
+
+    /// One transfer over a fresh pair, every byte checked; registers and deregisters on it.
+    fn transfer(&mut self, send: Ptr, recv: Ptr, cycle: usize) -> Result<(), String> {
+        let drv = self.drv;
+        let size = match cycle % 5 {
+            0 => [0, 1, 4095, 4096, 65536][(cycle / 5) % 5],
+            1 => self.rng.below(4097) as usize,
+            2 => 4096 * (1 + self.rng.below(16) as usize),
+            3 => self.rng.below(65537) as usize,
+            _ => self.rng.below(BUF as u64 + 1) as usize,
+        };
+        let tag = (cycle % 100) as i32;
+        fill(cycle, &mut self.src[..size]);
+        self.dst[..size + GUARD].fill(POISON);
+        let smh = drv.reg_mr(send, self.src.as_mut_ptr(), BUF)?;
+        let rmh = drv.reg_mr(recv, self.dst.as_mut_ptr(), BUF)?;
+        let d = self.dst.as_mut_ptr();
+        let rreq = spin("irecv", BOUND, || drv.irecv(recv, &[d], &[BUF], &[tag], &[rmh], false))?;
+        let s = self.src.as_mut_ptr();
+        let sreq = spin("isend", BOUND, || drv.isend(send, s, size, tag, smh))?;
+        let ss = spin("test send", BOUND, || drv.test(sreq))?;
+        let rs = spin("test recv", BOUND, || drv.test(rreq))?;
+        drv.dereg_mr(send, smh)?;
+        drv.dereg_mr(recv, rmh)?;
+        if ss[0] as usize != size || rs[0] as usize != size {
+            return Err(format!("sizes: sent {} received {}, expected {size}", ss[0], rs[0]));
+        }
+        if let Some(bad) = self.dst[..size].iter().zip(&self.src[..size]).position(|(a, b)| a != b)
+        {
+            return Err(format!("{size} bytes: first wrong byte at {bad}"));
+        }
+        if let Some(bad) = self.dst[size..size + GUARD].iter().position(|&b| b != POISON) {
+            return Err(format!("{size} bytes: byte {} past the end was written", size + bad));
+        }
+        self.bytes += size as u64;
+        Ok(())
+    }
+
+    /// The rightful peer connects to `listen`, one transfer, both comms closed (the listener
+    /// stays open).
+    fn rightful(&mut self, handle: &[u8; 128], listen: Ptr, cycle: usize) -> Result<(), String> {
+        let mut h = *handle;
+        let (mut send, mut recv) = (None, None);
+        let drv = self.drv;
+        let (send, recv) = spin("connect and accept", BOUND, || {
+            if send.is_none() {
+                send = drv.connect(self.ctx, SEND_DEV, &mut h)?;
+            }
+            if recv.is_none() {
+                recv = drv.accept(listen)?;
+            }
+            Ok(send.zip(recv))
+        })?;
+        let r = self.transfer(send, recv, cycle);
+        self.drv.close(Close::Send, send)?;
+        self.drv.close(Close::Recv, recv)?;
+        r
+    }
+
+    /// Drives `accept` alone for as long as `until` says to go on; it must never fail or
+    /// yield a comm (only strangers are connecting).
+    fn accept_only(
+        &self,
+        listen: Ptr,
+        what: &str,
+        limit: Duration,
+        mut until: impl FnMut() -> Result<bool, String>,
+    ) -> Result<(), String> {
+        spin(what, limit, || {
+            match self.drv.accept(listen) {
+                Err(e) => return Err(format!("{what}: the listener failed: {e}")),
+                Ok(Some(_)) => return Err(format!("{what}: accept yielded a comm for a stranger")),
+                Ok(None) => {}
+            }
+            Ok(until()?.then_some(()))
+        })
+    }
+
+    /// After a peer with the right nonce vanished mid-setup: `accept` fails naming the peer,
+    /// or keeps waiting and the rightful peer connects. Returns the listener to close (a new
+    /// one if the old one failed), with the cycle done.
+    fn after_vanished(
+        &mut self,
+        what: &str,
+        mut handle: [u8; 128],
+        mut listen: Ptr,
+        cycle: usize,
+    ) -> Result<Ptr, String> {
+        let drv = self.drv;
+        let mut h = handle;
+        let (mut send, mut recv) = (None, None);
+        let failed = spin(what, BOUND, || {
+            if recv.is_none() {
+                match drv.accept(listen) {
+                    Err(_) => return Ok(Some(true)),
+                    Ok(r) => recv = r,
+                }
+            }
+            if send.is_none() {
+                send = drv.connect(self.ctx, SEND_DEV, &mut h)?;
+            }
+            Ok((send.is_some() && recv.is_some()).then_some(false))
+        })?;
+        if failed {
+            let warns = common::warnings();
+            if !warns.iter().any(|w| w.contains("198.18.0.")) {
+                return Err(format!("{what}: accept failed without naming the peer: {warns:?}"));
+            }
+            if let Some(s) = send {
+                drv.close(Close::Send, s)?;
+                return Err(format!("{what}: the rightful peer connected but accept failed"));
+            }
+            drv.close(Close::Listen, listen)?;
+            // A connector already under way towards the failed listener must fail too.
+            if h != handle {
+                let r = spin("the stale connector", BOUND, || {
+                    match drv.connect(self.ctx, SEND_DEV, &mut h) {
+                        Err(_) => Ok(Some(Ok(()))),
+                        Ok(Some(_)) => Ok(Some(Err("connected to a closed listener"))),
+                        Ok(None) => Ok(None),
+                    }
+                })?;
+                r.map_err(|e| format!("{what}: {e}"))?;
+            }
+            self.count(format!("{what}: accept failed naming the peer"));
+            (handle, listen) = self.listen()?;
+            self.rightful(&handle, listen, cycle)?;
+        } else {
+            self.count(format!("{what}: listener kept waiting, rightful peer connected"));
+            let (s, r) = (send.expect("connected"), recv.expect("accepted"));
+            let t = self.transfer(s, r, cycle);
+            drv.close(Close::Send, s)?;
+            drv.close(Close::Recv, r)?;
+            t?;
+        }
+        Ok(listen)
+    }
+
+    fn cycle(&mut self, i: usize) -> Result<(), String> {
+        let t = Instant::now();
+        let r = self.cycle_kind(i);
+        let e = self.time.entry(kind_of(i)).or_default();
+        e.0 += 1;
+        e.1 += t.elapsed().as_secs_f64();
+        r
+    }
+
+    fn cycle_kind(&mut self, i: usize) -> Result<(), String> {
+        let kind = kind_of(i);
+        let first = !self.seen.contains(&kind);
+        if first {
+            self.seen.push(kind);
+        }
+        let drv = self.drv;
+        let (handle, mut listen) = self.listen()?;
+        match kind {
+            Kind::Normal => self.rightful(&handle, listen, i)?,
+            Kind::HalfHello => {
+                let (s, nonce) = self.stranger(&handle)?;
+                let k = 1 + self.rng.below(MSG_LEN as u64 - 1) as usize;
+                (&s).write_all(&self.hello(nonce)[..k]).map_err(|e| e.to_string())?;
+                s.shutdown(Shutdown::Write).map_err(|e| e.to_string())?;
+                self.accept_only(listen, "a half hello", BOUND, || closed(&s))?;
+                self.count("half hello: stranger dropped, listener waited");
+                self.rightful(&handle, listen, i)?;
+            }
+            Kind::CutHello => {
+                let (s, nonce) = self.stranger(&handle)?;
+                let k = 1 + self.rng.below(MSG_LEN as u64 - 1) as usize;
+                (&s).write_all(&self.hello(nonce)[..k]).map_err(|e| e.to_string())?;
+                reset(s);
+                if first {
+                    // Nothing left to watch but the listener's word.
+                    common::warnings();
+                    self.accept_only(listen, "a cut hello", BOUND, || {
+                        Ok(!common::warnings().is_empty())
+                    })?;
+                }
+                self.count("cut hello: listener waited");
+                self.rightful(&handle, listen, i)?;
+            }
+            Kind::WrongNonce => {
+                let mut h = Handle::decode(&handle).map_err(|e| e.to_string())?;
+                h.nonce ^= 1 << (self.rng.below(64));
+                let mut bad = [0u8; 128];
+                h.encode(&mut bad);
+                let mut connect_failed = false;
+                self.accept_only(listen, "a wrong nonce", BOUND, || {
+                    match drv.connect(self.ctx, SEND_DEV, &mut bad) {
+                        Err(_) => connect_failed = true,
+                        Ok(Some(_)) => return Err("connected with a wrong nonce".into()),
+                        Ok(None) => {}
+                    }
+                    Ok(connect_failed)
+                })?;
+                self.count("wrong nonce: connect failed, listener waited");
+                self.rightful(&handle, listen, i)?;
+            }
+            Kind::Silent => {
+                let (s, _) = self.stranger(&handle)?;
+                self.rightful(&handle, listen, i)?;
+                drv.close(Close::Listen, listen)?;
+                s.set_nonblocking(false).map_err(|e| e.to_string())?;
+                s.set_read_timeout(Some(BOUND)).map_err(|e| e.to_string())?;
+                match (&s).read(&mut [0u8; 16]) {
+                    Ok(0) => {}
+                    Ok(n) => return Err(format!("silent stranger: got {n} bytes")),
+                    Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                        return Err("silent stranger: its connection outlived the listener".into());
+                    }
+                    Err(_) => {} // reset
+                }
+                self.count("silent: rightful peer connected, stranger closed");
+                return Ok(());
+            }
+            Kind::Proven => {
+                let (s, nonce) = self.stranger(&handle)?;
+                (&s).write_all(&self.hello(nonce)).map_err(|e| e.to_string())?;
+                s.shutdown(Shutdown::Write).map_err(|e| e.to_string())?;
+                drop(s);
+                listen = self.after_vanished("proven stranger vanished", handle, listen, i)?;
+            }
+            Kind::Killed => {
+                let me = std::env::current_exe().map_err(|e| e.to_string())?;
+                let mut child = Command::new(me)
+                    .args(["child-connect", &hex(&handle)])
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::piped())
+                    .spawn()
+                    .map_err(|e| format!("child: {e}"))?;
+                let out = child.stdout.take().ok_or("no child stdout")?;
+                let (tx, rx) = std::sync::mpsc::channel();
+                let reader = std::thread::spawn(move || {
+                    for l in BufReader::new(out).lines().map_while(Result::ok) {
+                        let _ = tx.send(l);
+                    }
+                });
+                let said = rx.recv_timeout(Duration::from_secs(60));
+                let _ = child.kill();
+                let st = child.wait().map_err(|e| e.to_string())?;
+                let _ = reader.join();
+                match said.as_deref() {
+                    Ok("SENT") => {}
+                    other => {
+                        return Err(format!("child connector: said {other:?}, exited with {st}"));
+                    }
+                }
+                listen = self.after_vanished("connector killed mid-setup", handle, listen, i)?;
+            }
+        }
+        drv.close(Close::Listen, listen)?;
+        Ok(())
+    }
+}
+
+/// The child of a `killed` cycle: starts connecting, says `SENT` once its hello is out, and
+/// waits to be killed.
+fn child_connect(hexh: Option<&String>) -> Result<(), String> {
+    common::harness::loader::ECHO.store(false, Ordering::Relaxed);
+    let hexh = hexh.ok_or("child-connect needs a handle")?;
+    let mut h = [0u8; 128];
+    for (i, b) in h.iter_mut().enumerate() {
+        *b = u8::from_str_radix(hexh.get(2 * i..2 * i + 2).ok_or("short handle")?, 16)
+            .map_err(|e| e.to_string())?;
+    }
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12)?;
+    let ctx = drv.init(99)?;
+    // The listener's kernel completes the TCP handshake while nobody calls accept, so the
+    // hello goes out within a few calls; give it a while, then report.
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_millis(300) {
+        if drv.connect(ctx, SEND_DEV, &mut h)?.is_some() {
+            return Err("connected although nobody accepted".into());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    println!("SENT");
+    std::io::stdout().flush().map_err(|e| e.to_string())?;
+    std::thread::sleep(Duration::from_secs(120));
+    Err("was not killed".into())
+}
+
+/// What is measured: fds, threads, RSS, and this process's device resources.
+struct Snapshot {
+    fds: usize,
+    threads: usize,
+    rss: u64,
+    res: RdmaCounts,
+}
+
+fn snapshot(pid: u32) -> Result<Snapshot, String> {
+    let (fds, threads) = fds_threads();
+    Ok(Snapshot { fds, threads, rss: rss_bytes(), res: rdma_counts(pid)? })
+}
+
+fn census(args: &[String]) -> Result<(), String> {
+    require_vm();
+    let cycles = arg(args, "--cycles", 1000)?;
+    let warmup = arg(args, "--warmup", 16)?;
+    // SAFETY: no other thread exists yet.
+    unsafe {
+        std::env::set_var("FERROCE_SETUP_TIMEOUT_MS", SETUP_TIMEOUT_MS);
+        if std::env::var_os("NCCL_IB_QPS_PER_CONNECTION").is_none() {
+            std::env::set_var("NCCL_IB_QPS_PER_CONNECTION", QPS);
+        }
+    }
+    common::harness::loader::ECHO.store(false, Ordering::Relaxed);
+    let pid = std::process::id();
+    let (fds0, threads0) = fds_threads();
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12)?;
+    let ctx = drv.init(1)?;
+    let mut c = Census {
+        drv: &drv,
+        ctx,
+        // Written once, so their pages are resident before the baseline.
+        src: vec![0x11u8; BUF],
+        dst: vec![0x22u8; BUF + GUARD],
+        rng: Rng(0x00c3_7505),
+        outcomes: BTreeMap::new(),
+        seen: Vec::new(),
+        bytes: 0,
+        time: BTreeMap::new(),
+    };
+    let t = Instant::now();
+    for i in 0..warmup {
+        c.cycle(i).map_err(|e| format!("warm-up cycle {i} ({:?}): {e}", kind_of(i)))?;
+        common::warnings();
+    }
+    eprintln!("census: {warmup} warm-up cycles in {:.1} s", t.elapsed().as_secs_f64());
+    let base = snapshot(pid)?;
+    eprintln!(
+        "census: baseline: fds {}, threads {}, RSS {} KiB, device resources {}",
+        base.fds,
+        base.threads,
+        base.rss >> 10,
+        base.res
+    );
+
+    // The silent stranger alone with the listener, until the listener drops it.
+    {
+        let t = Instant::now();
+        let (handle, listen) = c.listen()?;
+        let (s, _) = c.stranger(&handle)?;
+        c.accept_only(listen, "a silent stranger alone", SILENT_BOUND, || closed(&s))?;
+        let dropped = t.elapsed();
+        c.rightful(&handle, listen, 0)?;
+        drv.close(Close::Listen, listen)?;
+        common::warnings();
+        eprintln!(
+            "census: a silent stranger alone with the listener was dropped after {:.1} s, then \
+             the rightful peer connected",
+            dropped.as_secs_f64()
+        );
+    }
+
+    let t = Instant::now();
+    let mut last = Instant::now();
+    for i in warmup..warmup + cycles {
+        c.cycle(i).map_err(|e| format!("cycle {i} ({:?}): {e}", kind_of(i)))?;
+        // The capture of the plugin's log would grow without bound.
+        common::warnings();
+        if last.elapsed() > Duration::from_secs(15) {
+            last = Instant::now();
+            let n = i + 1 - warmup;
+            let (fds, threads) = fds_threads();
+            eprintln!(
+                "census: {n} cycles, {:.1}/s; fds {fds}, threads {threads}, RSS {} KiB",
+                n as f64 / t.elapsed().as_secs_f64(),
+                rss_bytes() >> 10
+            );
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let (fds, threads) = settle(&(base.fds, base.threads), Duration::from_secs(5), fds_threads);
+    let res = settle(&Ok(base.res), Duration::from_secs(10), || rdma_counts(pid))?;
+    let rss = rss_bytes();
+    eprintln!(
+        "census: {cycles} cycles in {secs:.1} s ({:.1} cycles/s), {:.1} MiB verified",
+        cycles as f64 / secs,
+        c.bytes as f64 / (1 << 20) as f64
+    );
+    for (what, n) in &c.outcomes {
+        eprintln!("census:   {n:5} x {what}");
+    }
+    let per_kind: Vec<String> = c
+        .time
+        .iter()
+        .map(|(k, (n, s))| format!("{k:?} {:.0} ms", 1000.0 * s / *n as f64))
+        .collect();
+    eprintln!("census: mean time per cycle (warm-up included): {}", per_kind.join(", "));
+    eprintln!(
+        "census: after: fds {} -> {fds}, threads {} -> {threads}, RSS {} -> {} KiB ({:+} KiB, \
+         bound {} KiB), device resources {} -> {res}",
+        base.fds,
+        base.threads,
+        base.rss >> 10,
+        rss >> 10,
+        (rss as i64 - base.rss as i64) / 1024,
+        RSS_GROWTH >> 10,
+        base.res
+    );
+    let mut bad = Vec::new();
+    if (fds, threads) != (base.fds, base.threads) {
+        bad.push(format!("fds {} -> {fds}, threads {} -> {threads}", base.fds, base.threads));
+    }
+    if res != base.res {
+        bad.push(format!("device resources {} -> {res}", base.res));
+    }
+    if rss > base.rss + RSS_GROWTH {
+        bad.push(format!("RSS grew by {} KiB", (rss - base.rss) >> 10));
+    }
+
+    drop(c);
+    drv.finalize(ctx)?;
+    drop(drv);
+    drop(lib);
+    let (fds1, threads1) = settle(&(fds0, threads0), Duration::from_secs(5), fds_threads);
+    let res1 = settle(&Ok(RdmaCounts::default()), Duration::from_secs(10), || rdma_counts(pid))?;
+    eprintln!(
+        "census: after finalize and dlclose: fds {fds0} -> {fds1}, threads {threads0} -> \
+         {threads1}, device resources {res1}"
+    );
+    if (fds1, threads1) != (fds0, threads0) || res1 != RdmaCounts::default() {
+        bad.push(format!(
+            "after finalize: fds {fds0} -> {fds1}, threads {threads0} -> {threads1}, device \
+             resources {res1}"
+        ));
+    }
+    if !bad.is_empty() {
+        return Err(bad.join("; "));
+    }
+    println!("census: passed: {cycles} cycles, {:.1} cycles/s", cycles as f64 / secs);
+    Ok(())
+}
