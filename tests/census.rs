@@ -28,8 +28,8 @@
 //! and it holds no device resources at all.
 //!
 //! `census [--cycles N] [--warmup W]` (default 1000, what CI runs, and 16). It sets
-//! `FERROCE_SETUP_TIMEOUT_MS=10000` (so the one silent stranger is dropped within seconds even
-//! where the setup deadline is what drops it) and, unless set, `NCCL_IB_QPS_PER_CONNECTION=2`. Built with
+//! `FERROCE_SETUP_TIMEOUT_MS=10000` (the one silent stranger is dropped at the listener's 5 s
+//! hello deadline, and the wait for the rightful peer outlasts it) and, unless set, `NCCL_IB_QPS_PER_CONNECTION=2`. Built with
 //! its own `main` (`harness = false`) and run by `ci/vm-tests.sh` in the VM.
 
 mod common;
