@@ -19,8 +19,7 @@
 //! unreachable GID) is `ncclSystemError`.
 //!
 //! Built with its own `main` (`harness = false`) and run by `ci/vm-tests.sh` in the VM with
-//! the default stream count (sized for about a minute under TCG); `--streams 100000` for a long
-//! run. Outside the VM it fails.
+//! the default stream count, 10⁵ (`--streams N` for another). Outside the VM it fails.
 
 mod common;
 
@@ -40,9 +39,9 @@ use ferroce::ffi::abi::ncclResult_t;
 use ferroce::transport::handshake::{Handle, Kind, MAGIC, MAX_QPS, MSG_LEN, Msg};
 use ferroce::transport::setup::{HELLO_TIMEOUT, MAX_PENDING, REJECT_WARNS};
 
-/// Streams per CI run: 60-90 s of the VM at the rate measured under TCG (90 streams/s with
-/// three other VMs sharing the 2-core host; faster alone).
-const DEFAULT_STREAMS: u64 = 8_000;
+/// Streams per CI run, as the issue asks: about 5 minutes of the TCG VM (355 streams/s measured
+/// alone on the 2-core host; 90 with three other VMs beside it).
+const DEFAULT_STREAMS: u64 = 100_000;
 const CLIENTS: usize = 16;
 const BURST: usize = 2 * MAX_PENDING;
 /// Held (silent or slowloris) connections per client thread at once.
