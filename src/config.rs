@@ -46,6 +46,7 @@ knobs! {
     "FERROCE_ALLOW_UNBOUNDED", "0", "1: accept NCCL_IB_TIMEOUT=0 and FERROCE_RNR_RETRY=7 (waits without bound)";
     "FERROCE_PROGRESS_TIMEOUT_MS", "0", "error when posted work sees no completion for this long; 0: 2x the retry bound + 10 s (none with an unbounded NCCL_IB_TIMEOUT=0)";
     "FERROCE_PROBE_INTERVAL_MS", "5000", "a comm that waits with no completion for this long probes its peer (a zero-length write): a dead peer fails within this + the retry bound";
+    "FERROCE_STATS_INTERVAL_S", "0", "every this many seconds each comm logs its statistics line at INFO (also logged at close); 0: only at close";
     "NCCL_IB_QPS_PER_CONNECTION", "1", "queue pairs per connection (1..=128), each with its own UDP source port";
     "NCCL_IB_SPLIT_DATA_ON_QPS", "0", "1: split every message across the QPs; 0: whole messages round-robin";
     "FERROCE_SPORT_BASE", "49152", "first RoCEv2 UDP source port (49152..=65535)";
@@ -109,6 +110,8 @@ pub struct Config {
     pub rnr_retry: u8,
     pub progress_timeout: Duration,
     pub probe_interval: Duration,
+    /// `FERROCE_STATS_INTERVAL_S`; `None`: statistics only at close.
+    pub stats_interval: Option<Duration>,
     pub qps_per_conn: usize,
     pub split_data: bool,
     pub sport_base: u16,
@@ -322,6 +325,8 @@ impl Config {
         let probe_interval =
             Duration::from_millis(r.int("FERROCE_PROBE_INTERVAL_MS", 5000u64, 10..=86_400_000)?);
 
+        let stats_s = r.int("FERROCE_STATS_INTERVAL_S", 0u64, 0..=86_400)?;
+        let stats_interval = (stats_s > 0).then(|| Duration::from_secs(stats_s));
         let qps_per_conn = r.int("NCCL_IB_QPS_PER_CONNECTION", 1usize, 1..=128)?;
         let split_data = r.int("NCCL_IB_SPLIT_DATA_ON_QPS", 0u8, 0..=1)? == 1;
         let sport_base = r.int("FERROCE_SPORT_BASE", 0xc000u16, 0xc000..=0xffff)?;
@@ -370,6 +375,7 @@ impl Config {
             rnr_retry,
             progress_timeout,
             probe_interval,
+            stats_interval,
             qps_per_conn,
             split_data,
             sport_base,
@@ -507,6 +513,9 @@ mod tests {
         );
         assert_eq!(d.setup_timeout, Duration::from_secs(120));
         assert_eq!(d.probe_interval, Duration::from_secs(5));
+        assert_eq!(d.stats_interval, None);
+        let c = with("FERROCE_STATS_INTERVAL_S", "30").unwrap();
+        assert_eq!(c.stats_interval, Some(Duration::from_secs(30)));
         assert_eq!((d.dmabuf_enable, d.gdr_flush_disable, d.relaxed_ordering), (true, false, 2));
         // 2 x (4.096 us x 2^20 x 8) + 10 s
         assert_eq!(d.progress_timeout.as_millis(), 2 * 34_359_738 / 1000 + 10_000);
@@ -556,6 +565,7 @@ mod tests {
             ("FERROCE_SETUP_TIMEOUT_MS", "0"),
             ("FERROCE_FORCE_FLUSH", "yes"),
             ("FERROCE_PROBE_INTERVAL_MS", "5"),
+            ("FERROCE_STATS_INTERVAL_S", "86401"),
             ("NCCL_DMABUF_ENABLE", "2"),
             ("NCCL_GDR_FLUSH_DISABLE", "-1"),
             ("NCCL_IB_PCI_RELAXED_ORDERING", "3"),

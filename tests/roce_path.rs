@@ -103,8 +103,24 @@ fn split_mode_uses_exactly_the_computed_ports_with_equal_shares() {
             dev * 100.0
         );
     }
-    // The statistics at close name each QP's port and bytes.
-    assert!(info.iter().any(|l| l.contains("closed") && l.contains("sport 50003")), "{info:#?}");
+    // The statistics at close, on both ends: 8 messages of 1 MiB, each QP's port with a
+    // quarter of the bytes and no failed completion, and the device's counters that moved.
+    for end in ["send comm to", "receive comm from"] {
+        let line = info
+            .iter()
+            .find(|l| l.contains(end) && l.contains("closed"))
+            .unwrap_or_else(|| panic!("no {end} statistics line: {info:#?}"));
+        eprintln!("  {line}");
+        assert!(line.contains("8 messages, 8.0 MiB"), "{line}");
+        for port in &want {
+            let qp = format!("sport {port}: 2.0 MiB (25.0%), 0 failed completions");
+            assert!(line.contains(&qp), "{qp}: {line}");
+        }
+        assert!(
+            line.contains("hw_counters over this time: ") && line.contains("_pkts +"),
+            "{line}"
+        );
+    }
 }
 
 #[test]
@@ -558,4 +574,39 @@ fn socket_ifname_in_nccl_syntax_picks_the_setup_interface() {
         "{warns:#?}"
     );
     drv.finalize(ctx).unwrap();
+}
+
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn statistics_are_logged_periodically_for_long_jobs() {
+    require_vm();
+    let _g = serial();
+    set_env(&[("FERROCE_STATS_INTERVAL_S", Some("1"))]);
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12).unwrap();
+    let ctx = drv.init(3).unwrap();
+    take_captured();
+    let (send, recv) = pair(&drv, ctx, 1, 0).unwrap();
+    let t = Instant::now();
+    let mut n = 0;
+    while t.elapsed() < Duration::from_millis(3500) {
+        transfer(&drv, send, recv, 4096, n as u8).unwrap();
+        n += 1;
+    }
+    drv.close(Close::Send, send).unwrap();
+    drv.close(Close::Recv, recv).unwrap();
+    drv.finalize(ctx).unwrap();
+    set_env(&[("FERROCE_STATS_INTERVAL_S", None)]);
+    let info: Vec<String> = take_captured().into_iter().filter(|l| l.0 == 3).map(|l| l.2).collect();
+    for end in ["send comm to", "receive comm from"] {
+        let periodic: Vec<&String> =
+            info.iter().filter(|l| l.contains(end) && l.contains(" messages, ")).collect();
+        eprintln!("  {end}: {} statistics lines over {n} messages in 3.5 s", periodic.len());
+        // One per second while it lives (2-4 under a coarse clock), then the one at close.
+        assert!((3..=6).contains(&periodic.len()), "{periodic:#?}");
+        assert!(
+            periodic.last().unwrap().contains(&format!("closed: {n} messages")),
+            "{periodic:#?}"
+        );
+    }
 }

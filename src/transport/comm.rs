@@ -179,6 +179,44 @@ fn watch(net: &Net, dev: usize, comm: String, qps: &[&Qp], cq: &Cq) -> Watch {
     net.devices[dev].flags.watch(comm, queues)
 }
 
+/// A comm's life, for its statistics: when it opened, the device's counters then, and when
+/// the next periodic report is due (`FERROCE_STATS_INTERVAL_S`).
+struct Life {
+    opened: Duration,
+    counters: Vec<(String, u64)>,
+    every: Option<Duration>,
+    next: Duration,
+}
+
+impl Life {
+    fn start(net: &Net, dev: usize) -> Life {
+        let d = &net.devices[dev];
+        let opened = crate::os::coarse_now();
+        let every = net.config.stats_interval;
+        let counters = verbs::sysfs::hw_counters(d.ctx.name(), d.port);
+        Life { opened, counters, every, next: opened + every.unwrap_or_default() }
+    }
+
+    /// The statistics line of `what` now.
+    fn line(&self, what: &str, t: &super::proto::Traffic, path: &Path, d: &NetDevice) -> String {
+        let life = crate::os::coarse_now().saturating_sub(self.opened);
+        let now = verbs::sysfs::hw_counters(d.ctx.name(), d.port);
+        let grown = super::stats::grown(&self.counters, &now);
+        super::stats::line(what, t, &path.sports, life, &d.name, &grown)
+    }
+
+    /// Logs the line of `role` (e.g. "send comm to") when a periodic report is due (only with
+    /// `FERROCE_STATS_INTERVAL_S`; nothing is allocated otherwise).
+    fn tick(&mut self, role: &str, t: &super::proto::Traffic, path: &Path, d: &NetDevice) {
+        let Some(every) = self.every else { return };
+        let now = crate::os::coarse_now();
+        if now >= self.next {
+            self.next = now + every;
+            log::info!("{}", self.line(&format!("{role} {}", path.peer), t, path, d));
+        }
+    }
+}
+
 /// The core's parameters for a comm on `net`'s device with these QPs.
 fn params(net: &Net, qps: &[Qp], split: bool, max_msg: u64, path: &Path) -> Params {
     Params {
@@ -206,6 +244,7 @@ pub struct SendComm {
     qps: Vec<Qp>,
     cq: Arc<Cq>,
     watch: Watch,
+    life: Life,
     pub net: Arc<Net>,
     pub dev: usize,
 }
@@ -266,6 +305,7 @@ impl SendComm {
             qps: parts.qps,
             cq: parts.cq,
             watch,
+            life: Life::start(&net, dev),
             net,
             dev,
         });
@@ -287,7 +327,9 @@ impl SendComm {
     pub fn progress(&mut self) -> Result<()> {
         let mut io = Qps { qps: &self.qps, flush: None };
         let dev = &self.net.devices[self.dev];
-        progress(&self.cq, dev, &self.watch, &mut self.core, &mut io)
+        let r = progress(&self.cq, dev, &self.watch, &mut self.core, &mut io);
+        self.life.tick("send comm to", self.core.traffic(), &self.path, dev);
+        r
     }
 
     /// `Some(size)` once request `id` completed (the request is then free again).
@@ -307,17 +349,9 @@ impl Drop for SendComm {
                 log::warn!("closing the send comm to {}: {e}", self.path.peer);
             }
         }
-        let stats: Vec<String> = (0..self.qps.len())
-            .map(|q| {
-                let port = self.path.sports.get(q).copied().unwrap_or(0);
-                format!(
-                    "QP {q} (qpn {:#x}, sport {port}) {} bytes",
-                    self.qps[q].qpn(),
-                    self.core.bytes[q]
-                )
-            })
-            .collect();
-        log::info!("send comm to {} closed: {}", self.path.peer, stats.join(", "));
+        let what = format!("send comm to {} closed", self.path.peer);
+        let dev = &self.net.devices[self.dev];
+        log::info!("{}", self.life.line(&what, self.core.traffic(), &self.path, dev));
     }
 }
 
@@ -344,6 +378,7 @@ pub struct RecvComm {
     qps: Vec<Qp>,
     cq: Arc<Cq>,
     watch: Watch,
+    life: Life,
     pub net: Arc<Net>,
     pub dev: usize,
 }
@@ -408,6 +443,7 @@ impl RecvComm {
             qps: parts.qps,
             cq: parts.cq,
             watch,
+            life: Life::start(&net, dev),
             net,
             dev,
         });
@@ -444,7 +480,9 @@ impl RecvComm {
         let mut side = RecvDrain { core: &mut self.core, sizes: &self.sizes };
         let mut io = Qps { qps: &self.qps, flush: None };
         let dev = &self.net.devices[self.dev];
-        progress(&self.cq, dev, &self.watch, &mut side, &mut io)
+        let r = progress(&self.cq, dev, &self.watch, &mut side, &mut io);
+        self.life.tick("receive comm from", self.core.traffic(), &self.path, dev);
+        r
     }
 
     /// Receive request `id` (`< SLOTS`) or flush request (`FLUSH_BASE..`): `Some(n)` once
@@ -465,5 +503,8 @@ impl Drop for RecvComm {
                 log::warn!("closing the receive comm from {}: {e}", self.path.peer);
             }
         }
+        let what = format!("receive comm from {} closed", self.path.peer);
+        let dev = &self.net.devices[self.dev];
+        log::info!("{}", self.life.line(&what, self.core.traffic(), &self.path, dev));
     }
 }

@@ -14,6 +14,7 @@ pub mod net;
 pub mod proto;
 pub mod reg;
 pub mod setup;
+pub mod stats;
 
 pub use device::NetDevice;
 pub use net::{CommContext, Net};

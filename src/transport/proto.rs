@@ -311,6 +311,21 @@ impl Watchdog {
     }
 }
 
+/// What a comm moved, for its statistics: messages, and per QP the bytes and the failed
+/// completions.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Traffic {
+    pub messages: u64,
+    pub bytes: Vec<u64>,
+    pub errors: Vec<u64>,
+}
+
+impl Traffic {
+    fn new(nqps: usize) -> Traffic {
+        Traffic { messages: 0, bytes: vec![0; nqps], errors: vec![0; nqps] }
+    }
+}
+
 /// When to probe a quiet peer: after `interval` of waiting with no completion at all.
 struct Prober {
     interval: Duration,
@@ -347,11 +362,13 @@ struct Health {
     watchdog: Watchdog,
     prober: Prober,
     path: Path,
+    traffic: Traffic,
 }
 
 impl Health {
     fn new(p: &Params) -> Health {
         Health {
+            traffic: Traffic::new(p.nqps),
             fatal: None,
             watchdog: Watchdog::new(p.progress_timeout),
             prober: Prober { interval: p.probe_interval, activity: 0, quiet: None, out: false },
@@ -385,6 +402,11 @@ impl Health {
     fn completion(&mut self, c: &Completion) -> bool {
         self.prober.activity += 1;
         let probe = wr_kind(c.wr_id) == WR_PROBE;
+        if c.status != 0
+            && let Some(e) = self.traffic.errors.get_mut(wr_lane(c.wr_id))
+        {
+            *e += 1;
+        }
         if probe {
             self.prober.out = false;
             self.watchdog.completed(true);
@@ -521,7 +543,6 @@ pub struct SendCore {
     remote_sizes: (u64, u32),
     /// Per QP: send-queue entries in use, and bytes carried (the statistics).
     sq_used: Vec<usize>,
-    pub bytes: Vec<u64>,
     /// Per slot and QP: work requests posted for the slot's current use.
     slot_wrs: Vec<usize>,
     /// The last isend found no CTS for its slot: the sender waits on the receiver.
@@ -545,7 +566,6 @@ impl SendCore {
             head: 0,
             remote_sizes,
             sq_used: vec![0; p.nqps],
-            bytes: vec![0; p.nqps],
             slot_wrs: vec![0; SLOTS * p.nqps],
             wants_cts: false,
             in_flight: 0,
@@ -557,6 +577,11 @@ impl SendCore {
 
     pub fn check(&self) -> Result<()> {
         self.health.check()
+    }
+
+    /// What this end has sent: messages, and per QP the bytes and failed completions.
+    pub fn traffic(&self) -> &Traffic {
+        &self.health.traffic
     }
 
     /// Matches a send against the receiver's posted buffers in `fifo`; posts the row once it
@@ -616,6 +641,7 @@ impl SendCore {
         }
         let id = slot * MAX_RECVS + r;
         self.reqs[id] = SendReq { state: State::Pending, size: buf.size };
+        self.health.traffic.messages += 1;
         let s = &mut self.slots[slot];
         s.matched |= 1 << r;
         s.bufs = bufs;
@@ -741,7 +767,7 @@ impl SendCore {
             chain.flush(io)?;
             self.slot_wrs[slot * nqps + q] = chain.posted;
             self.sq_used[q] += chain.posted;
-            self.bytes[q] += data;
+            self.health.traffic.bytes[q] += data;
         }
         let s = &mut self.slots[slot];
         s.cqes = lanes.len() as u16;
@@ -800,7 +826,7 @@ impl SendCore {
         chain.flush(io)?;
         self.slot_wrs[slot * self.p.nqps + q] = chain.posted;
         self.sq_used[q] += chain.posted;
-        self.bytes[q] += b.size;
+        self.health.traffic.bytes[q] += b.size;
         let s = &mut self.slots[slot];
         s.cqes = 1;
         self.in_flight += 1;
@@ -922,6 +948,12 @@ impl RecvCore {
         self.health.check()
     }
 
+    /// What this end has received: messages (an optional receive counts when posted, with
+    /// no bytes: its size is never reported), and per QP the bytes and failed completions.
+    pub fn traffic(&self) -> &Traffic {
+        &self.health.traffic
+    }
+
     /// Posts `bufs` (with their tags) as one multi-receive, staging the CTS row in `stage`.
     /// `optional`: NCCL needs no completion (honoured for a single buffer); `sizes` holds the
     /// ack word. `Ok(None)`: all slots busy (poll, test, call again).
@@ -979,6 +1011,7 @@ impl RecvCore {
             // Done at once: NCCL watches the data itself. The size reported is the posted one.
             let mut sizes = [0; MAX_RECVS];
             sizes[0] = bufs[0].0.size;
+            self.health.traffic.messages += 1;
             RecvSlot { state: State::Done, n, ack_for: idx, imms: 0, sizes }
         } else {
             let imms = lanes.len() as u16;
@@ -1044,6 +1077,14 @@ impl RecvCore {
                     }
                 }
                 s.state = State::Done;
+                let (split, nqps) = (self.p.split, self.p.nqps);
+                let t = &mut self.health.traffic;
+                t.messages += s.n as u64;
+                for &size in &s.sizes[..s.n] {
+                    for q in lanes(split, nqps, i) {
+                        t.bytes[q] += lane_part(size, split, nqps, q).1;
+                    }
+                }
             }
             WR_FLUSH => {
                 self.flushes[i] = State::Done;

@@ -29,3 +29,19 @@ fn read_trimmed(path: &str) -> Option<String> {
     let s = s.trim();
     (!s.is_empty()).then(|| s.to_string())
 }
+
+/// A port's hardware counters (`ports/<port>/hw_counters/*`) by name, sorted; empty where the
+/// driver has none. `lifespan` is a setting, not a counter, and is left out.
+pub fn hw_counters(dev: &str, port: u8) -> Vec<(String, u64)> {
+    let dir = format!("{CLASS}/{dev}/ports/{port}/hw_counters");
+    let Ok(entries) = std::fs::read_dir(&dir) else { return Vec::new() };
+    let mut out: Vec<(String, u64)> = entries
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().into_string().ok()?;
+            let value = read_trimmed(&format!("{dir}/{name}"))?.parse().ok()?;
+            (name != "lifespan").then_some((name, value))
+        })
+        .collect();
+    out.sort();
+    out
+}

@@ -575,6 +575,20 @@ fn drive(run: &Run, seed: u64) -> Outcome {
     // Every request was seen complete exactly once (the counters would have gone past n
     // otherwise, and tests of freed requests are errors), and nothing is left queued.
     if !wire.borrow().failing() {
+        // The statistics count every message and byte once: the sender's all of them, the
+        // receiver's all but the bytes of optional receives (their size is never reported).
+        let items = run.groups.iter().map(Vec::len).sum::<usize>() as u64;
+        let size = |g: &Vec<Item>| g.iter().map(|i| i.size).sum::<u64>();
+        let sent: u64 = run.groups.iter().map(size).sum();
+        let seen: u64 =
+            run.groups.iter().zip(&run.optional).filter(|(_, o)| !**o).map(|(g, _)| size(g)).sum();
+        let (st, rt) = (sender.traffic(), receiver.traffic());
+        assert_eq!((st.messages, st.bytes.iter().sum::<u64>()), (items, sent), "sender stats");
+        assert_eq!((rt.messages, rt.bytes.iter().sum::<u64>()), (items, seen), "receiver stats");
+        assert!(st.errors.iter().chain(&rt.errors).all(|&e| e == 0));
+        if !run.optional.contains(&true) {
+            assert_eq!(st.bytes, rt.bytes, "both ends count the same bytes per QP");
+        }
         assert!(wire.borrow().busy().is_empty(), "work left on the wire");
         assert!(sender.test(0).is_err() && receiver.test(0, &mut [0; MAX_RECVS]).is_err());
     }

@@ -1,0 +1,99 @@
+//! A comm's statistics line: what it moved, over which UDP source ports, with how many failed
+//! completions, and how the device's hardware counters moved over its life. Logged at INFO when
+//! the comm closes, and every `FERROCE_STATS_INTERVAL_S` while it lives.
+
+use std::fmt::Write;
+use std::time::Duration;
+
+use super::proto::Traffic;
+
+/// The counters that grew between `before` and `after` (both sorted by name), with how much.
+pub fn grown(before: &[(String, u64)], after: &[(String, u64)]) -> Vec<(String, u64)> {
+    after
+        .iter()
+        .filter_map(|(name, now)| {
+            let was = before.iter().find(|(n, _)| n == name).map_or(0, |(_, v)| *v);
+            (*now > was).then(|| (name.clone(), now - was))
+        })
+        .collect()
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / f64::from(1 << 20)
+}
+
+/// One line: `what` (e.g. "send comm to 198.18.0.2:4000"), its traffic over `life`, each QP's
+/// source port, bytes, share and failed completions, and the device's counters that grew.
+pub fn line(
+    what: &str,
+    t: &Traffic,
+    sports: &[u16],
+    life: Duration,
+    device: &str,
+    counters: &[(String, u64)],
+) -> String {
+    let total: u64 = t.bytes.iter().sum();
+    let secs = life.as_secs_f64();
+    let mut s = format!(
+        "{what}: {} messages, {:.1} MiB in {secs:.1} s ({:.1} MiB/s)",
+        t.messages,
+        mib(total),
+        if secs > 0.0 { mib(total) / secs } else { 0.0 }
+    );
+    for (q, bytes) in t.bytes.iter().enumerate() {
+        let share = if total > 0 { 100.0 * *bytes as f64 / total as f64 } else { 0.0 };
+        let port = sports.get(q).copied().unwrap_or(0);
+        let errors = t.errors.get(q).copied().unwrap_or(0);
+        let _ = write!(
+            s,
+            "; QP {q} sport {port}: {:.1} MiB ({share:.1}%), {errors} failed completions",
+            mib(*bytes)
+        );
+    }
+    if counters.is_empty() {
+        let _ = write!(s, "; {device} hw_counters: none moved (or none exposed)");
+    } else {
+        let list: Vec<String> = counters.iter().map(|(n, d)| format!("{n} +{d}")).collect();
+        let _ = write!(s, "; {device} hw_counters over this time: {}", list.join(", "));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn c(v: &[(&str, u64)]) -> Vec<(String, u64)> {
+        v.iter().map(|(n, x)| (n.to_string(), *x)).collect()
+    }
+
+    #[test]
+    fn only_counters_that_grew_are_kept_with_their_growth() {
+        let before = c(&[("duplicate_request", 5), ("rcvd_seq_err", 2), ("retry_exceeded_err", 0)]);
+        let after = c(&[("duplicate_request", 5), ("rcvd_seq_err", 9), ("new_counter", 3)]);
+        assert_eq!(grown(&before, &after), c(&[("rcvd_seq_err", 7), ("new_counter", 3)]));
+        assert!(grown(&after, &after).is_empty());
+    }
+
+    #[test]
+    fn the_line_gives_each_qps_port_share_and_errors() {
+        let t = Traffic { messages: 12, bytes: vec![3 << 20, 1 << 20], errors: vec![0, 2] };
+        let l = line(
+            "send comm to 198.18.0.2:4000",
+            &t,
+            &[49152, 49153],
+            Duration::from_secs(2),
+            "rxe0",
+            &c(&[("rcvd_seq_err", 4)]),
+        );
+        assert_eq!(
+            l,
+            "send comm to 198.18.0.2:4000: 12 messages, 4.0 MiB in 2.0 s (2.0 MiB/s); \
+             QP 0 sport 49152: 3.0 MiB (75.0%), 0 failed completions; \
+             QP 1 sport 49153: 1.0 MiB (25.0%), 2 failed completions; \
+             rxe0 hw_counters over this time: rcvd_seq_err +4"
+        );
+        let idle = line("x", &Traffic::default(), &[], Duration::ZERO, "rxe1", &[]);
+        assert!(idle.contains("0 messages, 0.0 MiB") && idle.contains("none moved"), "{idle}");
+    }
+}
