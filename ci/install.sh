@@ -27,6 +27,8 @@ main() {
         clang libclang-dev pkg-config
         # The test-only dma-buf stand-in (tests/dmabuf_standin.c) is plain C.
         gcc libc6-dev
+        # ci/test.sh and ci/bench.sh read cargo's JSON with it.
+        python3
     )
 
     local missing=() p
@@ -40,13 +42,39 @@ main() {
 
     if [[ ${#missing[@]} -eq 0 ]]; then
         echo "install.sh: all ${#pkgs[@]} packages already installed"
-        return 0
+    else
+        echo "install.sh: installing ${missing[*]}"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -q
+        apt-get install -y -q --no-install-recommends "${missing[@]}"
     fi
+    check_rust
+}
 
-    echo "install.sh: installing ${missing[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -q
-    apt-get install -y -q --no-install-recommends "${missing[@]}"
+# Debian 12's own rustc (1.63) predates edition 2024, so the toolchain comes from rustup; this
+# checks it is there and new enough, and says exactly what to do when it is not.
+check_rust() {
+    local need=1.85 have
+    local fix="install Rust >= $need with rustup (https://rustup.rs):
+    curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal --component rustfmt,clippy
+    . \"\$HOME/.cargo/env\""
+    if ! command -v cargo >/dev/null || ! command -v rustc >/dev/null; then
+        echo "install.sh: no Rust toolchain on PATH (if rustup installed one: . \"\$HOME/.cargo/env\"); $fix" >&2
+        exit 1
+    fi
+    have=$(rustc --version | awk '{print $2}')
+    if [[ $(printf '%s\n' "$need" "$have" | sort -V | head -n1) != "$need" ]]; then
+        echo "install.sh: rustc $have is too old for edition 2024 (needs $need); rustup update stable, or $fix" >&2
+        exit 1
+    fi
+    local c
+    for c in fmt clippy; do
+        if ! cargo "$c" --version >/dev/null 2>&1; then
+            echo "install.sh: cargo $c is missing (ci/test.sh runs it): rustup component add ${c/fmt/rustfmt}" >&2
+            exit 1
+        fi
+    done
+    echo "install.sh: rustc $have (edition 2024 needs $need), cargo fmt and clippy present"
 }
 
 main "$@"
