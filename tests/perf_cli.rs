@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 use common::*;
 
 const EXE: &str = env!("CARGO_BIN_EXE_ferroce");
+/// Three bandwidth sizes (8 B, 4 KiB, 64 KiB), two latency sizes, 100 ping-pongs each.
+const SHORT: &[&str] = &["--max-size", "65536", "--iters", "100"];
 
 fn plugin() -> String {
     plugin_dir().join("libnccl-net-ferroce.so").to_string_lossy().into_owned()
@@ -63,11 +65,11 @@ fn tables(out: &str) -> Vec<Vec<Vec<f64>>> {
     t
 }
 
-/// Bandwidth (6 sizes) and latency (2 sizes) tables, each row's ferroce median positive.
+/// Bandwidth (3 sizes) and latency (2 sizes) tables, each row's ferroce median positive.
 fn check_tables(out: &str) {
     let t = tables(out);
     assert_eq!(t.len(), 2, "two tables expected:\n{out}");
-    assert_eq!(t[0].len(), 6, "six bandwidth sizes expected:\n{out}");
+    assert_eq!(t[0].len(), 3, "three bandwidth sizes expected:\n{out}");
     assert_eq!(t[1].len(), 2, "two latency sizes expected:\n{out}");
     for row in t.iter().flatten() {
         assert!(
@@ -105,18 +107,8 @@ fn two_processes_one_device_each() {
     assert!(addr.starts_with("198.18.0.2:"), "the address of rxe1's netdev: {addr}");
 
     let t0 = Instant::now();
-    let connector = perf(&[
-        "--connect",
-        &addr,
-        "--dev",
-        "rxe0",
-        "--plugin",
-        &p,
-        "--rounds",
-        "1",
-        "--seconds",
-        "0.3",
-    ]);
+    let args = ["--connect", &addr, "--dev", "rxe0", "--plugin", &p, "--rounds", "1"];
+    let connector = perf(&[&args[..], &["--seconds", "0.3"], SHORT].concat());
     let out = finish(connector, 180, "perf --connect");
     let (text, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     println!("{text}");
@@ -143,7 +135,7 @@ fn one_host_with_named_devices() {
     let p = plugin();
     let args = ["--dev-send", "rxe1", "--dev-recv", "rxe0", "--no-perftest", "--json"];
     let out = finish(
-        perf(&[&args[..], &["--plugin", &p, "--rounds", "1", "--seconds", "0.3"]].concat()),
+        perf(&[&args[..], &["--plugin", &p, "--rounds", "1", "--seconds", "0.3"], SHORT].concat()),
         180,
         "perf (one host)",
     );
@@ -152,7 +144,7 @@ fn one_host_with_named_devices() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains(r#""sender":{"dev":"1","name":"rxe1","host":"here"}"#), "{text}");
     assert!(text.contains(r#""receiver":{"dev":"0","name":"rxe0","host":"here"}"#), "{text}");
-    assert_eq!(text.matches("ferroce_gbps_median").count(), 6, "{text}");
+    assert_eq!(text.matches("ferroce_gbps_median").count(), 3, "{text}");
     for v in text.split("\"ferroce_gbps_median\":").skip(1) {
         let n: f64 = v.split([',', '}']).next().unwrap().parse().unwrap();
         assert!(n > 0.0, "{text}");
@@ -174,6 +166,8 @@ fn bad_arguments_exit_non_zero_with_usage() {
         (&["--connect"], "--connect needs a value"),
         (&["--dev"], "--dev needs a value"),
         (&["--rounds", "x"], "not a number"),
+        (&["--max-size", "4"], "--max-size must be at least 8"),
+        (&["--iters", "1"], "--iters must be from 10"),
         (&["--listen", "--rounds", "2"], "the --connect side runs the benchmark"),
         (&["--dev", "rxe0"], "--dev is for --listen/--connect"),
         (&["--listen", "--connect", "h:1"], "only one"),

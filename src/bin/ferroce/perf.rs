@@ -43,6 +43,8 @@ pub const USAGE: &str = "usage: ferroce perf [OPTIONS]                   one hos
 libnccl-net-ferroce.so next to this program, else `ferroce`)
   --rounds      rounds of the whole set (default 3)
   --seconds     bandwidth time per size per round (default 2.0)
+  --max-size    leave out the sizes above this many bytes (default: all, up to 8 MiB)
+  --iters       latency iterations per size, after a tenth as many for warm-up (default 1000)
   --json        one JSON object with every round's numbers instead of the table
   --no-perftest ferroce only (two hosts: always; perftest needs both devices on this host)
   --dev-send    one host: device of rank 0, the sender (default: the first device the plugin \
@@ -55,8 +57,8 @@ offers)
 
 const BW_SIZES: [usize; 6] = [8, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 8 << 20];
 const LAT_SIZES: [usize; 2] = [8, 4 << 10];
+/// Latency iterations by default (`--iters`); the warm-up is a tenth as many.
 const LAT_ITERS: usize = 1000;
-const LAT_WARMUP: usize = 100;
 /// Receives posted ahead in ping-pong: one is consumed per round trip and re-posted while the
 /// next message flies, so at least two are always posted when the peer sends.
 const LAT_DEPTH: usize = 3;
@@ -374,17 +376,20 @@ impl Rank<'_> {
         self.drv.isend(self.send, self.sbuf, size, 0, self.smh)
     }
 
-    /// The receive buffer's first `size` bytes; only while no receive is posted.
-    fn received(&self, size: usize) -> &mut [u8] {
+    /// Zeroes the receive buffer's first `size` bytes; only while no receive is posted.
+    fn clear(&self, size: usize) {
         // SAFETY: rbuf is MAX bytes long and lives as long as self; the callers hold no receive
         // posted, so the NIC does not write it meanwhile.
-        unsafe { std::slice::from_raw_parts_mut(self.rbuf, size.min(MAX)) }
+        unsafe { std::ptr::write_bytes(self.rbuf, 0, size.min(MAX)) }
     }
 
     /// The last message received must be the sender's pattern, byte for byte (the buffer was
     /// zeroed before the first receive was posted, so a message that never landed fails too).
+    /// Only while no receive is posted.
     fn verify(&self, size: usize) -> Result<(), String> {
-        match self.received(size).iter().enumerate().position(|(i, &b)| b != pattern(i)) {
+        // SAFETY: as in `clear`: in bounds, and nothing writes the buffer meanwhile.
+        let got = unsafe { std::slice::from_raw_parts(self.rbuf, size.min(MAX)) };
+        match got.iter().enumerate().position(|(i, &b)| b != pattern(i)) {
             None => Ok(()),
             Some(i) => Err(format!("a {size}-byte message arrived corrupted at byte {i}")),
         }
@@ -404,7 +409,7 @@ impl Rank<'_> {
     fn bw_recv(&self, size: usize, window: usize, secs: f64, warm: f64) -> Result<String, String> {
         let dur = |s: f64| Duration::try_from_secs_f64(s).map_err(|e| format!("BW {s} s: {e}"));
         let (secs, warm) = (dur(secs)?, dur(warm)?);
-        self.received(size).fill(0);
+        self.clear(size);
         let mut q = VecDeque::with_capacity(window);
         let (mut posted, mut done) = (0u64, 0u64);
         let (mut first, mut start, mut end) = (None, None::<(Instant, u64)>, None);
@@ -526,7 +531,7 @@ impl Rank<'_> {
     fn lat(&self, size: usize, iters: usize, warm: usize, leader: bool) -> Result<String, String> {
         // One message more than samples: a sample is the time between two pings.
         let total = warm + iters + 1;
-        self.received(size).fill(0);
+        self.clear(size);
         let mut q = VecDeque::with_capacity(LAT_DEPTH);
         while q.len() < LAT_DEPTH.min(total) {
             q.push_back(until("irecv", || self.irecv(size))?);
@@ -697,6 +702,8 @@ struct Opts {
     /// The sender's and the receiver's device (names or indices; see [`resolve`]).
     devs: (String, String),
     port: u16,
+    max_size: usize,
+    iters: usize,
 }
 
 fn parse(args: &[String]) -> Result<Option<Opts>, String> {
@@ -711,6 +718,8 @@ fn parse(args: &[String]) -> Result<Option<Opts>, String> {
         perftest: true,
         devs: ("0".into(), "1".into()),
         port: 0,
+        max_size: MAX,
+        iters: LAT_ITERS,
     };
     // Flags that only fit some modes: checked once the mode is known.
     let (mut two_host_dev, mut one_host_dev, mut driving, mut port) = (None, false, None, false);
@@ -729,6 +738,8 @@ fn parse(args: &[String]) -> Result<Option<Opts>, String> {
             "--plugin" => o.plugin = val()?.to_string(),
             "--rounds" => (o.rounds, driving) = (num(a, Some(val()?))?, Some(a)),
             "--seconds" => (o.seconds, driving) = (num(a, Some(val()?))?, Some(a)),
+            "--max-size" => (o.max_size, driving) = (num(a, Some(val()?))?, Some(a)),
+            "--iters" => (o.iters, driving) = (num(a, Some(val()?))?, Some(a)),
             "--dev-send" => (o.devs.0, one_host_dev) = (val()?.to_string(), true),
             "--dev-recv" => (o.devs.1, one_host_dev) = (val()?.to_string(), true),
             "--dev" => two_host_dev = Some(val()?.to_string()),
@@ -764,6 +775,12 @@ fn parse(args: &[String]) -> Result<Option<Opts>, String> {
     }
     if o.rounds == 0 {
         return Err("--rounds must be at least 1".into());
+    }
+    if o.max_size < BW_SIZES[0] {
+        return Err(format!("--max-size must be at least {} (the smallest size)", BW_SIZES[0]));
+    }
+    if !(10..=1_000_000).contains(&o.iters) {
+        return Err("--iters must be from 10 to 1000000".into());
     }
     if !(0.1..=3600.0).contains(&o.seconds) {
         return Err("--seconds must be from 0.1 to 3600".into());
@@ -998,8 +1015,12 @@ pub fn perf(args: &[String]) -> Result<(), String> {
 
     let pt_secs = o.seconds.round().max(1.0) as u64;
     let warm = warmup(o.seconds);
-    let mut bw: Vec<Row> = BW_SIZES.iter().map(|&size| Row { size, ..Row::default() }).collect();
-    let mut lat: Vec<Row> = LAT_SIZES.iter().map(|&size| Row { size, ..Row::default() }).collect();
+    let rows = |sizes: &[usize]| -> Vec<Row> {
+        let sizes = sizes.iter().filter(|&&size| size <= o.max_size);
+        sizes.map(|&size| Row { size, ..Row::default() }).collect()
+    };
+    let (mut bw, mut lat) = (rows(&BW_SIZES), rows(&LAT_SIZES));
+    let (iters, lat_warm) = (o.iters, o.iters / 10);
     for round in 1..=o.rounds {
         let tag = format!("# round {round}/{}", o.rounds);
         for row in bw.iter_mut() {
@@ -1022,7 +1043,7 @@ pub fn perf(args: &[String]) -> Result<(), String> {
             row.secs.push(secs);
         }
         for row in lat.iter_mut() {
-            let cmd = format!("LAT {} {LAT_ITERS} {LAT_WARMUP}", row.size);
+            let cmd = format!("LAT {} {iters} {lat_warm}", row.size);
             recv.send(&cmd)?;
             send.send(&cmd)?;
             let r = send.expect("LAT", limit, &mut recv)?;
@@ -1044,7 +1065,7 @@ pub fn perf(args: &[String]) -> Result<(), String> {
             row.write.push(v);
         }
         for row in lat.iter_mut() {
-            let (size, n) = (row.size.to_string(), LAT_ITERS.to_string());
+            let (size, n) = (row.size.to_string(), iters.to_string());
             // Row: bytes, iterations, t_min, t_max, t_typical, ...
             let pt = Perftest { tx, rx, limit: 120, label: "t_typical" };
             let w = pt.run("ib_write_lat", &["-s", &size, "-n", &n], 4)?;
@@ -1156,9 +1177,12 @@ fn print_table(h: &Header, bw: &[Row], lat: &[Row]) {
     }
     println!();
     println!(
-        "#   latency: ping-pong, half the round trip, {LAT_ITERS} iterations after {LAT_WARMUP} \
+        "#   latency: ping-pong, half the round trip, {} iterations after {} \
          warm-up, {LAT_DEPTH} receives posted ahead; min: the fastest sample of all rounds; \
-         ib_write_lat / ib_send_lat -n {LAT_ITERS}, t_typical; ratio vs ib_write_lat"
+         ib_write_lat / ib_send_lat -n {}, t_typical; ratio vs ib_write_lat",
+        o.iters,
+        o.iters / 10,
+        o.iters
     );
     let w = [12, 9, 13, 8, 12, 13, 11, 13, 6];
     let head = [
@@ -1270,8 +1294,8 @@ fn print_json(h: &Header, bw: &[Row], lat: &[Row]) {
             ("warmup_seconds", jnum(h.warm)),
             ("perftest", o.perftest.to_string()),
             ("perftest_seconds", h.pt_secs.to_string()),
-            ("lat_iters", LAT_ITERS.to_string()),
-            ("lat_warmup", LAT_WARMUP.to_string()),
+            ("lat_iters", o.iters.to_string()),
+            ("lat_warmup", (o.iters / 10).to_string()),
             ("lat_depth", LAT_DEPTH.to_string()),
             ("bandwidth", format!("[{}]", bw.join(","))),
             ("latency", format!("[{}]", lat.join(","))),
