@@ -5,9 +5,12 @@
 //!   table `ncclNetPlugin_v6` … `_v12`.
 //! - `ferroce info [NAME]`: also initialises it and describes each device NCCL would see.
 //! - `ferroce perf [--plugin NAME_OR_PATH] [--rounds N] [--seconds S] [--json] [--no-perftest]
-//!   [--dev-send D] [--dev-recv D]`: the benchmark (inside the Soft-RoCE VM: two rank processes
-//!   through the plugin, then perftest on the same devices, rounds of both, and the ratio). It
-//!   runs its ranks as `ferroce perf-rank ...`, which is not meant to be run by hand.
+//!   [--dev-send D] [--dev-recv D]`: the benchmark on one host (two rank processes through the
+//!   plugin, then perftest on the same devices, rounds of both, and the ratio). It runs its
+//!   ranks as `ferroce perf-rank ...`, which is not meant to be run by hand.
+//! - `ferroce perf --listen [--dev D] [--port P]` and `ferroce perf --connect HOST:PORT
+//!   [--dev D] ...`: the same benchmark between two hosts; the listening side receives and
+//!   prints `HANDLE HOST:PORT DEVICE`, the connecting side sends and prints the tables.
 //! - `ferroce core-bench [MESSAGES] [normal|optional]`: the protocol core's cost per message on
 //!   this host.
 //! - `ferroce sink DEV [NAME]`: a receiving peer for checks across processes or hosts: listens

@@ -22,10 +22,12 @@
 //! `ib_send_lat`), so drift in the VM hits both alike. The table shows the median of the rounds,
 //! the spread (min-max) and ferroce / perftest; `--json` gives every round's raw numbers.
 
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::ffi::{CStr, c_int};
 use std::io::{BufRead, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
@@ -34,21 +36,29 @@ use crate::harness::driver::{Close, Driver, Ptr};
 use crate::harness::loader::{ECHO, Library, take_captured};
 use ferroce::ffi::abi::{ncclNet_v12_t, ncclNetProperties_v12_t, ncclResult_t};
 
-pub const USAGE: &str = "usage: ferroce perf [--plugin NAME_OR_PATH] [--rounds N] [--seconds S] \
-[--json] [--no-perftest] [--dev-send D] [--dev-recv D]
+pub const USAGE: &str = "usage: ferroce perf [OPTIONS]                   one host: two rank processes
+       ferroce perf --listen [--dev D] [--port P]    two hosts: the receiving side; prints its address
+       ferroce perf --connect HOST:PORT [--dev D] [OPTIONS]   the sending side; prints the tables
   --plugin      the plugin as NCCL_NET_PLUGIN names it, or a path (default: \
 libnccl-net-ferroce.so next to this program, else `ferroce`)
-  --rounds      rounds of the whole set, ferroce and perftest each (default 3)
+  --rounds      rounds of the whole set (default 3)
   --seconds     bandwidth time per size per round (default 2.0)
+  --max-size    leave out the sizes above this many bytes (default: all, up to 8 MiB)
+  --iters       latency iterations per size, after a tenth as many for warm-up (default 1000)
   --json        one JSON object with every round's numbers instead of the table
-  --no-perftest ferroce only
-  --dev-send    plugin device of rank 0, the sender (default 0)
-  --dev-recv    plugin device of rank 1, the receiver (default 1)";
+  --no-perftest ferroce only (two hosts: always; perftest needs both devices on this host)
+  --dev-send    one host: device of rank 0, the sender (default: the first device the plugin \
+offers)
+  --dev-recv    one host: device of rank 1, the receiver (default: the second device)
+  --dev         two hosts: this side's device (default: the first device the plugin offers)
+  --port        --listen: the TCP port for the connector (default: any free port)
+  A device is a name as the plugin reports it (rxe0, mlx5_0:1) or an index into the devices it
+  offers; NCCL_IB_HCA filters those as it does for NCCL.";
 
 const BW_SIZES: [usize; 6] = [8, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 8 << 20];
 const LAT_SIZES: [usize; 2] = [8, 4 << 10];
+/// Latency iterations by default (`--iters`); the warm-up is a tenth as many.
 const LAT_ITERS: usize = 1000;
-const LAT_WARMUP: usize = 100;
 /// Receives posted ahead in ping-pong: one is consumed per round trip and re-posted while the
 /// next message flies, so at least two are always posted when the peer sends.
 const LAT_DEPTH: usize = 3;
@@ -94,17 +104,47 @@ fn num<T: std::str::FromStr>(what: &str, s: Option<&str>) -> Result<T, String> {
     s.parse().map_err(|_| format!("{what}: not a number: {s:?}"))
 }
 
-/// Lines from stdin, read by a thread so a rank can poll for `STOP` inside its send loop.
-fn stdin_lines() -> Receiver<String> {
+/// Lines from a pipe or socket, read by a thread so a rank can poll for `STOP` inside its send
+/// loop and the orchestrator can bound every wait.
+fn lines_of(r: impl std::io::Read + Send + 'static) -> Receiver<String> {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
-        for line in std::io::stdin().lock().lines().map_while(Result::ok) {
+        for line in std::io::BufReader::new(r).lines().map_while(Result::ok) {
             if tx.send(line).is_err() {
                 break;
             }
         }
     });
     rx
+}
+
+/// Where a rank reads its commands and writes its replies: the orchestrator's pipes
+/// (single-host mode) or the connector's TCP stream (`--listen`).
+struct Io {
+    cmds: Receiver<String>,
+    out: RefCell<Box<dyn Write>>,
+    /// Errors also go to the peer: nobody sees this process's stderr from there.
+    remote: bool,
+}
+
+impl Io {
+    fn say(&self, line: &str) -> Result<(), String> {
+        let mut o = self.out.borrow_mut();
+        writeln!(o, "{line}").and_then(|_| o.flush()).map_err(|e| format!("writing {line:?}: {e}"))
+    }
+
+    fn next(&self, limit: Duration) -> Result<String, String> {
+        match self.cmds.recv_timeout(limit) {
+            Ok(line) => Ok(line),
+            Err(RecvTimeoutError::Timeout) => Err(format!("no command within {limit:?}")),
+            Err(RecvTimeoutError::Disconnected) => Err("the orchestrator went away".to_string()),
+        }
+    }
+}
+
+/// The byte at offset `i` of every message: a receive is checked against it.
+fn pattern(i: usize) -> u8 {
+    (i % 251) as u8
 }
 
 /// Shows what the plugin warned about, and keeps the capture buffer from growing.
@@ -121,6 +161,7 @@ fn flush_log() {
 
 /// One rank's comms and registered buffers.
 struct Rank<'a> {
+    io: Io,
     drv: Driver<'a>,
     send: Ptr,
     recv: Ptr,
@@ -145,7 +186,35 @@ fn dev_name(lib: &Library, dev: c_int) -> Result<String, String> {
     Ok(unsafe { CStr::from_ptr(p.name) }.to_string_lossy().into_owned())
 }
 
-/// `ferroce perf-rank send|recv PLUGIN DEV`: one rank, driven by the orchestrator.
+/// The plugin device `want` names: its name as the plugin reports it (`rxe0`, or `mlx5_0:1`
+/// where one device has several ports; the part before `:` is enough when unique), or its
+/// index among the devices the plugin offers after `NCCL_IB_HCA`. Returns the index and name.
+fn resolve(lib: &Library, drv: &Driver, want: &str) -> Result<(c_int, String), String> {
+    let n = drv.devices()?;
+    let names = (0..n).map(|d| dev_name(lib, d)).collect::<Result<Vec<_>, _>>()?;
+    let found: Vec<usize> = match want.parse::<usize>() {
+        Ok(i) if i < names.len() => vec![i],
+        Ok(_) => vec![],
+        Err(_) => {
+            let exact: Vec<usize> = (0..names.len()).filter(|&i| names[i] == want).collect();
+            if exact.is_empty() {
+                (0..names.len()).filter(|&i| names[i].split(':').next() == Some(want)).collect()
+            } else {
+                exact
+            }
+        }
+    };
+    match found[..] {
+        [i] => Ok((i as c_int, names[i].clone())),
+        _ => Err(format!(
+            "device {want:?} is not one device the plugin offers: {names:?} (NCCL_IB_HCA={})",
+            std::env::var("NCCL_IB_HCA").unwrap_or_else(|_| "unset".into())
+        )),
+    }
+}
+
+/// `ferroce perf-rank send|recv PLUGIN DEV`: one rank, driven by the orchestrator over its
+/// stdin and stdout.
 pub fn rank(args: &[String]) -> Result<(), String> {
     let [role, plugin, dev] = args else {
         return Err("usage: ferroce perf-rank send|recv PLUGIN DEV (run by ferroce perf)".into());
@@ -155,33 +224,49 @@ pub fn rank(args: &[String]) -> Result<(), String> {
         "recv" => false,
         r => return Err(format!("perf-rank: role {r:?} is neither send nor recv")),
     };
-    let dev: c_int = num("perf-rank DEV", Some(dev))?;
+    run_rank(sender, plugin, dev, |_, _| {
+        let out: Box<dyn Write> = Box::new(std::io::stdout());
+        Ok(Io { cmds: lines_of(std::io::stdin()), out: RefCell::new(out), remote: false })
+    })
+}
+
+/// One rank: loads the plugin, listens on `dev`, then gets its [`Io`] from `io` (given the
+/// device's name and the address the plugin listens on) and serves the orchestrator's commands.
+fn run_rank(
+    sender: bool,
+    plugin: &str,
+    dev: &str,
+    io: impl FnOnce(&str, std::net::SocketAddr) -> Result<Io, String>,
+) -> Result<(), String> {
+    let role = if sender { "send" } else { "recv" };
     ECHO.store(false, Ordering::Relaxed);
-    let cmds = stdin_lines();
-    let next = |limit| match cmds.recv_timeout(limit) {
-        Ok(line) => Ok(line),
-        Err(RecvTimeoutError::Timeout) => Err(format!("no command within {limit:?}")),
-        Err(RecvTimeoutError::Disconnected) => Err("the orchestrator went away".to_string()),
-    };
+    let mut chan = None;
     let r = (|| {
         let lib = Library::open_like_nccl(plugin)?;
         let drv = Driver::new(&lib, 12)?;
         let ctx = drv.init(COMM_ID)?;
+        let (dev, name) = resolve(&lib, &drv, dev)?;
         let (handle, listen) = drv.listen(ctx, dev)?;
-        println!("HANDLE {} {}", hex(&handle), dev_name(&lib, dev)?);
-        let line = next(STEP)?;
+        let addr = ferroce::transport::handshake::Handle::decode(&handle)
+            .map_err(|e| format!("the plugin's own handle: {e}"))?
+            .addr;
+        let io = &*chan.insert(io(&name, addr)?);
+        io.say(&format!("HANDLE {} {name} {dev}", hex(&handle)))?;
+        let line = io.next(STEP)?;
         let mut peer = unhex(line.strip_prefix("PEER ").ok_or(format!("expected PEER: {line}"))?)?;
         let (send, recv) = drv.connect_both(ctx, dev, &mut peer, listen, STEP)?;
         drv.close(Close::Listen, listen)?;
         // Two separate buffers: a rank sends and receives at once in ping-pong.
-        let (mut sb, mut rb) = (vec![0u8; MAX], vec![0u8; MAX]);
+        let mut sb: Vec<u8> = (0..MAX).map(pattern).collect();
+        let mut rb = vec![0u8; MAX];
         let (sbuf, rbuf) = (sb.as_mut_ptr(), rb.as_mut_ptr());
         let smh = drv.reg_mr(send, sbuf, MAX)?;
         let rmh = drv.reg_mr(recv, rbuf, MAX)?;
-        let r = Rank { drv, send, recv, sbuf, rbuf, smh, rmh };
-        println!("READY");
+        let io = chan.take().ok_or("no channel")?;
+        let r = Rank { io, drv, send, recv, sbuf, rbuf, smh, rmh };
+        r.io.say("READY")?;
         flush_log();
-        let mut result = r.serve(sender, &cmds, next);
+        let mut result = r.serve(sender);
         // Teardown runs to the end whatever failed; the first error is the one returned.
         for e in [
             r.drv.dereg_mr(send, smh),
@@ -197,10 +282,17 @@ pub fn rank(args: &[String]) -> Result<(), String> {
             }
         }
         drop((sb, rb));
+        chan = Some(r.io);
         result
     })();
     flush_log();
-    r.map_err(|e| format!("perf-rank {role} (dev {dev}): {e}"))
+    let r = r.map_err(|e| format!("perf-rank {role} (dev {dev}): {e}"));
+    if let (Err(e), Some(io)) = (&r, &chan)
+        && io.remote
+    {
+        let _ = io.say(&format!("ERROR {e}"));
+    }
+    r
 }
 
 /// Bounds a polling loop by [`STEP`] without reading the clock on every spin, as
@@ -245,18 +337,13 @@ fn until<T>(what: &str, mut f: impl FnMut() -> Result<Option<T>, String>) -> Res
 }
 
 impl Rank<'_> {
-    fn serve(
-        &self,
-        sender: bool,
-        cmds: &Receiver<String>,
-        next: impl Fn(Duration) -> Result<String, String>,
-    ) -> Result<(), String> {
+    fn serve(&self, sender: bool) -> Result<(), String> {
         loop {
-            let line = next(IDLE)?;
+            let line = self.io.next(IDLE)?;
             let mut w = line.split_whitespace();
             let reply = match w.next() {
                 Some("BW") if sender => {
-                    self.bw_send(num("BW size", w.next())?, num("BW window", w.next())?, cmds)?
+                    self.bw_send(num("BW size", w.next())?, num("BW window", w.next())?)?
                 }
                 Some("BW") => self.bw_recv(
                     num("BW size", w.next())?,
@@ -271,12 +358,12 @@ impl Rank<'_> {
                     sender,
                 )?,
                 Some("QUIT") => {
-                    println!("BYE");
+                    self.io.say("BYE")?;
                     return Ok(());
                 }
                 _ => return Err(format!("unknown command {line:?}")),
             };
-            println!("{reply}");
+            self.io.say(&reply)?;
             flush_log();
         }
     }
@@ -287,6 +374,25 @@ impl Rank<'_> {
 
     fn isend(&self, size: usize) -> Result<Option<Ptr>, String> {
         self.drv.isend(self.send, self.sbuf, size, 0, self.smh)
+    }
+
+    /// Zeroes the receive buffer's first `size` bytes; only while no receive is posted.
+    fn clear(&self, size: usize) {
+        // SAFETY: rbuf is MAX bytes long and lives as long as self; the callers hold no receive
+        // posted, so the NIC does not write it meanwhile.
+        unsafe { std::ptr::write_bytes(self.rbuf, 0, size.min(MAX)) }
+    }
+
+    /// The last message received must be the sender's pattern, byte for byte (the buffer was
+    /// zeroed before the first receive was posted, so a message that never landed fails too).
+    /// Only while no receive is posted.
+    fn verify(&self, size: usize) -> Result<(), String> {
+        // SAFETY: as in `clear`: in bounds, and nothing writes the buffer meanwhile.
+        let got = unsafe { std::slice::from_raw_parts(self.rbuf, size.min(MAX)) };
+        match got.iter().enumerate().position(|(i, &b)| b != pattern(i)) {
+            None => Ok(()),
+            Some(i) => Err(format!("a {size}-byte message arrived corrupted at byte {i}")),
+        }
     }
 
     /// A completed receive must carry the whole message.
@@ -303,6 +409,7 @@ impl Rank<'_> {
     fn bw_recv(&self, size: usize, window: usize, secs: f64, warm: f64) -> Result<String, String> {
         let dur = |s: f64| Duration::try_from_secs_f64(s).map_err(|e| format!("BW {s} s: {e}"));
         let (secs, warm) = (dur(secs)?, dur(warm)?);
+        self.clear(size);
         let mut q = VecDeque::with_capacity(window);
         let (mut posted, mut done) = (0u64, 0u64);
         let (mut first, mut start, mut end) = (None, None::<(Instant, u64)>, None);
@@ -331,7 +438,7 @@ impl Rank<'_> {
                     Some((t0, _)) if end.is_none() && now - t0 >= secs => {
                         end = Some((now, done));
                         // The sender stops at exactly this many; it is told out of band.
-                        println!("POSTED {posted}");
+                        self.io.say(&format!("POSTED {posted}"))?;
                     }
                     _ => {}
                 }
@@ -347,17 +454,13 @@ impl Rank<'_> {
                 ));
             }
         }
+        self.verify(size)?;
         let ((t0, d0), (t1, d1)) = start.zip(end).ok_or("bandwidth: not timed")?;
         Ok(format!("BW {} {:.9}", (d1 - d0) * size as u64, (t1 - t0).as_secs_f64()))
     }
 
     /// Keeps `window` sends in flight until told how many the receiver posted.
-    fn bw_send(
-        &self,
-        size: usize,
-        window: usize,
-        cmds: &Receiver<String>,
-    ) -> Result<String, String> {
+    fn bw_send(&self, size: usize, window: usize) -> Result<String, String> {
         let mut q = VecDeque::with_capacity(window);
         let (mut sent, mut stop) = (0u64, None);
         let mut stall = Stall::default();
@@ -378,7 +481,7 @@ impl Rank<'_> {
                 moved = true;
             }
             if stop.is_none() {
-                match cmds.try_recv() {
+                match self.io.cmds.try_recv() {
                     Ok(line) => {
                         let n = num("STOP", line.strip_prefix("STOP "))?;
                         if sent > n {
@@ -428,6 +531,7 @@ impl Rank<'_> {
     fn lat(&self, size: usize, iters: usize, warm: usize, leader: bool) -> Result<String, String> {
         // One message more than samples: a sample is the time between two pings.
         let total = warm + iters + 1;
+        self.clear(size);
         let mut q = VecDeque::with_capacity(LAT_DEPTH);
         while q.len() < LAT_DEPTH.min(total) {
             q.push_back(until("irecv", || self.irecv(size))?);
@@ -455,6 +559,7 @@ impl Rank<'_> {
                 until("pong send", || self.drv.test(s))?;
             }
         }
+        self.verify(size)?;
         if !leader {
             return Ok("LAT".into());
         }
@@ -468,20 +573,42 @@ impl Rank<'_> {
 // ---------------------------------------------------------------------------------------------
 // The orchestrator.
 
-/// A rank process; killed on drop, so no error path leaves one behind.
+/// A rank: a child process (killed on drop, so no error path leaves one behind), or the
+/// `--listen` side on another host, reached over TCP.
 struct Proc {
     who: String,
-    child: Child,
-    stdin: ChildStdin,
+    child: Option<Child>,
+    input: Box<dyn Write>,
     lines: Receiver<String>,
 }
 
 impl Proc {
-    fn spawn(role: &str, plugin: &str, dev: c_int) -> Result<Proc, String> {
-        let who = format!("rank {role} (dev {dev})");
+    /// The `ferroce perf --listen` at `addr` (`host:port`), as the receiving rank.
+    fn remote(addr: &str) -> Result<Proc, String> {
+        let who = format!("rank recv at {addr}");
+        let addrs: Vec<SocketAddr> = addr
+            .to_socket_addrs()
+            .map_err(|e| format!("--connect {addr}: not an address (HOST:PORT): {e}"))?
+            .collect();
+        let mut err = format!("--connect {addr}: no address");
+        for a in addrs {
+            match TcpStream::connect_timeout(&a, Duration::from_secs(10)) {
+                Ok(s) => {
+                    let _ = s.set_nodelay(true);
+                    let r = s.try_clone().map_err(|e| format!("{who}: {e}"))?;
+                    return Ok(Proc { who, child: None, input: Box::new(s), lines: lines_of(r) });
+                }
+                Err(e) => err = format!("--connect {addr}: {a}: {e}"),
+            }
+        }
+        Err(err)
+    }
+
+    fn spawn(role: &str, plugin: &str, dev: &str) -> Result<Proc, String> {
+        let who = format!("rank {role} ({dev})");
         let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
         let mut child = Command::new(exe)
-            .args(["perf-rank", role, plugin, &dev.to_string()])
+            .args(["perf-rank", role, plugin, dev])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -490,20 +617,13 @@ impl Proc {
             let _ = child.kill();
             return Err(format!("{who}: no pipes"));
         };
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Proc { who, child, stdin, lines })
+        let (child, input) = (Some(child), Box::new(stdin));
+        Ok(Proc { who, child, input, lines: lines_of(out) })
     }
 
     fn send(&mut self, line: &str) -> Result<(), String> {
-        writeln!(self.stdin, "{line}")
-            .and_then(|_| self.stdin.flush())
+        writeln!(self.input, "{line}")
+            .and_then(|_| self.input.flush())
             .map_err(|e| format!("{}: writing {line:?}: {e}", self.who))
     }
 
@@ -529,7 +649,7 @@ impl Proc {
                 }
                 Err(RecvTimeoutError::Timeout) => {
                     // A rank that failed exits 1; one that said BYE exits 0.
-                    if let Ok(Some(st)) = other.child.try_wait()
+                    if let Some(Ok(Some(st))) = other.child.as_mut().map(Child::try_wait)
                         && !st.success()
                     {
                         return Err(format!("{} exited ({st}); see above", other.who));
@@ -539,7 +659,10 @@ impl Proc {
                     }
                 }
                 Err(RecvTimeoutError::Disconnected) => {
-                    let st = self.child.wait().map_or_else(|e| e.to_string(), |s| s.to_string());
+                    let Some(child) = self.child.as_mut() else {
+                        return Err(format!("{} closed the connection before {word}", self.who));
+                    };
+                    let st = child.wait().map_or_else(|e| e.to_string(), |s| s.to_string());
                     return Err(format!("{} exited ({st}) before {word}; see above", self.who));
                 }
             }
@@ -549,58 +672,162 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
+        if let Some(child) = self.child.as_mut() {
+            if let Ok(None) = child.try_wait() {
+                let _ = child.kill();
+            }
+            let _ = child.wait();
         }
-        let _ = self.child.wait();
     }
 }
 
+/// Which side of the benchmark this process is.
+#[derive(Debug, PartialEq)]
+enum Mode {
+    /// Both ranks on this host (children of this process), perftest beside them.
+    Local,
+    /// The receiving rank, serving a `--connect` orchestrator over TCP.
+    Listen,
+    /// The orchestrator and sending rank, with the receiving rank at this address.
+    Connect(String),
+}
+
 struct Opts {
+    mode: Mode,
     plugin: String,
     rounds: usize,
     seconds: f64,
     json: bool,
     perftest: bool,
-    devs: (c_int, c_int),
+    /// The sender's and the receiver's device (names or indices; see [`resolve`]).
+    devs: (String, String),
+    port: u16,
+    max_size: usize,
+    iters: usize,
 }
 
 fn parse(args: &[String]) -> Result<Option<Opts>, String> {
     let exe_dir = std::env::current_exe().ok().and_then(|e| e.parent().map(|p| p.to_path_buf()));
     let beside = exe_dir.map(|d| d.join("libnccl-net-ferroce.so")).filter(|p| p.exists());
     let mut o = Opts {
+        mode: Mode::Local,
         plugin: beside.map_or("ferroce".into(), |p| p.to_string_lossy().into_owned()),
         rounds: 3,
         seconds: 2.0,
         json: false,
         perftest: true,
-        devs: (0, 1),
+        devs: ("0".into(), "1".into()),
+        port: 0,
+        max_size: MAX,
+        iters: LAT_ITERS,
     };
+    // Flags that only fit some modes: checked once the mode is known.
+    let (mut two_host_dev, mut one_host_dev, mut driving, mut port) = (None, false, None, false);
     let mut it = args.iter();
     while let Some(a) = it.next() {
-        let mut val = || it.next().map(String::as_str).ok_or(format!("{a} needs a value"));
+        let mut val = || {
+            it.next()
+                .filter(|v| !v.starts_with("--"))
+                .map(String::as_str)
+                .ok_or(format!("{a} needs a value"))
+        };
         match a.as_str() {
             "-h" | "--help" => return Ok(None),
-            "--json" => o.json = true,
-            "--no-perftest" => o.perftest = false,
+            "--json" => (o.json, driving) = (true, Some(a)),
+            "--no-perftest" => (o.perftest, driving) = (false, Some(a)),
             "--plugin" => o.plugin = val()?.to_string(),
-            "--rounds" => o.rounds = num(a, Some(val()?))?,
-            "--seconds" => o.seconds = num(a, Some(val()?))?,
-            "--dev-send" => o.devs.0 = num(a, Some(val()?))?,
-            "--dev-recv" => o.devs.1 = num(a, Some(val()?))?,
+            "--rounds" => (o.rounds, driving) = (num(a, Some(val()?))?, Some(a)),
+            "--seconds" => (o.seconds, driving) = (num(a, Some(val()?))?, Some(a)),
+            "--max-size" => (o.max_size, driving) = (num(a, Some(val()?))?, Some(a)),
+            "--iters" => (o.iters, driving) = (num(a, Some(val()?))?, Some(a)),
+            "--dev-send" => (o.devs.0, one_host_dev) = (val()?.to_string(), true),
+            "--dev-recv" => (o.devs.1, one_host_dev) = (val()?.to_string(), true),
+            "--dev" => two_host_dev = Some(val()?.to_string()),
+            "--port" => (o.port, port) = (num(a, Some(val()?))?, true),
+            "--listen" if o.mode == Mode::Local => o.mode = Mode::Listen,
+            "--connect" if o.mode == Mode::Local => o.mode = Mode::Connect(val()?.to_string()),
+            "--listen" | "--connect" => return Err("--listen and --connect: only one, once".into()),
             _ => return Err(format!("unknown argument {a:?}")),
+        }
+    }
+    match &o.mode {
+        Mode::Local if two_host_dev.is_some() => {
+            return Err("--dev is for --listen/--connect; one host: --dev-send, --dev-recv".into());
+        }
+        Mode::Local if port => return Err("--port is for --listen".into()),
+        Mode::Local => {}
+        _ if one_host_dev => {
+            return Err("--dev-send/--dev-recv are for one host; with two: --dev".into());
+        }
+        Mode::Listen if driving.is_some() => {
+            return Err(format!("{}: the --connect side runs the benchmark", driving.unwrap()));
+        }
+        Mode::Connect(_) if port => return Err("--port is for --listen".into()),
+        Mode::Listen | Mode::Connect(_) => {
+            let dev = two_host_dev.unwrap_or_else(|| "0".into());
+            if o.mode == Mode::Listen {
+                o.devs.1 = dev
+            } else {
+                o.devs.0 = dev
+            }
+            o.perftest = false;
         }
     }
     if o.rounds == 0 {
         return Err("--rounds must be at least 1".into());
     }
+    if o.max_size < BW_SIZES[0] {
+        return Err(format!("--max-size must be at least {} (the smallest size)", BW_SIZES[0]));
+    }
+    if !(10..=1_000_000).contains(&o.iters) {
+        return Err("--iters must be from 10 to 1000000".into());
+    }
     if !(0.1..=3600.0).contains(&o.seconds) {
         return Err("--seconds must be from 0.1 to 3600".into());
     }
-    if o.devs.0 < 0 || o.devs.1 < 0 {
-        return Err("devices are numbered from 0".into());
+    if [&o.devs.0, &o.devs.1].iter().any(|d| d.is_empty()) {
+        return Err("a device is a name or an index".into());
     }
     Ok(Some(o))
+}
+
+/// `ferroce perf --listen`: the receiving rank of a two-host run. It listens through the
+/// plugin, offers a TCP control connection on the same address (printed as `HANDLE
+/// HOST:PORT DEVICE`), and serves one `--connect` orchestrator as a `perf-rank recv` child
+/// serves the single-host one.
+fn listen(o: &Opts) -> Result<(), String> {
+    run_rank(false, &o.plugin, &o.devs.1, |name, plugin_addr| {
+        let bind = SocketAddr::new(plugin_addr.ip(), o.port);
+        let l = TcpListener::bind(bind).map_err(|e| format!("listening on {bind}: {e}"))?;
+        let at = l.local_addr().map_err(|e| e.to_string())?;
+        println!("HANDLE {at} {name}");
+        println!(
+            "# ferroce perf: receiving on {name}; on the other host: ferroce perf --connect {at}"
+        );
+        std::io::stdout().flush().map_err(|e| e.to_string())?;
+        l.set_nonblocking(true).map_err(|e| e.to_string())?;
+        let deadline = Instant::now() + IDLE;
+        let (s, peer) = loop {
+            match l.accept() {
+                Ok(c) => break c,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() > deadline {
+                        return Err(format!("nobody connected within {IDLE:?}"));
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => return Err(format!("accept on {at}: {e}")),
+            }
+        };
+        println!("# connected from {peer}");
+        let _ = s.set_nodelay(true);
+        s.set_nonblocking(false).map_err(|e| e.to_string())?;
+        let r = s.try_clone().map_err(|e| e.to_string())?;
+        let out: Box<dyn Write> = Box::new(s);
+        Ok(Io { cmds: lines_of(r), out: RefCell::new(out), remote: true })
+    })?;
+    println!("# done");
+    Ok(())
 }
 
 /// Where perftest finds a plugin device: its verbs name, RoCE v2 GID index and IP address, from
@@ -762,12 +989,24 @@ pub fn perf(args: &[String]) -> Result<(), String> {
         Err(e) => return Err(format!("{e}\n{USAGE}")),
     };
     let limit = STEP + Duration::from_secs(60);
-    let mut recv = Proc::spawn("recv", &o.plugin, o.devs.1)?;
-    let mut send = Proc::spawn("send", &o.plugin, o.devs.0)?;
+    let mut recv = match &o.mode {
+        Mode::Listen => return listen(&o),
+        Mode::Local => Proc::spawn("recv", &o.plugin, &o.devs.1)?,
+        Mode::Connect(addr) => Proc::remote(addr)?,
+    };
+    let mut send = Proc::spawn("send", &o.plugin, &o.devs.0)?;
     let h_recv = recv.expect("HANDLE", limit, &mut send)?;
     let h_send = send.expect("HANDLE", limit, &mut recv)?;
-    let [hr, rx_name] = &h_recv[..] else { return Err(format!("bad HANDLE line {h_recv:?}")) };
-    let [hs, tx_name] = &h_send[..] else { return Err(format!("bad HANDLE line {h_send:?}")) };
+    let [hr, rx_name, rx_dev] = &h_recv[..] else {
+        return Err(format!("bad HANDLE line {h_recv:?}"));
+    };
+    let [hs, tx_name, tx_dev] = &h_send[..] else {
+        return Err(format!("bad HANDLE line {h_send:?}"));
+    };
+    if let Mode::Connect(addr) = &o.mode {
+        eprintln!("# two hosts: sending on {tx_name} here, receiving on {rx_name} at {addr}");
+        eprintln!("# perftest: skipped with two hosts (it needs both devices on one host)");
+    }
     recv.send(&format!("PEER {hs}"))?;
     send.send(&format!("PEER {hr}"))?;
     recv.expect("READY", limit, &mut send)?;
@@ -776,8 +1015,12 @@ pub fn perf(args: &[String]) -> Result<(), String> {
 
     let pt_secs = o.seconds.round().max(1.0) as u64;
     let warm = warmup(o.seconds);
-    let mut bw: Vec<Row> = BW_SIZES.iter().map(|&size| Row { size, ..Row::default() }).collect();
-    let mut lat: Vec<Row> = LAT_SIZES.iter().map(|&size| Row { size, ..Row::default() }).collect();
+    let rows = |sizes: &[usize]| -> Vec<Row> {
+        let sizes = sizes.iter().filter(|&&size| size <= o.max_size);
+        sizes.map(|&size| Row { size, ..Row::default() }).collect()
+    };
+    let (mut bw, mut lat) = (rows(&BW_SIZES), rows(&LAT_SIZES));
+    let (iters, lat_warm) = (o.iters, o.iters / 10);
     for round in 1..=o.rounds {
         let tag = format!("# round {round}/{}", o.rounds);
         for row in bw.iter_mut() {
@@ -800,7 +1043,7 @@ pub fn perf(args: &[String]) -> Result<(), String> {
             row.secs.push(secs);
         }
         for row in lat.iter_mut() {
-            let cmd = format!("LAT {} {LAT_ITERS} {LAT_WARMUP}", row.size);
+            let cmd = format!("LAT {} {iters} {lat_warm}", row.size);
             recv.send(&cmd)?;
             send.send(&cmd)?;
             let r = send.expect("LAT", limit, &mut recv)?;
@@ -822,7 +1065,7 @@ pub fn perf(args: &[String]) -> Result<(), String> {
             row.write.push(v);
         }
         for row in lat.iter_mut() {
-            let (size, n) = (row.size.to_string(), LAT_ITERS.to_string());
+            let (size, n) = (row.size.to_string(), iters.to_string());
             // Row: bytes, iterations, t_min, t_max, t_typical, ...
             let pt = Perftest { tx, rx, limit: 120, label: "t_typical" };
             let w = pt.run("ib_write_lat", &["-s", &size, "-n", &n], 4)?;
@@ -837,7 +1080,16 @@ pub fn perf(args: &[String]) -> Result<(), String> {
     recv.expect("BYE", limit, &mut send)?;
     send.expect("BYE", limit, &mut recv)?;
 
-    let header = Header { o: &o, tx: tx_name, rx: rx_name, warm, pt_secs };
+    let tx = Dev { name: tx_name, index: tx_dev, host: "here" };
+    let rx = Dev {
+        name: rx_name,
+        index: rx_dev,
+        host: match &o.mode {
+            Mode::Connect(addr) => addr,
+            _ => "here",
+        },
+    };
+    let header = Header { o: &o, tx, rx, warm, pt_secs };
     if o.json {
         print_json(&header, &bw, &lat)
     } else {
@@ -846,10 +1098,17 @@ pub fn perf(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
+/// A rank's device: its name, index among the plugin's devices, and host.
+struct Dev<'a> {
+    name: &'a str,
+    index: &'a str,
+    host: &'a str,
+}
+
 struct Header<'a> {
     o: &'a Opts,
-    tx: &'a str,
-    rx: &'a str,
+    tx: Dev<'a>,
+    rx: Dev<'a>,
     warm: f64,
     pt_secs: u64,
 }
@@ -879,11 +1138,16 @@ fn strs<const N: usize>(a: [&str; N]) -> [String; N] {
 
 fn print_table(h: &Header, bw: &[Row], lat: &[Row]) {
     let o = h.o;
-    println!("# ferroce perf: plugin {} through ncclNet v12, two processes", o.plugin);
+    let hosts = if o.mode == Mode::Local { "one host" } else { "two hosts" };
+    println!("# ferroce perf: plugin {} through ncclNet v12, two processes, {hosts}", o.plugin);
     println!(
-        "#   rank 0 sends on {} (dev {}), rank 1 receives on {} (dev {})",
-        h.tx, o.devs.0, h.rx, o.devs.1
+        "#   rank 0 sends on {} (dev {}, {}), rank 1 receives on {} (dev {}, {})",
+        h.tx.name, h.tx.index, h.tx.host, h.rx.name, h.rx.index, h.rx.host
     );
+    println!("#   every receive checked for its length, the last of each run byte for byte");
+    if o.mode != Mode::Local {
+        println!("#   perftest: skipped with two hosts (it needs both devices on one host)");
+    }
     println!(
         "#   median of {} round(s); spread: min-max over the rounds; ratio: ferroce / perftest",
         o.rounds
@@ -913,9 +1177,12 @@ fn print_table(h: &Header, bw: &[Row], lat: &[Row]) {
     }
     println!();
     println!(
-        "#   latency: ping-pong, half the round trip, {LAT_ITERS} iterations after {LAT_WARMUP} \
+        "#   latency: ping-pong, half the round trip, {} iterations after {} \
          warm-up, {LAT_DEPTH} receives posted ahead; min: the fastest sample of all rounds; \
-         ib_write_lat / ib_send_lat -n {LAT_ITERS}, t_typical; ratio vs ib_write_lat"
+         ib_write_lat / ib_send_lat -n {}, t_typical; ratio vs ib_write_lat",
+        o.iters,
+        o.iters / 10,
+        o.iters
     );
     let w = [12, 9, 13, 8, 12, 13, 11, 13, 6];
     let head = [
@@ -1013,21 +1280,22 @@ fn print_json(h: &Header, bw: &[Row], lat: &[Row]) {
             ])
         })
         .collect();
-    let dev = |d: c_int, name: &str| jobj(&[("dev", d.to_string()), ("name", jstr(name))]);
+    let dev =
+        |d: &Dev| jobj(&[("dev", jstr(d.index)), ("name", jstr(d.name)), ("host", jstr(d.host))]);
     println!(
         "{}",
         jobj(&[
             ("plugin", jstr(&o.plugin)),
             ("abi", "12".into()),
-            ("sender", dev(o.devs.0, h.tx)),
-            ("receiver", dev(o.devs.1, h.rx)),
+            ("sender", dev(&h.tx)),
+            ("receiver", dev(&h.rx)),
             ("rounds", o.rounds.to_string()),
             ("seconds", jnum(o.seconds)),
             ("warmup_seconds", jnum(h.warm)),
             ("perftest", o.perftest.to_string()),
             ("perftest_seconds", h.pt_secs.to_string()),
-            ("lat_iters", LAT_ITERS.to_string()),
-            ("lat_warmup", LAT_WARMUP.to_string()),
+            ("lat_iters", o.iters.to_string()),
+            ("lat_warmup", (o.iters / 10).to_string()),
             ("lat_depth", LAT_DEPTH.to_string()),
             ("bandwidth", format!("[{}]", bw.join(","))),
             ("latency", format!("[{}]", lat.join(","))),
@@ -1049,14 +1317,23 @@ mod tests {
             parse(&args("--rounds 5 --seconds 0.5 --json --no-perftest --dev-send 2 --dev-recv 3"))
                 .unwrap()
                 .unwrap();
+        let devs = |a: &str, b: &str| (a.to_string(), b.to_string());
         assert_eq!(
-            (o.rounds, o.seconds, o.json, o.perftest, o.devs),
-            (5, 0.5, true, false, (2, 3))
+            (o.mode, o.rounds, o.seconds, o.json, o.perftest, o.devs),
+            (Mode::Local, 5, 0.5, true, false, devs("2", "3"))
         );
-        let o = parse(&args("--plugin /x/libnccl-net-ferroce.so")).unwrap().unwrap();
+        let o =
+            parse(&args("--plugin /x/libnccl-net-ferroce.so --dev-recv rxe1")).unwrap().unwrap();
         assert_eq!(
-            (o.plugin.as_str(), o.rounds, o.seconds, o.devs),
-            ("/x/libnccl-net-ferroce.so", 3, 2.0, (0, 1))
+            (o.plugin.as_str(), o.rounds, o.seconds, o.devs, o.perftest),
+            ("/x/libnccl-net-ferroce.so", 3, 2.0, devs("0", "rxe1"), true)
+        );
+        let o = parse(&args("--listen --dev rxe1 --port 7000")).unwrap().unwrap();
+        assert_eq!((o.mode, o.devs.1, o.port), (Mode::Listen, "rxe1".into(), 7000));
+        let o = parse(&args("--connect h:1 --rounds 1 --json")).unwrap().unwrap();
+        assert_eq!(
+            (o.mode, o.devs.0, o.perftest),
+            (Mode::Connect("h:1".into()), "0".into(), false)
         );
         assert!(parse(&args("--help")).unwrap().is_none());
         for bad in [
@@ -1066,7 +1343,19 @@ mod tests {
             "--seconds 0",
             "--seconds nan",
             "--bogus",
-            "--dev-send -1",
+            "--dev-send",
+            "--dev-send --json",
+            "--dev rxe0",
+            "--port 5",
+            "--listen --connect h:1",
+            "--listen --listen",
+            "--connect",
+            "--connect h:1 --port 5",
+            "--connect h:1 --dev-send rxe0",
+            "--listen --rounds 2",
+            "--listen --port 70000",
+            "--listen --dev",
+            "extra",
         ] {
             assert!(parse(&args(bad)).is_err(), "{bad}");
         }
