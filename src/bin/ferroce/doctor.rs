@@ -164,6 +164,12 @@ pub fn doctor(args: &[String]) -> Result<(), String> {
     drop(discovered);
 
     let mut ports = read_ports(&config, &in_use)?;
+    // NCCL's device numbers follow discovery order: the kept ACTIVE ports with a GID.
+    let nccl_devs: Vec<String> = ports
+        .iter()
+        .filter(|p| p.kept && p.state == PortState::Active && p.choice.is_ok())
+        .map(Port::key)
+        .collect();
     if let Some(want) = &opts.dev {
         ports.retain(|p| &p.dev == want || &p.key() == want);
         if ports.is_empty() {
@@ -192,7 +198,7 @@ pub fn doctor(args: &[String]) -> Result<(), String> {
     memlock.check(&mut add);
 
     let selftest = if opts.selftest {
-        match selftest(&opts.plugin, &ports) {
+        match selftest(&opts.plugin, &nccl_devs) {
             Ok(s) => Some(s),
             Err(e) => {
                 add(Level::Block, "self-test", e);
@@ -479,7 +485,7 @@ fn check_port(p: &Port, config: &Config, named: bool, add: &mut impl FnMut(Level
         return;
     }
     match &p.choice {
-        Err(e) => add(Level::Block, &key, format!("no usable RoCE v2 GID: {e}")),
+        Err(e) => add(Level::Block, &key, format!("no usable GID: {e}")),
         Ok(c) => {
             let entry = p.gids.iter().find(|g| g.index == c.index);
             let kind = entry.map_or(GidType::Unknown, |g| g.kind);
@@ -652,6 +658,15 @@ fn knob_env() -> Vec<(String, String)> {
     v
 }
 
+/// What the plugin does with a variable of the environment.
+fn knob_meaning(name: &str) -> String {
+    match ferroce::config::KNOBS.iter().find(|k| k.name == name) {
+        Some(k) => format!("{}; default {}", k.meaning, k.default),
+        None if name.starts_with("NCCL_") => "read by NCCL, not by the plugin".into(),
+        None => "not a knob of the plugin".into(),
+    }
+}
+
 fn advice(ports: &[Port], config: &Config, memlock: &Memlock) -> Vec<String> {
     let mut out = vec!["export NCCL_NET_PLUGIN=ferroce".to_string()];
     let used: Vec<&Port> = ports
@@ -704,7 +719,7 @@ struct SelfTest {
     deltas: Vec<(String, String, u64)>,
 }
 
-fn selftest(plugin: &str, ports: &[Port]) -> Result<SelfTest, String> {
+fn selftest(plugin: &str, names: &[String]) -> Result<SelfTest, String> {
     use crate::harness::driver::{Close, Driver, until};
     use crate::harness::loader::ECHO;
     let lib = open_plugin(plugin)?;
@@ -712,12 +727,6 @@ fn selftest(plugin: &str, ports: &[Port]) -> Result<SelfTest, String> {
     let drv = Driver::new(&lib, 12)?;
     let ctx = drv.init(1)?;
     let n = drv.devices()?;
-    // NCCL device numbers follow discovery order: the kept ACTIVE ports with a GID.
-    let names: Vec<String> = ports
-        .iter()
-        .filter(|p| p.kept && p.state == PortState::Active && p.choice.is_ok())
-        .map(Port::key)
-        .collect();
     let (send_dev, recv_dev) = if n >= 2 { (0, 1) } else { (0, 0) };
     if n < 1 {
         return Err("self-test: the plugin has no device".into());
@@ -942,7 +951,7 @@ fn text(
         let _ = writeln!(w, "  no NCCL_* or FERROCE_* variable is set");
     }
     for (k, v) in env {
-        let _ = writeln!(w, "  {k}={v}");
+        let _ = writeln!(w, "  {k}={v}   ({})", knob_meaning(k));
     }
     if let Some(s) = selftest {
         let _ = writeln!(w, "\n== Self-test");
@@ -1075,7 +1084,12 @@ fn json(
             )
         })
         .collect();
-    let env: Vec<String> = env.iter().map(|(k, v)| format!("{}:{}", js(k), js(v))).collect();
+    let env: Vec<String> = env
+        .iter()
+        .map(|(k, v)| {
+            format!("{}:{{\"value\":{},\"meaning\":{}}}", js(k), js(v), js(&knob_meaning(k)))
+        })
+        .collect();
     let advice: Vec<String> = advice.iter().map(|a| js(a)).collect();
     let selftest = selftest.map_or("null".into(), |s| {
         let d: Vec<String> = s
