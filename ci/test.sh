@@ -27,7 +27,7 @@ main() {
   local bins
   bins=$(cargo test --release --locked --no-run --test softroce --test netclient --test roce_path \
     --test gpudirect --test liveness --test fuzz_listener --test soak --test concurrency \
-    --test census --test perf_cli --message-format=json |
+    --test census --test perf_cli --test doctor --message-format=json |
     python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)

@@ -385,7 +385,7 @@ fn gpudirect(pd: &Arc<Pd>, config: &Config) -> Gdr {
 }
 
 /// The non-empty entries of a port's GID table, with their type and interface from sysfs.
-fn gid_table(ctx: &verbs::Context, port: u8, len: i32) -> Vec<GidEntry> {
+pub fn gid_table(ctx: &verbs::Context, port: u8, len: i32) -> Vec<GidEntry> {
     (0..len.clamp(0, 256))
         .filter_map(|i| {
             let raw = ctx.query_gid(port, i).ok()?;

@@ -11,6 +11,10 @@
 //! - `ferroce perf --listen [--dev D] [--port P]` and `ferroce perf --connect HOST:PORT
 //!   [--dev D] ...`: the same benchmark between two hosts; the listening side receives and
 //!   prints `HANDLE HOST:PORT DEVICE`, the connecting side sends and prints the tables.
+//! - `ferroce doctor [--dev NAME] [--json] [--selftest] [--plugin NAME_OR_PATH]`: explains this
+//!   host's RoCE set-up (ports, MTUs, GIDs and the plugin's choice, congestion control,
+//!   counters, memlock, GPUDirect, knobs, advice), one screen per device; exit status 1 names
+//!   each blocking problem.
 //! - `ferroce core-bench [MESSAGES] [normal|optional]`: the protocol core's cost per message on
 //!   this host.
 //! - `ferroce sink DEV [NAME]`: a receiving peer for checks across processes or hosts: listens
@@ -31,6 +35,7 @@ use ferroce::ffi::abi::*;
 mod harness;
 
 mod corebench;
+mod doctor;
 mod perf;
 
 fn main() -> ExitCode {
@@ -41,12 +46,14 @@ fn main() -> ExitCode {
         Some("info") => info(name),
         Some("perf") => perf::perf(&args[1..]),
         Some("perf-rank") => perf::rank(&args[1..]),
+        Some("doctor") => doctor::doctor(&args[1..]),
         Some("core-bench") => corebench::core_bench(&args[1..]),
         Some("sink") => sink(&args[1..]),
         _ => Err(format!(
             "usage: ferroce load [NAME] | ferroce info [NAME] | ferroce sink DEV [NAME] | \
-             ferroce core-bench [MESSAGES] [normal|optional]\n{}",
-            perf::USAGE
+             ferroce core-bench [MESSAGES] [normal|optional]\n{}\n{}",
+            perf::USAGE,
+            doctor::USAGE
         )),
     };
     match result {
