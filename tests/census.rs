@@ -68,13 +68,7 @@ fn main() {
         Some("child-connect") => child_connect(args.get(1)),
         _ => census(&args),
     };
-    if let Err(e) = r {
-        for w in common::warnings() {
-            eprintln!("census: plugin WARN: {w}");
-        }
-        eprintln!("census: FAILED: {e}");
-        std::process::exit(1);
-    }
+    common::exit_on_error("census", r);
 }
 
 fn arg(args: &[String], name: &str, default: usize) -> Result<usize, String> {
@@ -174,18 +168,7 @@ fn closed(s: &TcpStream) -> Result<bool, String> {
 
 /// Closes `s` with a reset (as a killed peer with unread data does), not a FIN.
 fn reset(s: TcpStream) {
-    use std::os::fd::AsRawFd;
-    let l = libc::linger { l_onoff: 1, l_linger: 0 };
-    // SAFETY: a valid socket and a linger struct of the size passed.
-    unsafe {
-        libc::setsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_LINGER,
-            (&raw const l).cast(),
-            std::mem::size_of::<libc::linger>() as libc::socklen_t,
-        )
-    };
+    common::reset_on_close(&s);
     drop(s);
 }
 

@@ -48,7 +48,9 @@ const GUARD: usize = 64;
 const POISON: u8 = 0xa5;
 /// No comm may go this long without a completion.
 const STALL: Duration = Duration::from_secs(60);
-/// The registration thread must manage at least this many cycles in each process.
+/// The registration thread must manage at least this many cycles in each process, spread over
+/// the run: message `m` of a comm is posted only once it has done `(m + 1) / msgs` of them, so
+/// registrations interleave with the data path however the threads are scheduled.
 const MIN_REG_CYCLES: u64 = 100;
 /// The whole of one run (both processes), in the emulated VM.
 const RUN_LIMIT: Duration = Duration::from_secs(300);
@@ -172,8 +174,10 @@ fn step(
     l: &mut Lane,
     msgs: usize,
     bytes: &AtomicU64,
+    registered: u64,
 ) -> Result<(), String> {
-    while l.inflight.len() < WINDOW && l.next < msgs {
+    let paced = |next: usize| registered * msgs as u64 >= (next as u64 + 1) * MIN_REG_CYCLES;
+    while l.inflight.len() < WINDOW && l.next < msgs && paced(l.next) {
         let m = l.next;
         let (off, size) = (slot(m), size_of(l.k, m));
         let req = if sender {
@@ -242,13 +246,15 @@ fn drive(
     lanes: &mut [Lane],
     msgs: usize,
     bytes: &AtomicU64,
+    registered: &AtomicU64,
 ) -> Result<(), String> {
     for round in 0u64.. {
         if lanes.iter().all(|l| l.done == msgs) {
             return Ok(());
         }
+        let registered = registered.load(Ordering::Acquire);
         for l in lanes.iter_mut() {
-            step(drv, sender, l, msgs, bytes)?;
+            step(drv, sender, l, msgs, bytes, registered)?;
         }
         // The clock is slow in an emulated VM: look at it now and then.
         if round % 256 == 255 {
@@ -270,6 +276,7 @@ fn registrar(
     comms: &[Ptr],
     data: &[(usize, usize)],
     stop: &AtomicBool,
+    count: &AtomicU64,
 ) -> Result<u64, String> {
     let mut scratch: Vec<Vec<u8>> =
         [4096, 8192, 65536, 100_000, 1 << 20, 3 << 20].iter().map(|&n| vec![1u8; n]).collect();
@@ -282,6 +289,7 @@ fn registrar(
         (unsafe { base.add(off) }, n)
     };
     while !stop.load(Ordering::Acquire) {
+        count.store(cycles, Ordering::Release);
         let c = cycles as usize % comms.len();
         let comm = comms[c];
         match rng.below(4) {
@@ -429,14 +437,15 @@ fn role(sender: bool, msgs: usize) -> Result<(), String> {
         lanes.iter().flatten().map(|l| (l.buf.as_ptr() as usize, l.buf.len())).collect();
     let stop = AtomicBool::new(false);
     let bytes = AtomicU64::new(0);
+    let registered = AtomicU64::new(0);
     let t_run = Instant::now();
     let (lanes, reg) = std::thread::scope(|s| {
         let reg = {
             let shared = Shared((&drv, &comms));
-            let (data, stop) = (&data, &stop);
+            let (data, stop, registered) = (&data, &stop, &registered);
             s.spawn(move || {
                 let (drv, comms) = shared.get();
-                let r = registrar(drv, comms, data, stop);
+                let r = registrar(drv, comms, data, stop, registered);
                 // A failed registration ends the data path too, rather than leaving it alone.
                 stop.store(true, Ordering::Release);
                 r
@@ -446,10 +455,10 @@ fn role(sender: bool, msgs: usize) -> Result<(), String> {
             .into_iter()
             .map(|lanes| {
                 let shared = Shared((&drv, lanes));
-                let bytes = &bytes;
+                let (bytes, registered) = (&bytes, &registered);
                 s.spawn(move || {
                     let (drv, mut lanes) = shared.get();
-                    let r = drive(drv, sender, &mut lanes, msgs, bytes);
+                    let r = drive(drv, sender, &mut lanes, msgs, bytes, registered);
                     Shared((lanes, r))
                 })
             })

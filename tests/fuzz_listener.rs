@@ -531,17 +531,7 @@ fn quick(addr: SocketAddr, kind: Stream, bytes: &[u8]) -> Result<(), String> {
     match kind {
         Stream::ConnectClose => return Ok(()),
         Stream::ConnectReset => {
-            let l = libc::linger { l_onoff: 1, l_linger: 0 };
-            // SAFETY: setsockopt with a valid linger struct on our own socket.
-            unsafe {
-                libc::setsockopt(
-                    s.as_raw_fd(),
-                    libc::SOL_SOCKET,
-                    libc::SO_LINGER,
-                    (&raw const l).cast(),
-                    std::mem::size_of::<libc::linger>() as libc::socklen_t,
-                )
-            };
+            common::reset_on_close(&s);
             return Ok(()); // closed with an RST
         }
         _ => {}

@@ -89,13 +89,7 @@ fn main() {
         Some("send") => role(true, &args[1..]),
         _ => orchestrate(&args),
     };
-    if let Err(e) = r {
-        for w in common::warnings() {
-            eprintln!("soak: plugin WARN: {w}");
-        }
-        eprintln!("soak: FAILED: {e}");
-        std::process::exit(1);
-    }
+    common::exit_on_error("soak", r);
 }
 
 fn arg(args: &[String], name: &str) -> Result<Option<String>, String> {

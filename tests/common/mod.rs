@@ -328,3 +328,31 @@ pub fn rdma_counts(pid: u32) -> Result<RdmaCounts, String> {
     };
     Ok(RdmaCounts { qp: owned("qp")?, cq: owned("cq")?, mr: owned("mr")?, pd: owned("pd")? })
 }
+
+/// Makes closing `s` send a reset (as a killed peer with unread data does), not a FIN.
+pub fn reset_on_close(s: &std::net::TcpStream) {
+    use std::os::fd::AsRawFd;
+    let l = libc::linger { l_onoff: 1, l_linger: 0 };
+    // SAFETY: a valid socket and a linger struct of the size passed.
+    unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&raw const l).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+}
+
+/// Ends a test program with its own `main`: on an error, the plugin's WARNs, then
+/// `PROG: FAILED: why`, and exit status 1.
+pub fn exit_on_error(prog: &str, r: Result<(), String>) {
+    if let Err(e) = r {
+        for w in warnings() {
+            eprintln!("{prog}: plugin WARN: {w}");
+        }
+        eprintln!("{prog}: FAILED: {e}");
+        std::process::exit(1);
+    }
+}

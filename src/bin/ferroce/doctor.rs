@@ -212,11 +212,15 @@ pub fn doctor(args: &[String]) -> Result<(), String> {
     let advice = advice(&ports, &config, &memlock);
     findings.sort_by_key(|f| std::cmp::Reverse(f.level));
 
-    let out = if opts.json {
-        json(&ports, &findings, &memlock, &env, &advice, selftest.as_ref())
-    } else {
-        text(&ports, &findings, &memlock, &env, &advice, selftest.as_ref())
+    let report = Report {
+        ports: &ports,
+        findings: &findings,
+        memlock: &memlock,
+        env: &env,
+        advice: &advice,
+        selftest: selftest.as_ref(),
     };
+    let out = if opts.json { json(&report) } else { text(&report) };
     print!("{out}");
     let blocking: Vec<_> = findings.iter().filter(|f| f.level == Level::Block).collect();
     if blocking.is_empty() {
@@ -836,14 +840,18 @@ fn counter_map(key: &str) -> BTreeMap<String, u64> {
 
 // ---- output ----
 
-fn text(
-    ports: &[Port],
-    findings: &[Finding],
-    memlock: &Memlock,
-    env: &[(String, String)],
-    advice: &[String],
-    selftest: Option<&SelfTest>,
-) -> String {
+/// Everything the doctor found, as both outputs show it.
+struct Report<'a> {
+    ports: &'a [Port],
+    findings: &'a [Finding],
+    memlock: &'a Memlock,
+    env: &'a [(String, String)],
+    advice: &'a [String],
+    selftest: Option<&'a SelfTest>,
+}
+
+fn text(r: &Report) -> String {
+    let Report { ports, findings, memlock, env, advice, selftest } = *r;
     let mut o = String::new();
     let w = &mut o;
     let _ = writeln!(w, "ferroce doctor: {} RDMA port(s)", ports.len());
@@ -1005,14 +1013,8 @@ fn jopt(s: Option<&str>) -> String {
     s.map_or("null".into(), js)
 }
 
-fn json(
-    ports: &[Port],
-    findings: &[Finding],
-    memlock: &Memlock,
-    env: &[(String, String)],
-    advice: &[String],
-    selftest: Option<&SelfTest>,
-) -> String {
+fn json(r: &Report) -> String {
+    let Report { ports, findings, memlock, env, advice, selftest } = *r;
     let num = |v: Option<u64>| v.map_or("null".into(), |v| v.to_string());
     let mut devs = Vec::new();
     for p in ports {

@@ -743,11 +743,9 @@ fn the_watchdog_fires_only_after_a_timeout_without_progress() {
     assert!(msg.contains("FERROCE_PROGRESS_TIMEOUT_MS"), "{msg}");
 }
 
-#[test]
-fn failed_completions_carry_a_hint_and_the_first_is_kept() {
-    let path =
-        Path { peer: "198.18.0.2:4000".into(), describe: "GID a -> b".into(), sports: vec![] };
-    let params = Params {
+/// One QP, no inline data, 1 s timeouts: the parameters of the health checks' tests.
+fn one_qp(path: Path) -> Params {
+    Params {
         nqps: 1,
         split: false,
         max_msg: 4096,
@@ -755,7 +753,14 @@ fn failed_completions_carry_a_hint_and_the_first_is_kept() {
         progress_timeout: Duration::from_secs(1),
         probe_interval: Duration::from_secs(1),
         path,
-    };
+    }
+}
+
+#[test]
+fn failed_completions_carry_a_hint_and_the_first_is_kept() {
+    let path =
+        Path { peer: "198.18.0.2:4000".into(), describe: "GID a -> b".into(), sports: vec![] };
+    let params = one_qp(path);
     let mut h = Health::new(&params);
     assert!(!h.completion(&Completion { status: 12, wr_id: WR_SEND | 3, ..Default::default() }));
     let Some(Fault::Remote(msg)) = h.fatal.clone() else { panic!("{:?}", h.fatal) };
@@ -772,15 +777,7 @@ fn failed_completions_carry_a_hint_and_the_first_is_kept() {
 /// (`ncclSystemError`).
 #[test]
 fn completion_errors_are_classed_by_who_caused_them() {
-    let params = Params {
-        nqps: 1,
-        split: false,
-        max_msg: 4096,
-        max_inline: 0,
-        progress_timeout: Duration::from_secs(1),
-        probe_interval: Duration::from_secs(1),
-        path: Path::default(),
-    };
+    let params = one_qp(Path::default());
     let class = |status| {
         let mut h = Health::new(&params);
         h.completion(&Completion { status, ..Default::default() });
