@@ -23,7 +23,7 @@
 //!
 //! After a warm-up, the baseline is taken; after all cycles, this process's fds
 //! (`/proc/self/fd`), threads (`/proc/self/task`) and QPs/CQs/MRs/PDs (`rdma resource show`)
-//! must equal it, and its RSS (`/proc/self/statm`) may have grown by less than 2 MiB. After
+//! must equal it, and its anonymous RSS (`RssAnon`, after `malloc_trim`) may have grown by less than 2 MiB. After
 //! `finalize` and `dlclose`, the fds and threads are those from before the plugin was loaded,
 //! and it holds no device resources at all.
 //!
@@ -69,16 +69,6 @@ fn main() {
         _ => census(&args),
     };
     common::exit_on_error("census", r);
-}
-
-fn arg(args: &[String], name: &str, default: usize) -> Result<usize, String> {
-    match args.iter().position(|a| a == name) {
-        None => Ok(default),
-        Some(i) => args
-            .get(i + 1)
-            .and_then(|v| v.parse().ok())
-            .ok_or_else(|| format!("{name} needs a number")),
-    }
 }
 
 /// Calls `f` until it yields, for at most `limit`, giving the CPU away between calls: the
@@ -518,8 +508,8 @@ fn snapshot(pid: u32) -> Result<Snapshot, String> {
 
 fn census(args: &[String]) -> Result<(), String> {
     require_vm();
-    let cycles = arg(args, "--cycles", 1000)?;
-    let warmup = arg(args, "--warmup", 16)?;
+    let cycles = common::num_arg(args, "--cycles", 1000)?;
+    let warmup = common::num_arg(args, "--warmup", 16)?;
     // SAFETY: no other thread exists yet.
     unsafe {
         std::env::set_var("FERROCE_SETUP_TIMEOUT_MS", SETUP_TIMEOUT_MS);

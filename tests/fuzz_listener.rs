@@ -61,20 +61,7 @@ fn main() {
         Some("clients") => clients(&args[1..]),
         _ => listener(&args),
     };
-    if let Err(e) = r {
-        eprintln!("fuzz_listener: FAILED: {e}");
-        std::process::exit(1);
-    }
-}
-
-fn arg<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> Result<T, String> {
-    match args.iter().position(|a| a == name) {
-        None => Ok(default),
-        Some(i) => args
-            .get(i + 1)
-            .and_then(|v| v.parse().ok())
-            .ok_or_else(|| format!("{name} needs a number")),
-    }
+    common::exit_on_error("fuzz_listener", r);
 }
 
 // --- the listener (this process) --------------------------------------------------------------
@@ -135,8 +122,8 @@ fn rejection_log(lines: &[String]) -> (usize, Option<u64>) {
 
 fn listener(args: &[String]) -> Result<(), String> {
     require_vm();
-    let streams: u64 = arg(args, "--streams", DEFAULT_STREAMS)?;
-    let nclients: usize = arg(args, "--clients", CLIENTS)?;
+    let streams: u64 = common::num_arg(args, "--streams", DEFAULT_STREAMS)?;
+    let nclients: usize = common::num_arg(args, "--clients", CLIENTS)?;
     common::set_env(&[("FERROCE_SETUP_TIMEOUT_MS", Some(SETUP_TIMEOUT_MS))]);
     common::harness::loader::ECHO.store(true, Ordering::Relaxed);
     let lib = open_plugin();
