@@ -51,7 +51,7 @@ knobs! {
     "NCCL_IB_SPLIT_DATA_ON_QPS", "0", "1: split every message across the QPs; 0: whole messages round-robin";
     "FERROCE_SPORT_BASE", "49152", "first RoCEv2 UDP source port (49152..=65535)";
     "FERROCE_SPORT_RANGE", "65536 - base", "number of source ports used from the base (at most 16384)";
-    "FERROCE_SPORT_SPREAD", "1", "1: each connection starts at its own offset in the range; 0: every connection uses base+i";
+    "FERROCE_SPORT_SPREAD", "1", "1: the connections of a process to one peer get disjoint port blocks (each direction its own half of the range); 0: every connection uses base+i";
     "NCCL_IB_TC", "-1", "traffic class (DSCP << 2 | ECN) of the data QPs; -1: the communicator's, else 0";
     "NCCL_IB_FIFO_TC", "-1", "traffic class of the receiver's control (CTS) writes; -1: the data one";
     "NCCL_IB_SL", "-1", "service level; -1: 0";

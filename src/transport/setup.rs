@@ -26,6 +26,8 @@ use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
+
+use once_cell::sync::Lazy;
 use std::time::{Duration, Instant};
 
 use super::comm::{Flusher, Path, RecvComm, RecvParts, SendComm, SendParts};
@@ -124,6 +126,13 @@ fn gid_of(net: &Net, dev: usize) -> Result<GidChoice> {
     d.gid(&net.config)
 }
 
+/// The source-port blocks of this process's connections, per peer (`FERROCE_SPORT_SPREAD=1`),
+/// from a random start per process.
+static PORT_BLOCKS: Lazy<ecmp::Blocks> = Lazy::new(|| {
+    let seed = crate::os::random_u64().unwrap_or_else(|_| u64::from(std::process::id()));
+    ecmp::Blocks::new(seed)
+});
+
 /// How a connection uses its queue pairs: chosen by the connector, followed by the acceptor.
 #[derive(Clone, Copy, Debug)]
 struct Policy {
@@ -138,16 +147,16 @@ struct Policy {
 
 impl Policy {
     /// The connector's choice: `NCCL_IB_TC` if set, else the communicator's traffic class,
-    /// else 0 (NCCL's precedence); source ports from `ecmp`.
-    fn local(net: &Net, comm_tc: Option<u8>, spread_key: u64) -> Policy {
+    /// else 0 (NCCL's precedence); source ports from `ecmp`, for a connection from the address
+    /// `own` to `peer`.
+    fn local(net: &Net, comm_tc: Option<u8>, own: IpAddr, peer: IpAddr) -> Policy {
         let c = &net.config;
         let nqps = c.qps_per_conn;
-        let ports = ecmp::source_ports(
-            c.sport_base,
-            c.sport_range,
-            nqps,
-            c.sport_spread.then_some(spread_key),
-        );
+        let ports = if c.sport_spread {
+            PORT_BLOCKS.take(c.sport_base, c.sport_range, nqps, own, peer)
+        } else {
+            ecmp::source_ports(c.sport_base, c.sport_range, nqps)
+        };
         let mut sports = [0; MAX_QPS];
         sports[..nqps].copy_from_slice(&ports);
         let tc = c.tc.or(comm_tc).unwrap_or(0);
@@ -859,7 +868,8 @@ impl Connector {
             err,
             context: peer.to_string(),
         })?;
-        let policy = Policy::local(&net, comm_tc, handle.nonce);
+        let own = IpAddr::V6(gid_of(&net, dev)?.gid.into());
+        let policy = Policy::local(&net, comm_tc, own, peer.ip());
         let parts = SendParts::new(&net, dev, policy.nqps)
             .map_err(ours(format!("connect to {peer}: create queue pairs")))?;
         let parts = Some(parts);

@@ -34,6 +34,7 @@ use ferroce::ffi::abi::*;
 #[path = "../../harness/mod.rs"]
 mod harness;
 
+mod collective;
 mod corebench;
 mod doctor;
 mod perf;
@@ -47,13 +48,15 @@ fn main() -> ExitCode {
         Some("perf") => perf::perf(&args[1..]),
         Some("perf-rank") => perf::rank(&args[1..]),
         Some("doctor") => doctor::doctor(&args[1..]),
+        Some("collective") => collective::collective(&args[1..]),
         Some("core-bench") => corebench::core_bench(&args[1..]),
         Some("sink") => sink(&args[1..]),
         _ => Err(format!(
             "usage: ferroce load [NAME] | ferroce info [NAME] | ferroce sink DEV [NAME] | \
-             ferroce core-bench [MESSAGES] [normal|optional]\n{}\n{}",
+             ferroce core-bench [MESSAGES] [normal|optional]\n{}\n{}\n{}",
             perf::USAGE,
-            doctor::USAGE
+            doctor::USAGE,
+            collective::USAGE
         )),
     };
     match result {

@@ -148,7 +148,7 @@ fn pattern(i: usize) -> u8 {
 }
 
 /// Shows what the plugin warned about, and keeps the capture buffer from growing.
-fn flush_log() {
+pub(crate) fn flush_log() {
     for (level, _, line) in take_captured() {
         if level <= 2 {
             eprintln!("plugin {}: {line}", if level == 2 { "WARN" } else { "ERROR" });
@@ -189,7 +189,7 @@ fn dev_name(lib: &Library, dev: c_int) -> Result<String, String> {
 /// The plugin device `want` names: its name as the plugin reports it (`rxe0`, or `mlx5_0:1`
 /// where one device has several ports; the part before `:` is enough when unique), or its
 /// index among the devices the plugin offers after `NCCL_IB_HCA`. Returns the index and name.
-fn resolve(lib: &Library, drv: &Driver, want: &str) -> Result<(c_int, String), String> {
+pub(crate) fn resolve(lib: &Library, drv: &Driver, want: &str) -> Result<(c_int, String), String> {
     let n = drv.devices()?;
     let names = (0..n).map(|d| dev_name(lib, d)).collect::<Result<Vec<_>, _>>()?;
     let found: Vec<usize> = match want.parse::<usize>() {
