@@ -4,7 +4,9 @@
 #   2. style gates: cargo fmt --check, cargo clippy -D warnings;
 #   3. host tests: unit tests, ABI layout, loadability (cargo test);
 #   4. build the release plugin and the test binaries on the host, boot the Soft-RoCE VM and
-#      run the VM tests against rxe0/rxe1 inside it, plus perftest between the same devices.
+#      run the VM tests against rxe0/rxe1 inside it, plus perftest between the same devices;
+#   5. boot it again with 4 ranks on one bridge and run the cluster test (ring collectives,
+#      ECMP ports, the failure of one rank).
 # A VM that does not boot fails the run; nothing is skipped.
 main() {
   set -euo pipefail
@@ -27,7 +29,7 @@ main() {
   local bins
   bins=$(cargo test --release --locked --no-run --test softroce --test netclient --test roce_path \
     --test gpudirect --test liveness --test fuzz_listener --test soak --test concurrency \
-    --test census --test perf_cli --test doctor --message-format=json |
+    --test census --test perf_cli --test doctor --test cluster --message-format=json |
     python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
@@ -38,9 +40,18 @@ for l in sys.stdin:
   cc -shared -fPIC -O1 -Wall -Werror -o target/release/libferroce-dmabuf-standin.so \
     tests/dmabuf_standin.c -ldl
 
+  # The cluster test needs its own boot: 4 ranks, each an rxe device on one bridge.
+  local cluster
+  cluster=$(grep '/cluster-' <<<"$bins" || true)
+  bins=$(grep -v '/cluster-' <<<"$bins" || true)
+  [[ -n "$cluster" ]] || { echo "ci/test.sh: the cluster test was not built" >&2; exit 1; }
+
   step "VM tests on Soft-RoCE"
   # shellcheck disable=SC2086 # one path per word
   FERROCE_PLUGIN_DIR="$PWD/target/release" ci/vm.sh ci/vm-tests.sh $bins
+
+  step "cluster tests on Soft-RoCE: 4 ranks on one bridge"
+  FERROCE_VM_RANKS=4 FERROCE_PLUGIN_DIR="$PWD/target/release" ci/vm.sh ci/vm-tests.sh "$cluster"
 
   step "done: all tests passed in $((SECONDS - t0)) s"
 }

@@ -21,9 +21,9 @@ main() {
         exit 2
     fi
     local dev0 dev1 gid0 gid1 ip0 ip1
-    read -r dev0 dev1 <<<"$FERROCE_VM_DEVS"
-    read -r gid0 gid1 <<<"$FERROCE_VM_GIDX"
-    read -r ip0 ip1 <<<"$FERROCE_VM_IPS"
+    read -r dev0 dev1 _ <<<"$FERROCE_VM_DEVS"
+    read -r gid0 gid1 _ <<<"$FERROCE_VM_GIDX"
+    read -r ip0 ip1 _ <<<"$FERROCE_VM_IPS"
     local port=18515 # perftest's default out-of-band TCP port
 
     TMP=$(mktemp -d)

@@ -14,7 +14,7 @@ main() {
   local passed=0 bin t own_main
   for bin in "$@"; do
     case "$(basename "$bin")" in
-      netclient-* | gpudirect-* | liveness-* | fuzz_listener-* | soak-* | concurrency-* | census-*) own_main=1 ;;
+      netclient-* | gpudirect-* | liveness-* | fuzz_listener-* | soak-* | concurrency-* | census-* | cluster-*) own_main=1 ;;
       *) own_main=0 ;;
     esac
     if ((own_main)); then

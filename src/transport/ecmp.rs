@@ -110,13 +110,18 @@ mod tests {
 
     #[test]
     fn blocks_to_one_peer_are_disjoint_and_the_directions_never_meet() {
-        let (a, b): (IpAddr, IpAddr) = ("198.18.0.1".parse().unwrap(), "198.18.0.2".parse().unwrap());
+        let (a, b): (IpAddr, IpAddr) =
+            ("198.18.0.1".parse().unwrap(), "198.18.0.2".parse().unwrap());
         for seed in 0..50u64 {
             let (pa, pb) = (Blocks::new(seed), Blocks::new(seed ^ 0xabc));
             let mut seen = std::collections::HashSet::new();
             // 64 connections each way, 4 QPs: 512 ports of an 8192-port half each.
             for _ in 0..64 {
-                for p in pa.take(0xc000, 0x4000, 4, a, b).into_iter().chain(pb.take(0xc000, 0x4000, 4, b, a)) {
+                for p in pa
+                    .take(0xc000, 0x4000, 4, a, b)
+                    .into_iter()
+                    .chain(pb.take(0xc000, 0x4000, 4, b, a))
+                {
                     assert!(p >= 0xc000, "port {p} below the base");
                     assert!(seen.insert(p), "seed {seed}: port {p} used twice between a and b");
                 }

@@ -139,6 +139,7 @@ pub struct Capture {
 #[derive(Clone, Copy, Debug)]
 pub struct Packet {
     pub src: [u8; 4],
+    pub dst: [u8; 4],
     pub tos: u8,
     pub sport: u16,
     pub udp_len: u16,
@@ -224,6 +225,7 @@ pub fn parse_pcap(d: &[u8]) -> Vec<Packet> {
         }
         out.push(Packet {
             src: ip[12..16].try_into().unwrap(),
+            dst: ip[16..20].try_into().unwrap(),
             tos: ip[1],
             sport: u16::from_be_bytes([udp[0], udp[1]]),
             udp_len: u16::from_be_bytes([udp[4], udp[5]]),

@@ -26,8 +26,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::harness::driver::{Close, Driver, Ptr};
-use crate::harness::loader::{ECHO, Library};
-use crate::perf::{flush_log, resolve};
+use crate::harness::loader::{ECHO, Library, take_captured};
+use crate::perf::resolve;
 
 pub const USAGE: &str = "usage: ferroce collective allreduce|allgather|reducescatter [OPTIONS]
   without --rank: starts all ranks on this host, rank i on device i (NCCL_IB_HCA), and prints
@@ -377,6 +377,20 @@ struct Channel {
     next: String,
     /// The previous rank, which this channel receives from.
     prev: String,
+}
+
+/// Shows what the plugin logged on stderr: warnings always, and its INFO lines too when
+/// `NCCL_DEBUG` is `INFO` or `TRACE`, as NCCL would.
+fn flush_log() {
+    let info = std::env::var("NCCL_DEBUG")
+        .is_ok_and(|v| v.eq_ignore_ascii_case("INFO") || v.eq_ignore_ascii_case("TRACE"));
+    for (level, _, line) in take_captured() {
+        match level {
+            ..=2 => eprintln!("plugin {}: {line}", if level == 2 { "WARN" } else { "ERROR" }),
+            3 if info => eprintln!("plugin INFO: {line}"),
+            _ => {}
+        }
+    }
 }
 
 fn hex(b: &[u8]) -> String {

@@ -1,0 +1,338 @@
+//! A cluster in a box: N ranks on Soft-RoCE, each its own process bound to its own rxe device
+//! on its own veth, all on one bridge (`FERROCE_VM_RANKS=4 ci/vm.sh`), running `ferroce
+//! collective` (ring collectives through the plugin's C ABI, 2 channels each).
+//!
+//! - **Collectives:** all-reduce, all-gather and reduce-scatter over 4 ranks at 8 B, 32 KiB and
+//!   2 MiB; every element of every rank is checked by the ranks (a wrong one fails the rank),
+//!   and the table must show each size with `#wrong` 0.
+//! - **ECMP:** with 4 QPs per connection, a capture on the bridge sees every connection's
+//!   traffic on exactly the UDP source ports it logged, and no two connections between the same
+//!   pair of hosts share a port; with 2 ranks (connections both ways between one pair) and 4.
+//! - **Failure of one rank:** 4 ranks run an endless all-reduce; rank 2 is killed with SIGKILL.
+//!   Every other rank must exit non-zero within the bound, naming a dead peer (ranks 1 and 3:
+//!   rank 2 itself). The liveness knobs make the bound short, as in `tests/liveness.rs`.
+//!
+//! Built with its own `main` (`harness = false`) and run by `ci/vm-tests.sh` in a VM booted
+//! with `FERROCE_VM_RANKS=4`.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Capture, plugin_dir};
+
+const RANKS: usize = 4;
+const KNOBS: [(&str, &str); 3] =
+    [("NCCL_IB_TIMEOUT", "14"), ("NCCL_IB_RETRY_CNT", "3"), ("FERROCE_PROBE_INTERVAL_MS", "1000")];
+/// How long after the kill every other rank must have failed: rank 2's neighbours fail within
+/// the probe interval plus the retry bound (1.3 s); rank 0, whose neighbours are those two,
+/// one such bound later. Room for TCG.
+const BOUND: Duration = Duration::from_secs(20);
+
+fn main() {
+    common::exit_on_error("cluster", run());
+}
+
+fn run() -> Result<(), String> {
+    if std::env::var("FERROCE_IN_VM").as_deref() != Ok("1") {
+        return Err("must run inside the Soft-RoCE VM (FERROCE_VM_RANKS=4 ci/vm.sh)".into());
+    }
+    let devs = vm_list("FERROCE_VM_DEVS");
+    if devs.len() < RANKS || std::env::var("FERROCE_VM_BRIDGE").unwrap_or_default().is_empty() {
+        return Err(format!(
+            "needs the VM's N-rank mode with at least {RANKS} ranks on a bridge \
+             (FERROCE_VM_RANKS={RANKS}); it has devices {devs:?}"
+        ));
+    }
+    collectives()?;
+    ecmp(2)?;
+    ecmp(RANKS)?;
+    failure()
+}
+
+fn vm_list(var: &str) -> Vec<String> {
+    std::env::var(var).unwrap_or_default().split_whitespace().map(str::to_string).collect()
+}
+
+fn plugin() -> String {
+    plugin_dir().join("libnccl-net-ferroce.so").to_string_lossy().into_owned()
+}
+
+fn ferroce(args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ferroce"));
+    c.arg("collective").args(args).args(["--plugin", &plugin()]);
+    c
+}
+
+/// Runs the launcher to the end (it bounds its own ranks), with a backstop.
+fn launch(args: &[&str], env: &[(&str, &str)]) -> Result<Output, String> {
+    let mut c = ferroce(args);
+    c.envs(env.iter().copied()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let child = c.spawn().map_err(|e| format!("ferroce collective: {e}"))?;
+    let out = child.wait_with_output().map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    print!("{text}");
+    if !out.status.success() {
+        eprint!("{}", String::from_utf8_lossy(&out.stderr));
+        return Err(format!("ferroce collective {args:?} failed: {}", out.status));
+    }
+    Ok(out)
+}
+
+fn collectives() -> Result<(), String> {
+    for coll in ["allreduce", "allgather", "reducescatter"] {
+        let t = Instant::now();
+        let n = RANKS.to_string();
+        let out = launch(
+            &[coll, "--nranks", &n, "-b", "8", "-e", "2M", "-f", "64", "-n", "2", "-w", "1"],
+            &[],
+        )?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        // The rows: size, count, type, redop, root, time, algbw, busbw, #wrong.
+        let rows: Vec<Vec<&str>> = text
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .collect();
+        let sizes: Vec<&str> = rows.iter().map(|r| r[0]).collect();
+        // all-gather and reduce-scatter at 8 B: 2 floats are no element per rank, left out.
+        let want: &[&str] = if coll == "allreduce" {
+            &["8", "512", "32768", "2097152"]
+        } else {
+            &["512", "32768", "2097152"]
+        };
+        if sizes != want {
+            return Err(format!("{coll}: sizes {sizes:?}, expected {want:?}"));
+        }
+        if let Some(r) = rows.iter().find(|r| r.len() != 9 || r[8] != "0") {
+            return Err(format!("{coll}: row {r:?} is not nine columns with #wrong 0"));
+        }
+        if !text.contains("# Out of bounds values : 0 OK") {
+            return Err(format!("{coll}: no clean summary"));
+        }
+        eprintln!(
+            "cluster: {coll} on {RANKS} ranks: {} sizes verified in {:.1} s",
+            rows.len(),
+            t.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
+/// One connection as its connector logged it.
+#[derive(Debug)]
+struct Conn {
+    own: String,
+    peer: String,
+    ports: Vec<u16>,
+}
+
+/// The connections in `NCCL_DEBUG=INFO` output: `connected to ...: ... UDP source ports [a, b],
+/// rxeN GID OWN (index i) -> PEER, ...`.
+fn connections(log: &str) -> Result<Vec<Conn>, String> {
+    let mut v = Vec::new();
+    for l in log.lines().filter(|l| l.contains("NET/ferroce: connected to ")) {
+        let bad = || format!("unexpected connection line: {l}");
+        let ports = l
+            .split("UDP source ports [")
+            .nth(1)
+            .and_then(|s| s.split(']').next())
+            .ok_or_else(bad)?;
+        let ports = ports
+            .split(", ")
+            .map(|p| p.parse::<u16>().map_err(|_| bad()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let gid = l.split(" GID ").nth(1).ok_or_else(bad)?;
+        let own = gid.split(' ').next().ok_or_else(bad)?.to_string();
+        let peer =
+            gid.split(" -> ").nth(1).and_then(|s| s.split(',').next()).ok_or_else(bad)?.to_string();
+        v.push(Conn { own, peer, ports });
+    }
+    Ok(v)
+}
+
+fn ecmp(n: usize) -> Result<(), String> {
+    let bridge = std::env::var("FERROCE_VM_BRIDGE").unwrap_or_default();
+    let cap = Capture::start(&bridge);
+    let nr = n.to_string();
+    let env = [("NCCL_DEBUG", "INFO"), ("NCCL_IB_QPS_PER_CONNECTION", "4")];
+    let out =
+        launch(&["allreduce", "--nranks", &nr, "-b", "1M", "-e", "1M", "-n", "2", "-w", "0"], &env);
+    let pkts = cap.stop();
+    let out = out?;
+    let conns = connections(&String::from_utf8_lossy(&out.stderr))?;
+    if conns.len() != 2 * n {
+        return Err(format!(
+            "{n} ranks: {} connections logged, expected {} (2 channels each)",
+            conns.len(),
+            2 * n
+        ));
+    }
+    let ip = |s: &str| {
+        s.parse::<std::net::Ipv4Addr>().map(|a| a.octets()).map_err(|e| format!("{s}: {e}"))
+    };
+    // Every logged port carries traffic between the connection's two hosts (requests one way,
+    // ACKs the other), and no packet between ranks uses a port nobody logged.
+    let mut per_pair: BTreeMap<([u8; 4], [u8; 4]), Vec<u16>> = BTreeMap::new();
+    for c in &conns {
+        let (a, b) = (ip(&c.own)?, ip(&c.peer)?);
+        for &p in &c.ports {
+            let seen = pkts
+                .iter()
+                .filter(|k| k.sport == p && ((k.src, k.dst) == (a, b) || (k.src, k.dst) == (b, a)))
+                .count();
+            if seen == 0 {
+                return Err(format!(
+                    "{n} ranks: port {p} of {} -> {} carried no packet on {bridge}",
+                    c.own, c.peer
+                ));
+            }
+        }
+        per_pair.entry((a.min(b), a.max(b))).or_default().extend(&c.ports);
+    }
+    let logged: BTreeSet<u16> = conns.iter().flat_map(|c| c.ports.iter().copied()).collect();
+    if let Some(k) = pkts.iter().find(|k| !logged.contains(&k.sport)) {
+        return Err(format!("{n} ranks: a packet {k:?} on a port no connection logged"));
+    }
+    for ((a, b), ports) in &per_pair {
+        let distinct: BTreeSet<_> = ports.iter().collect();
+        if distinct.len() != ports.len() {
+            return Err(format!(
+                "{n} ranks: connections between {a:?} and {b:?} share ports: {ports:?}"
+            ));
+        }
+        eprintln!(
+            "cluster: {n} ranks: hosts {a:?} and {b:?}: {} connections on {} distinct ports",
+            ports.len() / 4,
+            ports.len()
+        );
+    }
+    eprintln!(
+        "cluster: {n} ranks: {} packets on {bridge}, all on the {} logged ports",
+        pkts.len(),
+        logged.len()
+    );
+    Ok(())
+}
+
+fn failure() -> Result<(), String> {
+    let devs = vm_list("FERROCE_VM_DEVS");
+    let dir = std::env::temp_dir().join(format!("ferroce-cluster-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let mut ranks: Vec<Child> = Vec::new();
+    let (tx, rx) = std::sync::mpsc::channel::<(usize, String)>();
+    let kill_all = |ranks: &mut Vec<Child>| {
+        for c in ranks.iter_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    };
+    for (r, dev) in devs.iter().take(RANKS).enumerate() {
+        let (rs, ns, d) = (r.to_string(), RANKS.to_string(), dir.to_string_lossy().into_owned());
+        let mut c = ferroce(&[
+            "allreduce",
+            "--rank",
+            &rs,
+            "--nranks",
+            &ns,
+            "--rendezvous",
+            &d,
+            "-b",
+            "4M",
+            "-e",
+            "4M",
+            "-n",
+            "1000000",
+            "-w",
+            "0",
+            "-c",
+            "0",
+        ]);
+        c.env("NCCL_IB_HCA", format!("={dev}"))
+            .envs(KNOBS)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = c.spawn().map_err(|e| e.to_string())?;
+        for pipe in [
+            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+            Box::new(child.stderr.take().unwrap()),
+        ] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for l in BufReader::new(pipe).lines().map_while(Result::ok) {
+                    let _ = tx.send((r, l));
+                }
+            });
+        }
+        ranks.push(child);
+    }
+    let mut log: Vec<Vec<String>> = vec![Vec::new(); RANKS];
+    let collect = |rx: &std::sync::mpsc::Receiver<(usize, String)>,
+                   log: &mut Vec<Vec<String>>,
+                   until: Instant| {
+        while let Ok((r, l)) = rx.recv_timeout(
+            until.saturating_duration_since(Instant::now()).min(Duration::from_millis(100)),
+        ) {
+            eprintln!("  rank {r}: {l}");
+            log[r].push(l);
+            if Instant::now() > until {
+                break;
+            }
+        }
+    };
+    // Wait for every rank to be connected, then let the all-reduce run a moment.
+    let t = Instant::now();
+    while log.iter().any(|l| !l.iter().any(|x| x.starts_with("# connected in"))) {
+        if t.elapsed() > Duration::from_secs(120)
+            || ranks.iter_mut().any(|c| matches!(c.try_wait(), Ok(Some(_))))
+        {
+            kill_all(&mut ranks);
+            return Err("the ranks did not all connect (or one exited) within 120 s".into());
+        }
+        collect(&rx, &mut log, Instant::now() + Duration::from_millis(200));
+    }
+    collect(&rx, &mut log, Instant::now() + Duration::from_secs(2));
+    ranks[2].kill().map_err(|e| e.to_string())?;
+    let killed = Instant::now();
+    let _ = ranks[2].wait();
+    eprintln!("cluster: killed rank 2 (SIGKILL) in the middle of the all-reduce");
+    let mut result = Ok(());
+    let mut exits: Vec<Option<(f64, std::process::ExitStatus)>> = vec![None; RANKS];
+    while killed.elapsed() < BOUND && (0..RANKS).any(|r| r != 2 && exits[r].is_none()) {
+        collect(&rx, &mut log, Instant::now() + Duration::from_millis(100));
+        for r in (0..RANKS).filter(|&r| r != 2) {
+            if exits[r].is_none()
+                && let Ok(Some(st)) = ranks[r].try_wait()
+            {
+                exits[r] = Some((killed.elapsed().as_secs_f64(), st));
+            }
+        }
+    }
+    collect(&rx, &mut log, Instant::now() + Duration::from_millis(500));
+    kill_all(&mut ranks);
+    let _ = std::fs::remove_dir_all(&dir);
+    for r in (0..RANKS).filter(|&r| r != 2) {
+        let Some((s, st)) = exits[r] else {
+            result = Err(format!("rank {r} still ran {BOUND:?} after rank 2 was killed"));
+            continue;
+        };
+        let failed = log[r]
+            .iter()
+            .find(|l| l.starts_with(&format!("ferroce: rank {r}: ")))
+            .cloned()
+            .unwrap_or_default();
+        eprintln!("cluster: rank {r} exited {st} {s:.2} s after the kill: {failed}");
+        // The dead peer is named: rank 2 by its neighbours, rank 1 or 3 (dead by then) by rank 0.
+        let named = match r {
+            1 | 3 => failed.contains("rank 2 ("),
+            _ => failed.contains("rank 1 (") || failed.contains("rank 3 ("),
+        };
+        if st.success() || !named {
+            result = Err(format!("rank {r} exited {st} without naming its dead peer: {failed:?}"));
+        }
+    }
+    result
+}
