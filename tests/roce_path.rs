@@ -88,7 +88,7 @@ fn split_mode_uses_exactly_the_computed_ports_with_equal_shares() {
         ("FERROCE_SPORT_SPREAD", None),
     ]);
     print_evidence("4 QPs, split, base 50000", &pkts);
-    let want = ecmp::source_ports(50000, 15536, 4, None); // range: from the base to 65535
+    let want = ecmp::source_ports(50000, 15536, 4); // range: from the base to 65535
     assert_eq!(want, [50000, 50001, 50002, 50003]);
     assert_eq!(logged_ports(&info), want, "the log names the ports");
     let (writes, all) = by_port(&pkts);
@@ -128,7 +128,7 @@ fn split_mode_uses_exactly_the_computed_ports_with_equal_shares() {
 fn round_robin_and_spread_ports_are_the_logged_ones() {
     require_vm();
     let _g = serial();
-    // Round-robin with the default spread: each connection starts at its own offset.
+    // Round-robin with the default spread: two connections to one peer get disjoint blocks.
     set_env(&[("NCCL_IB_QPS_PER_CONNECTION", Some("3")), ("NCCL_IB_SPLIT_DATA_ON_QPS", Some("0"))]);
     let cap = Capture::start("vethA");
     let first = logged_ports(&traffic(65536, 6, -1));

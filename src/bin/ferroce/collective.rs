@@ -910,7 +910,7 @@ fn once(drv: &Driver, chans: &[Channel], plans: &[Plan], b: &mut Buffers) -> Res
             // Yield as NCCL's proxy does after an idle pass: the ranks and Soft-RoCE share cores.
             std::thread::yield_now();
             spins += 1;
-            if spins % 1024 == 0 && last.elapsed() > STALL {
+            if spins.is_multiple_of(1024) && last.elapsed() > STALL {
                 let pending: Vec<String> = runs
                     .iter()
                     .zip(chans)
@@ -1014,7 +1014,8 @@ mod tests {
     #[test]
     fn the_simulation_catches_wrong_plans() {
         let (count, n) = (3000, 4);
-        let broken: [(&str, fn(&mut Plan)); 3] = [
+        type Spoil = fn(&mut Plan);
+        let broken: [(&str, Spoil); 3] = [
             ("all-gather steps that reduce", |p| p.recvs.iter_mut().for_each(|r| r.1 = true)),
             ("a send that does not wait", |p| p.sends.iter_mut().for_each(|s| s.1 = None)),
             ("a slice one element short", |p| p.recvs[0].0.len -= 1),
