@@ -2,7 +2,9 @@
 //! seeded misconfiguration is named (and exits 1 where it blocks): memlock at 64 KiB without
 //! CAP_IPC_LOCK, veth MTUs of 9000 and 1500, an interface without IPv4 (no usable RoCE v2
 //! GID), `NCCL_IB_GID_INDEX` at an empty (zero) entry, `NCCL_IB_HCA` matching nothing, a
-//! malformed knob; and `--selftest` moves data and shows the counters that moved.
+//! malformed knob; and `--selftest` moves data and shows the counters that moved, between two
+//! local devices or (`--peer`) to a `ferroce perf --listen` in another process, whose port
+//! facts are shown beside ours and compared (veth MTUs of 1500 here and 9000 there).
 //!
 //! Tests that change the VM's network put it back (a guard, also on panic) and check the GID
 //! table is as before, so the VM tests that run later see the set-up they expect.
@@ -10,7 +12,9 @@
 
 mod common;
 
-use std::process::Command;
+use std::io::BufRead;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::{require_vm, run};
@@ -274,5 +278,119 @@ fn the_selftest_moves_data_and_shows_the_counters() {
     assert_eq!(o.code, 0);
     let s = o.stdout.split("== Self-test").nth(1).expect("a self-test section");
     assert!(s.contains("rxe0:1 -> rxe1:1: 8 x 4 MiB in") && s.contains("MB/s"), "{s}");
+    assert!(s.contains("data verified"), "{s}");
     assert!(s.contains("hw_counters/sent_pkts") && s.contains("hw_counters/rcvd_pkts"), "{s}");
+    // --dev picks the sender; the receiver is the next device NCCL sees.
+    let o = doctor(&["--selftest", "--dev", "rxe1"], &[]);
+    assert_eq!(o.code, 0);
+    assert!(o.stdout.contains("rxe1:1 -> rxe0:1: 8 x 4 MiB in"), "{}", o.stdout);
+    // One device and no peer: nothing to receive, said so.
+    let o = doctor(&["--selftest"], &[("NCCL_IB_HCA", "=rxe0")]);
+    assert_eq!(o.code, 1);
+    let block = o.lines("BLOCK").join("\n");
+    assert!(block.contains("needs a second one") && block.contains("--peer"), "{block}");
+}
+
+/// A `ferroce perf --listen --dev DEV` (the peer of `doctor --peer`), its address, and the rest
+/// of its stdout.
+fn listener(dev: &str) -> (Child, String, mpsc::Receiver<String>) {
+    let mut child = Command::new(DOCTOR)
+        .args(["perf", "--listen", "--dev", dev])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run ferroce perf --listen");
+    let (tx, rx) = mpsc::channel();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    let Ok(first) = rx.recv_timeout(Duration::from_secs(60)) else {
+        let _ = child.kill();
+        panic!("no HANDLE line from ferroce perf --listen within 60 s");
+    };
+    println!("listener: {first}");
+    let w: Vec<&str> = first.split_whitespace().collect();
+    assert!(matches!(w[..], ["HANDLE", _, d] if d == dev), "{first}");
+    (child, w[1].to_string(), rx)
+}
+
+/// The listener ends by itself after the doctor's QUIT, successfully.
+fn listener_done(mut child: Child, rx: mpsc::Receiver<String>) {
+    let t0 = Instant::now();
+    let st = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            panic!("perf --listen still running 30 s after the doctor finished");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let lines: Vec<String> = rx.try_iter().collect();
+    assert!(st.success() && lines.iter().any(|l| l == "# done"), "{st}: {lines:?}");
+}
+
+/// `doctor --dev rxe0 --peer ADDR --selftest` against a listener on rxe1: exit 0, both ends'
+/// facts shown, the data verified and the bandwidth measured; returns the doctor's output.
+fn doctor_with_peer() -> (Out, String) {
+    let (child, addr, rx) = listener("rxe1");
+    let o = doctor(&["--dev", "rxe0", "--peer", &addr, "--selftest"], &[]);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    let peer = o.stdout.split("== Peer ").nth(1).expect("a peer section");
+    assert!(peer.starts_with(&addr) && peer.contains("the plugin connected to it"), "{peer}");
+    let row = |label: &str| {
+        let l = peer.lines().find(|l| l.trim_start().starts_with(label)).unwrap_or("");
+        l.split_whitespace().collect::<Vec<_>>().join(" ")
+    };
+    assert_eq!(row("port"), "port rxe0:1 rxe1:1");
+    assert_eq!(row("netdev "), "netdev vethA vethB");
+    assert!(row("GID").contains("198.18.0.1") && row("GID").contains("198.18.0.2"), "{peer}");
+    let s = o.stdout.split("== Self-test").nth(1).expect("a self-test section");
+    assert!(s.contains(&format!("rxe0:1 -> rxe1:1 at {addr}: 8 x 4 MiB in")), "{s}");
+    assert!(s.contains("MB/s") && s.contains("Gb/s") && s.contains("data verified"), "{s}");
+    assert!(s.contains("hw_counters/sent_pkts"), "our counters moved: {s}");
+    listener_done(child, rx);
+    (o, addr)
+}
+
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn a_peer_self_test_shows_both_ends_and_moves_verified_data() {
+    require_vm();
+    let (o, gone) = doctor_with_peer();
+    assert!(o.lines("WARN").is_empty(), "equal MTUs: {}", o.stdout);
+    // The listener served one doctor and ended: a peer that is not there blocks, named.
+    let o = doctor(&["--peer", &gone], &[]);
+    assert_eq!(o.code, 1);
+    assert!(o.lines("BLOCK").join("\n").contains(&gone), "{}", o.stdout);
+    assert!(o.stdout.contains("netdev MTU   1500"), "{}", o.stdout);
+    // --json carries the peer's facts and the comparison.
+    let (child, addr, rx) = listener("rxe1");
+    let j = doctor(&["--json", "--dev", "rxe0", "--peer", &addr], &[]);
+    listener_done(child, rx);
+    assert_eq!(j.code, 0);
+    let check = "import json,sys; p=json.loads(sys.argv[1])['peer']; \
+                 assert p['peer']['port']=='rxe1:1' and p['here']['port']=='rxe0:1', p; \
+                 assert p['mtus_match'] and p['path_mtu']==1024 and p['connected'], p";
+    let st = Command::new("python3").args(["-c", check]).arg(&j.stdout).status().unwrap();
+    assert!(st.success(), "--json peer: {}", j.stdout);
+}
+
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn a_peer_with_a_larger_mtu_is_named_in_a_warning() {
+    require_vm();
+    let _restore = Restore::new(vec![vec!["ip", "link", "set", "vethB", "mtu", "1500"]]);
+    run("ip", &["link", "set", "vethB", "mtu", "9000"]);
+    wait_for("rxe1 active_mtu 4096", || active_mtu("rxe1").contains("4096"));
+    let (o, _) = doctor_with_peer();
+    let warn = o.lines("WARN").join("\n");
+    assert!(warn.contains("MTU mismatch between the two ends"), "{warn}");
+    assert!(warn.contains("here rxe0:1 (active 1024, vethA MTU 1500)"), "{warn}");
+    assert!(warn.contains("peer rxe1:1 (active 4096, vethB MTU 9000)"), "{warn}");
+    assert!(warn.contains("path MTU is the smaller, 1024"), "{warn}");
+    assert!(warn.contains("set vethA's MTU to 9000 here"), "{warn}");
 }

@@ -6,7 +6,7 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::BufRead;
+use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -294,17 +294,20 @@ fn a_deleted_peer_device_fails_the_sender_within_the_progress_deadline() {
     let _g = serial();
     // retry 7 never ends on rxe: only ferroce's own progress deadline can end the wait.
     set_env(&[("FERROCE_PROGRESS_TIMEOUT_MS", Some("3000")), ("NCCL_IB_RETRY_CNT", Some("7"))]);
-    let dir = plugin_dir();
-    let mut sink = Command::new(env!("CARGO_BIN_EXE_ferroce"))
-        .args(["sink", "1"])
-        .env("LD_LIBRARY_PATH", &dir)
+    // The peer: a receiving rank of `ferroce perf` on rxe1 in its own process, driven over its
+    // stdin and stdout (HANDLE, PEER, READY), then told to keep receives of MSG bytes posted.
+    const MSG: usize = 8 << 20; // the rank's buffer size, so every receive is exactly one send
+    let plugin = plugin_dir().join("libnccl-net-ferroce.so");
+    let mut peer = Command::new(env!("CARGO_BIN_EXE_ferroce"))
+        .args(["perf-rank", "recv", plugin.to_str().unwrap(), "rxe1"])
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut lines = std::io::BufReader::new(sink.stdout.take().unwrap()).lines();
+    let mut to_peer = peer.stdin.take().unwrap();
+    let mut lines = std::io::BufReader::new(peer.stdout.take().unwrap()).lines();
     let first = lines.next().unwrap().unwrap();
-    let hex = first.strip_prefix("HANDLE ").unwrap().to_string();
-    std::thread::spawn(move || for _ in lines.by_ref() {});
+    let hex = first.strip_prefix("HANDLE ").unwrap().split(' ').next().unwrap().to_string();
     let mut handle = [0u8; 128];
     for (i, b) in handle.iter_mut().enumerate() {
         *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
@@ -320,19 +323,32 @@ fn a_deleted_peer_device_fails_the_sender_within_the_progress_deadline() {
         ("NCCL_IB_RETRY_CNT", None),
         ("NCCL_IB_HCA", None),
     ]);
-    let send = until("connect", || drv.connect(ctx, 0, &mut handle)).unwrap();
-    let mut src = vec![1u8; 16 << 20];
+    // The rank connects back to us as well (each rank has a send and a receive comm).
+    let (ours, listen) = drv.listen(ctx, 0).unwrap();
+    let ours: String = ours.iter().map(|b| format!("{b:02x}")).collect();
+    writeln!(to_peer, "PEER {ours}").unwrap();
+    let (send, back) =
+        drv.connect_both(ctx, 0, &mut handle, listen, Duration::from_secs(60)).unwrap();
+    drv.close(Close::Listen, listen).unwrap();
+    assert_eq!(lines.next().unwrap().unwrap(), "READY");
+    // Bandwidth for an hour (the test kills it long before): four receives always posted.
+    writeln!(to_peer, "BW {MSG} 4 3600 0").unwrap();
+    std::thread::spawn(move || for _ in lines.by_ref() {});
+    let mut src: Vec<u8> = (0..MSG).map(|i| (i % 251) as u8).collect();
     let mh = drv.reg_mr(send, src.as_mut_ptr(), src.len()).unwrap();
-    // A healthy first message, then one in flight when the peer's device goes away.
-    let q = until("isend", || drv.isend(send, src.as_mut_ptr(), 1 << 20, 0, mh)).unwrap();
+    // A healthy first message, then 16 MiB in flight (two messages) when the peer's device goes
+    // away.
+    let q = until("isend", || drv.isend(send, src.as_mut_ptr(), MSG, 0, mh)).unwrap();
     until("test", || drv.test(q)).unwrap();
-    let q = until("isend", || drv.isend(send, src.as_mut_ptr(), 16 << 20, 0, mh)).unwrap();
+    let mut inflight: Vec<_> = (0..2)
+        .map(|_| until("isend", || drv.isend(send, src.as_mut_ptr(), MSG, 0, mh)).unwrap())
+        .collect();
     // `rdma link delete` of a device in use waits for its users to go: run it in the
     // background, then kill the peer process that holds rxe1.
     let mut del = Command::new("rdma").args(["link", "delete", "rxe1"]).spawn().unwrap();
     std::thread::sleep(Duration::from_millis(200));
-    sink.kill().unwrap();
-    sink.wait().unwrap();
+    peer.kill().unwrap();
+    peer.wait().unwrap();
     let t0 = Instant::now();
     let del = loop {
         if let Some(st) = del.try_wait().unwrap() {
@@ -346,9 +362,12 @@ fn a_deleted_peer_device_fails_the_sender_within_the_progress_deadline() {
     };
     let t = Instant::now();
     let err = loop {
-        match drv.test(q) {
+        match drv.test(inflight[0]) {
             Ok(None) => {}
-            Ok(Some(_)) => break String::from("the 16 MiB send completed"),
+            Ok(Some(_)) if inflight.len() > 1 => {
+                inflight.remove(0);
+            }
+            Ok(Some(_)) => break String::from("the 16 MiB in flight completed"),
             Err(e) => break e,
         }
         if t.elapsed() > Duration::from_secs(60) {
@@ -379,6 +398,7 @@ fn a_deleted_peer_device_fails_the_sender_within_the_progress_deadline() {
     );
     drv.dereg_mr(send, mh).unwrap();
     drv.close(Close::Send, send).unwrap();
+    drv.close(Close::Recv, back).unwrap();
     drv.finalize(ctx).unwrap();
 }
 

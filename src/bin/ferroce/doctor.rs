@@ -1,7 +1,13 @@
-//! `ferroce doctor [--dev NAME] [--json] [--selftest] [--plugin NAME_OR_PATH]`: explains this
-//! host's RoCE set-up in one screen per device, with the plugin's own decisions (device
-//! discovery, `NCCL_IB_HCA`, the GID choice, GPUDirect detection, the knob parser), and says
-//! what blocks NCCL from using ferroce.
+//! `ferroce doctor [--dev NAME] [--json] [--selftest] [--peer HOST:PORT] [--plugin
+//! NAME_OR_PATH]`: explains this host's RoCE set-up in one screen per device, with the
+//! plugin's own decisions (device discovery, `NCCL_IB_HCA`, the GID choice, GPUDirect
+//! detection, the knob parser), and says what blocks NCCL from using ferroce.
+//!
+//! With `--peer`, the other end is a `ferroce perf --listen` on another host, reached through
+//! perf's ranks and control connection ([`crate::perf::Pair`]): it answers `PORT` with its port
+//! facts ([`port_facts`], from the same code as this host's screen), the two ends are compared
+//! (MTUs), and the plugin connects to it; `--selftest` then sends to it instead of between two
+//! local devices.
 //!
 //! Every finding is one line with a level:
 //! - `BLOCK`: NCCL cannot use ferroce on this host as configured (exit status 1);
@@ -9,7 +15,8 @@
 //! - `NOTE`: a fact worth knowing that needs no action.
 //!
 //! Nothing is written: sysfs is only read, and the self-test moves data between two local
-//! ports through the plugin's C ABI, as NCCL would.
+//! ports (the `--dev` one sending, the next device NCCL sees receiving) or to the peer,
+//! through the plugin's C ABI, as NCCL would.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -20,7 +27,13 @@ use ferroce::transport::device::{self, gid_table, mtu_bytes, speed_mbps};
 use ferroce::transport::gid::{self, GidChoice, GidEntry, GidType};
 use ferroce::verbs::{self, LinkLayer, PortState};
 
-pub const USAGE: &str = "ferroce doctor [--dev NAME] [--json] [--selftest] [--plugin NAME_OR_PATH]";
+pub const USAGE: &str = "ferroce doctor [--dev NAME] [--json] [--selftest] [--peer HOST:PORT] \
+[--plugin NAME_OR_PATH]
+  --dev       this host's device or port (rxe0, mlx5_0:1): the only one shown, the self-test's \
+sender
+  --selftest  a short verified transfer: to the next local device NCCL sees, or to --peer
+  --peer      a `ferroce perf --listen [--dev D]` on the other host (the HOST:PORT it prints): \
+its port facts beside ours, MTU mismatches between the two ends";
 
 /// Below this `RLIMIT_MEMLOCK` (without `CAP_IPC_LOCK`) registration of NCCL's buffers fails:
 /// one ring of 8 channels already registers 8 x 4 MiB per peer and direction.
@@ -102,18 +115,34 @@ struct Options {
     json: bool,
     selftest: bool,
     plugin: String,
+    /// `HOST:PORT` of a `ferroce perf --listen`.
+    peer: Option<String>,
 }
 
 fn parse(args: &[String]) -> Result<Options, String> {
-    let mut o = Options { dev: None, json: false, selftest: false, plugin: "ferroce".into() };
+    let mut o =
+        Options { dev: None, json: false, selftest: false, plugin: "ferroce".into(), peer: None };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = |name: &str| {
-            it.next().cloned().ok_or_else(|| format!("{name} needs a value\nusage: {USAGE}"))
+            it.next()
+                .filter(|v| !v.starts_with("--"))
+                .cloned()
+                .ok_or_else(|| format!("{name} needs a value\nusage: {USAGE}"))
         };
         match a.as_str() {
             "--dev" => o.dev = Some(value("--dev")?),
             "--plugin" => o.plugin = value("--plugin")?,
+            "--peer" => {
+                let v = value("--peer")?;
+                let ok = v.rsplit_once(':').is_some_and(|(host, port)| {
+                    !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0)
+                });
+                if !ok {
+                    return Err(format!("--peer {v:?}: not HOST:PORT\nusage: {USAGE}"));
+                }
+                o.peer = Some(v);
+            }
             "--json" => o.json = true,
             "--selftest" => o.selftest = true,
             other => return Err(format!("unknown argument {other:?}\nusage: {USAGE}")),
@@ -144,6 +173,10 @@ pub fn doctor(args: &[String]) -> Result<(), String> {
 
     // What the plugin itself would do at init: its device list, or why it has none.
     let discovered = device::discover(&config);
+    // NCCL's devices in its numbering: (port key `dev:port`, the plugin's name for it).
+    let nccl: Vec<(String, String)> = discovered.as_ref().map_or(Vec::new(), |devs| {
+        devs.iter().map(|d| (format!("{}:{}", d.ctx.name(), d.port), d.name.clone())).collect()
+    });
     let in_use: BTreeMap<String, String> = match &discovered {
         Ok(devs) => devs
             .iter()
@@ -164,12 +197,6 @@ pub fn doctor(args: &[String]) -> Result<(), String> {
     drop(discovered);
 
     let mut ports = read_ports(&config, &in_use)?;
-    // NCCL's device numbers follow discovery order: the kept ACTIVE ports with a GID.
-    let nccl_devs: Vec<String> = ports
-        .iter()
-        .filter(|p| p.kept && p.state == PortState::Active && p.choice.is_ok())
-        .map(Port::key)
-        .collect();
     if let Some(want) = &opts.dev {
         ports.retain(|p| &p.dev == want || &p.key() == want);
         if ports.is_empty() {
@@ -197,17 +224,21 @@ pub fn doctor(args: &[String]) -> Result<(), String> {
     let memlock = Memlock::read();
     memlock.check(&mut add);
 
-    let selftest = if opts.selftest {
-        match selftest(&opts.plugin, &nccl_devs) {
-            Ok(s) => Some(s),
-            Err(e) => {
-                add(Level::Block, "self-test", e);
-                None
-            }
+    // The self-test's (and the peer connection's) sending device, in NCCL's numbering.
+    let sender = (opts.selftest || opts.peer.is_some()).then(|| sender(opts.dev.as_deref(), &nccl));
+    let (mut selftest, mut peer) = (None, None);
+    match (sender, &opts.peer) {
+        (None, _) => {}
+        (Some(Err(e)), p) => add(Level::Block, if p.is_some() { "peer" } else { "self-test" }, e),
+        (Some(Ok(i)), Some(addr)) => {
+            let (p, s) = with_peer(addr, &opts, &nccl[i], &ports, &mut add);
+            (peer, selftest) = (Some(p), s);
         }
-    } else {
-        None
-    };
+        (Some(Ok(i)), None) => match local_selftest(&opts.plugin, &nccl, i) {
+            Ok(s) => selftest = Some(s),
+            Err(e) => add(Level::Block, "self-test", e),
+        },
+    }
     let env = knob_env();
     let advice = advice(&ports, &config, &memlock);
     findings.sort_by_key(|f| std::cmp::Reverse(f.level));
@@ -219,6 +250,7 @@ pub fn doctor(args: &[String]) -> Result<(), String> {
         env: &env,
         advice: &advice,
         selftest: selftest.as_ref(),
+        peer: peer.as_ref(),
     };
     let out = if opts.json { json(&report) } else { text(&report) };
     print!("{out}");
@@ -717,13 +749,52 @@ fn advice(ports: &[Port], config: &Config, memlock: &Memlock) -> Vec<String> {
 struct SelfTest {
     from: String,
     to: String,
-    bytes: usize,
+    /// Messages and their size, timed in `seconds`.
+    msgs: usize,
+    msg: usize,
     seconds: f64,
+    /// How the data was checked.
+    verified: &'static str,
     /// (port, counter, delta) for every counter that moved.
     deltas: Vec<(String, String, u64)>,
 }
 
-fn selftest(plugin: &str, names: &[String]) -> Result<SelfTest, String> {
+impl SelfTest {
+    fn bytes(&self) -> usize {
+        self.msgs * self.msg
+    }
+}
+
+/// The self-test's sender: the first NCCL device `--dev` names (a device or a `dev:port`),
+/// else NCCL's device 0. An index into `nccl`.
+fn sender(dev: Option<&str>, nccl: &[(String, String)]) -> Result<usize, String> {
+    let keys: Vec<&str> = nccl.iter().map(|(k, _)| k.as_str()).collect();
+    let Some(want) = dev else {
+        return if keys.is_empty() { Err("the plugin offers no device".into()) } else { Ok(0) };
+    };
+    keys.iter()
+        .position(|k| *k == want || k.rsplit_once(':').is_some_and(|(d, _)| d == want))
+        .ok_or_else(|| format!("--dev {want}: not among the devices the plugin offers {keys:?}"))
+}
+
+/// Counter deltas of `key` (`dev:port`) since `before`.
+fn deltas(key: &str, before: &BTreeMap<String, u64>) -> Vec<(String, String, u64)> {
+    let mut out = Vec::new();
+    for (k, v) in counter_map(key) {
+        let was = before.get(&k).copied().unwrap_or(0);
+        if v != was {
+            out.push((key.to_string(), k, v.wrapping_sub(was)));
+        }
+    }
+    out
+}
+
+/// Sends from NCCL's device `send_dev` to the next one NCCL sees, in this process.
+fn local_selftest(
+    plugin: &str,
+    nccl: &[(String, String)],
+    send_dev: usize,
+) -> Result<SelfTest, String> {
     use crate::harness::driver::{Close, Driver, until};
     use crate::harness::loader::ECHO;
     let lib = open_plugin(plugin)?;
@@ -731,12 +802,18 @@ fn selftest(plugin: &str, names: &[String]) -> Result<SelfTest, String> {
     let drv = Driver::new(&lib, 12)?;
     let ctx = drv.init(1)?;
     let n = drv.devices()?;
-    let (send_dev, recv_dev) = if n >= 2 { (0, 1) } else { (0, 0) };
-    if n < 1 {
-        return Err("self-test: the plugin has no device".into());
+    let name = |d: i32| nccl.get(d as usize).map_or(format!("device {d}"), |(k, _)| k.clone());
+    if n < 2 {
+        drv.finalize(ctx)?;
+        return Err(format!(
+            "the plugin offers {n} device(s) ({}): a local self-test needs a second one to \
+             receive; or run `ferroce perf --listen` on another host and pass --peer HOST:PORT",
+            name(0)
+        ));
     }
-    let name = |d: i32| names.get(d as usize).cloned().unwrap_or(format!("device {d}"));
-    let before: Vec<_> = [send_dev, recv_dev].iter().map(|&d| counter_map(&name(d))).collect();
+    let send_dev = send_dev as i32;
+    let recv_dev = (send_dev + 1) % n;
+    let before = [send_dev, recv_dev].map(|d| counter_map(&name(d)));
     let (mut handle, listen) = drv.listen(ctx, recv_dev)?;
     let (send, recv) = drv.connect_both(ctx, send_dev, &mut handle, listen, SELFTEST_LIMIT)?;
     drv.close(Close::Listen, listen)?;
@@ -792,43 +869,234 @@ fn selftest(plugin: &str, names: &[String]) -> Result<SelfTest, String> {
     if !ok {
         return Err("self-test: the data arrived corrupted".into());
     }
-    let mut deltas = Vec::new();
-    for (i, d) in [send_dev, recv_dev].iter().enumerate() {
-        if i == 1 && recv_dev == send_dev {
-            break;
-        }
-        for (k, v) in counter_map(&name(*d)) {
-            let was = before[i].get(&k).copied().unwrap_or(0);
-            if v != was {
-                deltas.push((name(*d), k, v.wrapping_sub(was)));
-            }
-        }
-    }
+    let mut deltas = deltas(&name(send_dev), &before[0]);
+    deltas.extend(self::deltas(&name(recv_dev), &before[1]));
     Ok(SelfTest {
         from: name(send_dev),
         to: name(recv_dev),
-        bytes: SELFTEST_MSG * SELFTEST_MSGS,
+        msgs: SELFTEST_MSGS,
+        msg: SELFTEST_MSG,
         seconds,
+        verified: "every byte received matches the bytes sent",
         deltas,
     })
+}
+
+/// One end of a connection as `--peer` compares the two: what `PORT` carries over perf's
+/// control connection, one `key=value` word per fact (`-` for unknown).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PortFacts {
+    /// `dev:port`.
+    port: String,
+    netdev: Option<String>,
+    netdev_mtu: Option<u32>,
+    active_mtu: u32,
+    max_mtu: u32,
+    /// The GID ferroce chose: its index and IP address.
+    gid: Option<(u8, String)>,
+}
+
+impl PortFacts {
+    fn of(p: &Port) -> PortFacts {
+        PortFacts {
+            port: p.key(),
+            netdev: p.netdev.clone(),
+            netdev_mtu: p.netdev_mtu,
+            active_mtu: p.active_mtu,
+            max_mtu: p.max_mtu,
+            gid: p.choice.as_ref().ok().map(|c| (c.index, c.ip().to_string())),
+        }
+    }
+
+    fn encode(&self) -> String {
+        let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+        format!(
+            "port={} netdev={} netdev_mtu={} active_mtu={} max_mtu={} gid={}",
+            self.port,
+            opt(self.netdev.clone()),
+            opt(self.netdev_mtu.map(|m| m.to_string())),
+            self.active_mtu,
+            self.max_mtu,
+            opt(self.gid.as_ref().map(|(i, ip)| format!("{i}/{ip}")))
+        )
+    }
+
+    fn decode(line: &str) -> Result<PortFacts, String> {
+        let words: BTreeMap<&str, &str> =
+            line.split_whitespace().filter_map(|w| w.split_once('=')).collect();
+        let get = |k: &str| {
+            let v = words.get(k).ok_or_else(|| format!("the peer's PORT lacks {k}: {line:?}"))?;
+            Ok::<_, String>((*v != "-").then_some(*v))
+        };
+        let num = |k: &str| -> Result<Option<u32>, String> {
+            get(k)?.map(|v| v.parse().map_err(|_| format!("the peer's {k} {v:?}"))).transpose()
+        };
+        let gid = match get("gid")? {
+            None => None,
+            Some(g) => {
+                let (i, ip) = g.split_once('/').ok_or(format!("the peer's gid {g:?}"))?;
+                Some((i.parse().map_err(|_| format!("the peer's gid {g:?}"))?, ip.to_string()))
+            }
+        };
+        Ok(PortFacts {
+            port: get("port")?.ok_or("the peer names no port")?.to_string(),
+            netdev: get("netdev")?.map(str::to_string),
+            netdev_mtu: num("netdev_mtu")?,
+            active_mtu: num("active_mtu")?.unwrap_or(0),
+            max_mtu: num("max_mtu")?.unwrap_or(0),
+            gid,
+        })
+    }
+
+    /// `rxe0:1 (active 1024, vethA MTU 1500)`, as `check_mtus` names a port.
+    fn desc(&self) -> String {
+        format!(
+            "{} (active {}, {} MTU {})",
+            self.port,
+            self.active_mtu,
+            self.netdev.as_deref().unwrap_or("?"),
+            self.netdev_mtu.map_or("?".into(), |m| m.to_string())
+        )
+    }
+}
+
+/// The `PORT` answer of a `perf --listen` rank on the plugin device `name` (`rxe1`,
+/// `mlx5_0:1`): the port doctor would show for it.
+pub fn port_facts(name: &str) -> Result<String, String> {
+    let config = Config::from_env().unwrap_or_default();
+    let ports = read_ports(&config, &BTreeMap::new())?;
+    // The plugin names a device `dev`, or `dev:port` where it uses several ports of one device;
+    // among a device's ports it uses the kept, ACTIVE ones.
+    let mut found: Vec<&Port> =
+        ports.iter().filter(|p| p.key() == name || (p.dev == name && p.kept)).collect();
+    found.sort_by_key(|p| p.state != PortState::Active);
+    let p = found.first().ok_or_else(|| format!("PORT: no RDMA port for device {name:?}"))?;
+    Ok(PortFacts::of(p).encode())
+}
+
+/// A connection runs at the smaller active MTU of its two ends, and a frame larger than the
+/// smaller netdev MTU is dropped on the way: two ends that differ in either are named.
+fn check_peer_mtu(
+    here: &PortFacts,
+    peer: &PortFacts,
+    addr: &str,
+    add: &mut impl FnMut(Level, &str, String),
+) {
+    let netdevs_differ = matches!((here.netdev_mtu, peer.netdev_mtu), (Some(a), Some(b)) if a != b);
+    if here.active_mtu == peer.active_mtu && !netdevs_differ {
+        return;
+    }
+    let path = here.active_mtu.min(peer.active_mtu);
+    let fix = match (here.netdev_mtu, peer.netdev_mtu) {
+        (Some(a), Some(b)) if a != b => {
+            let ((low, low_at), (high, high_at)) = if a < b {
+                ((here, "here"), (peer, "on the peer"))
+            } else {
+                ((peer, "on the peer"), (here, "here"))
+            };
+            let nd = |f: &PortFacts| f.netdev.clone().unwrap_or_else(|| "?".into());
+            format!(
+                "set {}'s MTU to {} {low_at} (and on every switch port between) to run both at \
+                 the larger, or {}'s to {} {high_at} to match",
+                nd(low),
+                a.max(b),
+                nd(high),
+                a.min(b)
+            )
+        }
+        _ => format!(
+            "the netdev MTUs match, so compare the ports' max MTUs (here {}, peer {}) and the \
+             drivers' RoCE MTU settings",
+            here.max_mtu, peer.max_mtu
+        ),
+    };
+    add(
+        Level::Warn,
+        "peer",
+        format!(
+            "MTU mismatch between the two ends: here {}, peer {} at {addr}; the path MTU is the \
+             smaller, {path}: {fix}",
+            here.desc(),
+            peer.desc()
+        ),
+    );
+}
+
+/// What `--peer` learnt: the two ends' facts (each missing where it could not be read).
+struct PeerReport {
+    addr: String,
+    here: Option<PortFacts>,
+    there: Option<PortFacts>,
+    /// The plugin connected the two ends.
+    connected: bool,
+}
+
+/// `--peer`: the peer's facts beside ours, their comparison, a connection through the plugin
+/// and (with `--selftest`) a verified transfer to it, by perf's ranks and control connection.
+fn with_peer(
+    addr: &str,
+    opts: &Options,
+    (key, name): &(String, String),
+    ports: &[Port],
+    add: &mut impl FnMut(Level, &str, String),
+) -> (PeerReport, Option<SelfTest>) {
+    let here = ports.iter().find(|p| &p.key() == key).map(PortFacts::of);
+    let mut rep = PeerReport { addr: addr.into(), here, there: None, connected: false };
+    let before = counter_map(key);
+    let plugin = plugin_path(&opts.plugin);
+    let r = (|| {
+        let mut pair = crate::perf::Pair::to_peer(addr, &plugin, name)?;
+        let there = rep.there.insert(PortFacts::decode(&pair.port()?)?);
+        if let Some(here) = &rep.here {
+            check_peer_mtu(here, there, addr, add);
+        }
+        pair.connect()?;
+        rep.connected = true;
+        let bw = if opts.selftest {
+            let msgs = Some(SELFTEST_MSGS as u64);
+            let secs = SELFTEST_LIMIT.as_secs_f64();
+            Some(pair.bw(SELFTEST_MSG, SELFTEST_DEPTH, secs, 0.0, msgs)?)
+        } else {
+            None
+        };
+        pair.quit()?;
+        Ok::<_, String>(bw.map(|(bytes, seconds)| SelfTest {
+            from: key.clone(),
+            to: format!("{} at {addr}", rep.there.as_ref().map_or(name, |t| &t.port)),
+            msgs: (bytes / SELFTEST_MSG as f64).round() as usize,
+            msg: SELFTEST_MSG,
+            seconds,
+            verified: "every receive's length checked, the last message byte for byte (by the peer)",
+            deltas: deltas(key, &before),
+        }))
+    })();
+    match r {
+        Ok(s) => (rep, s),
+        Err(e) => {
+            add(Level::Block, "peer", e);
+            (rep, None)
+        }
+    }
 }
 
 /// The plugin as NCCL would open it, else (a bare name) `libnccl-net-NAME.so` beside this
 /// binary, where `ci/build.sh` puts it.
 fn open_plugin(name: &str) -> Result<crate::harness::loader::Library, String> {
+    crate::harness::loader::Library::open_like_nccl(&plugin_path(name))
+}
+
+/// What [`open_plugin`] opens: `name` where NCCL's way finds it, else the path beside this
+/// binary (for the ranks of `--peer`, which open the plugin themselves).
+fn plugin_path(name: &str) -> String {
     use crate::harness::loader::Library;
-    let first = Library::open_like_nccl(name);
-    if first.is_ok() || name.contains('/') {
-        return first;
+    if name.contains('/') || Library::open_like_nccl(name).is_ok() {
+        return name.into();
     }
-    let beside = std::env::current_exe()
+    std::env::current_exe()
         .ok()
         .and_then(|e| Some(e.parent()?.join(format!("libnccl-net-{name}.so"))))
-        .filter(|p| p.exists());
-    match beside {
-        Some(p) => Library::open(&p.to_string_lossy()),
-        None => first,
-    }
+        .filter(|p| p.exists())
+        .map_or(name.into(), |p| p.to_string_lossy().into_owned())
 }
 
 /// `dev:port` → its counters by `group/name`.
@@ -848,10 +1116,11 @@ struct Report<'a> {
     env: &'a [(String, String)],
     advice: &'a [String],
     selftest: Option<&'a SelfTest>,
+    peer: Option<&'a PeerReport>,
 }
 
 fn text(r: &Report) -> String {
-    let Report { ports, findings, memlock, env, advice, selftest } = *r;
+    let Report { ports, findings, memlock, env, advice, selftest, peer } = *r;
     let mut o = String::new();
     let w = &mut o;
     let _ = writeln!(w, "ferroce doctor: {} RDMA port(s)", ports.len());
@@ -961,20 +1230,55 @@ fn text(r: &Report) -> String {
     for (k, v) in env {
         let _ = writeln!(w, "  {k}={v}   ({})", knob_meaning(k));
     }
+    if let Some(p) = peer {
+        let _ = writeln!(
+            w,
+            "\n== Peer {} (a `ferroce perf --listen` there){}",
+            p.addr,
+            if p.connected { "; the plugin connected to it" } else { "" }
+        );
+        let side = |f: &Option<PortFacts>, what: &dyn Fn(&PortFacts) -> String| {
+            f.as_ref().map_or("?".to_string(), what)
+        };
+        let opt = |v: Option<String>| v.unwrap_or_else(|| "?".into());
+        type Fact = (&'static str, fn(&PortFacts) -> String);
+        let rows: [Fact; 6] = [
+            ("port", |f| f.port.clone()),
+            ("netdev", |f| f.netdev.clone().unwrap_or_else(|| "?".into())),
+            ("netdev MTU", |f| f.netdev_mtu.map_or("?".into(), |m| m.to_string())),
+            ("active MTU", |f| f.active_mtu.to_string()),
+            ("max MTU", |f| f.max_mtu.to_string()),
+            ("GID", |f| f.gid.as_ref().map_or("none".into(), |(i, ip)| format!("index {i} {ip}"))),
+        ];
+        let _ = writeln!(w, "  {:<12} {:<28} peer", "", "here");
+        for (label, f) in rows {
+            let _ = writeln!(w, "  {label:<12} {:<28} {}", side(&p.here, &f), side(&p.there, &f));
+        }
+        if let (Some(h), Some(t)) = (&p.here, &p.there) {
+            let _ = writeln!(
+                w,
+                "  path MTU     {} (the smaller active MTU: what a connection between the two uses; \
+                 frames up to the smaller netdev MTU, {}, cross)",
+                h.active_mtu.min(t.active_mtu),
+                opt(h.netdev_mtu.zip(t.netdev_mtu).map(|(a, b)| a.min(b).to_string()))
+            );
+        }
+    }
     if let Some(s) = selftest {
         let _ = writeln!(w, "\n== Self-test");
-        let mb = s.bytes as f64 / 1e6;
+        let mb = s.bytes() as f64 / 1e6;
         let _ = writeln!(
             w,
             "  {} -> {}: {} x {} MiB in {:.3} s = {:.1} MB/s ({:.2} Gb/s) through the plugin's C ABI",
             s.from,
             s.to,
-            SELFTEST_MSGS,
-            SELFTEST_MSG >> 20,
+            s.msgs,
+            s.msg >> 20,
             s.seconds,
             mb / s.seconds,
             mb * 8.0 / 1000.0 / s.seconds
         );
+        let _ = writeln!(w, "  data verified: {}", s.verified);
         for (port, k, d) in &s.deltas {
             let name = k.rsplit('/').next().unwrap_or(k);
             let _ = writeln!(w, "  {port:<8} {k:<36} +{d:<12} {}", meaning(name).unwrap_or(""));
@@ -1014,7 +1318,7 @@ fn jopt(s: Option<&str>) -> String {
 }
 
 fn json(r: &Report) -> String {
-    let Report { ports, findings, memlock, env, advice, selftest } = *r;
+    let Report { ports, findings, memlock, env, advice, selftest, peer } = *r;
     let num = |v: Option<u64>| v.map_or("null".into(), |v| v.to_string());
     let mut devs = Vec::new();
     for p in ports {
@@ -1100,23 +1404,58 @@ fn json(r: &Report) -> String {
             .map(|(p, k, d)| format!("{{\"port\":{},\"counter\":{},\"delta\":{d}}}", js(p), js(k)))
             .collect();
         format!(
-            "{{\"from\":{},\"to\":{},\"bytes\":{},\"seconds\":{:.6},\"mb_per_s\":{:.1},\"counter_deltas\":[{}]}}",
+            "{{\"from\":{},\"to\":{},\"messages\":{},\"message_bytes\":{},\"bytes\":{},\"seconds\":{:.6},\"mb_per_s\":{:.1},\"verified\":{},\"counter_deltas\":[{}]}}",
             js(&s.from),
             js(&s.to),
-            s.bytes,
+            s.msgs,
+            s.msg,
+            s.bytes(),
             s.seconds,
-            s.bytes as f64 / 1e6 / s.seconds,
+            s.bytes() as f64 / 1e6 / s.seconds,
+            js(s.verified),
             d.join(",")
         )
     });
+    let facts = |f: &Option<PortFacts>| {
+        f.as_ref().map_or("null".into(), |f| {
+            let gid = f.gid.as_ref().map_or("null".into(), |(i, ip)| {
+                format!("{{\"index\":{i},\"ip\":{}}}", js(ip))
+            });
+            format!(
+                "{{\"port\":{},\"netdev\":{},\"mtu\":{{\"netdev\":{},\"active\":{},\"max\":{}}},\"gid\":{gid}}}",
+                js(&f.port),
+                jopt(f.netdev.as_deref()),
+                num(f.netdev_mtu.map(u64::from)),
+                f.active_mtu,
+                f.max_mtu
+            )
+        })
+    };
+    let peer = peer.map_or("null".into(), |p| {
+        let (path, same) = match (&p.here, &p.there) {
+            (Some(h), Some(t)) => (
+                h.active_mtu.min(t.active_mtu).to_string(),
+                (h.active_mtu == t.active_mtu && h.netdev_mtu == t.netdev_mtu).to_string(),
+            ),
+            _ => ("null".into(), "null".into()),
+        };
+        format!(
+            "{{\"addr\":{},\"here\":{},\"peer\":{},\"path_mtu\":{path},\"mtus_match\":{same},\"connected\":{}}}",
+            js(&p.addr),
+            facts(&p.here),
+            facts(&p.there),
+            p.connected
+        )
+    });
     format!(
-        "{{\"ports\":[{}],\"memlock\":{{\"soft\":{},\"hard\":{},\"cap_ipc_lock\":{}}},\"env\":{{{}}},\"selftest\":{},\"advice\":[{}],\"findings\":[{}],\"blocking\":{}}}\n",
+        "{{\"ports\":[{}],\"memlock\":{{\"soft\":{},\"hard\":{},\"cap_ipc_lock\":{}}},\"env\":{{{}}},\"selftest\":{},\"peer\":{},\"advice\":[{}],\"findings\":[{}],\"blocking\":{}}}\n",
         devs.join(","),
         num(memlock.soft),
         num(memlock.hard),
         memlock.ipc_lock,
         env.join(","),
         selftest,
+        peer,
         advice.join(","),
         findings.join(","),
         blocking
@@ -1233,9 +1572,114 @@ mod tests {
     #[test]
     fn arguments_are_checked() {
         let a = |v: &[&str]| parse(&v.iter().map(|s| s.to_string()).collect::<Vec<_>>());
-        assert!(a(&["--dev"]).is_err());
-        assert!(a(&["--nope"]).is_err());
+        for bad in [
+            &["--dev"][..],
+            &["--nope"],
+            &["--peer"],
+            &["--peer", "--selftest"],
+            &["--peer", "host"],
+            &["--peer", ":5000"],
+            &["--peer", "host:0"],
+            &["--peer", "host:70000"],
+            &["--peer", "host:x"],
+            &["--selftest", "extra"],
+        ] {
+            let e = a(bad).err().unwrap_or_else(|| panic!("{bad:?} accepted"));
+            assert!(e.contains("usage: ferroce doctor"), "{bad:?}: {e}");
+        }
         let o = a(&["--dev", "rxe1", "--json", "--selftest"]).unwrap();
-        assert!(o.dev.as_deref() == Some("rxe1") && o.json && o.selftest);
+        assert!(o.dev.as_deref() == Some("rxe1") && o.json && o.selftest && o.peer.is_none());
+        let o = a(&["--peer", "198.18.0.2:4000", "--selftest"]).unwrap();
+        assert_eq!(o.peer.as_deref(), Some("198.18.0.2:4000"));
+        let o = a(&["--peer", "[fe80::1]:4000"]).unwrap();
+        assert_eq!(o.peer.as_deref(), Some("[fe80::1]:4000"));
+    }
+
+    #[test]
+    fn the_selftest_sender_is_the_dev_one_or_the_first() {
+        let nccl: Vec<(String, String)> = [("rxe0:1", "rxe0"), ("mlx5_0:1", "mlx5_0:1")]
+            .iter()
+            .map(|(k, n)| (k.to_string(), n.to_string()))
+            .collect();
+        assert_eq!(sender(None, &nccl), Ok(0));
+        assert_eq!(sender(Some("mlx5_0"), &nccl), Ok(1));
+        assert_eq!(sender(Some("rxe0:1"), &nccl), Ok(0));
+        assert!(sender(Some("rxe9"), &nccl).unwrap_err().contains("rxe9"));
+        assert!(sender(None, &[]).is_err());
+    }
+
+    fn facts(port: &str, netdev: &str, netdev_mtu: u32, active: u32) -> PortFacts {
+        PortFacts {
+            port: port.into(),
+            netdev: Some(netdev.into()),
+            netdev_mtu: Some(netdev_mtu),
+            active_mtu: active,
+            max_mtu: 4096,
+            gid: Some((1, "198.18.0.1".into())),
+        }
+    }
+
+    #[test]
+    fn port_facts_cross_the_wire_intact() {
+        let f = facts("mlx5_0:1", "eth0", 9000, 4096);
+        assert_eq!(PortFacts::decode(&f.encode()), Ok(f.clone()));
+        let bare = PortFacts { netdev: None, netdev_mtu: None, gid: None, ..f };
+        assert_eq!(PortFacts::decode(&bare.encode()), Ok(bare.clone()));
+        let v6 = PortFacts { gid: Some((3, "fd00::1".into())), ..bare };
+        assert_eq!(PortFacts::decode(&v6.encode()), Ok(v6));
+        assert!(PortFacts::decode("netdev=eth0 active_mtu=1024").is_err(), "no port");
+        assert!(PortFacts::decode(&f_with("active_mtu=big")).is_err());
+        assert!(PortFacts::decode(&f_with("gid=1")).is_err());
+    }
+
+    fn f_with(word: &str) -> String {
+        let key = word.split('=').next().unwrap();
+        let f = facts("rxe0:1", "vethA", 1500, 1024).encode();
+        f.split(' ')
+            .map(|w| if w.starts_with(key) { word } else { w })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    fn peer_findings(here: &PortFacts, peer: &PortFacts) -> Vec<(Level, String)> {
+        let mut out = Vec::new();
+        check_peer_mtu(here, peer, "198.18.0.2:4000", &mut |l, _: &str, w| out.push((l, w)));
+        out
+    }
+
+    #[test]
+    fn two_ends_with_different_mtus_warn_naming_both() {
+        let here = facts("rxe0:1", "vethA", 1500, 1024);
+        assert!(peer_findings(&here, &here.clone()).is_empty(), "equal ends");
+        let peer = facts("rxe1:1", "vethB", 9000, 4096);
+        let f = peer_findings(&here, &peer);
+        assert_eq!(f.len(), 1, "{f:?}");
+        assert_eq!(f[0].0, Level::Warn);
+        let w = &f[0].1;
+        for part in [
+            "here rxe0:1 (active 1024, vethA MTU 1500)",
+            "peer rxe1:1 (active 4096, vethB MTU 9000) at 198.18.0.2:4000",
+            "the path MTU is the smaller, 1024",
+            "set vethA's MTU to 9000 here",
+            "or vethB's to 1500 on the peer",
+        ] {
+            assert!(w.contains(part), "{part:?} in {w}");
+        }
+        // The other way round: the peer is the smaller end.
+        let w = &peer_findings(&peer, &here)[0].1;
+        assert!(w.contains("set vethA's MTU to 9000 on the peer") && w.contains("1024"), "{w}");
+        // Same netdev MTU, different active MTUs (a NIC with a lower max): still named.
+        let low = PortFacts { active_mtu: 2048, max_mtu: 2048, ..facts("x:1", "eth1", 1500, 0) };
+        let w = &peer_findings(&here, &PortFacts { netdev_mtu: Some(9000), ..low.clone() })[0].1;
+        assert!(w.contains("set vethA's MTU to 9000"), "{w}");
+        let w = &peer_findings(
+            &facts("y:1", "eth0", 9000, 4096),
+            &PortFacts { netdev_mtu: Some(9000), ..low },
+        )[0]
+        .1;
+        assert!(
+            w.contains("max MTUs (here 4096, peer 2048)") && w.contains("smaller, 2048"),
+            "{w}"
+        );
     }
 }

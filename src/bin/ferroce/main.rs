@@ -10,16 +10,18 @@
 //!   ranks as `ferroce perf-rank ...`, which is not meant to be run by hand.
 //! - `ferroce perf --listen [--dev D] [--port P]` and `ferroce perf --connect HOST:PORT
 //!   [--dev D] ...`: the same benchmark between two hosts; the listening side receives and
-//!   prints `HANDLE HOST:PORT DEVICE`, the connecting side sends and prints the tables.
-//! - `ferroce doctor [--dev NAME] [--json] [--selftest] [--plugin NAME_OR_PATH]`: explains this
-//!   host's RoCE set-up (ports, MTUs, GIDs and the plugin's choice, congestion control,
-//!   counters, memlock, GPUDirect, knobs, advice), one screen per device; exit status 1 names
-//!   each blocking problem.
+//!   prints `HANDLE HOST:PORT DEVICE`, the connecting side sends and prints the tables. The
+//!   listening side is also the peer of `ferroce doctor --peer`.
+//! - `ferroce doctor [--dev NAME] [--json] [--selftest] [--peer HOST:PORT] [--plugin
+//!   NAME_OR_PATH]`: explains this host's RoCE set-up (ports, MTUs, GIDs and the plugin's
+//!   choice, congestion control, counters, memlock, GPUDirect, knobs, advice), one screen per
+//!   device; with `--peer`, the other end's port beside ours and a transfer to it; exit status 1
+//!   names each blocking problem.
+//! - `ferroce collective allreduce|allgather|reducescatter [OPTIONS]`: ring collectives over
+//!   the plugin between N rank processes (started here, or one per host with `--rank` and a
+//!   shared `--rendezvous` directory), with nccl-tests' table.
 //! - `ferroce core-bench [MESSAGES] [normal|optional]`: the protocol core's cost per message on
 //!   this host.
-//! - `ferroce sink DEV [NAME]`: a receiving peer for checks across processes or hosts: listens
-//!   on device DEV, prints `HANDLE <hex>` (the 128-byte handle a sender connects to), then keeps
-//!   32 receives of up to 16 MiB posted until the connection fails (or it is killed).
 //!
 //! Exit status 0 on success, 1 on any failure (with the reason on stderr).
 
@@ -50,10 +52,9 @@ fn main() -> ExitCode {
         Some("doctor") => doctor::doctor(&args[1..]),
         Some("collective") => collective::collective(&args[1..]),
         Some("core-bench") => corebench::core_bench(&args[1..]),
-        Some("sink") => sink(&args[1..]),
         _ => Err(format!(
-            "usage: ferroce load [NAME] | ferroce info [NAME] | ferroce sink DEV [NAME] | \
-             ferroce core-bench [MESSAGES] [normal|optional]\n{}\n{}\n{}",
+            "usage: ferroce load [NAME] | ferroce info [NAME] | \
+             ferroce core-bench [MESSAGES] [normal|optional]\n{}\nusage: {}\n{}",
             perf::USAGE,
             doctor::USAGE,
             collective::USAGE
@@ -149,55 +150,4 @@ fn info(name: &str) -> Result<(), String> {
     }
     // SAFETY: ctx came from init and is finalized once.
     check("finalize", unsafe { net.finalize.ok_or("no finalize")?(ctx) })
-}
-
-fn sink(args: &[String]) -> Result<(), String> {
-    use crate::harness::driver::{Close, Driver};
-    use std::io::Write;
-    let dev: std::ffi::c_int =
-        args.first().and_then(|d| d.parse().ok()).ok_or("usage: ferroce sink DEV [NAME]")?;
-    let lib = Library::open_like_nccl(args.get(1).map_or("ferroce", String::as_str))?;
-    crate::harness::loader::ECHO.store(false, std::sync::atomic::Ordering::Relaxed);
-    let drv = Driver::new(&lib, 12)?;
-    let ctx = drv.init(1)?;
-    let (handle, listen) = drv.listen(ctx, dev)?;
-    let hex: String = handle.iter().map(|b| format!("{b:02x}")).collect();
-    println!("HANDLE {hex}");
-    std::io::stdout().flush().map_err(|e| e.to_string())?;
-    let recv = loop {
-        if let Some(r) = drv.accept(listen)? {
-            break r;
-        }
-    };
-    drv.close(Close::Listen, listen)?;
-    const SIZE: usize = 16 << 20;
-    let mut buf = vec![0u8; SIZE];
-    let mh = drv.reg_mr(recv, buf.as_mut_ptr(), SIZE)?;
-    let mut pending = std::collections::VecDeque::new();
-    let mut total = 0u64;
-    let result = loop {
-        if pending.len() < 32 {
-            match drv.irecv(recv, &[buf.as_mut_ptr()], &[SIZE], &[0], &[mh], false) {
-                Ok(Some(q)) => pending.push_back(q),
-                Ok(None) => {}
-                Err(e) => break Err(e),
-            }
-        }
-        if let Some(&q) = pending.front() {
-            match drv.test(q) {
-                Ok(Some(sizes)) => {
-                    pending.pop_front();
-                    total += sizes[0] as u64;
-                    println!("received {total} bytes");
-                }
-                Ok(None) => {}
-                Err(e) => break Err(e),
-            }
-        }
-    };
-    eprintln!("ferroce sink: stopped after {total} bytes");
-    drv.dereg_mr(recv, mh)?;
-    drv.close(Close::Recv, recv)?;
-    drv.finalize(ctx)?;
-    result
 }

@@ -13,10 +13,16 @@
 //!   receiver's clock decides: after a warm-up it times whole messages from one completion to
 //!   the first completion `--seconds` later, then stops posting and names the number of receives
 //!   it posted (`POSTED n`); the orchestrator relays that to the sender (`STOP n`), which sends
-//!   exactly that many. Nothing stays posted, and the drain is not timed.
+//!   exactly that many. Nothing stays posted, and the drain is not timed. An optional fifth
+//!   word to the receiver, `BW size window seconds warm-up MESSAGES`, ends the timing after that
+//!   many messages if the time has not ended it first (`ferroce doctor --peer --selftest`).
 //! - `LAT`: ping-pong; each side keeps [`LAT_DEPTH`] receives posted and re-posts while its own
 //!   message is in flight. Rank 0 stamps each ping; a sample is half the time between two pings
 //!   (perftest's method), so everything the application does in a round trip counts.
+//!
+//! Before `PEER`, a rank also answers `PORT` with its port's facts (`doctor::port_facts`), so
+//! `ferroce doctor --peer` can compare the two ends through the same connection; [`Pair`] is the
+//! orchestrator's side that both use.
 //!
 //! Every round runs the whole ferroce set and then perftest (`ib_write_bw -D`, `ib_write_lat`,
 //! `ib_send_lat`), so drift in the VM hits both alike. The table shows the median of the rounds,
@@ -252,7 +258,16 @@ fn run_rank(
             .addr;
         let io = &*chan.insert(io(&name, addr)?);
         io.say(&format!("HANDLE {} {name} {dev}", hex(&handle)))?;
-        let line = io.next(STEP)?;
+        // `PORT` (from `ferroce doctor --peer`) may come first: this port's facts, asked before
+        // the connection so they arrive even where connecting fails.
+        let line = loop {
+            match io.next(STEP)? {
+                l if l == "PORT" => {
+                    io.say(&format!("PORT {}", crate::doctor::port_facts(&name)?))?
+                }
+                l => break l,
+            }
+        };
         let mut peer = unhex(line.strip_prefix("PEER ").ok_or(format!("expected PEER: {line}"))?)?;
         let (send, recv) = drv.connect_both(ctx, dev, &mut peer, listen, STEP)?;
         drv.close(Close::Listen, listen)?;
@@ -350,6 +365,7 @@ impl Rank<'_> {
                     num("BW window", w.next())?,
                     num("BW seconds", w.next())?,
                     num("BW warm-up", w.next())?,
+                    w.next().map(|m| num("BW messages", Some(m))).transpose()?,
                 )?,
                 Some("LAT") => self.lat(
                     num("LAT size", w.next())?,
@@ -404,9 +420,17 @@ impl Rank<'_> {
         }
     }
 
-    /// Keeps `window` receives posted; times completions on this side (see the module docs).
-    /// Replies `BW bytes seconds` for the timed part.
-    fn bw_recv(&self, size: usize, window: usize, secs: f64, warm: f64) -> Result<String, String> {
+    /// Keeps `window` receives posted; times completions on this side (see the module docs),
+    /// for `secs` or, when given, `msgs` messages, whichever ends first. Replies `BW bytes
+    /// seconds` for the timed part.
+    fn bw_recv(
+        &self,
+        size: usize,
+        window: usize,
+        secs: f64,
+        warm: f64,
+        msgs: Option<u64>,
+    ) -> Result<String, String> {
         let dur = |s: f64| Duration::try_from_secs_f64(s).map_err(|e| format!("BW {s} s: {e}"));
         let (secs, warm) = (dur(secs)?, dur(warm)?);
         self.clear(size);
@@ -435,7 +459,10 @@ impl Rank<'_> {
                 let t = *first.get_or_insert(now);
                 match start {
                     None if now - t >= warm => start = Some((now, done)),
-                    Some((t0, _)) if end.is_none() && now - t0 >= secs => {
+                    Some((t0, d0))
+                        if end.is_none()
+                            && (now - t0 >= secs || msgs.is_some_and(|m| done - d0 >= m)) =>
+                    {
                         end = Some((now, done));
                         // The sender stops at exactly this many; it is told out of band.
                         self.io.say(&format!("POSTED {posted}"))?;
@@ -588,9 +615,9 @@ impl Proc {
         let who = format!("rank recv at {addr}");
         let addrs: Vec<SocketAddr> = addr
             .to_socket_addrs()
-            .map_err(|e| format!("--connect {addr}: not an address (HOST:PORT): {e}"))?
+            .map_err(|e| format!("{addr}: not an address (HOST:PORT): {e}"))?
             .collect();
-        let mut err = format!("--connect {addr}: no address");
+        let mut err = format!("{addr}: no address");
         for a in addrs {
             match TcpStream::connect_timeout(&a, Duration::from_secs(10)) {
                 Ok(s) => {
@@ -598,7 +625,8 @@ impl Proc {
                     let r = s.try_clone().map_err(|e| format!("{who}: {e}"))?;
                     return Ok(Proc { who, child: None, input: Box::new(s), lines: lines_of(r) });
                 }
-                Err(e) => err = format!("--connect {addr}: {a}: {e}"),
+                Err(e) if a.to_string() == addr => err = format!("{addr}: {e}"),
+                Err(e) => err = format!("{addr} ({a}): {e}"),
             }
         }
         Err(err)
@@ -678,6 +706,106 @@ impl Drop for Proc {
             }
             let _ = child.wait();
         }
+    }
+}
+
+/// One rank as its `HANDLE` line describes it.
+pub struct RankInfo {
+    /// The plugin's handle, in hex, for the other rank's `PEER`.
+    handle: String,
+    /// The device as the plugin names it (`rxe0`, `mlx5_0:1`).
+    pub name: String,
+    /// Its index among the devices the plugin offers on that rank's host.
+    pub index: String,
+}
+
+/// The orchestrator's side of the two ranks, past their `HANDLE` lines: what `ferroce perf`
+/// and `ferroce doctor --peer` share. Dropping it kills a child rank that is still running.
+pub struct Pair {
+    recv: Proc,
+    send: Proc,
+    pub tx: RankInfo,
+    pub rx: RankInfo,
+}
+
+/// How long the orchestrator waits for one reply; a rank gives up on a step after [`STEP`].
+const LIMIT: Duration = Duration::from_secs(STEP.as_secs() + 60);
+
+impl Pair {
+    fn open(mut recv: Proc, mut send: Proc) -> Result<Pair, String> {
+        let handle = |p: &mut Proc, other: &mut Proc| match &p.expect("HANDLE", LIMIT, other)?[..] {
+            [handle, name, index] => {
+                Ok(RankInfo { handle: handle.clone(), name: name.clone(), index: index.clone() })
+            }
+            w => Err(format!("{}: bad HANDLE line {w:?}", p.who)),
+        };
+        let rx = handle(&mut recv, &mut send)?;
+        let tx = handle(&mut send, &mut recv)?;
+        Ok(Pair { recv, send, tx, rx })
+    }
+
+    /// `ferroce doctor --peer`: a sending rank on this host's `dev`, and the `ferroce perf
+    /// --listen` at `addr` as the receiving one.
+    pub fn to_peer(addr: &str, plugin: &str, dev: &str) -> Result<Pair, String> {
+        let recv = Proc::remote(addr)?;
+        Pair::open(recv, Proc::spawn("send", plugin, dev)?)
+    }
+
+    /// The receiving rank's port facts (`doctor::port_facts`); only before [`Pair::connect`].
+    pub fn port(&mut self) -> Result<String, String> {
+        self.recv.send("PORT")?;
+        Ok(self.recv.expect("PORT", LIMIT, &mut self.send)?.join(" "))
+    }
+
+    /// Connects each rank to the other through the plugin.
+    pub fn connect(&mut self) -> Result<(), String> {
+        self.recv.send(&format!("PEER {}", self.tx.handle))?;
+        self.send.send(&format!("PEER {}", self.rx.handle))?;
+        self.recv.expect("READY", LIMIT, &mut self.send)?;
+        self.send.expect("READY", LIMIT, &mut self.recv)?;
+        Ok(())
+    }
+
+    /// One bandwidth run of `size`-byte messages, `window` in flight, for `secs` after `warm`
+    /// or (given) `msgs` timed messages: the bytes and seconds the receiver timed.
+    pub fn bw(
+        &mut self,
+        size: usize,
+        window: usize,
+        secs: f64,
+        warm: f64,
+        msgs: Option<u64>,
+    ) -> Result<(f64, f64), String> {
+        let cap = msgs.map_or(String::new(), |m| format!(" {m}"));
+        self.recv.send(&format!("BW {size} {window} {secs} {warm}{cap}"))?;
+        self.send.send(&format!("BW {size} {window}"))?;
+        let posted =
+            self.recv.expect("POSTED", LIMIT + Duration::from_secs_f64(secs), &mut self.send)?;
+        self.send.send(&format!("STOP {}", posted.first().ok_or("POSTED without a count")?))?;
+        self.send.expect("SENT", LIMIT, &mut self.recv)?;
+        let r = self.recv.expect("BW", LIMIT, &mut self.send)?;
+        let bytes = num("BW bytes", r.first().map(String::as_str))?;
+        Ok((bytes, num("BW seconds", r.get(1).map(String::as_str))?))
+    }
+
+    /// One ping-pong run: the median and the minimum half round trip, in us.
+    fn lat(&mut self, size: usize, iters: usize, warm: usize) -> Result<(f64, f64), String> {
+        let cmd = format!("LAT {size} {iters} {warm}");
+        self.recv.send(&cmd)?;
+        self.send.send(&cmd)?;
+        let r = self.send.expect("LAT", LIMIT, &mut self.recv)?;
+        self.recv.expect("LAT", LIMIT, &mut self.send)?;
+        let med = num("LAT median", r.first().map(String::as_str))?;
+        Ok((med, num("LAT min", r.get(1).map(String::as_str))?))
+    }
+
+    /// Ends both ranks, each saying `BYE`.
+    pub fn quit(&mut self) -> Result<(), String> {
+        self.recv.send("QUIT")?;
+        self.send.send("QUIT")?;
+        self.recv.expect("BYE", LIMIT, &mut self.send)?;
+        self.send.expect("BYE", LIMIT, &mut self.recv)?;
+        Ok(())
     }
 }
 
@@ -988,30 +1116,19 @@ pub fn perf(args: &[String]) -> Result<(), String> {
         }
         Err(e) => return Err(format!("{e}\n{USAGE}")),
     };
-    let limit = STEP + Duration::from_secs(60);
-    let mut recv = match &o.mode {
+    let recv = match &o.mode {
         Mode::Listen => return listen(&o),
         Mode::Local => Proc::spawn("recv", &o.plugin, &o.devs.1)?,
         Mode::Connect(addr) => Proc::remote(addr)?,
     };
-    let mut send = Proc::spawn("send", &o.plugin, &o.devs.0)?;
-    let h_recv = recv.expect("HANDLE", limit, &mut send)?;
-    let h_send = send.expect("HANDLE", limit, &mut recv)?;
-    let [hr, rx_name, rx_dev] = &h_recv[..] else {
-        return Err(format!("bad HANDLE line {h_recv:?}"));
-    };
-    let [hs, tx_name, tx_dev] = &h_send[..] else {
-        return Err(format!("bad HANDLE line {h_send:?}"));
-    };
+    let mut pair = Pair::open(recv, Proc::spawn("send", &o.plugin, &o.devs.0)?)?;
+    let (tx_name, rx_name) = (pair.tx.name.clone(), pair.rx.name.clone());
     if let Mode::Connect(addr) = &o.mode {
         eprintln!("# two hosts: sending on {tx_name} here, receiving on {rx_name} at {addr}");
         eprintln!("# perftest: skipped with two hosts (it needs both devices on one host)");
     }
-    recv.send(&format!("PEER {hs}"))?;
-    send.send(&format!("PEER {hr}"))?;
-    recv.expect("READY", limit, &mut send)?;
-    send.expect("READY", limit, &mut recv)?;
-    let ports = if o.perftest { Some((port(tx_name)?, port(rx_name)?)) } else { None };
+    pair.connect()?;
+    let ports = if o.perftest { Some((port(&tx_name)?, port(&rx_name)?)) } else { None };
 
     let pt_secs = o.seconds.round().max(1.0) as u64;
     let warm = warmup(o.seconds);
@@ -1024,16 +1141,8 @@ pub fn perf(args: &[String]) -> Result<(), String> {
     for round in 1..=o.rounds {
         let tag = format!("# round {round}/{}", o.rounds);
         for row in bw.iter_mut() {
-            let (size, w) = (row.size, window(row.size));
-            recv.send(&format!("BW {size} {w} {} {warm}", o.seconds))?;
-            send.send(&format!("BW {size} {w}"))?;
-            let posted =
-                recv.expect("POSTED", limit + Duration::from_secs_f64(o.seconds), &mut send)?;
-            send.send(&format!("STOP {}", posted.first().ok_or("POSTED without a count")?))?;
-            send.expect("SENT", limit, &mut recv)?;
-            let r = recv.expect("BW", limit, &mut send)?;
-            let bytes: f64 = num("BW bytes", r.first().map(String::as_str))?;
-            let secs: f64 = num("BW seconds", r.get(1).map(String::as_str))?;
+            let size = row.size;
+            let (bytes, secs) = pair.bw(size, window(size), o.seconds, warm, None)?;
             let gbps = bytes * 8.0 / secs / 1e9;
             eprintln!(
                 "{tag}: ferroce bandwidth {size:>8} B: {gbps:.4} Gb/s ({bytes} B in {secs:.2} s)"
@@ -1043,13 +1152,7 @@ pub fn perf(args: &[String]) -> Result<(), String> {
             row.secs.push(secs);
         }
         for row in lat.iter_mut() {
-            let cmd = format!("LAT {} {iters} {lat_warm}", row.size);
-            recv.send(&cmd)?;
-            send.send(&cmd)?;
-            let r = send.expect("LAT", limit, &mut recv)?;
-            recv.expect("LAT", limit, &mut send)?;
-            let med: f64 = num("LAT median", r.first().map(String::as_str))?;
-            let min: f64 = num("LAT min", r.get(1).map(String::as_str))?;
+            let (med, min) = pair.lat(row.size, iters, lat_warm)?;
             eprintln!("{tag}: ferroce latency   {:>8} B: {med:.1} us (min {min:.1})", row.size);
             row.ours.push(med);
             row.min.push(min);
@@ -1075,15 +1178,12 @@ pub fn perf(args: &[String]) -> Result<(), String> {
             row.send.push(s);
         }
     }
-    recv.send("QUIT")?;
-    send.send("QUIT")?;
-    recv.expect("BYE", limit, &mut send)?;
-    send.expect("BYE", limit, &mut recv)?;
+    pair.quit()?;
 
-    let tx = Dev { name: tx_name, index: tx_dev, host: "here" };
+    let tx = Dev { name: &tx_name, index: &pair.tx.index, host: "here" };
     let rx = Dev {
-        name: rx_name,
-        index: rx_dev,
+        name: &rx_name,
+        index: &pair.rx.index,
         host: match &o.mode {
             Mode::Connect(addr) => addr,
             _ => "here",
