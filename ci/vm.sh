@@ -5,9 +5,11 @@
 # rdma_rxe and a /boot/vmlinuz-<ver>; ci/install.sh installs one) in QEMU. The
 # guest runs the host's own userspace (host / over 9p, read-only, under an
 # overlay with a tmpfs upper layer) and has two rxe devices that speak RoCEv2 to
-# each other over a veth pair. COMMAND runs in the caller's cwd; the repository,
-# the cwd and the run directory's parent are shared read-write at their host
-# paths, so host-built binaries work unchanged. Writes anywhere else are lost.
+# each other over a veth pair (or, with FERROCE_VM_RANKS=N, N of them on one
+# bridge: one per rank of a multi-rank test). COMMAND runs in the caller's cwd;
+# the repository, the cwd and the run directory's parent are shared read-write
+# at their host paths, so host-built binaries work unchanged. Writes anywhere
+# else are lost.
 # One argument is a bash -c string; several are joined with printf '%q '.
 # Build on the host (cargo/gcc), only run in the VM.
 #
@@ -17,7 +19,14 @@
 #   FERROCE_VM_DEVS="rxe0 rxe1"          FERROCE_VM_NETDEVS="vethA vethB"
 #   FERROCE_VM_IPS="198.18.0.1 198.18.0.2"
 #   FERROCE_VM_GIDX="<rxe0 idx> <rxe1 idx>"  (the RoCE v2 GID ::ffff:198.18.0.N)
+#   FERROCE_VM_RANKS=0                   FERROCE_VM_BRIDGE=""
 #   FERROCE_VM_MTU=<netdev MTU>
+# or, with FERROCE_VM_RANKS=N (2..8), one entry per rank i = 0..N-1:
+#   FERROCE_VM_DEVS="rxe0 ... rxe<N-1>"  FERROCE_VM_NETDEVS="vethR0 ... vethR<N-1>"
+#   FERROCE_VM_IPS="198.18.0.1 ... 198.18.0.<N>"
+#   FERROCE_VM_GIDX="<rxe0 idx> ... <rxe<N-1> idx>"
+#   FERROCE_VM_RANKS=N                   FERROCE_VM_BRIDGE=br0
+# (the device variables only with FERROCE_VM_RXE=1, the default)
 # with RLIMIT_MEMLOCK unlimited and RLIMIT_NOFILE 65536, stdin /dev/null, and
 # stdout/stderr streamed back separately.
 #
@@ -36,6 +45,15 @@
 #                       boot a stock kernel)
 #   FERROCE_VM_KERNEL   kernel version to boot (default: newest usable)
 #   FERROCE_VM_RXE      0 to skip the rxe/veth setup (default 1)
+#   FERROCE_VM_RANKS    0: the veth pair above (default); N in 2..8: N ranks,
+#                       rank i's rxe<i> on vethR<i> (198.18.0.<i+1>/24), whose
+#                       peer vethR<i>b is a port of bridge br0 (no STP, no
+#                       forwarding delay, no IPv6; arp_ignore=1 and
+#                       arp_announce=2 so each address is answered by its own
+#                       vethR only). Only RoCE crosses br0: TCP between ranks
+#                       (perftest's handshake, a plugin's setup socket) goes
+#                       over lo, as every address is local. FERROCE_VM_MTU
+#                       applies to every veth end and br0.
 #   FERROCE_VM_SHARES   extra host directories to share read-write, ':'-separated
 #   FERROCE_VM_CACHE    cache of the ELF vmlinux and initramfs
 #                       (default /var/cache/ferroce-vm)
@@ -43,7 +61,8 @@
 #   FERROCE_VM_KEEP     1 to keep the run directory (console.log, qemu.log)
 #   FERROCE_VM_QUIET    1 to drop the informational "vm:" lines (errors stay)
 #
-# Timing on the 2-core TCG dev machine: about 6-7 s from launch to command;
+# Timing on the 2-core TCG dev machine: about 6-7 s from launch to command
+# (also with FERROCE_VM_RANKS=8, whose ip/rdma commands run in batches);
 # budget 20 s per boot when two VMs share the cores.
 set -euo pipefail
 
@@ -62,6 +81,10 @@ main() {
     SMP=$(uint FERROCE_VM_SMP 2)
     RXE=${FERROCE_VM_RXE:-1}
     [[ $RXE == [01] ]] || die "FERROCE_VM_RXE must be 0 or 1, not '$RXE'"
+    RANKS=${FERROCE_VM_RANKS:-0}
+    [[ $RANKS == 0 || $RANKS == [2-8] ]] ||
+        die "FERROCE_VM_RANKS must be 0 (the rxe0/rxe1 pair) or a rank count 2..8, not '$RANKS'"
+    [[ $RANKS == 0 || $RXE == 1 ]] || die "FERROCE_VM_RANKS=$RANKS needs the rxe setup (FERROCE_VM_RXE=1)"
     QUIET=${FERROCE_VM_QUIET:-0}
 
     # Everything the EXIT trap may have to undo, set before it can fire.
@@ -310,7 +333,7 @@ launch() {
         append+="${append:+,}share$i=${SHARES[i]}"
     done
     append="console=ttyS0 loglevel=4 panic=-1 oops=panic nokaslr mitigations=off \
-ferroce.run=$RUN ferroce.shares=$append ferroce.mtu=$MTU ferroce.rxe=$RXE"
+ferroce.run=$RUN ferroce.shares=$append ferroce.mtu=$MTU ferroce.rxe=$RXE ferroce.ranks=$RANKS"
 
     # The readers must exist before QEMU opens the FIFOs for writing (that
     # open blocks until there is a reader), and must outlive QEMU: once a FIFO
