@@ -692,7 +692,6 @@ fn run_sizes(
     r
 }
 
-#[allow(clippy::too_many_arguments)]
 fn sizes(
     o: &Opts,
     drv: &Driver,
@@ -831,6 +830,9 @@ fn once(drv: &Driver, chans: &[Channel], plans: &[Plan], b: &mut Buffers) -> Res
                     let Some(&slot) = run.free.last() else { break };
                     (stage.wrapping_add(slot * SLICE / 4).cast::<u8>(), slots[slot], slot)
                 } else {
+                    // In place. An earlier step's send of this range may not have reported its
+                    // completion yet, but its data has left: what lands here was reduced from it
+                    // by the ranks after us.
                     (data.wrapping_add(s.off).cast::<u8>(), *rmh, usize::MAX)
                 };
                 match drv
@@ -860,9 +862,10 @@ fn once(drv: &Driver, chans: &[Channel], plans: &[Plan], b: &mut Buffers) -> Res
                     )));
                 }
                 if reduce {
-                    // SAFETY: the slot holds the completed receive of `s.len` floats, and the
-                    // range of `data` is inside the buffer; no request uses either now (sends
-                    // of this range completed before the step that receives into it).
+                    // SAFETY: the slot holds the completed receive of `s.len` floats and the
+                    // range of `data` lies inside the buffer. No request uses either: a slot is
+                    // reused only after this, and this range of `data` is sent on only by a
+                    // later step, whose send waits for this receive.
                     unsafe {
                         let src = std::slice::from_raw_parts(stage.add(slot * SLICE / 4), s.len);
                         let dst = std::slice::from_raw_parts_mut(data.add(s.off), s.len);
