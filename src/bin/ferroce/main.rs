@@ -47,8 +47,8 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("load") => load(name).map(|_| ()),
         Some("info") => info(name),
-        Some("perf") => perf::perf(&args[1..]),
-        Some("perf-rank") => perf::rank(&args[1..]),
+        Some("perf") => perf::perf(&args[1..], doctor::port_facts),
+        Some("perf-rank") => perf::rank(&args[1..], doctor::port_facts),
         Some("doctor") => doctor::doctor(&args[1..]),
         Some("collective") => collective::collective(&args[1..]),
         Some("core-bench") => corebench::core_bench(&args[1..]),

@@ -20,9 +20,9 @@
 //!   message is in flight. Rank 0 stamps each ping; a sample is half the time between two pings
 //!   (perftest's method), so everything the application does in a round trip counts.
 //!
-//! Before `PEER`, a rank also answers `PORT` with its port's facts (`doctor::port_facts`), so
-//! `ferroce doctor --peer` can compare the two ends through the same connection; [`Pair`] is the
-//! orchestrator's side that both use.
+//! Before `PEER`, a rank also answers `PORT` with its port's facts (`doctor::port_facts`,
+//! handed in by `main`), so `ferroce doctor --peer` can compare the two ends through the same
+//! connection; [`Pair`] is the orchestrator's side that both use.
 //!
 //! Every round runs the whole ferroce set and then perftest (`ib_write_bw -D`, `ib_write_lat`,
 //! `ib_send_lat`), so drift in the VM hits both alike. The table shows the median of the rounds,
@@ -221,7 +221,11 @@ pub(crate) fn resolve(lib: &Library, drv: &Driver, want: &str) -> Result<(c_int,
 
 /// `ferroce perf-rank send|recv PLUGIN DEV`: one rank, driven by the orchestrator over its
 /// stdin and stdout.
-pub fn rank(args: &[String]) -> Result<(), String> {
+/// How a rank describes its port when asked (`PORT`): `doctor::port_facts`, which `main` hands
+/// in, so that perf does not depend on doctor (doctor builds on perf).
+pub type Facts = fn(&str) -> Result<String, String>;
+
+pub fn rank(args: &[String], facts: Facts) -> Result<(), String> {
     let [role, plugin, dev] = args else {
         return Err("usage: ferroce perf-rank send|recv PLUGIN DEV (run by ferroce perf)".into());
     };
@@ -230,7 +234,7 @@ pub fn rank(args: &[String]) -> Result<(), String> {
         "recv" => false,
         r => return Err(format!("perf-rank: role {r:?} is neither send nor recv")),
     };
-    run_rank(sender, plugin, dev, |_, _| {
+    run_rank(sender, plugin, dev, facts, |_, _| {
         let out: Box<dyn Write> = Box::new(std::io::stdout());
         Ok(Io { cmds: lines_of(std::io::stdin()), out: RefCell::new(out), remote: false })
     })
@@ -242,6 +246,7 @@ fn run_rank(
     sender: bool,
     plugin: &str,
     dev: &str,
+    facts: Facts,
     io: impl FnOnce(&str, std::net::SocketAddr) -> Result<Io, String>,
 ) -> Result<(), String> {
     let role = if sender { "send" } else { "recv" };
@@ -262,9 +267,7 @@ fn run_rank(
         // the connection so they arrive even where connecting fails.
         let line = loop {
             match io.next(STEP)? {
-                l if l == "PORT" => {
-                    io.say(&format!("PORT {}", crate::doctor::port_facts(&name)?))?
-                }
+                l if l == "PORT" => io.say(&format!("PORT {}", facts(&name)?))?,
                 l => break l,
             }
         };
@@ -923,8 +926,8 @@ fn parse(args: &[String]) -> Result<Option<Opts>, String> {
 /// plugin, offers a TCP control connection on the same address (printed as `HANDLE
 /// HOST:PORT DEVICE`), and serves one `--connect` orchestrator as a `perf-rank recv` child
 /// serves the single-host one.
-fn listen(o: &Opts) -> Result<(), String> {
-    run_rank(false, &o.plugin, &o.devs.1, |name, plugin_addr| {
+fn listen(o: &Opts, facts: Facts) -> Result<(), String> {
+    run_rank(false, &o.plugin, &o.devs.1, facts, |name, plugin_addr| {
         let bind = SocketAddr::new(plugin_addr.ip(), o.port);
         let l = TcpListener::bind(bind).map_err(|e| format!("listening on {bind}: {e}"))?;
         let at = l.local_addr().map_err(|e| e.to_string())?;
@@ -1107,7 +1110,7 @@ fn ratio(a: f64, b: f64) -> f64 {
 }
 
 /// `perf-rank` and perftest drive a plugin and a VM that may stall; every wait is bounded.
-pub fn perf(args: &[String]) -> Result<(), String> {
+pub fn perf(args: &[String], facts: Facts) -> Result<(), String> {
     let o = match parse(args) {
         Ok(Some(o)) => o,
         Ok(None) => {
@@ -1117,7 +1120,7 @@ pub fn perf(args: &[String]) -> Result<(), String> {
         Err(e) => return Err(format!("{e}\n{USAGE}")),
     };
     let recv = match &o.mode {
-        Mode::Listen => return listen(&o),
+        Mode::Listen => return listen(&o, facts),
         Mode::Local => Proc::spawn("recv", &o.plugin, &o.devs.1)?,
         Mode::Connect(addr) => Proc::remote(addr)?,
     };
