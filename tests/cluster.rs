@@ -5,6 +5,8 @@
 //! - **Collectives:** all-reduce, all-gather and reduce-scatter over 4 ranks at 8 B, 32 KiB and
 //!   2 MiB; every element of every rank is checked by the ranks (a wrong one fails the rank),
 //!   and the table must show each size with `#wrong` 0.
+//! - **A rank that cannot start** (a device that does not exist): it fails naming the device,
+//!   and the launcher ends the rank left waiting for it: exit 1 within 60 s, not a hang.
 //! - **ECMP:** with 4 QPs per connection, a capture on the bridge sees every connection's
 //!   traffic on exactly the UDP source ports it logged, and no two connections between the same
 //!   pair of hosts share a port; with 2 ranks (connections both ways between one pair) and 4.
@@ -48,6 +50,7 @@ fn run() -> Result<(), String> {
         ));
     }
     collectives()?;
+    a_rank_that_cannot_start()?;
     ecmp(2)?;
     ecmp(RANKS)?;
     failure()
@@ -118,6 +121,22 @@ fn collectives() -> Result<(), String> {
             rows.len(),
             t.elapsed().as_secs_f64()
         );
+    }
+    Ok(())
+}
+
+/// A rank given a device that does not exist fails at once with the device named, and the
+/// launcher ends the rank left waiting for it within its grace period: an error, not a hang.
+fn a_rank_that_cannot_start() -> Result<(), String> {
+    let t = Instant::now();
+    let out = ferroce(&["allreduce", "--devs", "rxe0,rxe9", "-b", "8", "-e", "8"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    let secs = t.elapsed().as_secs_f64();
+    eprintln!("cluster: --devs rxe0,rxe9: {} after {secs:.1} s:\n{err}", out.status);
+    if out.status.success() || !err.contains("rxe9") || secs > 60.0 {
+        return Err(format!("a rank on a missing device: {} after {secs:.1} s", out.status));
     }
     Ok(())
 }

@@ -56,6 +56,10 @@ const SETUP: Duration = Duration::from_secs(120);
 /// How long a collective may make no progress at all before the rank gives up: a backstop, the
 /// plugin's own progress deadline and liveness probe fail a dead peer's requests first.
 const STALL: Duration = Duration::from_secs(180);
+/// How long the launcher lets the other ranks fail on their own (naming their dead peers)
+/// after one failed, before it kills them: the plugin's liveness bound is seconds, but a rank
+/// still connecting would otherwise wait out [`SETUP`].
+const GRACE: Duration = Duration::from_secs(30);
 /// NCCL passes the same communicator id to every rank's `init`.
 const COMM_ID: u64 = 0xc011_ec71;
 
@@ -179,8 +183,13 @@ fn parse(args: &[String]) -> Result<Opts, String> {
             f => return Err(usage(format!("unknown option {f:?}"))),
         }
     }
-    if o.factor < 2 || o.min == 0 || o.min > o.max || o.iters == 0 || o.channels == 0 {
-        return Err(usage("need -f >= 2, 0 < -b <= -e, -n >= 1 and --channels >= 1".into()));
+    if o.factor < 2
+        || o.min == 0
+        || o.min > o.max
+        || o.iters == 0
+        || !(1..=32).contains(&o.channels)
+    {
+        return Err(usage("need -f >= 2, 0 < -b <= -e, -n >= 1 and --channels 1..=32".into()));
     }
     if o.max > 1 << 30 {
         return Err(usage("-e is at most 1G".into()));
@@ -284,8 +293,9 @@ fn launch(o: &Opts) -> Result<(), String> {
     while open > 0 {
         // Ranks bound their own waits; after one fails, the rest get a grace period to fail on
         // their own (naming their dead peers) before they are killed.
-        if failed.is_some_and(|t| t.elapsed() > STALL) {
-            result = Err(format!("ranks still running {STALL:?} after one failed; killed"));
+        if failed.is_some_and(|t| t.elapsed() > GRACE) {
+            let first = result.err().unwrap_or_default();
+            result = Err(format!("{first}; the ranks still running {GRACE:?} later were killed"));
             break;
         }
         match rx.recv_timeout(Duration::from_millis(200)) {
@@ -1060,6 +1070,8 @@ mod tests {
             "allreduce --rank 2 --nranks 2 --rendezvous /tmp/x",
             "allreduce --rank 0 --nranks 2",
             "allreduce --nranks 1",
+            "allreduce --channels 0",
+            "allreduce --channels 33",
             "allreduce --frobnicate",
         ] {
             assert!(a(bad).is_err(), "{bad:?} accepted");
