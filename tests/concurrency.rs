@@ -23,16 +23,15 @@ mod common;
 
 use std::collections::VecDeque;
 use std::ffi::c_int;
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::io::{BufRead, Write};
+use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant};
 
 use common::harness::Rng;
 use common::harness::driver::{Close, Driver, Ptr};
 use common::{
-    RdmaCounts, fds_threads, open_plugin, rdma_counts, rdma_resources, require_vm, settle,
+    Proc, RdmaCounts, fds_threads, open_plugin, rdma_counts, rdma_resources, require_vm, settle,
 };
 
 const THREADS: usize = 4;
@@ -529,83 +528,34 @@ fn role(sender: bool, msgs: usize) -> Result<(), String> {
 
 // --- the orchestrator -------------------------------------------------------------------------
 
-/// A child process and its stdout lines.
-struct Side {
-    name: &'static str,
-    child: Child,
-    lines: Receiver<String>,
+/// This program as `recv` or `send`.
+fn start(mode: &str, split: &str, msgs: usize, stdin: Stdio) -> Result<Proc, String> {
+    let mut c = Proc::me(&[mode, "--msgs", &msgs.to_string()]);
+    c.env("NCCL_IB_QPS_PER_CONNECTION", QPS).env("NCCL_IB_SPLIT_DATA_ON_QPS", split).stdin(stdin);
+    Proc::spawn(mode, c)
 }
 
-impl Side {
-    fn start(mode: &'static str, split: &str, msgs: usize, stdin: Stdio) -> Result<Side, String> {
-        let me = std::env::current_exe().map_err(|e| e.to_string())?;
-        let mut child = Command::new(me)
-            .args([mode, "--msgs", &msgs.to_string()])
-            .env("NCCL_IB_QPS_PER_CONNECTION", QPS)
-            .env("NCCL_IB_SPLIT_DATA_ON_QPS", split)
-            .stdin(stdin)
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("{mode}: {e}"))?;
-        let out = child.stdout.take().ok_or("no stdout")?;
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Side { name: mode, child, lines })
-    }
-
-    fn line(&self, until: Instant) -> Result<String, String> {
-        self.lines
-            .recv_timeout(until.saturating_duration_since(Instant::now()))
-            .map_err(|_| format!("{}: no output in time (or it died)", self.name))
-    }
-
-    /// Its `DONE` line and exit status 0.
-    fn finish(mut self, until: Instant) -> Result<String, String> {
-        let done = self.line(until);
-        let st = loop {
-            if let Some(st) = self.child.try_wait().map_err(|e| e.to_string())? {
-                break st;
-            }
-            if Instant::now() > until {
-                return Err(format!("{} did not finish within {RUN_LIMIT:?}", self.name));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        if !st.success() {
-            return Err(format!("{} exited with {st}", self.name));
-        }
-        done
-    }
-}
-
-impl Drop for Side {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Its `DONE` line and exit status 0, by `until`.
+fn finish(mut p: Proc, until: Instant) -> Result<String, String> {
+    let done = p.next(until.saturating_duration_since(Instant::now()));
+    p.exits_ok(until.saturating_duration_since(Instant::now()))?;
+    done
 }
 
 fn run_pair(split: &str, msgs: usize) -> Result<(), String> {
     let until = Instant::now() + RUN_LIMIT;
-    let recv = Side::start("recv", split, msgs, Stdio::null())?;
+    let recv = start("recv", split, msgs, Stdio::null())?;
     let mut handles = Vec::new();
     for _ in 0..NCOMMS {
-        handles.push(recv.line(until)?);
+        handles.push(recv.next(until.saturating_duration_since(Instant::now()))?);
     }
-    let mut send = Side::start("send", split, msgs, Stdio::piped())?;
-    let mut stdin: ChildStdin = send.child.stdin.take().ok_or("no stdin")?;
+    let mut send = start("send", split, msgs, Stdio::piped())?;
     for h in &handles {
-        writeln!(stdin, "{h}").map_err(|e| e.to_string())?;
+        send.tell(h)?;
     }
-    drop(stdin);
-    let r1 = send.finish(until);
-    let r2 = recv.finish(until);
+    send.hang_up();
+    let r1 = finish(send, until);
+    let r2 = finish(recv, until);
     let (s, r) = (r1?, r2?);
     eprintln!("concurrency: {s}");
     eprintln!("concurrency: {r}");

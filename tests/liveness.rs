@@ -19,13 +19,13 @@
 mod common;
 
 use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{self, Receiver, TryRecvError};
+use std::io::{BufRead, Write};
+use std::process::{Command, Stdio};
+use std::sync::mpsc::{self, TryRecvError};
 use std::time::{Duration, Instant};
 
 use common::harness::driver::{Close, Driver, Ptr};
-use common::{fds_threads, open_plugin, rdma_resources, require_vm};
+use common::{Proc, fds_threads, open_plugin, rdma_resources, require_vm};
 
 const SIZE: usize = 1 << 20;
 const BIG: usize = 8 << 20;
@@ -195,49 +195,21 @@ fn role(sender: bool, handle: Option<&String>) -> Result<(), String> {
 
 // --- the orchestrator -------------------------------------------------------------------------
 
-struct Side {
-    name: &'static str,
-    child: Child,
-    stdin: ChildStdin,
-    events: Receiver<String>,
+/// This program as `recv` or `send`, with the liveness knobs.
+fn start(mode: &str, handle: Option<&str>) -> Result<Proc, String> {
+    let mut c = Proc::me(&[mode]);
+    c.args(handle).envs(KNOBS).stdin(Stdio::piped());
+    Proc::spawn(mode, c)
 }
 
-impl Side {
-    fn start(mode: &'static str, handle: Option<&str>) -> Result<Side, String> {
-        let me = std::env::current_exe().map_err(|e| e.to_string())?;
-        let mut c = Command::new(me);
-        c.arg(mode).args(handle).envs(KNOBS).stdin(Stdio::piped()).stdout(Stdio::piped());
-        let mut child = c.spawn().map_err(|e| format!("{mode}: {e}"))?;
-        let stdin = child.stdin.take().ok_or("no stdin")?;
-        let out = child.stdout.take().ok_or("no stdout")?;
-        let (tx, events) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Side { name: mode, child, stdin, events })
-    }
+/// What the orchestrator does with a side beyond [`Proc`]'s lines.
+trait Side {
+    fn quiet_for(&self, d: Duration) -> Result<(), String>;
+    fn signal(&self, sig: &str) -> Result<(), String>;
+    fn close(self) -> Result<(), String>;
+}
 
-    fn tell(&mut self, cmd: &str) -> Result<(), String> {
-        writeln!(self.stdin, "{cmd}").map_err(|e| format!("{}: {e}", self.name))
-    }
-
-    /// The next event starting with `want`, within `limit`; any other event is an error.
-    fn expect(&self, want: &str, limit: Duration) -> Result<String, String> {
-        let l = self
-            .events
-            .recv_timeout(limit)
-            .map_err(|_| format!("{}: no {want:?} within {limit:?}", self.name))?;
-        if l.starts_with(want) {
-            Ok(l)
-        } else {
-            Err(format!("{}: expected {want:?}, got {l:?}", self.name))
-        }
-    }
-
+impl Side for Proc {
     /// Nothing reported for `d` (a stopped peer must cause no error).
     fn quiet_for(&self, d: Duration) -> Result<(), String> {
         match self.events.recv_timeout(d) {
@@ -259,23 +231,15 @@ impl Side {
         self.tell("CLOSE")?;
         let clean = self.expect("CLEAN", Duration::from_secs(60))?;
         eprintln!("liveness: {} {clean}", self.name);
-        let st = self.child.wait().map_err(|e| e.to_string())?;
-        if st.success() { Ok(()) } else { Err(format!("{} exited with {st}", self.name)) }
-    }
-}
-
-impl Drop for Side {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.exits_ok(Duration::from_secs(60))
     }
 }
 
 /// A connected receiver and sender, both ready.
-fn pair() -> Result<(Side, Side), String> {
-    let recv = Side::start("recv", None)?;
+fn pair() -> Result<(Proc, Proc), String> {
+    let recv = start("recv", None)?;
     let handle = recv.expect("HANDLE", Duration::from_secs(60))?;
-    let send = Side::start("send", handle.split_whitespace().nth(1))?;
+    let send = start("send", handle.split_whitespace().nth(1))?;
     recv.expect("READY", Duration::from_secs(60))?;
     send.expect("READY", Duration::from_secs(60))?;
     Ok((recv, send))
@@ -283,7 +247,7 @@ fn pair() -> Result<(Side, Side), String> {
 
 /// Waits for the survivor's ERROR (past the posts and completions of what went before the
 /// death) and checks it came within the bound and names the peer.
-fn expect_error(side: &Side, after: Instant, what: &str) -> Result<(), String> {
+fn expect_error(side: &Proc, after: Instant, what: &str) -> Result<(), String> {
     let l = loop {
         let l = side
             .events

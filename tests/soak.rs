@@ -39,11 +39,12 @@ mod common;
 
 use std::collections::{BTreeMap, HashSet};
 use std::ffi::c_int;
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::io::{BufRead, Write};
+use std::process::{Command, Stdio};
 use std::sync::mpsc::{self, Receiver, TryRecvError};
 use std::time::{Duration, Instant};
 
+use common::Proc;
 use common::harness::Rng;
 use common::harness::driver::{Close, Driver, Ptr};
 use common::harness::loader::ECHO;
@@ -542,84 +543,38 @@ impl<S: Fn(String) -> Result<(), String>> Side<'_, S> {
 
 // --- the orchestrator -------------------------------------------------------------------------
 
-struct Proc {
-    name: &'static str,
-    child: Child,
-    stdin: ChildStdin,
-    events: Receiver<String>,
+/// This program as `recv` or `send` of one phase.
+fn start(
+    mode: &str,
+    seed: u64,
+    split: u8,
+    max_size: usize,
+    handle: Option<&str>,
+) -> Result<Proc, String> {
+    let mut c = Proc::me(&[mode, "--seed", &seed.to_string(), "--max-size", &max_size.to_string()]);
+    if let Some(h) = handle {
+        c.args(["--handle", h]);
+    }
+    c.envs(KNOBS).env("NCCL_IB_SPLIT_DATA_ON_QPS", split.to_string()).stdin(Stdio::piped());
+    Proc::spawn(mode, c)
 }
 
-impl Proc {
-    fn start(
-        mode: &'static str,
-        seed: u64,
-        split: u8,
-        max_size: usize,
-        handle: Option<&str>,
-    ) -> Result<Proc, String> {
-        let me = std::env::current_exe().map_err(|e| e.to_string())?;
-        let mut c = Command::new(me);
-        c.args([mode, "--seed", &seed.to_string(), "--max-size", &max_size.to_string()]);
-        if let Some(h) = handle {
-            c.args(["--handle", h]);
-        }
-        c.envs(KNOBS).env("NCCL_IB_SPLIT_DATA_ON_QPS", split.to_string());
-        let mut child = c
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("{mode}: {e}"))?;
-        let stdin = child.stdin.take().ok_or("no stdin")?;
-        let out = child.stdout.take().ok_or("no stdout")?;
-        let (tx, events) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Proc { name: mode, child, stdin, events })
+/// Fails if the process has said anything or exited (each only speaks when asked).
+fn still_fine(p: &mut Proc) -> Result<(), String> {
+    if let Ok(l) = p.events.try_recv() {
+        return Err(format!("{}: unexpected {l:?}", p.name));
     }
-
-    fn tell(&mut self, cmd: &str) -> Result<(), String> {
-        writeln!(self.stdin, "{cmd}").map_err(|e| format!("{}: {e}", self.name))
-    }
-
-    /// The next event, which must start with `want`, within `limit`.
-    fn expect(&self, want: &str, limit: Duration) -> Result<String, String> {
-        match self.events.recv_timeout(limit) {
-            Ok(l) if l.starts_with(want) => Ok(l),
-            Ok(l) => Err(format!("{}: expected {want:?}, got {l:?}", self.name)),
-            Err(_) => {
-                Err(format!("{}: no {want:?} within {limit:?} (it failed or hung)", self.name))
-            }
-        }
-    }
-
-    /// Fails if the process has said anything or exited (each only speaks when asked).
-    fn still_fine(&mut self) -> Result<(), String> {
-        if let Ok(l) = self.events.try_recv() {
-            return Err(format!("{}: unexpected {l:?}", self.name));
-        }
-        match self.child.try_wait().map_err(|e| e.to_string())? {
-            Some(st) => Err(format!("{} exited with {st} mid-soak", self.name)),
-            None => Ok(()),
-        }
-    }
-
-    fn finish(mut self) -> Result<Totals, String> {
-        let done = Totals::parse(&self.expect("DONE", STALL + Duration::from_secs(60))?)?;
-        let st = self.child.wait().map_err(|e| e.to_string())?;
-        if st.success() { Ok(done) } else { Err(format!("{} exited with {st}", self.name)) }
+    match p.child.try_wait().map_err(|e| e.to_string())? {
+        Some(st) => Err(format!("{} exited with {st} mid-soak", p.name)),
+        None => Ok(()),
     }
 }
 
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Its `DONE` totals and exit status 0.
+fn finish(mut p: Proc) -> Result<Totals, String> {
+    let done = Totals::parse(&p.expect("DONE", STALL + Duration::from_secs(60))?)?;
+    p.exits_ok(Duration::from_secs(60))?;
+    Ok(done)
 }
 
 /// The netem qdiscs; removed again however the soak ends, so later tests in the same VM run on
@@ -708,17 +663,17 @@ fn run_phase(
     time: Duration,
 ) -> Result<(Totals, f64), String> {
     netem.clear();
-    let mut recv = Proc::start("recv", seed, split, max_size, None)?;
+    let mut recv = start("recv", seed, split, max_size, None)?;
     let handle = recv.expect("HANDLE", Duration::from_secs(60))?;
-    let mut send = Proc::start("send", seed, split, max_size, handle.split_whitespace().nth(1))?;
+    let mut send = start("send", seed, split, max_size, handle.split_whitespace().nth(1))?;
     recv.expect("READY", Duration::from_secs(60))?;
     send.expect("READY", Duration::from_secs(60))?;
     netem.apply(spec)?;
     let t = Instant::now();
     while t.elapsed() < time {
         std::thread::sleep(Duration::from_millis(200));
-        recv.still_fine()?;
-        send.still_fine()?;
+        still_fine(&mut recv)?;
+        still_fine(&mut send)?;
     }
     recv.tell("STOP")?;
     let posted: u64 = recv
@@ -728,8 +683,8 @@ fn run_phase(
         .and_then(|n| n.parse().ok())
         .ok_or("bad POSTED line")?;
     send.tell(&format!("END {posted}"))?;
-    let got = recv.finish()?;
-    let sent = send.finish()?;
+    let got = finish(recv)?;
+    let sent = finish(send)?;
     let secs = t.elapsed().as_secs_f64();
     netem.clear();
     if got != sent || got.groups != posted {

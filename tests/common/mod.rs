@@ -373,3 +373,92 @@ pub fn num_arg<T: std::str::FromStr>(args: &[String], name: &str, default: T) ->
             .ok_or_else(|| format!("{name} needs a number")),
     }
 }
+
+/// A child process of a test program (usually the program itself in another role): lines to
+/// its stdin (when the command pipes it), its stdout lines as events; killed when dropped.
+pub struct Proc {
+    pub name: String,
+    pub child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    pub events: std::sync::mpsc::Receiver<String>,
+}
+
+impl Proc {
+    /// This test program, run again with `args`.
+    pub fn me(args: &[&str]) -> Command {
+        let mut c = Command::new(std::env::current_exe().expect("current_exe"));
+        c.args(args);
+        c
+    }
+
+    /// Starts `cmd` with its stdout read line by line (its stdin as the command sets it).
+    pub fn spawn(name: &str, mut cmd: Command) -> Result<Proc, String> {
+        use std::io::BufRead;
+        let mut child =
+            cmd.stdout(std::process::Stdio::piped()).spawn().map_err(|e| format!("{name}: {e}"))?;
+        let out = child.stdout.take().ok_or("no stdout")?;
+        let (tx, events) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Proc { name: name.into(), stdin: child.stdin.take(), child, events })
+    }
+
+    pub fn tell(&mut self, line: &str) -> Result<(), String> {
+        use std::io::Write;
+        let stdin = self.stdin.as_mut().ok_or_else(|| format!("{}: no stdin", self.name))?;
+        writeln!(stdin, "{line}").map_err(|e| format!("{}: {e}", self.name))
+    }
+
+    /// Closes its stdin (end of its commands).
+    pub fn hang_up(&mut self) {
+        self.stdin = None;
+    }
+
+    /// The next line, within `limit`.
+    pub fn next(&self, limit: Duration) -> Result<String, String> {
+        self.events
+            .recv_timeout(limit)
+            .map_err(|_| format!("{}: no output within {limit:?} (it failed or hung)", self.name))
+    }
+
+    /// The next line, which must start with `want`, within `limit`.
+    pub fn expect(&self, want: &str, limit: Duration) -> Result<String, String> {
+        match self.events.recv_timeout(limit) {
+            Ok(l) if l.starts_with(want) => Ok(l),
+            Ok(l) => Err(format!("{}: expected {want:?}, got {l:?}", self.name)),
+            Err(_) => {
+                Err(format!("{}: no {want:?} within {limit:?} (it failed or hung)", self.name))
+            }
+        }
+    }
+
+    /// Waits up to `limit` for it to exit, which must be with status 0.
+    pub fn exits_ok(&mut self, limit: Duration) -> Result<(), String> {
+        let until = std::time::Instant::now() + limit;
+        loop {
+            if let Some(st) = self.child.try_wait().map_err(|e| e.to_string())? {
+                return if st.success() {
+                    Ok(())
+                } else {
+                    Err(format!("{} exited with {st}", self.name))
+                };
+            }
+            if std::time::Instant::now() > until {
+                return Err(format!("{} did not exit within {limit:?}", self.name));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
