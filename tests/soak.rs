@@ -29,7 +29,8 @@
 //! TCG host), `NCCL_IB_RETRY_CNT=7` (unbounded transport retries on rxe: a loss must cost time,
 //! never the request; with 6, 5% loss in split mode exhausted the retries of an 8 KiB write in
 //! about one CI run in three), and a progress timeout of 60 s, the plugin's own bound on every
-//! wait, so only a real stall trips it. Before and after, the rxe hw_counters are read and their
+//! wait, so only a real stall trips it. The peers' neighbour entries are pinned while the soak
+//! runs (see [`Netem::load`]). Before and after, the rxe hw_counters are read and their
 //! changes reported (never asserted: retransmissions are the point).
 //!
 //! Built with its own `main` (`harness = false`) and run by `ci/vm-tests.sh` in the VM (120 s);
@@ -577,8 +578,8 @@ fn finish(mut p: Proc) -> Result<Totals, String> {
     Ok(done)
 }
 
-/// The netem qdiscs; removed again however the soak ends, so later tests in the same VM run on
-/// a clean link.
+/// The netem qdiscs and the pinned neighbours; removed again however the soak ends, so later
+/// tests in the same VM run on a clean link.
 struct Netem;
 
 impl Netem {
@@ -593,6 +594,26 @@ impl Netem {
             ));
         }
         Netem.clear();
+        // netem drops ARP as well as RoCE. Once the kernel's neighbour entry for the peer
+        // lapses under loss, rxe (Linux 6.1) can stop a QP's retransmissions for good: 3 of 3
+        // 480 s soaks stalled in a 5% loss phase (in either split mode) until the progress
+        // deadline, none with permanent entries. A fabric's loss is the packets', so the
+        // neighbours are pinned while the soak runs.
+        for (dev, peer_ip, peer_dev) in
+            [("vethA", "198.18.0.2", "vethB"), ("vethB", "198.18.0.1", "vethA")]
+        {
+            let mac = std::fs::read_to_string(format!("/sys/class/net/{peer_dev}/address"))
+                .map_err(|e| format!("{peer_dev}'s address: {e}"))?;
+            let args = ["neigh", "replace", peer_ip, "lladdr", mac.trim(), "dev", dev];
+            let st = Command::new("ip")
+                .args(args)
+                .args(["nud", "permanent"])
+                .status()
+                .map_err(|e| format!("ip: {e}"))?;
+            if !st.success() {
+                return Err(format!("ip {}: {st}", args.join(" ")));
+            }
+        }
         Ok(Netem)
     }
 
@@ -627,6 +648,12 @@ impl Netem {
 impl Drop for Netem {
     fn drop(&mut self) {
         self.clear();
+        for (dev, peer_ip) in [("vethA", "198.18.0.2"), ("vethB", "198.18.0.1")] {
+            let _ = Command::new("ip")
+                .args(["neigh", "del", peer_ip, "dev", dev])
+                .stderr(Stdio::null())
+                .status();
+        }
     }
 }
 
