@@ -89,6 +89,14 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// `veth` at MTU 9000 (back to 1500 when the guard drops), once `rxe`'s active MTU is 4096.
+fn jumbo(veth: &'static str, rxe: &str) -> Restore {
+    let restore = Restore::new(vec![vec!["ip", "link", "set", veth, "mtu", "1500"]]);
+    run("ip", &["link", "set", veth, "mtu", "9000"]);
+    wait_for(&format!("{rxe} active_mtu 4096"), || active_mtu(rxe).contains("4096"));
+    restore
+}
+
 /// Runs the commands on drop (also when the test panics), then checks both devices have their
 /// IPv4 GIDs back at the indexes they had.
 struct Restore {
@@ -184,9 +192,7 @@ fn memlock_of_64_kib_without_ipc_lock_blocks() {
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn veth_mtus_of_9000_and_1500_warn_of_the_mismatch() {
     require_vm();
-    let _restore = Restore::new(vec![vec!["ip", "link", "set", "vethA", "mtu", "1500"]]);
-    run("ip", &["link", "set", "vethA", "mtu", "9000"]);
-    wait_for("rxe0 active_mtu 4096", || active_mtu("rxe0").contains("4096"));
+    let _restore = jumbo("vethA", "rxe0");
     println!("rxe0: {}, rxe1: {}", active_mtu("rxe0"), active_mtu("rxe1"));
     let o = doctor(&[], &[]);
     assert_eq!(o.code, 0, "an MTU mismatch does not block: connections use the smaller");
@@ -383,9 +389,7 @@ fn a_peer_self_test_shows_both_ends_and_moves_verified_data() {
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn a_peer_with_a_larger_mtu_is_named_in_a_warning() {
     require_vm();
-    let _restore = Restore::new(vec![vec!["ip", "link", "set", "vethB", "mtu", "1500"]]);
-    run("ip", &["link", "set", "vethB", "mtu", "9000"]);
-    wait_for("rxe1 active_mtu 4096", || active_mtu("rxe1").contains("4096"));
+    let _restore = jumbo("vethB", "rxe1");
     let (o, _) = doctor_with_peer();
     let warn = o.lines("WARN").join("\n");
     assert!(warn.contains("MTU mismatch between the two ends"), "{warn}");

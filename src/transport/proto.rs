@@ -541,7 +541,7 @@ pub struct SendCore {
     p: Params,
     /// Where the receiver's size records are: `(addr, rkey)`.
     remote_sizes: (u64, u32),
-    /// Per QP: send-queue entries in use, and bytes carried (the statistics).
+    /// Per QP: send-queue entries in use.
     sq_used: Vec<usize>,
     /// Per slot and QP: work requests posted for the slot's current use.
     slot_wrs: Vec<usize>,

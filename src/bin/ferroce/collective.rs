@@ -26,8 +26,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::harness::driver::{Close, Driver, Ptr};
-use crate::harness::loader::{ECHO, Library, take_captured};
-use crate::perf::resolve;
+use crate::harness::loader::{ECHO, Library};
+use crate::perf::{flush_log, hex, resolve, unhex};
 
 pub const USAGE: &str = "usage: ferroce collective allreduce|allgather|reducescatter [OPTIONS]
   without --rank: starts all ranks on this host, rank i on device i (NCCL_IB_HCA), and prints
@@ -389,35 +389,6 @@ struct Channel {
     prev: String,
 }
 
-/// Shows what the plugin logged on stderr: warnings always, and its INFO lines too when
-/// `NCCL_DEBUG` is `INFO` or `TRACE`, as NCCL would.
-fn flush_log() {
-    let info = std::env::var("NCCL_DEBUG")
-        .is_ok_and(|v| v.eq_ignore_ascii_case("INFO") || v.eq_ignore_ascii_case("TRACE"));
-    for (level, _, line) in take_captured() {
-        match level {
-            ..=2 => eprintln!("plugin {}: {line}", if level == 2 { "WARN" } else { "ERROR" }),
-            3 if info => eprintln!("plugin INFO: {line}"),
-            _ => {}
-        }
-    }
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Option<[u8; 128]> {
-    let mut h = [0u8; 128];
-    if s.len() != 256 {
-        return None;
-    }
-    for (i, b) in h.iter_mut().enumerate() {
-        *b = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(h)
-}
-
 /// Writes `text` to `path` atomically (a peer never reads half a handle).
 fn publish(path: &Path, text: &str) -> Result<(), String> {
     let tmp = path.with_extension("tmp");
@@ -435,7 +406,7 @@ fn lookup(dir: &Path, rank: usize, ch: usize) -> Result<Option<([u8; 128], Strin
         Err(e) => return Err(format!("{}: {e}", path.display())),
     };
     let (h, who) = text.trim().split_once(' ').unwrap_or((text.trim(), "?"));
-    let h = unhex(h).ok_or_else(|| format!("{}: not a handle", path.display()))?;
+    let h = unhex(h).map_err(|e| format!("{}: {e}", path.display()))?;
     Ok(Some((h, format!("rank {rank} ({who})"))))
 }
 
@@ -473,7 +444,7 @@ fn rank_inner(o: &Opts, rank: usize) -> Result<(), String> {
     }
     println!("# connected in {:.1} ms", t0.elapsed().as_secs_f64() * 1e3);
     flush_log();
-    let result = run_sizes(o, &drv, &chans, rank, n, &name);
+    let result = sizes(o, &drv, &chans, rank, n, &name);
     // Teardown runs whatever failed; the first error is the one returned.
     let mut result = result;
     for c in &chans {
@@ -649,59 +620,79 @@ fn expected(coll: Coll, count: usize, n: usize, r: usize, i: usize) -> Option<f3
 /// One channel's progress through its plan.
 struct Run<'p> {
     plan: &'p Plan,
+    /// Sends posted so far; the oldest `sends.len()` of them are still in flight.
     sent: usize,
     sends: VecDeque<Ptr>,
-    send_done: usize,
+    /// Receives posted so far; the oldest `recvs.len()` of them are still in flight.
     posted: usize,
     recvs: VecDeque<(Ptr, usize)>,
-    recv_done: usize,
     /// Staging slots not in use by a posted reduce receive.
     free: Vec<usize>,
 }
 
-struct Buffers {
+/// The working buffer and the staging slots, registered with every channel's comms; every
+/// registration made is undone when this drops, also after a failure half-way.
+impl Run<'_> {
+    fn send_done(&self) -> usize {
+        self.sent - self.sends.len()
+    }
+
+    fn recv_done(&self) -> usize {
+        self.posted - self.recvs.len()
+    }
+}
+
+struct Buffers<'d, 'a> {
+    drv: &'d Driver<'a>,
     data: Vec<f32>,
     staging: Vec<Vec<f32>>,
     /// Per channel: the data buffer's handle with the send and the receive comm, and each
     /// staging slot's with the receive comm.
     mhs: Vec<(Ptr, Ptr, Vec<Ptr>)>,
+    /// Every (comm, handle) registered, in order.
+    regs: Vec<(Ptr, Ptr)>,
 }
 
-fn run_sizes(
-    o: &Opts,
-    drv: &Driver,
-    chans: &[Channel],
-    rank: usize,
-    n: usize,
-    dev: &str,
-) -> Result<(), String> {
-    let max_count = o.coll.counts(o.max, n).0.max(1);
-    let mut b = Buffers {
-        data: vec![0f32; max_count],
-        staging: (0..chans.len()).map(|_| vec![0f32; STEPS * SLICE / 4]).collect(),
-        mhs: Vec::new(),
-    };
-    for (ch, c) in chans.iter().enumerate() {
-        let (ptr, len) = (b.data.as_mut_ptr().cast::<u8>(), b.data.len() * 4);
-        let smh = drv.reg_mr(c.send, ptr, len)?;
-        let rmh = drv.reg_mr(c.recv, ptr, len)?;
-        let st = b.staging[ch].as_mut_ptr().cast::<u8>();
-        let slots = (0..STEPS)
-            .map(|s| drv.reg_mr(c.recv, st.wrapping_add(s * SLICE), SLICE))
-            .collect::<Result<Vec<_>, _>>()?;
-        b.mhs.push((smh, rmh, slots));
+impl<'d, 'a> Buffers<'d, 'a> {
+    fn new(drv: &'d Driver<'a>, chans: &[Channel], count: usize) -> Result<Self, String> {
+        let mut b = Buffers {
+            drv,
+            data: vec![0f32; count],
+            staging: (0..chans.len()).map(|_| vec![0f32; STEPS * SLICE / 4]).collect(),
+            mhs: Vec::new(),
+            regs: Vec::new(),
+        };
+        for (ch, c) in chans.iter().enumerate() {
+            let (ptr, len) = (b.data.as_mut_ptr().cast::<u8>(), b.data.len() * 4);
+            let st = b.staging[ch].as_mut_ptr().cast::<u8>();
+            let smh = b.reg(c.send, ptr, len)?;
+            let rmh = b.reg(c.recv, ptr, len)?;
+            let slots = (0..STEPS)
+                .map(|s| b.reg(c.recv, st.wrapping_add(s * SLICE), SLICE))
+                .collect::<Result<Vec<_>, _>>()?;
+            b.mhs.push((smh, rmh, slots));
+        }
+        Ok(b)
     }
-    let r = sizes(o, drv, chans, rank, n, dev, &mut b);
-    for (c, (smh, rmh, slots)) in chans.iter().zip(&b.mhs) {
-        let _ = drv.dereg_mr(c.send, *smh);
-        let _ = drv.dereg_mr(c.recv, *rmh);
-        for s in slots {
-            let _ = drv.dereg_mr(c.recv, *s);
+
+    fn reg(&mut self, comm: Ptr, ptr: *mut u8, len: usize) -> Result<Ptr, String> {
+        let mh = self.drv.reg_mr(comm, ptr, len)?;
+        self.regs.push((comm, mh));
+        Ok(mh)
+    }
+}
+
+impl Drop for Buffers<'_, '_> {
+    fn drop(&mut self) {
+        for (comm, mh) in self.regs.drain(..).rev() {
+            if let Err(e) = self.drv.dereg_mr(comm, mh) {
+                eprintln!("deregMr: {e}");
+            }
         }
     }
-    r
 }
 
+/// Every size of the collective, with the table on rank 0.
 fn sizes(
     o: &Opts,
     drv: &Driver,
@@ -709,9 +700,10 @@ fn sizes(
     rank: usize,
     n: usize,
     dev: &str,
-    b: &mut Buffers,
 ) -> Result<(), String> {
     let coll = o.coll;
+    let mut b = Buffers::new(drv, chans, coll.counts(o.max, n).0.max(1))?;
+    let b = &mut b;
     if rank == 0 {
         println!(
             "# ferroce collective {}: {n} ranks, {} channels, rank 0 on {dev}",
@@ -814,10 +806,8 @@ fn once(drv: &Driver, chans: &[Channel], plans: &[Plan], b: &mut Buffers) -> Res
             plan: p,
             sent: 0,
             sends: VecDeque::new(),
-            send_done: 0,
             posted: 0,
             recvs: VecDeque::new(),
-            recv_done: 0,
             free: (0..STEPS).rev().collect(),
         })
         .collect();
@@ -863,7 +853,7 @@ fn once(drv: &Driver, chans: &[Channel], plans: &[Plan], b: &mut Buffers) -> Res
             // Completed receives, in order: a reduce adds its slot into the buffer.
             while let Some(&(q, slot)) = run.recvs.front() {
                 let Some(got) = drv.test(q).map_err(fail_recv)? else { break };
-                let (s, reduce) = p.recvs[run.recv_done];
+                let (s, reduce) = p.recvs[run.recv_done()];
                 if got[0] as usize != s.len * 4 {
                     return Err(fail_recv(format!(
                         "received {} bytes, expected {}",
@@ -884,13 +874,12 @@ fn once(drv: &Driver, chans: &[Channel], plans: &[Plan], b: &mut Buffers) -> Res
                     run.free.push(slot);
                 }
                 run.recvs.pop_front();
-                run.recv_done += 1;
                 moved = true;
             }
             // Sends: in order, up to STEPS in flight, each once the slice it forwards is here.
             while run.sent < p.sends.len() && run.sends.len() < STEPS {
                 let (s, dep) = p.sends[run.sent];
-                if dep.is_some_and(|d| d >= run.recv_done) {
+                if dep.is_some_and(|d| d >= run.recv_done()) {
                     break;
                 }
                 let ptr = data.wrapping_add(s.off).cast::<u8>();
@@ -908,10 +897,9 @@ fn once(drv: &Driver, chans: &[Channel], plans: &[Plan], b: &mut Buffers) -> Res
                     break;
                 }
                 run.sends.pop_front();
-                run.send_done += 1;
                 moved = true;
             }
-            done &= run.send_done == p.sends.len() && run.recv_done == p.recvs.len();
+            done &= run.send_done() == p.sends.len() && run.recv_done() == p.recvs.len();
         }
         if done {
             return Ok(());
@@ -931,10 +919,10 @@ fn once(drv: &Driver, chans: &[Channel], plans: &[Plan], b: &mut Buffers) -> Res
                     .map(|(ch, (r, c))| {
                         format!(
                             "channel {ch}: {}/{} sends to {}, {}/{} receives from {}",
-                            r.send_done,
+                            r.send_done(),
                             r.plan.sends.len(),
                             c.next,
-                            r.recv_done,
+                            r.recv_done(),
                             r.plan.recvs.len(),
                             c.prev
                         )

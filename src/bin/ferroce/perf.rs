@@ -89,11 +89,11 @@ fn warmup(seconds: f64) -> f64 {
     (seconds * 0.1).min(1.0)
 }
 
-fn hex(b: &[u8]) -> String {
+pub(crate) fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-fn unhex(s: &str) -> Result<[u8; 128], String> {
+pub(crate) fn unhex(s: &str) -> Result<[u8; 128], String> {
     let d: Vec<u8> = s.bytes().map_while(|c| (c as char).to_digit(16).map(|v| v as u8)).collect();
     if d.len() != 256 || s.len() != 256 {
         return Err(format!("a handle is 256 hex digits, not {s:?}"));
@@ -153,11 +153,16 @@ fn pattern(i: usize) -> u8 {
     (i % 251) as u8
 }
 
-/// Shows what the plugin warned about, and keeps the capture buffer from growing.
+/// Shows what the plugin warned about (and its INFO lines when `NCCL_DEBUG` is `INFO` or
+/// `TRACE`, as NCCL would), and keeps the capture buffer from growing.
 pub(crate) fn flush_log() {
+    let info = std::env::var("NCCL_DEBUG")
+        .is_ok_and(|v| v.eq_ignore_ascii_case("INFO") || v.eq_ignore_ascii_case("TRACE"));
     for (level, _, line) in take_captured() {
-        if level <= 2 {
-            eprintln!("plugin {}: {line}", if level == 2 { "WARN" } else { "ERROR" });
+        match level {
+            ..=2 => eprintln!("plugin {}: {line}", if level == 2 { "WARN" } else { "ERROR" }),
+            3 if info => eprintln!("plugin INFO: {line}"),
+            _ => {}
         }
     }
 }
