@@ -14,6 +14,13 @@
  * does. Every call is appended to the file named by FERROCE_STANDIN_LOG (one line each), so
  * the test can check exactly what ferroce passed.
  *
+ * It also stands in for peer memory (nvidia-peermem): the test declares a "GPU allocation"
+ * with ferroce_standin_gpu(dev, len, fd), where `dev` is an address range the CPU cannot touch
+ * (a PROT_NONE reservation) and `fd` holds the pages. An ibv_reg_mr or ibv_reg_mr_iova2 of an
+ * address inside such a range maps the matching pages of the fd here and registers that
+ * mapping at the address asked for, as the peer-memory client resolves a GPU virtual address
+ * for the NIC. Any other registration goes to the real verb unchanged.
+ *
  * The real verbs are found in the already loaded libibverbs by version (RTLD_NEXT does not
  * see them when the plugin was opened RTLD_LOCAL).
  */
@@ -31,6 +38,7 @@
 
 typedef struct ibv_mr *(*reg_iova2_fn)(struct ibv_pd *, void *, size_t, uint64_t, unsigned);
 typedef int (*dereg_fn)(struct ibv_mr *);
+typedef struct ibv_mr *(*reg_fn)(struct ibv_pd *, void *, size_t, int);
 
 #define MAX_MAPS 4096
 static struct {
@@ -39,6 +47,13 @@ static struct {
     size_t len;
 } maps[MAX_MAPS];
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+
+#define MAX_GPU 64
+static struct {
+    uintptr_t dev;
+    size_t len;
+    int fd;
+} gpu[MAX_GPU];
 
 static void *real(const char *name, const char *version) {
     void *h = dlopen("libibverbs.so.1", RTLD_NOW | RTLD_NOLOAD);
@@ -68,20 +83,17 @@ static void record(const char *fmt, ...) {
     fclose(f);
 }
 
-struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t offset, size_t length,
-                                 uint64_t iova, int fd, int access) {
-    if (fd < 0) {
-        record("probe fd=%d", fd);
-        errno = EBADF;
-        return NULL;
-    }
+/* Maps [offset, offset + length) of fd and registers the mapping at iova; the MR and its
+ * mapping are remembered for ibv_dereg_mr. `what` names the call in the log. */
+static struct ibv_mr *map_and_register(const char *what, struct ibv_pd *pd, uint64_t offset,
+                                       size_t length, uint64_t iova, int fd, int access) {
     long page = sysconf(_SC_PAGESIZE);
     uint64_t skew = offset % (uint64_t)page;
     size_t maplen = length + skew;
     void *map = mmap(NULL, maplen, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)(offset - skew));
     if (map == MAP_FAILED) {
         int e = errno;
-        record("reg offset=%lu len=%zu iova=%#lx fd=%d access=%#x -> mmap errno %d",
+        record("%s offset=%lu len=%zu iova=%#lx fd=%d access=%#x -> mmap errno %d", what,
                (unsigned long)offset, length, (unsigned long)iova, fd, access, e);
         errno = e;
         return NULL;
@@ -91,7 +103,7 @@ struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t offset, size_t leng
     int e = errno;
     if (!mr) {
         munmap(map, maplen);
-        record("reg offset=%lu len=%zu iova=%#lx fd=%d access=%#x -> errno %d",
+        record("%s offset=%lu len=%zu iova=%#lx fd=%d access=%#x -> errno %d", what,
                (unsigned long)offset, length, (unsigned long)iova, fd, access, e);
         errno = e;
         return NULL;
@@ -108,12 +120,79 @@ struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t offset, size_t leng
     }
     pthread_mutex_unlock(&lock);
     if (slot < 0) {
-        fprintf(stderr, "dmabuf stand-in: more than %d live dma-buf MRs\n", MAX_MAPS);
+        fprintf(stderr, "dmabuf stand-in: more than %d live stand-in MRs\n", MAX_MAPS);
         abort();
     }
-    record("reg offset=%lu len=%zu iova=%#lx fd=%d access=%#x -> mr %p", (unsigned long)offset,
-           length, (unsigned long)iova, fd, access, (void *)mr);
+    record("%s offset=%lu len=%zu iova=%#lx fd=%d access=%#x -> mr %p", what,
+           (unsigned long)offset, length, (unsigned long)iova, fd, access, (void *)mr);
     return mr;
+}
+
+struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t offset, size_t length,
+                                 uint64_t iova, int fd, int access) {
+    if (fd < 0) {
+        record("probe fd=%d", fd);
+        errno = EBADF;
+        return NULL;
+    }
+    return map_and_register("reg", pd, offset, length, iova, fd, access);
+}
+
+/* Declares [dev, dev + len) a GPU allocation whose pages are fd's from offset 0 (len 0
+ * forgets it). Returns 0, or -1 when the table is full. */
+int ferroce_standin_gpu(void *dev, size_t len, int fd) {
+    int rc = -1;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_GPU; i++) {
+        if (len == 0 && gpu[i].dev == (uintptr_t)dev) {
+            gpu[i].len = 0;
+            gpu[i].dev = 0;
+            rc = 0;
+        } else if (len > 0 && gpu[i].len == 0) {
+            gpu[i].dev = (uintptr_t)dev;
+            gpu[i].len = len;
+            gpu[i].fd = fd;
+            rc = 0;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
+/* The fd and offset behind [addr, addr + length) if it lies in a declared GPU allocation. */
+static int gpu_lookup(const void *addr, size_t length, uint64_t *offset) {
+    int fd = -1;
+    uintptr_t a = (uintptr_t)addr;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_GPU; i++) {
+        if (gpu[i].len && a >= gpu[i].dev && a + length <= gpu[i].dev + gpu[i].len) {
+            *offset = a - gpu[i].dev;
+            fd = gpu[i].fd;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return fd;
+}
+
+struct ibv_mr *ibv_reg_mr_iova2(struct ibv_pd *pd, void *addr, size_t length, uint64_t iova,
+                                unsigned int access) {
+    uint64_t offset = 0;
+    int fd = gpu_lookup(addr, length, &offset);
+    if (fd >= 0)
+        return map_and_register("peer", pd, offset, length, iova, fd, (int)access);
+    return ((reg_iova2_fn)real("ibv_reg_mr_iova2", "IBVERBS_1.8"))(pd, addr, length, iova,
+                                                                   access);
+}
+
+#undef ibv_reg_mr
+struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t length, int access) {
+    uint64_t offset = 0;
+    int fd = gpu_lookup(addr, length, &offset);
+    if (fd >= 0)
+        return map_and_register("peer", pd, offset, length, (uintptr_t)addr, fd, access);
+    return ((reg_fn)real("ibv_reg_mr", "IBVERBS_1.1"))(pd, addr, length, access);
 }
 
 int ibv_dereg_mr(struct ibv_mr *mr) {

@@ -3,9 +3,16 @@
 //!
 //! rxe has neither peer memory nor dma-buf support, so two stand-ins make the GPU paths real:
 //! - dma-buf: `tests/dmabuf_standin.c`, preloaded, turns rxe into a dma-buf-capable NIC (it
-//!   registers a CPU mapping of the fd at the iova). The "GPU buffer" is a sealed memfd, as rxe
-//!   cannot pin vgem memory; a real vgem dma-buf is used for the failure path.
-//! - peer memory: a private mount namespace makes `/sys/module/nvidia_peermem/version` appear.
+//!   registers its own mapping of the fd at the iova). The GPU buffer's pages are a sealed
+//!   memfd, as rxe cannot pin vgem memory; a real vgem dma-buf is used for the failure path.
+//! - peer memory: a private mount namespace makes `/sys/module/nvidia_peermem/version` appear,
+//!   and the same preloaded stand-in resolves a registration of a "GPU address" to the pages
+//!   behind it, as nvidia-peermem does for the NIC.
+//!
+//! Either way the address the plugin gets is one the CPU cannot touch, as a real GPU's: a
+//! `PROT_NONE` reservation ([`GpuBuf`]). A CPU read or write of it by the plugin (inline data,
+//! a copy, a peek) kills the process with SIGSEGV. The test fills and checks the bytes through
+//! a third mapping, as the GPU would.
 //!
 //! Without arguments this is the orchestrator: it runs each scenario as a child process with
 //! the environment it needs (preload, namespace, knobs) and fails if any fails. Built as a test
@@ -90,6 +97,9 @@ fn orchestrate() -> Result<(), String> {
     {
         let mut c = Command::new("unshare");
         c.args(["-m", "--propagation", "private", "bash", "-c", PEERMEM_NS, "ns", &me, mode]);
+        // The stand-in also makes dma-buf available; NCCL then uses regMr only with it off.
+        preload(&mut c);
+        c.env("NCCL_DMABUF_ENABLE", "0");
         if mode == "peermem-noflush" {
             c.env("NCCL_GDR_FLUSH_DISABLE", "1");
         }
@@ -145,17 +155,21 @@ fn lines() -> (Vec<String>, Vec<String>) {
     (get(3), get(2))
 }
 
-/// A sealed memfd of `len` bytes, mapped shared: the stand-in for an exported GPU buffer.
+/// A stand-in for a GPU allocation. Its pages are a sealed memfd. The plugin is given `dev`, a
+/// `PROT_NONE` reservation of the same length that the CPU cannot read or write (as a GPU
+/// virtual address); the NIC reaches the pages through the stand-in's own mapping of the fd;
+/// the test reads and writes them through `ptr`, a third mapping, as a GPU kernel would.
 struct GpuBuf {
     fd: OwnedFd,
     ptr: *mut u8,
+    dev: *mut u8,
     len: usize,
 }
 
 impl GpuBuf {
     fn new(len: usize) -> Result<GpuBuf, String> {
         let os = |what: &str| format!("{what}: {}", std::io::Error::last_os_error());
-        // SAFETY: plain syscalls on a fresh fd we own; the mapping is released in Drop.
+        // SAFETY: plain syscalls on a fresh fd we own; the mappings are released in Drop.
         unsafe {
             let fd = libc::memfd_create(c"ferroce-gpu-standin".as_ptr(), libc::MFD_ALLOW_SEALING);
             if fd < 0 {
@@ -175,13 +189,25 @@ impl GpuBuf {
             if p == libc::MAP_FAILED {
                 return Err(os("mmap"));
             }
-            Ok(GpuBuf { fd, ptr: p.cast(), len })
+            let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+            let dev = libc::mmap(std::ptr::null_mut(), len, libc::PROT_NONE, flags, -1, 0);
+            if dev == libc::MAP_FAILED {
+                libc::munmap(p, len);
+                return Err(os("mmap PROT_NONE"));
+            }
+            Ok(GpuBuf { fd, ptr: p.cast(), dev: dev.cast(), len })
         }
     }
 
     fn bytes(&mut self) -> &mut [u8] {
         // SAFETY: a live shared mapping of len bytes, owned by self.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// The test's view and the plugin's address of the buffer.
+    fn mem(&mut self) -> Mem<'_> {
+        let dev = self.dev;
+        Mem { dev, host: self.bytes() }
     }
 
     /// A fresh fd for the same buffer, as `cuMemGetHandleForAddressRange` gives NCCL each time.
@@ -191,12 +217,47 @@ impl GpuBuf {
         check(fd >= 0, || format!("dup: {}", std::io::Error::last_os_error()))?;
         Ok(fd)
     }
+
+    /// Tells the preloaded stand-in that `dev` is GPU memory backed by the fd, so that a
+    /// peer-memory registration of it reaches these pages (`forget`: no longer).
+    fn declare_peer(&self, forget: bool) -> Result<(), String> {
+        type Declare = unsafe extern "C" fn(*mut libc::c_void, usize, c_int) -> c_int;
+        // SAFETY: dlsym in the global scope, where LD_PRELOAD put the stand-in.
+        let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"ferroce_standin_gpu".as_ptr()) };
+        check(!f.is_null(), || "the peer-memory stand-in is not preloaded".into())?;
+        // SAFETY: the stand-in's function has exactly this C signature.
+        let declare = unsafe { std::mem::transmute::<*mut libc::c_void, Declare>(f) };
+        let len = if forget { 0 } else { self.len };
+        // SAFETY: plain values; the stand-in maps the fd only while it is alive (ours).
+        let rc = unsafe { declare(self.dev.cast(), len, self.fd.as_raw_fd()) };
+        check(rc == 0, || "the stand-in's table of GPU allocations is full".into())
+    }
 }
 
 impl Drop for GpuBuf {
     fn drop(&mut self) {
-        // SAFETY: the mapping made in new.
-        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+        // SAFETY: the mappings made in new.
+        unsafe {
+            libc::munmap(self.ptr.cast(), self.len);
+            libc::munmap(self.dev.cast(), self.len);
+        }
+    }
+}
+
+/// A buffer as a transfer sees it: `dev` is the address the plugin gets, `host` what the test
+/// reads and writes (the same pages; for host memory, the same address).
+struct Mem<'a> {
+    dev: *mut u8,
+    host: &'a mut [u8],
+}
+
+impl Mem<'_> {
+    fn of(v: &mut [u8]) -> Mem<'_> {
+        Mem { dev: v.as_mut_ptr(), host: v }
+    }
+
+    fn at(&self, off: usize) -> *mut u8 {
+        self.dev.wrapping_add(off)
     }
 }
 
@@ -210,8 +271,7 @@ fn reg_exported(
     len: usize,
 ) -> Result<(Ptr, c_int), String> {
     let fd = g.export()?;
-    // SAFETY: offset + len lies within the mapping (the callers' layouts).
-    let data = unsafe { g.ptr.add(offset) };
+    let data = g.dev.wrapping_add(offset);
     let mh = drv.reg_mr_dmabuf(comm, data, len, CUDA, offset as u64, fd);
     // SAFETY: closing the fd we exported.
     let closed = unsafe { libc::close(fd) };
@@ -272,61 +332,139 @@ fn schedule() -> Vec<Vec<(usize, usize)>> {
     out
 }
 
-/// Sends the first `groups` groups from `src` into `dst` (offsets are the same in both), checks every byte
-/// and size, and flushes each receive; `flush` says whether a flush request is expected.
+/// Small messages, where a plugin is tempted to let the CPU copy (inline data): every size
+/// from 0 to 64 bytes, the edges around 128, 256 and 512, and multi-receives of 2..=8 buffers
+/// below 600 bytes, at odd offsets in both halves.
+fn small_schedule() -> Vec<Vec<(usize, usize)>> {
+    let mut rng = Rng(0x5a11_u64);
+    let mut sizes: Vec<usize> = (0..=64).collect();
+    sizes.extend([127, 128, 129, 255, 256, 257, 300, 511, 512, 513, 1000, 4096]);
+    let mut out: Vec<Vec<(usize, usize)>> = sizes
+        .into_iter()
+        .enumerate()
+        .map(|(i, size)| vec![(if i % 2 == 0 { 0 } else { HALF } + 8 * (i % 5), size)])
+        .collect();
+    for g in 0..28 {
+        let n = 2 + g % 7;
+        let base = if g % 2 == 0 { 0 } else { HALF };
+        out.push((0..n).map(|r| (base + r * 4096 + 3 * r, rng.below(600) as usize)).collect());
+    }
+    out
+}
+
+/// How a group's receive is posted and finished.
+#[derive(Clone, Copy, PartialEq)]
+enum Recv {
+    /// Completed by the plugin, then flushed (`flush`: a flush request is expected).
+    Normal { flush: bool },
+    /// LL/LL128: NCCL asks for no completion and watches the data itself (single buffers).
+    Optional,
+}
+
+/// Sends `groups` from `src` into `dst` (offsets are the same in both), checks every byte and
+/// size through the test's own view, and flushes each normal receive.
 #[allow(clippy::too_many_arguments)]
 fn traffic(
     drv: &Driver,
     send: Ptr,
     recv: Ptr,
-    src: &mut [u8],
-    dst: &mut [u8],
+    src: &mut Mem,
+    dst: &mut Mem,
     smh: &dyn Fn(usize) -> Ptr,
     rmh: &dyn Fn(usize) -> Ptr,
-    flush: bool,
-    groups: usize,
+    how: Recv,
+    groups: &[Vec<(usize, usize)>],
 ) -> Result<usize, String> {
     let (mut bytes, mut flushes) = (0, 0);
-    for (g, items) in schedule().iter().enumerate().take(groups) {
-        dst.fill(0);
-        for (r, &(off, size)) in items.iter().enumerate() {
-            pattern(g, r, &mut src[off..off + size]);
+    for (g, items) in groups.iter().enumerate() {
+        if how == Recv::Optional && items.len() > 1 {
+            continue;
         }
-        let ptrs: Vec<*mut u8> = items.iter().map(|&(o, _)| dst[o..].as_mut_ptr()).collect();
+        dst.host.fill(0);
+        for (r, &(off, size)) in items.iter().enumerate() {
+            pattern(g, r, &mut src.host[off..off + size]);
+        }
+        let ptrs: Vec<*mut u8> = items.iter().map(|&(o, _)| dst.at(o)).collect();
         let sizes: Vec<usize> = items.iter().map(|&(_, s)| s).collect();
         let tags: Vec<c_int> = (0..items.len() as c_int).map(|t| 50 + t).collect();
         let mhs: Vec<Ptr> = items.iter().map(|&(o, _)| rmh(o)).collect();
-        let rreq = common::until("irecv", || drv.irecv(recv, &ptrs, &sizes, &tags, &mhs, false))?;
+        let optional = how == Recv::Optional;
+        let rreq =
+            common::until("irecv", || drv.irecv(recv, &ptrs, &sizes, &tags, &mhs, optional))?;
         let mut sreqs = Vec::new();
         for (r, &(off, size)) in items.iter().enumerate().rev() {
-            let p = src[off..].as_mut_ptr();
+            let p = src.at(off);
             sreqs.push(common::until("isend", || drv.isend(send, p, size, tags[r], smh(off)))?);
         }
         for q in sreqs {
             common::until("test send", || drv.test(q))?;
         }
+        // An optional receive reports its posted size at once; its data has landed once the
+        // send completed (the sender's ack write follows the data on the same queue pair).
         let got = common::until("test recv", || drv.test(rreq))?;
         for (r, &(off, size)) in items.iter().enumerate() {
             check(got[r] as usize == size, || format!("group {g} buffer {r}: size {}", got[r]))?;
-            check(dst[off..off + size] == src[off..off + size], || {
+            check(dst.host[off..off + size] == src.host[off..off + size], || {
                 format!("group {g} buffer {r}: {size} bytes at offset {off} differ")
             })?;
         }
         let &(off, size) = items.last().expect("non-empty group");
         let last = ptrs[items.len() - 1];
-        match (drv.iflush(recv, last, size as c_int, rmh(off))?, flush) {
-            (Some(q), true) => {
-                common::until("test flush", || drv.test(q))?;
-                flushes += 1;
+        if let Recv::Normal { flush } = how {
+            match (drv.iflush(recv, last, size as c_int, rmh(off))?, flush && size > 0) {
+                (Some(q), true) => {
+                    common::until("test flush", || drv.test(q))?;
+                    flushes += 1;
+                }
+                (None, false) => {}
+                (Some(_), false) => return Err("iflush returned a request; expected none".into()),
+                (None, true) => return Err(format!("group {g}: iflush returned no request")),
             }
-            (None, false) => {}
-            (Some(_), false) => return Err("iflush returned a request; expected none".into()),
-            (None, true) => return Err(format!("group {g}: iflush returned no request")),
         }
         bytes += sizes.iter().sum::<usize>();
     }
     eprintln!("gpudirect: {bytes} bytes verified, {flushes} flushes completed");
     Ok(bytes)
+}
+
+/// The latency mode: one message at a time from `a` to `b` and back, as a ping-pong, at 8 B,
+/// 256 B and 4 KiB; `a_mh`/`b_mh` are each side's registration on both of its comms
+/// (`[send, recv]`). Every echo is checked through the test's views.
+#[allow(clippy::too_many_arguments)]
+fn ping_pong(
+    drv: &Driver,
+    ab: (Ptr, Ptr),
+    ba: (Ptr, Ptr),
+    a: &mut Mem,
+    b: &mut Mem,
+    a_mh: [Ptr; 2],
+    b_mh: [Ptr; 2],
+) -> Result<(), String> {
+    let mut rounds = 0;
+    for (i, size) in [8usize, 256, 4096].into_iter().enumerate() {
+        for k in 0..20 {
+            pattern(100 + i, k, &mut a.host[..size]);
+            b.host[..size].fill(0);
+            let rreq = common::until("irecv ping", || {
+                drv.irecv(ab.1, &[b.at(0)], &[size], &[7], &[b_mh[1]], false)
+            })?;
+            let sreq = common::until("isend ping", || drv.isend(ab.0, a.at(0), size, 7, a_mh[0]))?;
+            common::until("test ping", || drv.test(sreq))?;
+            common::until("test ping recv", || drv.test(rreq))?;
+            check(b.host[..size] == a.host[..size], || format!("ping {size} B round {k}"))?;
+            a.host[..size].fill(0);
+            let rreq = common::until("irecv pong", || {
+                drv.irecv(ba.1, &[a.at(0)], &[size], &[8], &[a_mh[1]], false)
+            })?;
+            let sreq = common::until("isend pong", || drv.isend(ba.0, b.at(0), size, 8, b_mh[0]))?;
+            common::until("test pong", || drv.test(sreq))?;
+            common::until("test pong recv", || drv.test(rreq))?;
+            check(a.host[..size] == b.host[..size], || format!("pong {size} B round {k}"))?;
+            rounds += 1;
+        }
+    }
+    eprintln!("gpudirect: {rounds} ping-pong rounds verified (8 B, 256 B, 4 KiB)");
+    Ok(())
 }
 
 // --- scenarios ---------------------------------------------------------------------------------
@@ -383,7 +521,12 @@ fn plain() -> Result<(), String> {
     let smh = drv.reg_mr(send, src.as_mut_ptr(), ARENA)?;
     let rmh = drv.reg_mr(recv, dst.as_mut_ptr(), ARENA)?;
     let (s, r) = (|_: usize| smh, |_: usize| rmh);
-    traffic(&drv, send, recv, &mut src, &mut dst, &s, &r, false, 10)?;
+    let (mut src, mut dst) = (Mem::of(&mut src), Mem::of(&mut dst));
+    let no_flush = Recv::Normal { flush: false };
+    traffic(&drv, send, recv, &mut src, &mut dst, &s, &r, no_flush, &schedule()[..10])?;
+    // Host memory may go inline: the small sizes and optional receives too.
+    traffic(&drv, send, recv, &mut src, &mut dst, &s, &r, no_flush, &small_schedule())?;
+    traffic(&drv, send, recv, &mut src, &mut dst, &s, &r, Recv::Optional, &small_schedule())?;
     drv.dereg_mr(send, smh)?;
     drv.dereg_mr(recv, rmh)?;
     drv.close(Close::Send, send)?;
@@ -428,14 +571,24 @@ fn dmabuf(v: u32) -> Result<(), String> {
     let (r1, fd1) = reg_exported(&drv, recv, &rgpu, HALF, ARENA - HALF)?;
     let (s0, fd2) = reg_exported(&drv, send, &sgpu, 0, ARENA)?;
     check(fd_count() == fds, || format!("fd count {} -> {}", fds, fd_count()))?;
-    let (sp, rp) = (sgpu.ptr as u64, rgpu.ptr as u64);
+    let (sp, rp) = (sgpu.dev as u64, rgpu.dev as u64);
     let rmh = move |off: usize| if off < HALF { r0 } else { r1 };
     let smh = move |_: usize| s0;
-    let (src, dst) = (sgpu.bytes() as *mut [u8], rgpu.bytes() as *mut [u8]);
-    // SAFETY: two distinct live mappings, used only here while the buffers live.
-    let (src, dst) = unsafe { (&mut *src, &mut *dst) };
-    let moved = traffic(&drv, send, recv, src, dst, &smh, &rmh, true, usize::MAX)?;
+    // The reverse pair, for the ping-pong; the same buffers registered again on the same
+    // devices are answered by the registration cache (no new registration below).
+    let ba = pair(&drv, ctx, 0, 1)?;
+    let back =
+        [reg_exported(&drv, ba.1, &sgpu, 0, ARENA)?.0, reg_exported(&drv, ba.0, &rgpu, 0, HALF)?.0];
+    let (mut src, mut dst) = (sgpu.mem(), rgpu.mem());
+    let how = Recv::Normal { flush: true };
+    let moved = traffic(&drv, send, recv, &mut src, &mut dst, &smh, &rmh, how, &schedule())?;
     check(moved >= 16 << 20, || format!("only {moved} bytes moved"))?;
+    let ab = (send, recv);
+    small_and_latency(&drv, ab, ba, (&smh, &rmh), back, &mut src, &mut dst, true)?;
+    drv.dereg_mr(ba.1, back[0])?;
+    drv.dereg_mr(ba.0, back[1])?;
+    drv.close(Close::Send, ba.0)?;
+    drv.close(Close::Recv, ba.1)?;
     for mh in [r0, r1] {
         drv.dereg_mr(recv, mh)?;
     }
@@ -465,6 +618,25 @@ fn dmabuf(v: u32) -> Result<(), String> {
     drv.finalize(ctx)?;
     let (_, warns) = lines();
     check(warns.is_empty(), || format!("WARNs: {warns:?}"))
+}
+
+/// The small sizes, the optional receives and the latency mode: `smh`/`rmh` are the sender's
+/// and receiver's registrations on `ab`, `back` the same buffers' on the reverse pair `ba`.
+#[allow(clippy::too_many_arguments)]
+fn small_and_latency(
+    drv: &Driver,
+    ab: (Ptr, Ptr),
+    ba: (Ptr, Ptr),
+    (smh, rmh): (&dyn Fn(usize) -> Ptr, &dyn Fn(usize) -> Ptr),
+    back: [Ptr; 2],
+    src: &mut Mem,
+    dst: &mut Mem,
+    flush: bool,
+) -> Result<(), String> {
+    let small = small_schedule();
+    traffic(drv, ab.0, ab.1, src, dst, smh, rmh, Recv::Normal { flush }, &small)?;
+    traffic(drv, ab.0, ab.1, src, dst, smh, rmh, Recv::Optional, &small)?;
+    ping_pong(drv, ab, ba, src, dst, [smh(0), back[0]], [back[1], rmh(0)])
 }
 
 /// A dma-buf fd of vgem: real, but every mapping of it is VM_PFNMAP, which rxe cannot pin.
@@ -558,10 +730,10 @@ fn dmabuf_bad_input() -> Result<(), String> {
     let fd = g.export()?;
     // SAFETY: closing our own fd before the call.
     unsafe { libc::close(fd) };
-    expect_one_warn("closed fd", drv.reg_mr_dmabuf(recv, g.ptr, 4096, CUDA, 0, fd), "errno 9")?;
+    expect_one_warn("closed fd", drv.reg_mr_dmabuf(recv, g.dev, 4096, CUDA, 0, fd), "errno 9")?;
     // A length past the buffer's end.
     let fd = g.export()?;
-    let r = drv.reg_mr_dmabuf(recv, g.ptr, 2 << 20, CUDA, 0, fd);
+    let r = drv.reg_mr_dmabuf(recv, g.dev, 2 << 20, CUDA, 0, fd);
     // SAFETY: our fd.
     unsafe { libc::close(fd) };
     expect_one_warn("length past the end", r, "errno 14")?;
@@ -599,21 +771,48 @@ fn peermem(flush: bool) -> Result<(), String> {
     check(line.contains(want), || format!("expected {want:?}: {line}"))?;
     eprintln!("gpudirect: {line}");
     let (send, recv) = pair(&drv, ctx, 1, 0)?;
-    // "GPU" memory here is host memory registered as NCCL_PTR_CUDA: rxe pins it through the
-    // same ibv_reg_mr that peer memory makes work for device pointers.
-    let mut src = vec![0u8; ARENA];
-    let mut dst = vec![0u8; ARENA];
-    let smh = drv.reg_mr_type(send, src.as_mut_ptr(), ARENA, CUDA)?;
-    let rmh = drv.reg_mr_type(recv, dst.as_mut_ptr(), ARENA, CUDA)?;
+    let ba = pair(&drv, ctx, 0, 1)?;
+    // GPU memory the CPU cannot touch, registered as NCCL_PTR_CUDA: the stand-in resolves the
+    // reserved addresses to the pages behind them, as nvidia-peermem does for the NIC.
+    let (mut sgpu, mut rgpu) = (GpuBuf::new(ARENA)?, GpuBuf::new(ARENA)?);
+    sgpu.declare_peer(false)?;
+    rgpu.declare_peer(false)?;
+    let smh = drv.reg_mr_type(send, sgpu.dev, ARENA, CUDA)?;
+    let rmh = drv.reg_mr_type(recv, rgpu.dev, ARENA, CUDA)?;
+    let back = [
+        drv.reg_mr_type(ba.1, sgpu.dev, ARENA, CUDA)?,
+        drv.reg_mr_type(ba.0, rgpu.dev, ARENA, CUDA)?,
+    ];
+    let peer_regs = standin_log().iter().filter(|l| l.starts_with("peer ")).count();
+    check(peer_regs == 2, || format!("the stand-in saw {peer_regs} peer registrations, not 2"))?;
     let (s, r) = (|_: usize| smh, |_: usize| rmh);
-    traffic(&drv, send, recv, &mut src, &mut dst, &s, &r, flush, 12)?;
+    let (mut src, mut dst) = (sgpu.mem(), rgpu.mem());
+    let how = Recv::Normal { flush };
+    traffic(&drv, send, recv, &mut src, &mut dst, &s, &r, how, &schedule()[..12])?;
+    small_and_latency(&drv, (send, recv), ba, (&s, &r), back, &mut src, &mut dst, flush)?;
     drv.dereg_mr(recv, rmh)?;
+    drv.dereg_mr(ba.1, back[0])?;
+    drv.dereg_mr(ba.0, back[1])?;
     // Host memory never needs the flush.
-    let hmh = drv.reg_mr_type(recv, dst.as_mut_ptr(), ARENA, HOST)?;
+    let mut host = vec![0u8; ARENA];
+    let hmh = drv.reg_mr_type(recv, host.as_mut_ptr(), ARENA, HOST)?;
     let (s, r) = (|_: usize| smh, |_: usize| hmh);
-    traffic(&drv, send, recv, &mut src, &mut dst, &s, &r, false, 8)?;
+    let no_flush = Recv::Normal { flush: false };
+    traffic(
+        &drv,
+        send,
+        recv,
+        &mut src,
+        &mut Mem::of(&mut host),
+        &s,
+        &r,
+        no_flush,
+        &schedule()[..8],
+    )?;
     drv.dereg_mr(recv, hmh)?;
     drv.dereg_mr(send, smh)?;
+    drv.close(Close::Send, ba.0)?;
+    drv.close(Close::Recv, ba.1)?;
     drv.close(Close::Send, send)?;
     drv.close(Close::Recv, recv)?;
     drv.finalize(ctx)?;

@@ -406,13 +406,13 @@ pub(super) unsafe extern "C" fn dereg_mr(_comm: *mut c_void, mhandle: *mut c_voi
 fn buf(data: *mut c_void, size: u64, mhandle: *mut c_void) -> Result<Buf> {
     if mhandle.is_null() {
         if size == 0 {
-            return Ok(Buf { addr: data as u64, size: 0, lkey: 0, rkey: 0 });
+            return Ok(Buf { addr: data as u64, ..Buf::default() });
         }
         return Err(Error::Internal("NULL mhandle for a non-empty buffer".into()));
     }
     // SAFETY: mhandle came from regMr and is alive until deregMr.
     let h = unsafe { handles::mr(mhandle) }?;
-    Buf::within(&h.mr, data as u64, size)
+    Buf::within(&h.mr, h.kind, data as u64, size)
 }
 
 pub(super) unsafe extern "C" fn isend(
@@ -468,7 +468,7 @@ pub(super) unsafe extern "C" fn irecv(
         if data.is_null() || sizes.is_null() || tags.is_null() || mhandles.is_null() {
             return Err(Error::Internal("irecv: NULL array".into()));
         }
-        let mut bufs = [(Buf { addr: 0, size: 0, lkey: 0, rkey: 0 }, 0); MAX_RECVS];
+        let mut bufs = [(Buf::default(), 0); MAX_RECVS];
         for (i, b) in bufs.iter_mut().enumerate().take(count) {
             // SAFETY: NCCL passes n valid entries in each array.
             let (d, s, t, m) =
@@ -503,7 +503,7 @@ pub(super) unsafe extern "C" fn iflush(
             return Err(Error::Internal("iflush: NULL array".into()));
         }
         // The non-empty buffers and where they live; the comm picks the one to read.
-        let mut bufs = [(Buf { addr: 0, size: 0, lkey: 0, rkey: 0 }, MemKind::Host); MAX_RECVS];
+        let mut bufs = [(Buf::default(), MemKind::Host); MAX_RECVS];
         let mut k = 0;
         for i in 0..count {
             // SAFETY: NCCL passes n valid entries in each array.

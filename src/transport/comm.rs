@@ -44,8 +44,8 @@ pub enum ReqKind {
 }
 
 impl Buf {
-    /// Checks that `[addr, addr + size)` lies inside `mr`.
-    pub fn within(mr: &Mr, addr: u64, size: u64) -> Result<Buf> {
+    /// Checks that `[addr, addr + size)` lies inside `mr`, registered as memory of `kind`.
+    pub fn within(mr: &Mr, kind: MemKind, addr: u64, size: u64) -> Result<Buf> {
         let end = addr.checked_add(size).ok_or_else(|| Error::Internal("buffer wraps".into()))?;
         if size > 0 && (addr < mr.addr || end > mr.addr + mr.len as u64) {
             return Err(Error::Internal(format!(
@@ -53,7 +53,7 @@ impl Buf {
                 mr.addr, mr.len
             )));
         }
-        Ok(Buf { addr, size, lkey: mr.lkey, rkey: mr.rkey })
+        Ok(Buf { addr, size, lkey: mr.lkey, rkey: mr.rkey, host: kind == MemKind::Host })
     }
 }
 

@@ -112,13 +112,18 @@ pub trait Post {
     fn recv(&mut self, qp: usize, wr_id: u64) -> Result<()>;
 }
 
-/// A local buffer registered for a transfer: its address range and keys.
+/// A local buffer registered for a transfer: its address range, keys, and whether the CPU may
+/// touch it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Buf {
     pub addr: u64,
     pub size: u64,
     pub lkey: u32,
     pub rkey: u32,
+    /// Registered as host memory. Only then may its bytes go inline (the provider copies
+    /// inline data with the CPU at post time): GPU memory, registered through peer memory or
+    /// dma-buf, faults when the CPU reads it, so only the NIC ever touches it.
+    pub host: bool,
 }
 
 /// One buffer descriptor the receiver writes into the sender's FIFO.
@@ -725,7 +730,7 @@ impl SendCore {
                             local: Some((b.addr + at, n as u32, b.lkey)),
                             remote_addr: cts.addr + at,
                             rkey: cts.rkey,
-                            inline: n <= u64::from(inline),
+                            inline: b.host && n <= u64::from(inline),
                             ..SendWr::default()
                         },
                     )?;
@@ -802,7 +807,7 @@ impl SendCore {
                     local: Some((b.addr + done, n as u32, b.lkey)),
                     remote_addr: cts.addr + done,
                     rkey: cts.rkey,
-                    inline: n <= u64::from(self.p.max_inline),
+                    inline: b.host && n <= u64::from(self.p.max_inline),
                     ..SendWr::default()
                 },
             )?;

@@ -120,7 +120,7 @@ fn run(n: usize, size: u64, inline: u32, optional: bool) -> Result<Duration, Str
     let mut sio = Loopback { regions, cq: &cq, rq: &rq, side: 0 };
     let mut rio = Loopback { regions, cq: &cq, rq: &rq, side: 1 };
     let e = |e: ferroce::error::Error| e.to_string();
-    let buf = Buf { addr: DATA, size, lkey: 1, rkey: 1 };
+    let buf = Buf { addr: DATA, size, lkey: 1, rkey: 1, host: true };
     let mut got = [0u64; 8];
     let t = Instant::now();
     for i in 0..n {

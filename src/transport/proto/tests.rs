@@ -15,11 +15,26 @@ use super::*;
 /// Registered memory of both hosts: regions by base address, each with its key.
 struct Mem {
     regions: RefCell<Vec<(u64, u32, Vec<u8>)>>,
+    /// Regions that stand for GPU memory: a CPU read of them (inline data) is a crash.
+    gpu: RefCell<Vec<u64>>,
 }
 
 impl Mem {
     fn new() -> Mem {
-        Mem { regions: RefCell::new(Vec::new()) }
+        Mem { regions: RefCell::new(Vec::new()), gpu: RefCell::new(Vec::new()) }
+    }
+
+    /// What the provider's CPU copy of inline data reads: never GPU memory.
+    fn cpu_read(&self, addr: u64, len: usize) -> Vec<u8> {
+        let regions = self.regions.borrow();
+        let gpu = self.gpu.borrow();
+        let hit = regions.iter().find(|(b, _, v)| *b <= addr && addr < *b + v.len() as u64);
+        assert!(
+            !hit.is_some_and(|(b, _, _)| gpu.contains(b)),
+            "the CPU read {len} bytes of GPU memory at {addr:#x} (inline data)"
+        );
+        drop(regions);
+        self.read(addr, len)
     }
 
     fn add(&self, base: u64, key: u32, len: usize) {
@@ -225,7 +240,7 @@ impl Io<'_> {
                 continue;
             }
             let inline =
-                wr.local.filter(|_| wr.inline).map(|(a, l, _)| self.mem.read(a, l as usize));
+                wr.local.filter(|_| wr.inline).map(|(a, l, _)| self.mem.cpu_read(a, l as usize));
             w.sq[self.side][qp].push_back(Queued { wr: *wr, inline });
             w.held[self.side][qp].0 += 1;
             assert!(w.held[self.side][qp].0 <= self.depth, "send queue {qp} overflows");
@@ -281,6 +296,8 @@ struct Run {
     split: bool,
     max_msg: u64,
     max_inline: u32,
+    /// The sender's buffers are GPU memory (never inline), else host memory.
+    gpu: bool,
     groups: Vec<Vec<Item>>,
     /// Break the link after this many scheduler steps.
     break_at: Option<u64>,
@@ -318,6 +335,7 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         split: rng.below(2) == 1,
         max_msg: [4096, 1000, 1 << 20][rng.below(3) as usize],
         max_inline: [0, 64, 512][rng.below(3) as usize],
+        gpu: rng.below(2) == 1,
         groups,
         break_at: None,
         posts_fail_at: None,
@@ -337,6 +355,9 @@ fn drive(run: &Run, seed: u64) -> Outcome {
     let mem = Mem::new();
     let area = AREAS * MAX_RECVS * CAP as usize;
     mem.add(SEND_DATA, 11, area);
+    if run.gpu {
+        mem.gpu.borrow_mut().push(SEND_DATA);
+    }
     mem.add(RECV_DATA, 12, area);
     mem.add(FIFO, 13, FIFO_WORDS * 8);
     mem.add(SEND_STAGE, 14, SIZE_WORDS * 8);
@@ -423,7 +444,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                     .map(|(r, it)| {
                         let addr = buf_addr(RECV_DATA, g, r);
                         mem.with(addr, CAP as usize, None, |b| b.fill(0xee));
-                        (Buf { addr, size: it.capacity, lkey: 12, rkey: 12 }, it.tag)
+                        (Buf { addr, size: it.capacity, lkey: 12, rkey: 12, host: true }, it.tag)
                     })
                     .collect();
                 let optional = run.optional[g];
@@ -465,7 +486,8 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                 }
                 let r = *send_order.last().expect("non-empty");
                 let it = run.groups[g][r];
-                let b = Buf { addr: buf_addr(SEND_DATA, g, r), size: it.size, lkey: 11, rkey: 11 };
+                let addr = buf_addr(SEND_DATA, g, r);
+                let b = Buf { addr, size: it.size, lkey: 11, rkey: 11, host: !run.gpu };
                 let posted = sender.isend(&fifo, &sstage, &mut sio, b, it.tag);
                 let posted = match posted {
                     Err(e) if wire.borrow().failing() => {
@@ -826,7 +848,7 @@ fn a_quiet_wait_probes_the_peer_and_only_a_dead_peer_fails() {
     let mut receiver = RecvCore::new(params, (FIFO, 13));
     let wire = RefCell::new(Wire::new(1));
     let mut rio = Io { wire: &wire, mem: &mem, side: 1, depth: RECV_SEND_QUEUE };
-    let buf = Buf { addr: RECV_DATA, size: 4096, lkey: 12, rkey: 12 };
+    let buf = Buf { addr: RECV_DATA, size: 4096, lkey: 12, rkey: 12, host: true };
     let id = receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
     let probes = |w: &RefCell<Wire>| {
         w.borrow().sq[1][0].iter().filter(|q| wr_kind(q.wr.wr_id) == WR_PROBE).count()
