@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GPU-side checks for ferroce. Run only on a machine with an NVIDIA GPU and its driver; no RDMA
-# NIC and no network access are needed. Needs a C compiler and, for part (b), an NCCL
-# installation (a PyTorch environment has one: nvidia-nccl-cu12).
+# GPU-side checks for ferroce. Run only on a machine with an NVIDIA GPU and its driver; no network
+# access is needed, and an RDMA NIC only for part (c) (without one it is skipped). Needs a C
+# compiler and, for part (b), an NCCL installation (a PyTorch environment has one:
+# nvidia-nccl-cu12).
 #
 #   ci/gpu-check.sh [PLUGIN_DIR]     PLUGIN_DIR holds libnccl-net-ferroce.so (default
 #                                    target/release, from ci/build.sh); NCCL_LIB=/path/to/
@@ -14,8 +15,12 @@
 #      ([0, size) at iova = ptr), also for a sub-range starting one GPU page in; the fd closes.
 #  (b) NCCL: the real NCCL loads ferroce by NCCL_NET_PLUGIN=ferroce, ferroce says why it has no
 #      RDMA device, and NCCL falls back to another network without crashing.
-# It cannot prove a GPUDirect transfer: that needs an RDMA NIC. Record the result (GPU, driver,
-# NCCL version, the dma-buf sizes) in README's GPUDirect section.
+#  (c) send from GPU memory: ferroce (ncclNet v12) connects device 0 to itself, registers
+#      cuMemAlloc'd memory (regMrDmaBuf, else regMr NCCL_PTR_CUDA) and sends 8, 256 and 4096 B
+#      from it into host memory, byte-exact; a CPU read of GPU memory (say, a small send
+#      inlined) dies with SIGSEGV here. Needs an RDMA NIC; without one it is SKIPPED.
+# (a) and (b) cannot prove a GPUDirect transfer; (c) does, on a host with an RDMA NIC. Record the
+# result (GPU, driver, NCCL version, the dma-buf sizes, the NIC) in README's GPUDirect section.
 #
 # Exit: 0 all checks passed, 1 a check failed, 2 nothing failed but a part was skipped.
 main() {
@@ -72,7 +77,7 @@ main() {
 
   echo "=== gpu-check: compiling ci/gpu/gpu_check.c"
   local bin=$work/gpu_check
-  cc -O1 -Wall -Werror -o "$bin" ci/gpu/gpu_check.c -ldl
+  cc -O1 -Wall -Werror -I include -o "$bin" ci/gpu/gpu_check.c -ldl
 
   echo "=== gpu-check: (a) dma-buf export of GPU memory"
   local rc=0 log=$work/dmabuf.log
@@ -102,6 +107,13 @@ main() {
   else
     skip "(b) ferroce under NCCL: no libnccl.so.2 found (set NCCL_LIB)"
   fi
+
+  echo "=== gpu-check: (c) send from GPU memory through the plugin"
+  rc=0 log=$work/send.log
+  LD_LIBRARY_PATH="$plugin_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    timeout -k 10 120 "$bin" send "$plugin" >"$log" 2>&1 || rc=$?
+  cat "$log"
+  verdict "(c) send from GPU memory through the plugin" "$rc" "$log"
 
   echo
   echo "=== gpu-check summary (logs and binary in $work)"

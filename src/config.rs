@@ -33,6 +33,7 @@ macro_rules! knobs {
 
 knobs! {
     "NCCL_IB_HCA", "(all devices)", "device/port filter, NCCL syntax: [^][=]name[:port[:rail[:plane]]],...";
+    "NCCL_IB_MERGE_VFS", "1", "1: the virtual functions of one NIC share its pciPath, so NCCL's topology places them as one card; 0: each VF keeps its own (the PCI function digit is merged either way)";
     "NCCL_IB_GID_INDEX", "-1", "GID index for every device; -1 chooses automatically";
     "FERROCE_GID_INDEX", "(unset)", "per-device GID index, e.g. rxe0:1,rxe1:3; wins over NCCL_IB_GID_INDEX";
     "FERROCE_GID_NETDEV", "(unset)", "only GIDs on these interfaces, e.g. eth2,eth3";
@@ -54,7 +55,7 @@ knobs! {
     "FERROCE_SPORT_SPREAD", "1", "1: the connections of a process to one peer get disjoint port blocks (each direction its own half of the range); 0: every connection uses base+i";
     "NCCL_IB_TC", "-1", "traffic class (DSCP << 2 | ECN) of the data QPs; -1: the communicator's, else 0";
     "NCCL_IB_FIFO_TC", "-1", "traffic class of the receiver's control (CTS) writes; -1: the data one";
-    "NCCL_IB_SL", "-1", "service level; -1: 0";
+    "NCCL_IB_SL", "-1", "service level; -1: the communicator's traffic class (the SL field's 4 bits of it), else 0";
     "NCCL_SOCKET_IFNAME", "(the GID's interface)", "interfaces for the connection-setup listener, NCCL syntax: prefixes, =exact, ^exclude, lists";
     "FERROCE_SETUP_TIMEOUT_MS", "120000", "deadline of each connection-setup step (TCP connect, each handshake message, waiting for a peer)";
     "FERROCE_FORCE_FLUSH", "0", "1: iflush issues the GPUDirect RDMA-read flush even for host memory (testing)";
@@ -98,6 +99,8 @@ impl Cidr {
 #[derive(Clone, Debug)]
 pub struct Config {
     pub ib_hca: HcaFilter,
+    /// `NCCL_IB_MERGE_VFS`: the pciPath NCCL is told also merges a VF into its card.
+    pub merge_vfs: bool,
     pub gid_index: Option<u8>,
     pub gid_index_per_dev: Vec<(String, u8)>,
     pub gid_netdevs: Vec<String>,
@@ -119,7 +122,8 @@ pub struct Config {
     pub sport_spread: bool,
     pub tc: Option<u8>,
     pub fifo_tc: Option<u8>,
-    pub sl: u8,
+    /// `NCCL_IB_SL`; `None`: the communicator's traffic class, else 0 (NCCL's rule).
+    pub sl: Option<u8>,
     /// `NCCL_SOCKET_IFNAME`, in NCCL's list syntax (prefixes, `=` exact, `^` exclude).
     pub socket_ifname: Option<HcaFilter>,
     pub setup_timeout: Duration,
@@ -231,6 +235,7 @@ impl Config {
             "NCCL_IB_HCA",
             if ib_hca.is_empty() { "(all devices)".into() } else { ib_hca.raw.clone() },
         );
+        let merge_vfs = r.int("NCCL_IB_MERGE_VFS", 1u8, 0..=1)? == 1;
         let gid_index = u8::try_from(r.int("NCCL_IB_GID_INDEX", -1i32, -1..=255)?).ok();
         let mut gid_index_per_dev = Vec::new();
         for item in r.list("FERROCE_GID_INDEX") {
@@ -343,7 +348,7 @@ impl Config {
         let sport_spread = r.int("FERROCE_SPORT_SPREAD", 1u8, 0..=1)? == 1;
         let tc = r.tc("NCCL_IB_TC")?;
         let fifo_tc = r.tc("NCCL_IB_FIFO_TC")?;
-        let sl = u8::try_from(r.int("NCCL_IB_SL", -1i32, -1..=15)?).unwrap_or(0);
+        let sl = u8::try_from(r.int("NCCL_IB_SL", -1i32, -1..=15)?).ok();
         let socket_ifname = match r.raw("NCCL_SOCKET_IFNAME") {
             None => None,
             Some(v) => Some(parse_ifname(&v)?),
@@ -363,6 +368,7 @@ impl Config {
         effective.sort_by_key(|(k, _)| KNOBS.iter().position(|d| d.name == *k));
         Ok(Config {
             ib_hca,
+            merge_vfs,
             gid_index,
             gid_index_per_dev,
             gid_netdevs,
@@ -509,7 +515,7 @@ mod tests {
         );
         assert_eq!(
             (d.tc, d.fifo_tc, d.sl, d.addr_family, d.roce_version),
-            (None, None, 0, Family::V4, 2)
+            (None, None, None, Family::V4, 2)
         );
         assert_eq!(d.setup_timeout, Duration::from_secs(120));
         assert_eq!(d.probe_interval, Duration::from_secs(5));
@@ -517,6 +523,8 @@ mod tests {
         let c = with("FERROCE_STATS_INTERVAL_S", "30").unwrap();
         assert_eq!(c.stats_interval, Some(Duration::from_secs(30)));
         assert_eq!((d.dmabuf_enable, d.gdr_flush_disable, d.relaxed_ordering), (true, false, 2));
+        assert!(d.merge_vfs);
+        assert!(!with("NCCL_IB_MERGE_VFS", "0").unwrap().merge_vfs);
         // 2 x (4.096 us x 2^20 x 8) + 10 s
         assert_eq!(d.progress_timeout.as_millis(), 2 * 34_359_738 / 1000 + 10_000);
         assert!(d.warnings.is_empty());
@@ -569,6 +577,8 @@ mod tests {
             ("NCCL_DMABUF_ENABLE", "2"),
             ("NCCL_GDR_FLUSH_DISABLE", "-1"),
             ("NCCL_IB_PCI_RELAXED_ORDERING", "3"),
+            ("NCCL_IB_MERGE_VFS", "yes"),
+            ("NCCL_IB_MERGE_VFS", "2"),
         ] {
             let e = with(k, v).unwrap_err().to_string();
             assert!(e.contains(k) && e.contains(v), "{k}={v}: {e}");
@@ -684,7 +694,7 @@ mod tests {
         let r = with("NCCL_IB_ADDR_RANGE", "fd00::/8").unwrap().addr_range.unwrap();
         assert!(r.contains("fd12::1".parse().unwrap()) && !r.contains("fe80::1".parse().unwrap()));
         assert_eq!(with("NCCL_IB_TC", "106").unwrap().tc, Some(106));
-        assert_eq!(with("NCCL_IB_SL", "3").unwrap().sl, 3);
+        assert_eq!(with("NCCL_IB_SL", "3").unwrap().sl, Some(3));
         assert_eq!(
             with("FERROCE_PROGRESS_TIMEOUT_MS", "1500").unwrap().progress_timeout.as_millis(),
             1500

@@ -35,6 +35,9 @@ pub enum Error {
     Remote(String),
     /// An argument this device cannot take (a memory type `ptrSupport` does not list).
     InvalidArgument(String),
+    /// A call NCCL's own transport answers with `ncclInvalidUsage` (a device index out of
+    /// range).
+    InvalidUsage(String),
 }
 
 impl Error {
@@ -62,6 +65,7 @@ impl Error {
             Error::Local(why) => Error::Local(format!("{what}: {why}")),
             Error::Remote(why) => Error::Remote(format!("{what}: {why}")),
             Error::InvalidArgument(why) => Error::InvalidArgument(format!("{what}: {why}")),
+            Error::InvalidUsage(why) => Error::InvalidUsage(format!("{what}: {why}")),
         }
     }
 }
@@ -82,6 +86,7 @@ impl fmt::Display for Error {
             Error::Internal(what) => write!(f, "internal error: {what}"),
             Error::Local(what) | Error::Remote(what) => write!(f, "{what}"),
             Error::InvalidArgument(what) => write!(f, "invalid argument: {what}"),
+            Error::InvalidUsage(what) => write!(f, "invalid usage: {what}"),
         }
     }
 }

@@ -8,6 +8,8 @@
 //!
 //! Scenarios:
 //! - the sender is killed while the receiver has a receive pending;
+//! - the sender is killed while the receiver has only optional (LL/LL128) receives outstanding,
+//!   each complete at once, and keeps calling `irecv` and `test` as NCCL's proxy does;
 //! - the receiver is killed while the sender waits for a CTS, and while its writes are in flight;
 //! - the receiver is stopped (SIGSTOP) for 60 s while the sender waits for a CTS, and the sender
 //!   while the receiver waits for data: no error, and the data completes after SIGCONT.
@@ -56,8 +58,9 @@ fn byte(m: usize, i: usize) -> u8 {
     (m.wrapping_mul(131) ^ i.wrapping_mul(7) ^ (i >> 9)) as u8
 }
 
-/// Commands on stdin (`POST n`, `SEND n size`, `CLOSE`), events on stdout (`HANDLE`, `POSTED`,
-/// `COMPLETED k`, `ERROR ms text`, `CLEAN ...`).
+/// Commands on stdin (`POST n`, `SEND n size`, `LL`, `CLOSE`), events on stdout (`HANDLE`,
+/// `POSTED`, `COMPLETED k`, `ERROR ms text`, `CLEAN ...`). After `LL` the receiver posts
+/// optional receives whenever the plugin takes one, as NCCL's proxy does for LL steps.
 fn role(sender: bool, handle: Option<&String>) -> Result<(), String> {
     let say = |s: String| {
         println!("{s}");
@@ -101,6 +104,7 @@ fn role(sender: bool, handle: Option<&String>) -> Result<(), String> {
     let mut pending: VecDeque<(usize, usize, Ptr)> = VecDeque::new();
     let mut to_send: VecDeque<(usize, usize)> = VecDeque::new();
     let (mut next, mut done) = (0usize, 0usize);
+    let mut ll = false;
     let mut since = Instant::now();
     let slot = |m: usize| (m % 4) * BIG;
     loop {
@@ -132,6 +136,7 @@ fn role(sender: bool, handle: Option<&String>) -> Result<(), String> {
                             next += 1;
                         }
                     }
+                    ["LL"] => ll = true,
                     ["CLOSE"] => break,
                     _ => return Err(format!("bad command {l:?}")),
                 }
@@ -140,6 +145,13 @@ fn role(sender: bool, handle: Option<&String>) -> Result<(), String> {
             Err(TryRecvError::Disconnected) => return Err("the orchestrator went away".into()),
         }
         let step = (|| -> Result<(), String> {
+            if ll {
+                let p = buf[slot(next)..].as_mut_ptr();
+                if let Some(r) = drv.irecv(comm, &[p], &[SIZE], &[0], &[mh], true)? {
+                    pending.push_back((next, SIZE, r));
+                    next += 1;
+                }
+            }
             if let Some(&(m, size)) = to_send.front() {
                 let p = buf[slot(m)..].as_mut_ptr();
                 if let Some(r) = drv.isend(comm, p, size, 0, mh)? {
@@ -152,7 +164,8 @@ fn role(sender: bool, handle: Option<&String>) -> Result<(), String> {
                 && let Some(sizes) = drv.test(r)?
             {
                 pending.pop_front();
-                if !sender {
+                // An optional receive is done at once; NCCL would watch its data's flags.
+                if !sender && !ll {
                     let got = sizes[0] as usize;
                     let bad = (0..got).position(|i| buf[slot(m) + i] != byte(m, i));
                     if got != SIZE && got != BIG || bad.is_some() {
@@ -279,8 +292,9 @@ fn orchestrate() -> Result<(), String> {
     require_vm();
     let base = rdma_resources()?;
     type Scenario = fn() -> Result<(), String>;
-    let scenarios: [(&str, Scenario); 5] = [
+    let scenarios: [(&str, Scenario); 6] = [
         ("sender killed while a receive is pending", sender_killed),
+        ("sender killed while only optional receives are outstanding", sender_killed_ll),
         ("receiver killed while the sender waits for a CTS", receiver_killed_before_cts),
         ("receiver killed while writes are in flight", receiver_killed_in_flight),
         ("receiver stopped 60 s while the sender waits", receiver_stopped),
@@ -318,6 +332,19 @@ fn sender_killed() -> Result<(), String> {
     send.signal("-KILL")?;
     let t = Instant::now();
     expect_error(&recv, t, "sender killed")?;
+    drop(send);
+    recv.close()
+}
+
+/// The receiver has only optional receives outstanding (each complete at once) and keeps
+/// calling irecv and test; the sender dies: the next of those calls fails within the bound.
+fn sender_killed_ll() -> Result<(), String> {
+    let (mut recv, send) = pair()?;
+    recv.tell("LL")?;
+    recv.expect("COMPLETED 1", BOUND)?;
+    send.signal("-KILL")?;
+    let t = Instant::now();
+    expect_error(&recv, t, "sender of optional receives killed")?;
     drop(send);
     recv.close()
 }

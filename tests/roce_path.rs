@@ -154,13 +154,27 @@ fn dscp_on_the_wire_matches_the_traffic_class_knobs() {
     // NCCL_IB_TC for data, NCCL_IB_FIFO_TC for the receiver's control writes and ACKs.
     set_env(&[("NCCL_IB_TC", Some("104")), ("NCCL_IB_FIFO_TC", Some("184"))]);
     let cap = Capture::start("vethA");
-    traffic(65536, 4, -1);
+    let knob_info = traffic(65536, 4, -1);
     let pkts = cap.stop();
     set_env(&[("NCCL_IB_TC", None), ("NCCL_IB_FIFO_TC", None)]);
-    // The communicator's traffic class (v11+ config) when NCCL_IB_TC is unset.
+    // The communicator's traffic class (v11+ config) when NCCL_IB_TC is unset; with
+    // NCCL_IB_SL unset it is the service level too (its 4 bits: 72 & 15 = 8), as in NCCL.
     let cap = Capture::start("vethA");
-    traffic(65536, 4, 72);
+    let comm_info = traffic(65536, 4, 72);
     let comm = cap.stop();
+    set_env(&[("NCCL_IB_SL", Some("3"))]);
+    let sl_info = traffic(4096, 1, 72);
+    set_env(&[("NCCL_IB_SL", None)]);
+    let sl_of = |info: &[String]| {
+        let line = info.iter().find(|l| l.contains("connected to")).expect("connection line");
+        line.split(", sl ").nth(1).and_then(|r| r.split(',').next()).unwrap_or("").to_string()
+    };
+    let sls = [sl_of(&knob_info), sl_of(&comm_info), sl_of(&sl_info)];
+    eprintln!(
+        "service levels logged: no comm tc {}, comm tc 72 {}, NCCL_IB_SL=3 {}",
+        sls[0], sls[1], sls[2]
+    );
+    assert_eq!(sls, ["0", "8", "3"], "SL: 0 by default, the comm's traffic class, the knob");
     let tos = |pkts: &[Packet], src: [u8; 4]| {
         let mut t: Vec<u8> = pkts.iter().filter(|p| p.src == src).map(|p| p.tos).collect();
         t.sort();

@@ -16,7 +16,9 @@ pub fn code(e: &Error) -> ncclResult_t {
         Error::Verbs { .. } | Error::Os { .. } | Error::Local(_) => ncclResult_t::ncclSystemError,
         Error::Internal(_) => ncclResult_t::ncclInternalError,
         Error::InvalidArgument(_) => ncclResult_t::ncclInvalidArgument,
-        Error::Config { .. } | Error::NoDevice(_) => ncclResult_t::ncclInvalidUsage,
+        Error::Config { .. } | Error::NoDevice(_) | Error::InvalidUsage(_) => {
+            ncclResult_t::ncclInvalidUsage
+        }
         Error::Remote(_) => ncclResult_t::ncclRemoteError,
     }
 }

@@ -110,7 +110,7 @@ pub(super) fn properties(dev: c_int) -> Result<ncclNetProperties_v12_t> {
         regIsGlobal: 1,
         forceFlush: 0,
         speed: d.speed_mbps,
-        port: d.port.into(),
+        port: d.nccl_port,
         latency: 0.0,
         maxComms: d.max_qp,
         maxRecvs: MAX_RECVS as c_int,

@@ -122,7 +122,7 @@ impl Drain for RecvDrain<'_> {
         self.core.complete(c, self.sizes)
     }
     fn idle(&mut self, now: Duration, elsewhere: Option<Fault>, io: &mut Qps) -> Result<()> {
-        self.core.idle(now, elsewhere, io)
+        self.core.idle(now, elsewhere, io, self.sizes)
     }
 }
 
@@ -226,6 +226,7 @@ fn params(net: &Net, qps: &[Qp], split: bool, max_msg: u64, path: &Path) -> Para
         max_inline: qps.iter().map(Qp::max_inline).min().unwrap_or(0),
         progress_timeout: net.config.progress_timeout,
         probe_interval: net.config.probe_interval,
+        mark: super::proto::MARK_BYTES,
         path: path.clone(),
     }
 }
@@ -318,6 +319,9 @@ impl SendComm {
     pub fn isend(&mut self, buf: Buf, tag: i32) -> Result<Option<usize>> {
         let mut io = Qps { qps: &self.qps, flush: None };
         let r = self.core.isend(&self.fifo, &self.sizes_stage, &mut io, buf, tag)?;
+        if let Some(w) = self.core.take_warning() {
+            log::warn!("{w}");
+        }
         if r.is_none() {
             self.progress()?; // what frees a slot or the send queue is a completion
         }
@@ -455,6 +459,11 @@ impl RecvComm {
     /// Posts `bufs` (with their tags) as one multi-receive; `optional`: NCCL needs no
     /// completion. `Ok(None)`: all slots busy.
     pub fn irecv(&mut self, bufs: &[(Buf, i32)], optional: bool) -> Result<Option<usize>> {
+        // With optional receives outstanding, a later irecv may be NCCL's only call on this
+        // comm for a while: it polls, so that a dead sender surfaces here.
+        if self.core.awaits_acks(&self.sizes) {
+            self.progress()?;
+        }
         let mut io = Qps { qps: &self.qps, flush: None };
         let r = self.core.irecv(&self.cts_stage, &self.sizes, &mut io, bufs, optional)?;
         if r.is_none() {
@@ -488,7 +497,7 @@ impl RecvComm {
     /// Receive request `id` (`< SLOTS`) or flush request (`FLUSH_BASE..`): `Some(n)` once
     /// done, with the `n` received sizes in `sizes`.
     pub fn test(&mut self, id: usize, sizes: &mut [u64; MAX_RECVS]) -> Result<Option<usize>> {
-        if self.core.pending(id) {
+        if self.core.pending(id) || self.core.awaits_acks(&self.sizes) {
             self.progress()?;
         }
         self.core.test(id, sizes)

@@ -2,11 +2,16 @@
 //! net device, in a stable order (device name, then port) so that every rank numbers its
 //! devices the same way.
 //!
+//! What NCCL's topology search is told about each device (`pciPath`, `port`, `speed`) follows
+//! NCCL's own IB transport exactly ([`nccl_places`], [`nccl_speed_mbps`]), so NCCL places and
+//! weighs ferroce's NICs as it would its own.
+//!
 //! When nothing is usable, discovery fails with one message that says why (no device at all,
 //! everything filtered out by `NCCL_IB_HCA`, or no ACTIVE port), so NCCL's fallback to another
 //! transport is explained instead of silent.
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -22,15 +27,21 @@ use crate::verbs::{self, LinkLayer, Mr, Pd, PortState};
 pub struct NetDevice {
     /// The name NCCL sees; unique among the devices (see [`unique_names`]).
     pub name: String,
+    /// The verbs port number, which the QPs are set up on.
     pub port: u8,
+    /// The port number NCCL is told: `port` plus the earlier devices on the same card (see
+    /// [`nccl_places`]).
+    pub nccl_port: i32,
     pub ctx: Arc<verbs::Context>,
     pub guid: u64,
+    /// As NCCL's IB transport computes it ([`nccl_speed_mbps`]).
     pub speed_mbps: i32,
     pub max_qp: i32,
     pub link_layer: LinkLayer,
     pub active_mtu: u32,
     pub max_msg_sz: u32,
-    /// Realpath of the PCI function, or of the device's sysfs dir when it has no PCI parent.
+    /// The pciPath NCCL is told: the card's merged PCI path, or the device's own sysfs dir when
+    /// it has no PCI parent (see [`read_places`]).
     pub pci_path: Option<String>,
     pub rail: Option<i16>,
     pub plane: Option<i16>,
@@ -273,18 +284,102 @@ pub fn unique_names(kept: &[(String, u8)]) -> Vec<String> {
         .collect()
 }
 
-/// Port speed in Mbps from `active_speed` × `active_width` (verbs encodings: the lowest set bit
-/// selects the per-lane rate and the lane count). Unknown encodings give 0, which NCCL treats
-/// as its default.
-pub fn speed_mbps(active_speed: u8, active_width: u8) -> i32 {
-    const LANE_MBPS: [i32; 8] = [2500, 5000, 10000, 10000, 14000, 25000, 50000, 100000];
-    const LANES: [i32; 5] = [1, 4, 8, 12, 2];
-    let lane = LANE_MBPS.get(active_speed.trailing_zeros() as usize);
-    let width = LANES.get(active_width.trailing_zeros() as usize);
-    match (lane, width) {
-        (Some(l), Some(w)) => l * w,
-        _ => 0,
+/// Per-lane rate in Mbps of the verbs speed codes, by their lowest set bit: SDR, DDR, QDR,
+/// FDR10, FDR, EDR, HDR, NDR, XDR.
+const LANE_MBPS: [i32; 9] = [2500, 5000, 10000, 10000, 14000, 25000, 50000, 100000, 200000];
+/// Lanes of the verbs width codes, by their lowest set bit: 1x, 4x, 8x, 12x, 2x.
+const LANES: [i32; 5] = [1, 4, 8, 12, 2];
+
+/// NCCL's index into a table of `len` entries for a verbs code: its lowest set bit among bits
+/// 0..len-2; any other code (0, or only higher bits) takes the last entry.
+pub fn nccl_table_index(code: u32, len: usize) -> usize {
+    (code.trailing_zeros() as usize).min(len - 1)
+}
+
+/// The port speed in Mbps, as NCCL's IB transport computes it: from `ibv_query_port_speed` (in
+/// units of 100 Mb/s) where the library has it and it succeeded, else per-lane rate × lanes,
+/// the rate coded by `active_speed_ex` when non-zero, else by `active_speed`.
+pub fn nccl_speed_mbps(
+    port_speed_100mbps: Option<u64>,
+    active_speed_ex: u32,
+    active_speed: u8,
+    active_width: u8,
+) -> i32 {
+    if let Some(s) = port_speed_100mbps {
+        return i32::try_from(s.saturating_mul(100)).unwrap_or(i32::MAX);
     }
+    let code = if active_speed_ex != 0 { active_speed_ex } else { active_speed.into() };
+    LANE_MBPS[nccl_table_index(code, LANE_MBPS.len())]
+        * LANES[nccl_table_index(active_width.into(), LANES.len())]
+}
+
+/// Where NCCL's topology search places a net device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NcclPlace {
+    /// The `pciPath` NCCL is told.
+    pub pci_path: Option<String>,
+    /// The `port` NCCL is told.
+    pub port: i32,
+}
+
+/// What NCCL's IB transport reports for each of `devs` (verbs port, realpath of the device's
+/// `device` link), given in NCCL's device order:
+/// - the path with its last character (the PCI function digit) set to `0`, so the ports and
+///   PFs of one card share a path; with `merge_vfs` also the two device digits before the
+///   `.`, so its VFs do too;
+/// - the verbs port plus the number of earlier devices on the same card, so the ports of one
+///   card stay distinct. Paths match on all but their last 4 characters with `merge_vfs`, else
+///   all but the last. A device with no path counts for none.
+pub fn nccl_places(devs: &[(u8, Option<&str>)], merge_vfs: bool) -> Vec<NcclPlace> {
+    let paths: Vec<Option<String>> =
+        devs.iter().map(|(_, p)| p.map(|p| merge_pci_path(p, merge_vfs))).collect();
+    let keep = if merge_vfs { 4 } else { 1 };
+    paths
+        .iter()
+        .zip(devs)
+        .enumerate()
+        .map(|(i, (path, (port, _)))| {
+            let earlier = path.as_deref().map_or(0, |p| {
+                let n = p.len().saturating_sub(keep);
+                paths[..i]
+                    .iter()
+                    .flatten()
+                    .filter(|q| q.as_bytes().get(..n) == Some(&p.as_bytes()[..n]))
+                    .count()
+            });
+            NcclPlace { pci_path: path.clone(), port: i32::from(*port) + earlier as i32 }
+        })
+        .collect()
+}
+
+/// `…/0000:3b:01.3` → `…/0000:3b:01.0`, or `…/0000:3b:00.0` with `merge_vfs`.
+fn merge_pci_path(path: &str, merge_vfs: bool) -> String {
+    let mut b = path.as_bytes().to_vec();
+    let n = b.len();
+    let digits: &[usize] = if merge_vfs { &[1, 3, 4] } else { &[1] };
+    for &back in digits.iter().filter(|&&back| back <= n) {
+        b[n - back] = b'0';
+    }
+    String::from_utf8_lossy(&b).into_owned()
+}
+
+/// [`nccl_places`] for `devs` (RDMA device, verbs port), reading each device's PCI function
+/// under the sysfs `root`. A device without one (rxe, siw) is where NCCL's own transport
+/// reports no path; it gets its own sysfs directory instead, unmerged, counted for no other
+/// device: one path per software device, and ports that stay their verbs ports.
+pub fn read_places(root: &Path, devs: &[(String, u8)], merge_vfs: bool) -> Vec<NcclPlace> {
+    let text = |p: std::path::PathBuf| p.to_string_lossy().into_owned();
+    let pci: Vec<Option<String>> =
+        devs.iter().map(|(dev, _)| verbs::sysfs::pci_function(root, dev).map(text)).collect();
+    let input: Vec<(u8, Option<&str>)> =
+        devs.iter().zip(&pci).map(|((_, port), p)| (*port, p.as_deref())).collect();
+    let mut places = nccl_places(&input, merge_vfs);
+    for (place, (dev, _)) in places.iter_mut().zip(devs) {
+        if place.pci_path.is_none() {
+            place.pci_path = verbs::sysfs::device_dir(root, dev).map(text);
+        }
+    }
+    places
 }
 
 /// Opens the RDMA devices and returns the usable ports as NCCL devices.
@@ -331,10 +426,12 @@ pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
     let keys: Vec<_> =
         usable.iter().map(|s| (ports[s.index].dev.clone(), ports[s.index].port)).collect();
     let names = unique_names(&keys);
+    let places = read_places(Path::new(verbs::sysfs::ROOT), &keys, config.merge_vfs);
     let devices = usable
         .into_iter()
         .zip(names)
-        .map(|(Selected { index: i, rail, plane }, name)| {
+        .zip(places)
+        .map(|((Selected { index: i, rail, plane }, name), place)| {
             let (ctx, attr, pa) = &found[i];
             let gid = choose_gid(&name, ctx, ports[i].port, pa.link_layer, config);
             let pd = Pd::new(ctx)?;
@@ -344,13 +441,18 @@ pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
                 gid: Mutex::new(gid),
                 flags: Arc::default(),
                 mrs: Mutex::new(MrCache::new(crate::os::page_size())),
-                pci_path: verbs::sysfs::device_path(ctx.name())
-                    .map(|p| p.to_string_lossy().into_owned()),
+                pci_path: place.pci_path,
                 name,
                 port: ports[i].port,
+                nccl_port: place.port,
+                speed_mbps: nccl_speed_mbps(
+                    ctx.query_port_speed(ports[i].port),
+                    pa.active_speed_ex,
+                    pa.active_speed,
+                    pa.active_width,
+                ),
                 ctx: ctx.clone(),
                 guid: attr.sys_image_guid,
-                speed_mbps: speed_mbps(pa.active_speed, pa.active_width),
                 max_qp: attr.max_qp,
                 link_layer: pa.link_layer,
                 active_mtu: pa.active_mtu,
@@ -492,14 +594,151 @@ mod tests {
     }
 
     #[test]
-    fn speed_is_rate_times_width() {
-        assert_eq!(speed_mbps(1, 1), 2500); // SDR 1x
-        assert_eq!(speed_mbps(4, 1), 10000); // QDR 1x (rxe)
-        assert_eq!(speed_mbps(32, 2), 100000); // EDR 4x
-        assert_eq!(speed_mbps(64, 2), 200000); // HDR 4x
-        assert_eq!(speed_mbps(128, 16), 200000); // NDR 2x
-        assert_eq!(speed_mbps(0, 1), 0);
-        assert_eq!(speed_mbps(1, 0), 0);
+    fn speed_is_what_nccl_computes() {
+        // ibv_query_port_speed, in units of 100 Mb/s, wins over the port attributes.
+        assert_eq!(nccl_speed_mbps(Some(4000), 0x100, 0, 2), 400000);
+        // XDR is only in active_speed_ex (bit 8); 4x.
+        assert_eq!(nccl_speed_mbps(None, 0x100, 0, 2), 800000);
+        // active_speed_ex, when set, wins over active_speed.
+        assert_eq!(nccl_speed_mbps(None, 32, 64, 2), 100000);
+        assert_eq!(nccl_speed_mbps(None, 0, 128, 2), 400000); // NDR 4x
+        assert_eq!(nccl_speed_mbps(None, 0, 128, 16), 200000); // NDR 2x
+        assert_eq!(nccl_speed_mbps(None, 0, 64, 2), 200000); // HDR 4x
+        assert_eq!(nccl_speed_mbps(None, 0, 32, 2), 100000); // EDR 4x
+        assert_eq!(nccl_speed_mbps(None, 0, 32, 8), 300000); // EDR 12x
+        assert_eq!(nccl_speed_mbps(None, 0, 8, 1), 10000); // FDR10 1x (rxe on a 10G veth)
+        assert_eq!(nccl_speed_mbps(None, 0, 4, 1), 10000); // QDR 1x
+        assert_eq!(nccl_speed_mbps(None, 0, 1, 1), 2500); // SDR 1x
+        // Unknown codes take the last entry: XDR per lane, 2 lanes.
+        assert_eq!(nccl_speed_mbps(None, 0, 0, 1), 200000);
+        assert_eq!(nccl_speed_mbps(None, 0x200, 0, 2), 800000);
+        assert_eq!(nccl_speed_mbps(None, 0, 1, 0), 5000);
+        assert_eq!(nccl_speed_mbps(None, 0, 1, 32), 5000);
+    }
+
+    #[test]
+    fn one_card_with_two_ports_in_one_function_reports_ports_1_and_3() {
+        let p = "/sys/devices/pci0000:00/0000:00:02.0/0000:3b:00.0";
+        let got = nccl_places(&[(1, Some(p)), (2, Some(p))], true);
+        let port = |port| NcclPlace { pci_path: Some(p.into()), port };
+        assert_eq!(got, [port(1), port(3)]);
+        // NCCL has no path for a device without a `device` link, and counts it for none.
+        let got = nccl_places(&[(1, None), (1, None)], true);
+        assert_eq!(
+            got,
+            [NcclPlace { pci_path: None, port: 1 }, NcclPlace { pci_path: None, port: 1 }]
+        );
+    }
+
+    /// A sysfs tree under a fresh temporary directory, removed on drop.
+    struct FakeSys(std::path::PathBuf);
+
+    impl FakeSys {
+        fn new(tag: &str) -> FakeSys {
+            let root =
+                std::env::temp_dir().join(format!("ferroce-sysfs-{}-{tag}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&root);
+            std::fs::create_dir_all(root.join("class/infiniband")).unwrap();
+            // Canonical, so expected paths compare with realpaths.
+            FakeSys(std::fs::canonicalize(root).unwrap())
+        }
+
+        /// `dev` is a PCI device at function `f` (e.g. `0000:3b:00.1`).
+        fn pci(&self, dev: &str, f: &str) -> &Self {
+            let function = self.0.join("devices/pci0000:00/0000:00:02.0").join(f);
+            let dir = self.0.join("class/infiniband").join(dev);
+            std::fs::create_dir_all(&function).unwrap();
+            std::fs::create_dir_all(&dir).unwrap();
+            std::os::unix::fs::symlink(function, dir.join("device")).unwrap();
+            self
+        }
+
+        /// `dev` is a software device (no `device` link), as rxe is.
+        fn software(&self, dev: &str) -> &Self {
+            let dir = self.0.join("devices/virtual/infiniband").join(dev);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::os::unix::fs::symlink(dir, self.0.join("class/infiniband").join(dev)).unwrap();
+            self
+        }
+
+        fn places(&self, devs: &[(&str, u8)], merge_vfs: bool) -> Vec<(String, i32)> {
+            let devs: Vec<(String, u8)> = devs.iter().map(|(d, p)| (d.to_string(), *p)).collect();
+            read_places(&self.0, &devs, merge_vfs)
+                .into_iter()
+                .map(|p| {
+                    let path = p.pci_path.unwrap();
+                    let rel = path.strip_prefix(&*self.0.to_string_lossy()).unwrap().to_string();
+                    (rel, p.port)
+                })
+                .collect()
+        }
+    }
+
+    impl Drop for FakeSys {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn place(path: &str, port: i32) -> (String, i32) {
+        (path.to_string(), port)
+    }
+
+    #[test]
+    fn the_two_pfs_of_a_dual_port_card_share_its_pci_path_and_number_their_ports() {
+        let sys = FakeSys::new("dual-pf");
+        sys.pci("mlx5_0", "0000:3b:00.0")
+            .pci("mlx5_1", "0000:3b:00.1")
+            .pci("mlx5_2", "0000:5e:00.0");
+        let devs = [("mlx5_0", 1), ("mlx5_1", 1), ("mlx5_2", 1)];
+        let want = [
+            place("/devices/pci0000:00/0000:00:02.0/0000:3b:00.0", 1),
+            place("/devices/pci0000:00/0000:00:02.0/0000:3b:00.0", 2),
+            place("/devices/pci0000:00/0000:00:02.0/0000:5e:00.0", 1),
+        ];
+        assert_eq!(sys.places(&devs, true), want);
+        assert_eq!(sys.places(&devs, false), want);
+    }
+
+    #[test]
+    fn vfs_merge_into_their_card_unless_nccl_ib_merge_vfs_is_0() {
+        let sys = FakeSys::new("vf");
+        sys.pci("mlx5_0", "0000:3b:00.0")
+            .pci("mlx5_2", "0000:3b:00.2")
+            .pci("mlx5_3", "0000:3b:01.3");
+        let devs = [("mlx5_0", 1), ("mlx5_2", 1), ("mlx5_3", 1)];
+        assert_eq!(
+            sys.places(&devs, true),
+            [
+                place("/devices/pci0000:00/0000:00:02.0/0000:3b:00.0", 1),
+                place("/devices/pci0000:00/0000:00:02.0/0000:3b:00.0", 2),
+                place("/devices/pci0000:00/0000:00:02.0/0000:3b:00.0", 3),
+            ]
+        );
+        assert_eq!(
+            sys.places(&devs, false),
+            [
+                place("/devices/pci0000:00/0000:00:02.0/0000:3b:00.0", 1),
+                place("/devices/pci0000:00/0000:00:02.0/0000:3b:00.0", 2),
+                place("/devices/pci0000:00/0000:00:02.0/0000:3b:01.0", 1),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_software_device_reports_its_own_sysfs_dir_unmerged_and_its_verbs_port() {
+        // NCCL's own transport would report no pciPath here; see read_places.
+        let sys = FakeSys::new("rxe");
+        sys.software("rxe0").software("rxe1").pci("mlx5_0", "0000:3b:00.1");
+        let devs = [("mlx5_0", 1), ("rxe0", 1), ("rxe1", 1)];
+        assert_eq!(
+            sys.places(&devs, true),
+            [
+                place("/devices/pci0000:00/0000:00:02.0/0000:3b:00.0", 1),
+                place("/devices/virtual/infiniband/rxe0", 1),
+                place("/devices/virtual/infiniband/rxe1", 1),
+            ]
+        );
     }
 
     #[test]

@@ -224,7 +224,7 @@ impl Net {
 
     pub fn device(&self, dev: i32) -> Result<&NetDevice> {
         usize::try_from(dev).ok().and_then(|d| self.devices.get(d)).ok_or_else(|| {
-            Error::Internal(format!("device {dev} out of range (have {})", self.devices.len()))
+            Error::InvalidUsage(format!("device {dev} out of range (have {})", self.devices.len()))
         })
     }
 }

@@ -70,6 +70,12 @@ pub const WR_CTS: u64 = 2 << 32;
 pub const WR_RECV: u64 = 3 << 32;
 pub const WR_FLUSH: u64 = 4 << 32;
 pub const WR_PROBE: u64 = 5 << 32;
+/// A signaled data write in the middle of a long chain: progress the watchdog and the prober
+/// can see while a large message is still on the wire.
+pub const WR_MARK: u64 = 6 << 32;
+/// The most bytes a lane sends between completions: a data write that reaches this many bytes
+/// since the lane's last completion is signaled (a [`WR_MARK`]), and no single write is larger.
+pub const MARK_BYTES: u64 = 8 << 20;
 
 fn wr_id(kind: u64, lane: usize, slot: usize) -> u64 {
     kind | (lane as u64 & 0xff) << 8 | slot as u64 & 0xff
@@ -516,6 +522,9 @@ pub struct Params {
     pub progress_timeout: Duration,
     /// Probe a quiet peer after this long (`FERROCE_PROBE_INTERVAL_MS`).
     pub probe_interval: Duration,
+    /// Signal a lane's data write at least every this many bytes ([`MARK_BYTES`]), so that a
+    /// long message on a slow link shows progress instead of looking like a dead peer.
+    pub mark: u64,
     pub path: Path,
 }
 
@@ -558,12 +567,16 @@ pub struct SendCore {
     /// Where chains are built before posting.
     chain: Box<[SendWr; MAX_CHAIN]>,
     health: Health,
+    /// A send of this comm was truncated (reported once), and the report not yet taken.
+    truncated: bool,
+    warning: Option<String>,
 }
 
 impl SendCore {
     pub fn new(mut p: Params, remote_sizes: (u64, u32)) -> SendCore {
         p.split = p.split && p.nqps > 1;
-        p.max_msg = p.max_msg.max(4096);
+        p.mark = p.mark.max(4096);
+        p.max_msg = p.max_msg.max(4096).min(p.mark);
         let health = Health::new(&p);
         SendCore {
             reqs: [SendReq::default(); SLOTS * MAX_RECVS],
@@ -576,8 +589,15 @@ impl SendCore {
             in_flight: 0,
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
             health,
+            truncated: false,
+            warning: None,
             p,
         }
+    }
+
+    /// A warning for the log, once, when a send was truncated.
+    pub fn take_warning(&mut self) -> Option<String> {
+        self.warning.take()
     }
 
     pub fn check(&self) -> Result<()> {
@@ -632,11 +652,20 @@ impl SendCore {
         let Some(r) = (0..nreqs).find(|&r| s.matched & (1 << r) == 0 && row[r].tag == tag) else {
             return Ok(None);
         };
+        // A send larger than its receive is cut to the receive's size, as NCCL's transport
+        // does; the first of a comm is reported (once: a mismatch repeats every step).
+        let mut buf = buf;
         if buf.size > row[r].size {
-            return Err(Error::Internal(format!(
-                "send of {} bytes (tag {tag}) to {} is larger than the posted receive of {} bytes",
-                buf.size, self.p.path.peer, row[r].size
-            )));
+            if !self.truncated {
+                self.truncated = true;
+                self.warning = Some(format!(
+                    "send of {} bytes (tag {tag}) to {} is larger than the posted receive of {} \
+                     bytes: truncated to {} bytes, as NCCL's own transport does (a size mismatch \
+                     between the ranks' calls; later truncations on this comm are not reported)",
+                    buf.size, self.p.path.peer, row[r].size, row[r].size
+                ));
+            }
+            buf.size = row[r].size;
         }
         let last = s.matched.count_ones() as usize + 1 == nreqs;
         let mut bufs = s.bufs;
@@ -715,6 +744,7 @@ impl SendCore {
             let id = wr_id(WR_SEND, q, slot);
             let mut chain = Chain::new(q, &mut self.chain);
             let mut data = 0;
+            let mut unmarked = 0;
             for (b, cts) in bufs.iter().zip(row) {
                 let Some(b) = b else { continue };
                 let (off, len) = lane_part(b.size, split, nqps, q);
@@ -722,16 +752,21 @@ impl SendCore {
                 while done < len {
                     let n = (len - done).min(max_msg);
                     let at = off + done;
+                    unmarked += n;
+                    let mark = unmarked >= self.p.mark;
+                    if mark {
+                        unmarked = 0;
+                    }
                     chain.push(
                         io,
                         SendWr {
-                            wr_id: id,
+                            wr_id: if mark { wr_id(WR_MARK, q, slot) } else { id },
                             op: Op::Write,
+                            signaled: mark,
                             local: Some((b.addr + at, n as u32, b.lkey)),
                             remote_addr: cts.addr + at,
                             rkey: cts.rkey,
                             inline: b.host && n <= u64::from(inline),
-                            ..SendWr::default()
                         },
                     )?;
                     done += n;
@@ -757,6 +792,7 @@ impl SendCore {
             match chain.last() {
                 Some(w) if single && data > 0 && w.op == Op::Write => {
                     w.op = Op::WriteImm(imm);
+                    w.wr_id = id;
                     w.signaled = true;
                 }
                 _ => chain.push(
@@ -843,8 +879,13 @@ impl SendCore {
 
     /// Takes in one completion of the comm's CQ.
     pub fn complete(&mut self, c: &Completion) {
-        if !self.health.completion(c) || wr_kind(c.wr_id) != WR_SEND {
+        if !self.health.completion(c) {
             return;
+        }
+        match wr_kind(c.wr_id) {
+            WR_SEND => {}
+            WR_MARK => return self.health.watchdog.completed(false),
+            _ => return,
         }
         let nqps = self.p.nqps;
         let (slot, q) = (wr_slot(c.wr_id), wr_lane(c.wr_id) % nqps);
@@ -927,6 +968,9 @@ pub struct RecvCore {
     remote_fifo: (u64, u32),
     /// Receives waiting for their data (kept, not scanned for, because every empty poll asks).
     waiting: usize,
+    /// The `idx` of the last optional receive posted: until the sender's ack word reaches it,
+    /// an optional receive's data may still be missing, and the receiver waits on its peer.
+    optional_idx: u64,
     health: Health,
 }
 
@@ -944,9 +988,16 @@ impl RecvCore {
             head: 0,
             remote_fifo,
             waiting: 0,
+            optional_idx: 0,
             health,
             p,
         }
+    }
+
+    /// Whether an optional receive (or a slot its ack word holds) still waits for the sender:
+    /// NCCL watches the data itself, but the comm must still notice a sender that died.
+    pub fn awaits_acks(&self, sizes: &impl Words) -> bool {
+        sizes.load(ACK_WORD) < self.optional_idx
     }
 
     pub fn check(&self) -> Result<()> {
@@ -1017,6 +1068,7 @@ impl RecvCore {
             let mut sizes = [0; MAX_RECVS];
             sizes[0] = bufs[0].0.size;
             self.health.traffic.messages += 1;
+            self.optional_idx = idx;
             RecvSlot { state: State::Done, n, ack_for: idx, imms: 0, sizes }
         } else {
             let imms = lanes.len() as u16;
@@ -1036,10 +1088,11 @@ impl RecvCore {
         scratch: (u64, u32),
     ) -> Result<usize> {
         self.check()?;
-        let k = self.flush_head % SLOTS;
-        if self.flushes[k] != State::Free {
-            return Err(Error::Internal(format!("more than {SLOTS} flushes outstanding")));
-        }
+        // The next free slot from the head: a flush NCCL has not tested yet holds only its own.
+        let k = (0..SLOTS)
+            .map(|i| (self.flush_head + i) % SLOTS)
+            .find(|&k| self.flushes[k] == State::Free)
+            .ok_or_else(|| Error::Internal(format!("more than {SLOTS} flushes outstanding")))?;
         let read = SendWr {
             wr_id: wr_id(WR_FLUSH, 0, k),
             op: Op::Read,
@@ -1052,7 +1105,7 @@ impl RecvCore {
         io.send(self.p.nqps, &[read]).map_err(|e| self.health.post_failed(e))?;
         self.health.watchdog.posted();
         self.flushes[k] = State::Pending;
-        self.flush_head += 1;
+        self.flush_head = k + 1;
         Ok(FLUSH_BASE + k)
     }
 
@@ -1100,14 +1153,16 @@ impl RecvCore {
     }
 
     /// After a poll found no more completions: as [`SendCore::idle`], waiting meaning a
-    /// receive whose data has not arrived.
+    /// receive whose data has not arrived, optional ones included (`sizes` holds their acks).
     pub fn idle(
         &mut self,
         now: Duration,
         elsewhere: Option<Fault>,
         io: &mut impl Post,
+        sizes: &impl Words,
     ) -> Result<()> {
-        self.health.probe(now, self.waiting > 0, io, self.remote_fifo)?;
+        let waiting = self.waiting > 0 || self.awaits_acks(sizes);
+        self.health.probe(now, waiting, io, self.remote_fifo)?;
         self.health.idle(now, elsewhere)
     }
 
@@ -1132,6 +1187,11 @@ impl RecvCore {
             }
             Some(State::Pending) => self.health.check().map(|_| None),
             Some(State::Done) if id < SLOTS => {
+                // An optional receive is "done" without its data: once the comm failed, its
+                // data may never come, and NCCL must hear so on its next call.
+                if self.slots[id].ack_for != 0 {
+                    self.health.check()?;
+                }
                 let s = &mut self.slots[id];
                 *sizes = s.sizes;
                 s.state = State::Free;

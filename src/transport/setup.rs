@@ -147,8 +147,9 @@ struct Policy {
 
 impl Policy {
     /// The connector's choice: `NCCL_IB_TC` if set, else the communicator's traffic class,
-    /// else 0 (NCCL's precedence); source ports from `ecmp`, for a connection from the address
-    /// `own` to `peer`.
+    /// else 0 (NCCL's precedence), and the same for `NCCL_IB_SL` (the communicator's traffic
+    /// class in the SL field's 4 bits, as a NIC takes NCCL's value); source ports from `ecmp`,
+    /// for a connection from the address `own` to `peer`.
     fn local(net: &Net, comm_tc: Option<u8>, own: IpAddr, peer: IpAddr) -> Policy {
         let c = &net.config;
         let nqps = c.qps_per_conn;
@@ -160,7 +161,8 @@ impl Policy {
         let mut sports = [0; MAX_QPS];
         sports[..nqps].copy_from_slice(&ports);
         let tc = c.tc.or(comm_tc).unwrap_or(0);
-        Policy { nqps, sports, split: c.split_data, tc, fifo_tc: c.fifo_tc.unwrap_or(tc), sl: c.sl }
+        let sl = c.sl.or(comm_tc.map(|t| t & 0xf)).unwrap_or(0);
+        Policy { nqps, sports, split: c.split_data, tc, fifo_tc: c.fifo_tc.unwrap_or(tc), sl }
     }
 
     fn of(m: &Msg) -> Policy {

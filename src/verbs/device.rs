@@ -1,11 +1,11 @@
 //! Device enumeration and queries: `ibv_get_device_list`, `ibv_open_device`,
-//! `ibv_query_device`, `ibv_query_port`, `ibv_query_gid`.
+//! `ibv_query_device`, `ibv_query_port`, `ibv_query_port_speed`, `ibv_query_gid`.
 //!
 //! Invariant: a [`Context`] is open from construction until `Drop`, which closes it exactly once.
 //! libibverbs documents these calls as thread-safe, so a `Context` may be shared between threads.
 
-use std::ffi::CStr;
-use std::mem::MaybeUninit;
+use std::ffi::{CStr, c_int};
+use std::mem::{MaybeUninit, offset_of, size_of};
 
 use rdma_sys as sys;
 
@@ -57,9 +57,62 @@ pub struct PortAttr {
     pub active_mtu: u32,
     pub max_mtu: u32,
     pub active_speed: u8,
+    /// The 32-bit speed code of newer kernels and libibverbs (XDR and beyond); 0 where either
+    /// lacks it, and then `active_speed` holds the speed.
+    pub active_speed_ex: u32,
     pub active_width: u8,
     pub gid_tbl_len: i32,
     pub max_msg_sz: u32,
+}
+
+/// `struct ibv_port_attr` as newer rdma-core lays it out: the 52 bytes rdma-sys knows (rdma-core
+/// 44's struct, ending with `port_cap_flags2`), then `active_speed_ex`.
+#[repr(C)]
+struct PortAttrEx {
+    base: sys::ibv_port_attr,
+    active_speed_ex: u32,
+}
+
+const _: () = assert!(size_of::<sys::ibv_port_attr>() == 52);
+const _: () = assert!(offset_of!(PortAttrEx, active_speed_ex) == 52);
+
+type QueryPortOp = unsafe extern "C" fn(
+    context: *mut sys::ibv_context,
+    port_num: u8,
+    port_attr: *mut sys::ibv_port_attr,
+    port_attr_len: usize,
+) -> c_int;
+
+/// The library's length-taking `query_port` in the context's `verbs_context`, found as verbs.h's
+/// inline `verbs_get_ctx_op` finds it; `None` for a context without one. rdma-sys's copy of that
+/// lookup is private, and compares the marker with `u32::MAX` where verbs.h has `UINTPTR_MAX`.
+///
+/// The op zeroes the whole buffer of the length given before the provider fills what it knows,
+/// and copies only that length out of a library-sized buffer when it is shorter, so a field the
+/// library does not have reads 0.
+///
+/// # Safety
+/// `ctx` is an open context.
+unsafe fn query_port_op(ctx: *mut sys::ibv_context) -> Option<QueryPortOp> {
+    // SAFETY: ctx is an open context, so its fields may be read.
+    if unsafe { (*ctx).abi_compat } as usize != usize::MAX {
+        return None;
+    }
+    // SAFETY: that marker says ctx is the `context` member of a `verbs_context` the library
+    // allocated, so stepping back by the member's offset stays inside that allocation.
+    let vctx = unsafe {
+        ctx.cast::<u8>().sub(offset_of!(sys::verbs_context, context)).cast::<sys::verbs_context>()
+    };
+    // `sz` (just before `context`, always present) counts the bytes the library filled in, from
+    // its oldest op to the end: the struct grows at the front, so a newer op is only there
+    // when `sz` reaches back to it.
+    let need = size_of::<sys::verbs_context>() - offset_of!(sys::verbs_context, query_port);
+    // SAFETY: as above; `sz` lies in every version of the struct.
+    if unsafe { (*vctx).sz } < need {
+        return None;
+    }
+    // SAFETY: `sz` says the `query_port` slot lies inside the library's struct.
+    unsafe { (*vctx).query_port }
 }
 
 pub(super) fn errno() -> i32 {
@@ -141,15 +194,29 @@ impl Context {
         })
     }
 
+    /// The port's attributes, with `active_speed_ex` where the library and kernel have it.
     pub fn query_port(&self, port: u8) -> Result<PortAttr> {
-        let mut attr = MaybeUninit::<sys::ibv_port_attr>::zeroed();
-        // SAFETY: raw is an open context and attr is a writable, correctly sized ibv_port_attr.
-        let rc = unsafe { sys::___ibv_query_port(self.raw, port, attr.as_mut_ptr()) };
+        let mut attr = MaybeUninit::<PortAttrEx>::zeroed();
+        let ptr = attr.as_mut_ptr();
+        // SAFETY: raw is an open context.
+        let op = unsafe { query_port_op(self.raw) };
+        // SAFETY: raw is open and ptr is a writable PortAttrEx of the length passed.
+        let ext = op.map(|op| unsafe { op(self.raw, port, ptr.cast(), size_of::<PortAttrEx>()) });
+        let rc = if ext == Some(0) {
+            0
+        } else {
+            // The fixed-size query; `active_speed_ex` stays 0.
+            // SAFETY: raw is open; `base` is a writable ibv_port_attr inside attr.
+            unsafe {
+                ptr.write_bytes(0, 1);
+                sys::___ibv_query_port(self.raw, port, &raw mut (*ptr).base)
+            }
+        };
         if rc != 0 {
             return Err(Error::verbs("ibv_query_port", rc, &format!("{} port {port}", self.name)));
         }
         // SAFETY: zero-initialised and filled by a successful query.
-        let a = unsafe { attr.assume_init() };
+        let PortAttrEx { base: a, active_speed_ex } = unsafe { attr.assume_init() };
         Ok(PortAttr {
             state: if a.state == sys::ibv_port_state::IBV_PORT_ACTIVE {
                 PortState::Active
@@ -164,10 +231,21 @@ impl Context {
             active_mtu: a.active_mtu,
             max_mtu: a.max_mtu,
             active_speed: a.active_speed,
+            active_speed_ex,
             active_width: a.active_width,
             gid_tbl_len: a.gid_tbl_len,
             max_msg_sz: a.max_msg_sz,
         })
+    }
+
+    /// The port's speed in units of 100 Mb/s from `ibv_query_port_speed`; `None` where the
+    /// library lacks it or it fails (then the speed comes from the port attributes).
+    pub fn query_port_speed(&self, port: u8) -> Option<u64> {
+        let f = super::SYMBOLS.query_port_speed?;
+        let mut speed = 0u64;
+        // SAFETY: raw is an open context, speed a writable u64; the symbol has this signature.
+        let rc = unsafe { f(self.raw, port.into(), &mut speed) };
+        (rc == 0).then_some(speed)
     }
 
     /// The raw 16-byte GID at `index` of `port`.

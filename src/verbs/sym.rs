@@ -1,5 +1,6 @@
 //! libibverbs entry points newer than the base ABI, resolved at run time: `ibv_reg_dmabuf_mr`
-//! (IBVERBS_1.12, rdma-core ≥ 34) and `ibv_reg_mr_iova2` (IBVERBS_1.8). Linking them directly
+//! (IBVERBS_1.12, rdma-core ≥ 34), `ibv_reg_mr_iova2` (IBVERBS_1.8) and
+//! `ibv_query_port_speed` (IBVERBS_1.16; Debian 12's rdma-core 44 lacks it). Linking them directly
 //! would stop the plugin from loading against an older libibverbs; resolved here, a missing
 //! one just means "unsupported".
 //!
@@ -30,9 +31,17 @@ pub type RegMrIova2 = unsafe extern "C" fn(
     access: c_uint,
 ) -> *mut sys::ibv_mr;
 
+/// Writes the port's speed in units of 100 Mb/s to `port_speed`; 0 on success, else an errno.
+pub type QueryPortSpeed = unsafe extern "C" fn(
+    context: *mut sys::ibv_context,
+    port_num: u32,
+    port_speed: *mut u64,
+) -> c_int;
+
 pub struct Symbols {
     pub reg_dmabuf_mr: Option<RegDmabufMr>,
     pub reg_mr_iova2: Option<RegMrIova2>,
+    pub query_port_speed: Option<QueryPortSpeed>,
 }
 
 pub static SYMBOLS: Lazy<Symbols> = Lazy::new(|| Symbols {
@@ -42,6 +51,9 @@ pub static SYMBOLS: Lazy<Symbols> = Lazy::new(|| Symbols {
     // SAFETY: as above.
     reg_mr_iova2: resolve(c"ibv_reg_mr_iova2", c"IBVERBS_1.8")
         .map(|p| unsafe { std::mem::transmute::<*mut c_void, RegMrIova2>(p) }),
+    // SAFETY: as above.
+    query_port_speed: resolve(c"ibv_query_port_speed", c"IBVERBS_1.16")
+        .map(|p| unsafe { std::mem::transmute::<*mut c_void, QueryPortSpeed>(p) }),
 });
 
 fn resolve(name: &CStr, version: &CStr) -> Option<*mut c_void> {
@@ -73,6 +85,8 @@ mod tests {
         // error, and the plugin would still load.
         assert!(SYMBOLS.reg_dmabuf_mr.is_some());
         assert!(SYMBOLS.reg_mr_iova2.is_some());
+        // Newer than rdma-core 44: either answer is fine, resolving must only not fail.
+        let _ = SYMBOLS.query_port_speed;
         assert!(resolve(c"ibv_no_such_verb", c"IBVERBS_1.1").is_none());
     }
 }

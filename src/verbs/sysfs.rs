@@ -7,11 +7,18 @@ use std::path::{Path, PathBuf};
 
 const CLASS: &str = "/sys/class/infiniband";
 
-/// The realpath of the device's parent (its PCI function), or of the device's own sysfs
-/// directory when it has no parent (rxe, siw). `None` if neither resolves.
-pub fn device_path(dev: &str) -> Option<PathBuf> {
-    let base = Path::new(CLASS).join(dev);
-    std::fs::canonicalize(base.join("device")).or_else(|_| std::fs::canonicalize(&base)).ok()
+/// Where sysfs is mounted; the functions that take a root are given this outside tests.
+pub const ROOT: &str = "/sys";
+
+/// The realpath of `<root>/class/infiniband/<dev>/device`: the device's PCI function, the path
+/// NCCL reads. `None` for a device without a parent (rxe, siw).
+pub fn pci_function(root: &Path, dev: &str) -> Option<PathBuf> {
+    std::fs::canonicalize(root.join("class/infiniband").join(dev).join("device")).ok()
+}
+
+/// The realpath of the device's own directory, `<root>/class/infiniband/<dev>`.
+pub fn device_dir(root: &Path, dev: &str) -> Option<PathBuf> {
+    std::fs::canonicalize(root.join("class/infiniband").join(dev)).ok()
 }
 
 /// The network interfaces behind a port's GID entry, e.g. `vethA` (RoCE only).

@@ -113,6 +113,7 @@ fn run(n: usize, size: u64, inline: u32, optional: bool) -> Result<Duration, Str
         max_inline: inline,
         progress_timeout: Duration::from_secs(60),
         probe_interval: Duration::from_secs(60),
+        mark: ferroce::transport::proto::MARK_BYTES,
         path: Path::default(),
     };
     let mut send = SendCore::new(params.clone(), (SIZES, 1));

@@ -23,7 +23,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use ferroce::config::Config;
-use ferroce::transport::device::{self, gid_table, mtu_bytes, speed_mbps};
+use ferroce::transport::device::{self, gid_table, mtu_bytes, nccl_speed_mbps, nccl_table_index};
 use ferroce::transport::gid::{self, GidChoice, GidEntry, GidType};
 use ferroce::verbs::{self, LinkLayer, PortState};
 
@@ -88,7 +88,10 @@ struct Port {
     state: PortState,
     link_layer: LinkLayer,
     active_speed: u8,
+    active_speed_ex: u32,
     active_width: u8,
+    /// `ibv_query_port_speed` in units of 100 Mb/s, where libibverbs has it.
+    port_speed: Option<u64>,
     active_mtu: u32,
     max_mtu: u32,
     netdev: Option<String>,
@@ -100,8 +103,22 @@ struct Port {
     /// No PCI parent (rxe, siw): a software device with no NIC queues to configure.
     software: bool,
     counters: Vec<Counter>,
-    /// The plugin's GPUDirect decision, when discovery kept this port.
-    gdr: Option<String>,
+    /// What the plugin tells NCCL about this port, when discovery kept it.
+    nccl: Option<InUse>,
+}
+
+/// A port the plugin offers NCCL, as `getProperties` describes it.
+#[derive(Clone, Debug)]
+struct InUse {
+    /// NCCL's device number.
+    index: usize,
+    /// The plugin's name for it.
+    name: String,
+    /// The port number NCCL is told (not always the verbs port: see `device::nccl_places`).
+    port: i32,
+    pci_path: Option<String>,
+    /// The plugin's GPUDirect decision.
+    gdr: String,
 }
 
 impl Port {
@@ -177,10 +194,20 @@ pub fn doctor(args: &[String]) -> Result<(), String> {
     let nccl: Vec<(String, String)> = discovered.as_ref().map_or(Vec::new(), |devs| {
         devs.iter().map(|d| (format!("{}:{}", d.ctx.name(), d.port), d.name.clone())).collect()
     });
-    let in_use: BTreeMap<String, String> = match &discovered {
+    let in_use: BTreeMap<String, InUse> = match &discovered {
         Ok(devs) => devs
             .iter()
-            .map(|d| (format!("{}:{}", d.ctx.name(), d.port), d.gdr.why.clone()))
+            .enumerate()
+            .map(|(index, d)| {
+                let used = InUse {
+                    index,
+                    name: d.name.clone(),
+                    port: d.nccl_port,
+                    pci_path: d.pci_path.clone(),
+                    gdr: d.gdr.why.clone(),
+                };
+                (format!("{}:{}", d.ctx.name(), d.port), used)
+            })
             .collect(),
         Err(e) => {
             add(Level::Block, "discovery", format!("the plugin finds no usable device: {e}"));
@@ -271,7 +298,7 @@ pub fn doctor(args: &[String]) -> Result<(), String> {
 }
 
 /// Every port of every RDMA device, with what the plugin would choose on it.
-fn read_ports(config: &Config, in_use: &BTreeMap<String, String>) -> Result<Vec<Port>, String> {
+fn read_ports(config: &Config, in_use: &BTreeMap<String, InUse>) -> Result<Vec<Port>, String> {
     let (_, opened) = verbs::open_all(|_| true).map_err(|e| e.to_string())?;
     let mut ports = Vec::new();
     for ctx in opened {
@@ -301,7 +328,8 @@ fn read_ports(config: &Config, in_use: &BTreeMap<String, String>) -> Result<Vec<
                 std::fs::metadata(format!("/sys/class/infiniband/{dev}/device")).is_err();
             ports.push(Port {
                 kept: config.ib_hca.select(&dev, port.into()).is_some(),
-                gdr: in_use.get(&format!("{dev}:{port}")).cloned(),
+                nccl: in_use.get(&format!("{dev}:{port}")).cloned(),
+                port_speed: ctx.query_port_speed(port),
                 cc: netdev.as_deref().map(congestion_control).unwrap_or_default(),
                 counters: counters(&dev, port),
                 dev,
@@ -309,6 +337,7 @@ fn read_ports(config: &Config, in_use: &BTreeMap<String, String>) -> Result<Vec<
                 state: pa.state,
                 link_layer: pa.link_layer,
                 active_speed: pa.active_speed,
+                active_speed_ex: pa.active_speed_ex,
                 active_width: pa.active_width,
                 active_mtu: mtu_bytes(pa.active_mtu),
                 max_mtu: mtu_bytes(pa.max_mtu),
@@ -473,9 +502,11 @@ fn link_name(l: LinkLayer) -> String {
     }
 }
 
-/// Per-lane rate and lane count of the verbs encodings, e.g. ("25 Gb/s EDR", "4x").
-fn speed_parts(speed: u8, width: u8) -> (String, String) {
-    const LANE: [&str; 8] = [
+/// The port speed NCCL is told, in Mb/s, and how it is derived, e.g. "25 Gb/s EDR x 4x from
+/// active_speed 32, active_width 2": the verbs codes read as NCCL reads them (an unknown code
+/// takes the last entry of the table).
+fn speed_of(p: &Port) -> (i32, String) {
+    const LANE: [&str; 9] = [
         "2.5 Gb/s SDR",
         "5 Gb/s DDR",
         "10 Gb/s QDR",
@@ -484,15 +515,21 @@ fn speed_parts(speed: u8, width: u8) -> (String, String) {
         "25 Gb/s EDR",
         "50 Gb/s HDR",
         "100 Gb/s NDR",
+        "200 Gb/s XDR",
     ];
     const LANES: [&str; 5] = ["1x", "4x", "8x", "12x", "2x"];
-    let lane = LANE
-        .get(speed.trailing_zeros() as usize)
-        .map_or(format!("code {speed}"), |s| s.to_string());
-    let lanes = LANES
-        .get(width.trailing_zeros() as usize)
-        .map_or(format!("code {width}"), |s| s.to_string());
-    (lane, lanes)
+    let mbps = nccl_speed_mbps(p.port_speed, p.active_speed_ex, p.active_speed, p.active_width);
+    if let Some(s) = p.port_speed {
+        return (mbps, format!("from ibv_query_port_speed {s} x 100 Mb/s"));
+    }
+    let (field, code) = if p.active_speed_ex != 0 {
+        ("active_speed_ex", p.active_speed_ex)
+    } else {
+        ("active_speed", p.active_speed.into())
+    };
+    let lane = LANE[nccl_table_index(code, LANE.len())];
+    let lanes = LANES[nccl_table_index(p.active_width.into(), LANES.len())];
+    (mbps, format!("{lane} x {lanes} from {field} {code}, active_width {}", p.active_width))
 }
 
 fn gid_kind(k: GidType) -> &'static str {
@@ -1132,17 +1169,32 @@ fn text(r: &Report) -> String {
             p.port,
             if p.kept { "" } else { " (filtered out by NCCL_IB_HCA)" }
         );
-        let (lane, lanes) = speed_parts(p.active_speed, p.active_width);
+        let (mbps, how) = speed_of(p);
         let _ = writeln!(w, "Port");
         let _ =
             writeln!(w, "  state        {} (only ACTIVE ports carry traffic)", state_name(p.state));
         let _ = writeln!(w, "  link layer   {}", link_name(p.link_layer));
         let _ = writeln!(
             w,
-            "  speed        {lane} x {lanes} = {} Mb/s (per-lane rate x lanes, as the port reports it{})",
-            speed_mbps(p.active_speed, p.active_width),
-            if p.software { "; nominal on a software device" } else { "" }
+            "  speed        {mbps} Mb/s as NCCL is told: {how}{}",
+            if p.software { " (nominal on a software device)" } else { "" }
         );
+        match &p.nccl {
+            Some(n) => {
+                let _ = writeln!(
+                    w,
+                    "  NCCL sees    device {} {}: port {}, pciPath {}{}",
+                    n.index,
+                    n.name,
+                    n.port,
+                    n.pci_path.as_deref().unwrap_or("(none)"),
+                    if p.software { " (no PCI function: its sysfs dir)" } else { "" }
+                );
+            }
+            None => {
+                let _ = writeln!(w, "  NCCL sees    nothing (not a device the plugin offers)");
+            }
+        }
         let _ = writeln!(w, "  netdev       {}", p.netdev.as_deref().unwrap_or("(none)"));
         let _ = writeln!(
             w,
@@ -1212,8 +1264,8 @@ fn text(r: &Report) -> String {
                 meaning(&c.name).unwrap_or("")
             );
         }
-        if let Some(g) = &p.gdr {
-            let _ = writeln!(w, "GPUDirect\n  {g}");
+        if let Some(n) = &p.nccl {
+            let _ = writeln!(w, "GPUDirect\n  {}", n.gdr);
         }
     }
     let _ = writeln!(w, "\n== Limits and environment");
@@ -1345,6 +1397,15 @@ fn json(r: &Report) -> String {
             Err(e) => format!("{{\"error\":{}}}", js(e)),
         };
         let cc: Vec<String> = p.cc.iter().map(|(k, v)| format!("{}:{}", js(k), js(v))).collect();
+        let nccl = p.nccl.as_ref().map_or("null".into(), |n| {
+            format!(
+                "{{\"device\":{},\"name\":{},\"port\":{},\"pci_path\":{}}}",
+                n.index,
+                js(&n.name),
+                n.port,
+                jopt(n.pci_path.as_deref())
+            )
+        });
         let counters: Vec<String> = p
             .counters
             .iter()
@@ -1359,13 +1420,15 @@ fn json(r: &Report) -> String {
             })
             .collect();
         devs.push(format!(
-            "{{\"dev\":{},\"port\":{},\"kept\":{},\"state\":{},\"link_layer\":{},\"speed_mbps\":{},\"netdev\":{},\"mtu\":{{\"netdev\":{},\"active\":{},\"max\":{}}},\"gids\":[{}],\"gid_choice\":{},\"congestion_control\":{},\"software_device\":{},\"counters\":[{}],\"gpudirect\":{}}}",
+            "{{\"dev\":{},\"port\":{},\"kept\":{},\"state\":{},\"link_layer\":{},\"speed_mbps\":{},\"speed_from\":{},\"nccl\":{},\"netdev\":{},\"mtu\":{{\"netdev\":{},\"active\":{},\"max\":{}}},\"gids\":[{}],\"gid_choice\":{},\"congestion_control\":{},\"software_device\":{},\"counters\":[{}],\"gpudirect\":{}}}",
             js(&p.dev),
             p.port,
             p.kept,
             js(&state_name(p.state)),
             js(&link_name(p.link_layer)),
-            speed_mbps(p.active_speed, p.active_width),
+            speed_of(p).0,
+            js(&speed_of(p).1),
+            nccl,
             jopt(p.netdev.as_deref()),
             num(p.netdev_mtu.map(u64::from)),
             p.active_mtu,
@@ -1375,7 +1438,7 @@ fn json(r: &Report) -> String {
             if cc.is_empty() { "null".into() } else { format!("{{{}}}", cc.join(",")) },
             p.software,
             counters.join(","),
-            jopt(p.gdr.as_deref()),
+            jopt(p.nccl.as_ref().map(|n| n.gdr.as_str())),
         ));
     }
     let blocking = findings.iter().any(|f| f.level == Level::Block);
@@ -1483,7 +1546,9 @@ mod tests {
             state: PortState::Active,
             link_layer: LinkLayer::Ethernet,
             active_speed: 32,
+            active_speed_ex: 0,
             active_width: 2,
+            port_speed: None,
             active_mtu: 4096,
             max_mtu: 4096,
             netdev: Some("eth0".into()),
@@ -1493,8 +1558,20 @@ mod tests {
             cc: vec![("ecn/roce_np/enable/3".into(), "1".into())],
             software: false,
             counters: Vec::new(),
-            gdr: None,
+            nccl: None,
         }
+    }
+
+    #[test]
+    fn the_speed_is_nccls_with_its_derivation() {
+        let mut p = port(&[], &Config::default());
+        let edr = (100000, "25 Gb/s EDR x 4x from active_speed 32, active_width 2".to_string());
+        assert_eq!(speed_of(&p), edr);
+        p.active_speed_ex = 0x100;
+        let xdr = (800000, "200 Gb/s XDR x 4x from active_speed_ex 256, active_width 2".into());
+        assert_eq!(speed_of(&p), xdr);
+        p.port_speed = Some(4000);
+        assert_eq!(speed_of(&p), (400000, "from ibv_query_port_speed 4000 x 100 Mb/s".into()));
     }
 
     fn findings(p: &Port, config: &Config) -> Vec<(Level, String)> {

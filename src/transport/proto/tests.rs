@@ -268,6 +268,13 @@ struct Item {
     tag: i32,
 }
 
+impl Item {
+    /// What arrives: a send larger than its receive is truncated to the receive's size.
+    fn sent(&self) -> u64 {
+        self.size.min(self.capacity)
+    }
+}
+
 const CAP: u64 = 8192;
 const SEND_DATA: u64 = 0x1000_0000;
 const RECV_DATA: u64 = 0x2000_0000;
@@ -298,6 +305,8 @@ struct Run {
     max_inline: u32,
     /// The sender's buffers are GPU memory (never inline), else host memory.
     gpu: bool,
+    /// Bytes between a lane's signaled writes.
+    mark: u64,
     groups: Vec<Vec<Item>>,
     /// Break the link after this many scheduler steps.
     break_at: Option<u64>,
@@ -322,7 +331,11 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
                         1 => rng.below(65).min(max_size),
                         _ => rng.below(max_size + 1),
                     };
-                    let capacity = (size + rng.below(64)).min(CAP);
+                    // One in ten sends is larger than its receive (truncated, as NCCL does).
+                    let capacity = match rng.below(10) {
+                        0 => size / 2,
+                        _ => (size + rng.below(64)).min(CAP),
+                    };
                     Item { capacity, size, tag: tags[r] }
                 })
                 .collect()
@@ -336,6 +349,7 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         max_msg: [4096, 1000, 1 << 20][rng.below(3) as usize],
         max_inline: [0, 64, 512][rng.below(3) as usize],
         gpu: rng.below(2) == 1,
+        mark: [4096, 8192, MARK_BYTES][rng.below(3) as usize],
         groups,
         break_at: None,
         posts_fail_at: None,
@@ -375,6 +389,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         max_inline: run.max_inline,
         progress_timeout: Duration::from_secs(3600),
         probe_interval: Duration::from_millis(3),
+        mark: run.mark,
         path: Path { peer: "sim".into(), ..Default::default() },
     };
     let mut sender = SendCore::new(params.clone(), (RECV_SIZES, 16));
@@ -397,6 +412,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
     let mut out = Outcome::default();
     let mut steps = 0u64;
     let mut idle = 0u64;
+    let mut warnings = 0;
     // A fake clock for the cores' idle checks (and so their liveness probes).
     let mut now = Duration::ZERO;
     let done = |o: &Outcome| o.recvs_done == n && o.sends_done == n;
@@ -427,7 +443,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                 assert_eq!(sender.in_flight, posted, "slots in flight");
                 now += Duration::from_millis(1);
                 let s = sender.idle(now, None, &mut sio);
-                let r = receiver.idle(now, None, &mut rio);
+                let r = receiver.idle(now, None, &mut rio, &rsizes);
                 if !wire.borrow().failing() {
                     s.and(r).expect("idle on a healthy link");
                 }
@@ -489,6 +505,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                 let addr = buf_addr(SEND_DATA, g, r);
                 let b = Buf { addr, size: it.size, lkey: 11, rkey: 11, host: !run.gpu };
                 let posted = sender.isend(&fifo, &sstage, &mut sio, b, it.tag);
+                warnings += usize::from(sender.take_warning().is_some());
                 let posted = match posted {
                     Err(e) if wire.borrow().failing() => {
                         if wire.borrow().posts_fail && !wire.borrow().broken {
@@ -527,9 +544,9 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                             optional_tested.push(g);
                         } else {
                             for (r, it) in items.iter().enumerate() {
-                                assert_eq!(sizes[r], it.size, "group {g} buffer {r}: size");
-                                let got = mem.read(buf_addr(RECV_DATA, g, r), it.size as usize);
-                                let want = pattern(g, r, it.size as usize);
+                                assert_eq!(sizes[r], it.sent(), "group {g} buffer {r}: size");
+                                let got = mem.read(buf_addr(RECV_DATA, g, r), it.sent() as usize);
+                                let want = pattern(g, r, it.sent() as usize);
                                 assert!(got == want, "group {g} buffer {r}: data");
                             }
                             recv_done[g] = true;
@@ -553,7 +570,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                 match sender.test(id) {
                     Ok(None) => {}
                     Ok(Some(size)) => {
-                        assert_eq!(size, run.groups[g][r].size, "group {g} send {r}: size");
+                        assert_eq!(size, run.groups[g][r].sent(), "group {g} send {r}: size");
                         send_out.swap_remove(i);
                         sends_left[g] -= 1;
                         if sends_left[g] == 0 {
@@ -566,9 +583,9 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                                 return true;
                             }
                             let it = run.groups[o][0];
-                            let got = mem.read(buf_addr(RECV_DATA, o, 0), it.size as usize);
+                            let got = mem.read(buf_addr(RECV_DATA, o, 0), it.sent() as usize);
                             assert!(
-                                got == pattern(o, 0, it.size as usize),
+                                got == pattern(o, 0, it.sent() as usize),
                                 "optional group {o}: data"
                             );
                             recv_done[o] = true;
@@ -600,7 +617,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         // The statistics count every message and byte once: the sender's all of them, the
         // receiver's all but the bytes of optional receives (their size is never reported).
         let items = run.groups.iter().map(Vec::len).sum::<usize>() as u64;
-        let size = |g: &Vec<Item>| g.iter().map(|i| i.size).sum::<u64>();
+        let size = |g: &Vec<Item>| g.iter().map(Item::sent).sum::<u64>();
         let sent: u64 = run.groups.iter().map(size).sum();
         let seen: u64 =
             run.groups.iter().zip(&run.optional).filter(|(_, o)| !**o).map(|(g, _)| size(g)).sum();
@@ -613,6 +630,8 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         }
         assert!(wire.borrow().busy().is_empty(), "work left on the wire");
         assert!(sender.test(0).is_err() && receiver.test(0, &mut [0; MAX_RECVS]).is_err());
+        let truncating = run.groups.iter().flatten().any(|i| i.size > i.capacity);
+        assert_eq!(warnings, usize::from(truncating), "one truncation warning per comm");
     }
     out
 }
@@ -774,6 +793,7 @@ fn one_qp(path: Path) -> Params {
         max_inline: 0,
         progress_timeout: Duration::from_secs(1),
         probe_interval: Duration::from_secs(1),
+        mark: MARK_BYTES,
         path,
     }
 }
@@ -843,6 +863,7 @@ fn a_quiet_wait_probes_the_peer_and_only_a_dead_peer_fails() {
         max_inline: 0,
         progress_timeout: Duration::from_secs(3600),
         probe_interval: ms(100),
+        mark: MARK_BYTES,
         path: Path { peer: "peer".into(), ..Default::default() },
     };
     let mut receiver = RecvCore::new(params, (FIFO, 13));
@@ -856,7 +877,7 @@ fn a_quiet_wait_probes_the_peer_and_only_a_dead_peer_fails() {
     // A live peer: every probe is acknowledged, for as long as the sender stays silent.
     let mut acked = 0;
     for t in 0..50 {
-        receiver.idle(ms(t * 40), None, &mut rio).unwrap();
+        receiver.idle(ms(t * 40), None, &mut rio, &rsizes).unwrap();
         if probes(&wire) > 0 {
             while !wire.borrow().sq[1][0].is_empty() {
                 wire.borrow_mut().step(&mem, 1, 0);
@@ -868,10 +889,140 @@ fn a_quiet_wait_probes_the_peer_and_only_a_dead_peer_fails() {
     }
     assert!((6..=20).contains(&acked), "one probe per quiet interval, not per poll: {acked}");
     // A dead peer: the next probe fails, and so does the receive.
-    receiver.idle(ms(10_000), None, &mut rio).unwrap();
+    receiver.idle(ms(10_000), None, &mut rio, &rsizes).unwrap();
     assert_eq!(probes(&wire), 1);
     wire.borrow_mut().break_all();
     poll(&wire, 1, |c| receiver.complete(c, &rsizes));
     let e = receiver.test(id, &mut [0; MAX_RECVS]).unwrap_err().to_string();
     assert!(e.contains("liveness probe") && e.contains("peer"), "{e}");
+}
+
+/// Both ends of a one-QP connection over the simulated wire, with their registered memory.
+struct Pair {
+    mem: Mem,
+    wire: RefCell<Wire>,
+}
+
+impl Pair {
+    fn new(send_len: usize) -> Pair {
+        let mem = Mem::new();
+        mem.add(SEND_DATA, 11, send_len);
+        mem.add(RECV_DATA, 12, send_len);
+        mem.add(FIFO, 13, FIFO_WORDS * 8);
+        mem.add(SEND_STAGE, 14, SIZE_WORDS * 8);
+        mem.add(RECV_STAGE, 15, FIFO_WORDS * 8);
+        mem.add(RECV_SIZES, 16, SIZE_WORDS * 8);
+        mem.add(SCRATCH, 17, 8);
+        Pair { mem, wire: RefCell::new(Wire::new(1)) }
+    }
+
+    fn area(&self, base: u64, key: u32) -> Area<'_> {
+        Area { mem: &self.mem, base, key }
+    }
+
+    fn io(&self, side: usize) -> Io<'_> {
+        let depth = if side == 0 { SEND_QUEUE } else { RECV_SEND_QUEUE };
+        Io { wire: &self.wire, mem: &self.mem, side, depth }
+    }
+
+    /// Executes everything queued on `side`'s QP `q`.
+    fn drain(&self, side: usize, q: usize) {
+        while !self.wire.borrow().sq[side][q].is_empty() {
+            self.wire.borrow_mut().step(&self.mem, side, q);
+        }
+    }
+}
+
+/// A large message on a slow link completes no work request for longer than the progress
+/// deadline; marks (a signaled write every `mark` bytes) show the watchdog that the wire
+/// moves, so a slow live peer is never an error. Without them the same link fails the comm.
+#[test]
+fn a_long_message_on_a_slow_link_is_not_a_dead_peer() {
+    let run = |mark: u64| -> Result<()> {
+        let pair = Pair::new(256 << 10);
+        let params = Params { max_msg: 4096, mark, ..one_qp(Path::default()) };
+        let mut sender = SendCore::new(params.clone(), (RECV_SIZES, 16));
+        let mut receiver = RecvCore::new(params, (FIFO, 13));
+        let (mut sio, mut rio) = (pair.io(0), pair.io(1));
+        let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
+        let rbuf = Buf { addr: RECV_DATA, size: 256 << 10, lkey: 12, rkey: 12, host: true };
+        let rid = receiver.irecv(&rstage, &rsizes, &mut rio, &[(rbuf, 1)], false)?.unwrap();
+        pair.drain(1, 0);
+        let sbuf = Buf { addr: SEND_DATA, rkey: 11, lkey: 11, ..rbuf };
+        let fifo = pair.area(FIFO, 13);
+        let sid = sender.isend(&fifo, &pair.area(SEND_STAGE, 14), &mut sio, sbuf, 1)?.unwrap();
+        // 64 writes of 4 KiB, one every 300 ms: 19 s for the message, 1 s deadline.
+        let mut now = Duration::ZERO;
+        while !pair.wire.borrow().sq[0][0].is_empty() {
+            pair.wire.borrow_mut().step(&pair.mem, 0, 0);
+            now += Duration::from_millis(300);
+            poll(&pair.wire, 0, |c| sender.complete(c));
+            sender.idle(now, None, &mut sio)?;
+        }
+        poll(&pair.wire, 1, |c| receiver.complete(c, &rsizes));
+        assert_eq!(sender.test(sid)?, Some(256 << 10));
+        assert_eq!(receiver.test(rid, &mut [0; MAX_RECVS])?, Some(1));
+        Ok(())
+    };
+    run(4096).expect("a slow live link with marks");
+    let e = run(u64::MAX).expect_err("the same link without marks").to_string();
+    assert!(e.contains("no completion"), "{e}");
+}
+
+/// Optional receives complete at once, but the receiver still waits on the sender until its
+/// ack word reaches them: it probes a quiet sender, and a dead one fails the next irecv and
+/// test NCCL makes, though no normal receive is pending.
+#[test]
+fn a_dead_sender_of_optional_receives_fails_the_next_call() {
+    let pair = Pair::new(4096);
+    let params = Params { probe_interval: Duration::from_millis(100), ..one_qp(Path::default()) };
+    let mut receiver = RecvCore::new(params, (FIFO, 13));
+    let mut rio = pair.io(1);
+    let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
+    let buf = Buf { addr: RECV_DATA, size: 64, lkey: 12, rkey: 12, host: true };
+    let mut ids = Vec::new();
+    for tag in 0..4 {
+        ids.push(receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, tag)], true).unwrap().unwrap());
+    }
+    pair.drain(1, 0);
+    assert!(receiver.awaits_acks(&rsizes));
+    let first = ids.remove(0);
+    assert_eq!(receiver.test(first, &mut [0; MAX_RECVS]).unwrap(), Some(1), "done at once");
+    let probes = |w: &RefCell<Wire>| {
+        w.borrow().sq[1][0].iter().filter(|q| wr_kind(q.wr.wr_id) == WR_PROBE).count()
+    };
+    let ms = Duration::from_millis;
+    receiver.idle(ms(0), None, &mut rio, &rsizes).unwrap();
+    receiver.idle(ms(200), None, &mut rio, &rsizes).unwrap();
+    assert_eq!(probes(&pair.wire), 1, "a quiet sender of optional receives is probed");
+    pair.wire.borrow_mut().break_all();
+    poll(&pair.wire, 1, |c| receiver.complete(c, &rsizes));
+    let e = receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, 9)], true).unwrap_err();
+    assert!(e.to_string().contains("liveness probe"), "{e}");
+    let e = receiver.test(ids[0], &mut [0; MAX_RECVS]).unwrap_err();
+    assert!(e.to_string().contains("liveness probe"), "{e}");
+    // Once the sender's ack word reaches the last optional row, nothing waits.
+    rsizes.store(ACK_WORD, 4);
+    assert!(!receiver.awaits_acks(&rsizes));
+}
+
+/// A flush takes any free slot: an untested flush at the head of the ring holds only its own.
+#[test]
+fn flushes_take_any_free_slot() {
+    let pair = Pair::new(4096);
+    let mut receiver = RecvCore::new(one_qp(Path::default()), (FIFO, 13));
+    let mut rio = pair.io(1);
+    let target = Buf { addr: RECV_DATA, size: 1, lkey: 12, rkey: 12, host: false };
+    let ids: Vec<usize> =
+        (0..SLOTS).map(|_| receiver.iflush(&mut rio, target, (SCRATCH, 17)).unwrap()).collect();
+    let e = receiver.iflush(&mut rio, target, (SCRATCH, 17)).unwrap_err();
+    assert!(e.to_string().contains("flushes outstanding"), "{e}");
+    pair.drain(1, 1);
+    let rsizes = pair.area(RECV_SIZES, 16);
+    poll(&pair.wire, 1, |c| receiver.complete(c, &rsizes));
+    // NCCL tests the sixth flush only; the head (the first) stays done but untested.
+    assert_eq!(receiver.test(ids[5], &mut [0; MAX_RECVS]).unwrap(), Some(0));
+    let again = receiver.iflush(&mut rio, target, (SCRATCH, 17)).unwrap();
+    assert_eq!(again, ids[5], "the freed slot is taken");
+    receiver.iflush(&mut rio, target, (SCRATCH, 17)).unwrap_err();
 }
