@@ -24,6 +24,20 @@ impl Mem {
         Mem { regions: RefCell::new(Vec::new()), gpu: RefCell::new(Vec::new()) }
     }
 
+    /// Every region of both ends: data areas of `data_len` bytes, FIFO, staging, size records
+    /// and the flush's scratch byte.
+    fn both_ends(data_len: usize) -> Mem {
+        let mem = Mem::new();
+        mem.add(SEND_DATA, 11, data_len);
+        mem.add(RECV_DATA, 12, data_len);
+        mem.add(FIFO, 13, FIFO_WORDS * 8);
+        mem.add(SEND_STAGE, 14, SIZE_WORDS * 8);
+        mem.add(RECV_STAGE, 15, FIFO_WORDS * 8);
+        mem.add(RECV_SIZES, 16, SIZE_WORDS * 8);
+        mem.add(SCRATCH, 17, 8);
+        mem
+    }
+
     /// What the provider's CPU copy of inline data reads: never GPU memory.
     fn cpu_read(&self, addr: u64, len: usize) -> Vec<u8> {
         let regions = self.regions.borrow();
@@ -366,18 +380,10 @@ struct Outcome {
 
 fn drive(run: &Run, seed: u64) -> Outcome {
     let mut rng = Rng(seed | 1);
-    let mem = Mem::new();
-    let area = AREAS * MAX_RECVS * CAP as usize;
-    mem.add(SEND_DATA, 11, area);
+    let mem = Mem::both_ends(AREAS * MAX_RECVS * CAP as usize);
     if run.gpu {
         mem.gpu.borrow_mut().push(SEND_DATA);
     }
-    mem.add(RECV_DATA, 12, area);
-    mem.add(FIFO, 13, FIFO_WORDS * 8);
-    mem.add(SEND_STAGE, 14, SIZE_WORDS * 8);
-    mem.add(RECV_STAGE, 15, FIFO_WORDS * 8);
-    mem.add(RECV_SIZES, 16, SIZE_WORDS * 8);
-    mem.add(SCRATCH, 17, 8);
     let fifo = Area { mem: &mem, base: FIFO, key: 13 };
     let sstage = Area { mem: &mem, base: SEND_STAGE, key: 14 };
     let rstage = Area { mem: &mem, base: RECV_STAGE, key: 15 };
@@ -904,16 +910,8 @@ struct Pair {
 }
 
 impl Pair {
-    fn new(send_len: usize) -> Pair {
-        let mem = Mem::new();
-        mem.add(SEND_DATA, 11, send_len);
-        mem.add(RECV_DATA, 12, send_len);
-        mem.add(FIFO, 13, FIFO_WORDS * 8);
-        mem.add(SEND_STAGE, 14, SIZE_WORDS * 8);
-        mem.add(RECV_STAGE, 15, FIFO_WORDS * 8);
-        mem.add(RECV_SIZES, 16, SIZE_WORDS * 8);
-        mem.add(SCRATCH, 17, 8);
-        Pair { mem, wire: RefCell::new(Wire::new(1)) }
+    fn new(data_len: usize) -> Pair {
+        Pair { mem: Mem::both_ends(data_len), wire: RefCell::new(Wire::new(1)) }
     }
 
     fn area(&self, base: u64, key: u32) -> Area<'_> {
