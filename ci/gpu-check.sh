@@ -79,19 +79,25 @@ main() {
   local bin=$work/gpu_check
   cc -O1 -Wall -Werror -I include -o "$bin" ci/gpu/gpu_check.c -ldl
 
+  # One case of the C program, with the plugin's folder on the library path: its log shown,
+  # its verdict recorded, and `rc` and `log` left for what follows.
+  local rc log
+  run_case() {
+    local what=$1 name=$2
+    shift 2
+    rc=0 log=$work/$name.log
+    LD_LIBRARY_PATH="$plugin_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+      timeout -k 10 120 "$bin" "$@" >"$log" 2>&1 || rc=$?
+    cat "$log"
+    verdict "$what" "$rc" "$log"
+  }
+
   echo "=== gpu-check: (a) dma-buf export of GPU memory"
-  local rc=0 log=$work/dmabuf.log
-  timeout -k 10 120 "$bin" dmabuf >"$log" 2>&1 || rc=$?
-  cat "$log"
-  verdict "(a) dma-buf export" "$rc" "$log"
+  run_case "(a) dma-buf export" dmabuf dmabuf
 
   if [[ -n $nccl ]]; then
     echo "=== gpu-check: (b) ferroce under NCCL, one rank, no RDMA device"
-    rc=0 log=$work/nccl.log
-    LD_LIBRARY_PATH="$plugin_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-      timeout -k 10 120 "$bin" nccl "$nccl" >"$log" 2>&1 || rc=$?
-    cat "$log"
-    verdict "(b) NCCL calls return, no crash" "$rc" "$log"
+    run_case "(b) NCCL calls return, no crash" nccl nccl "$nccl"
     local version
     version=$(grep -o -m1 'NCCL version [0-9.]*' "$log") || version="NCCL version unknown"
     summary+=("     $nccl: $version")
@@ -109,11 +115,7 @@ main() {
   fi
 
   echo "=== gpu-check: (c) send from GPU memory through the plugin"
-  rc=0 log=$work/send.log
-  LD_LIBRARY_PATH="$plugin_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    timeout -k 10 120 "$bin" send "$plugin" >"$log" 2>&1 || rc=$?
-  cat "$log"
-  verdict "(c) send from GPU memory through the plugin" "$rc" "$log"
+  run_case "(c) send from GPU memory through the plugin" send send "$plugin"
 
   echo
   echo "=== gpu-check summary (logs and binary in $work)"

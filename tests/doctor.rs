@@ -138,12 +138,19 @@ fn a_clean_setup_passes_without_a_warning() {
     for (dev, ip) in [("rxe0", "198.18.0.1"), ("rxe1", "198.18.0.2")] {
         let idx = gid_index_of(dev, ip).unwrap();
         assert!(o.stdout.contains(&format!("== {dev} port 1")), "{dev} has its screen");
+        // What NCCL is told: the port and pciPath getProperties gives, and the speed's source.
+        let n = &dev[3..];
+        let dir = std::fs::canonicalize(format!("/sys/class/infiniband/{dev}")).unwrap();
+        let sees =
+            format!("NCCL sees    device {n} {dev}: port 1, pciPath {} ", dir.to_string_lossy());
+        assert!(o.stdout.contains(&sees), "{dev}: no {sees:?} in\n{}", o.stdout);
         assert!(
             o.stdout.contains(&format!("*  {idx:>2}  RoCE v2  {ip} ")),
             "{dev}: the GID with {ip} (index {idx}) is marked as ferroce's choice"
         );
     }
     for must in [
+        "speed        10000 Mb/s as NCCL is told: 10 Gb/s FDR10 x 1x from active_speed 8",
         "netdev 1500 / active 1024 / max 4096",
         "not exposed by this driver",
         "RLIMIT_MEMLOCK",

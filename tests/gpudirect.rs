@@ -444,27 +444,33 @@ fn ping_pong(
     for (i, size) in [8usize, 256, 4096].into_iter().enumerate() {
         for k in 0..20 {
             pattern(100 + i, k, &mut a.host[..size]);
-            b.host[..size].fill(0);
-            let rreq = common::until("irecv ping", || {
-                drv.irecv(ab.1, &[b.at(0)], &[size], &[7], &[b_mh[1]], false)
-            })?;
-            let sreq = common::until("isend ping", || drv.isend(ab.0, a.at(0), size, 7, a_mh[0]))?;
-            common::until("test ping", || drv.test(sreq))?;
-            common::until("test ping recv", || drv.test(rreq))?;
-            check(b.host[..size] == a.host[..size], || format!("ping {size} B round {k}"))?;
-            a.host[..size].fill(0);
-            let rreq = common::until("irecv pong", || {
-                drv.irecv(ba.1, &[a.at(0)], &[size], &[8], &[a_mh[1]], false)
-            })?;
-            let sreq = common::until("isend pong", || drv.isend(ba.0, b.at(0), size, 8, b_mh[0]))?;
-            common::until("test pong", || drv.test(sreq))?;
-            common::until("test pong recv", || drv.test(rreq))?;
-            check(a.host[..size] == b.host[..size], || format!("pong {size} B round {k}"))?;
+            one_way(drv, ab, (a, a_mh[0]), (b, b_mh[1]), size)
+                .map_err(|e| format!("ping {size} B round {k}: {e}"))?;
+            one_way(drv, ba, (b, b_mh[0]), (a, a_mh[1]), size)
+                .map_err(|e| format!("pong {size} B round {k}: {e}"))?;
             rounds += 1;
         }
     }
     eprintln!("gpudirect: {rounds} ping-pong rounds verified (8 B, 256 B, 4 KiB)");
     Ok(())
+}
+
+/// One message of `size` bytes from the start of `from` to the start of `to` over the pair
+/// `(send, recv)`, each buffer with its registration on its comm; the bytes are checked.
+fn one_way(
+    drv: &Driver,
+    (send, recv): (Ptr, Ptr),
+    (from, smh): (&Mem, Ptr),
+    (to, rmh): (&mut Mem, Ptr),
+    size: usize,
+) -> Result<(), String> {
+    to.host[..size].fill(0);
+    let rreq =
+        common::until("irecv", || drv.irecv(recv, &[to.at(0)], &[size], &[7], &[rmh], false))?;
+    let sreq = common::until("isend", || drv.isend(send, from.at(0), size, 7, smh))?;
+    common::until("test send", || drv.test(sreq))?;
+    common::until("test recv", || drv.test(rreq))?;
+    check(to.host[..size] == from.host[..size], || "the bytes differ".into())
 }
 
 // --- scenarios ---------------------------------------------------------------------------------

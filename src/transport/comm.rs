@@ -460,13 +460,14 @@ impl RecvComm {
     /// completion. `Ok(None)`: all slots busy.
     pub fn irecv(&mut self, bufs: &[(Buf, i32)], optional: bool) -> Result<Option<usize>> {
         // With optional receives outstanding, a later irecv may be NCCL's only call on this
-        // comm for a while: it polls, so that a dead sender surfaces here.
-        if self.core.awaits_acks(&self.sizes) {
+        // comm for a while: it polls first, so that a dead sender surfaces here.
+        let polled = self.core.awaits_acks(&self.sizes);
+        if polled {
             self.progress()?;
         }
         let mut io = Qps { qps: &self.qps, flush: None };
         let r = self.core.irecv(&self.cts_stage, &self.sizes, &mut io, bufs, optional)?;
-        if r.is_none() {
+        if r.is_none() && !polled {
             self.progress()?;
         }
         Ok(r)

@@ -73,8 +73,9 @@ pub const WR_PROBE: u64 = 5 << 32;
 /// A signaled data write in the middle of a long chain: progress the watchdog and the prober
 /// can see while a large message is still on the wire.
 pub const WR_MARK: u64 = 6 << 32;
-/// The most bytes a lane sends between completions: a data write that reaches this many bytes
-/// since the lane's last completion is signaled (a [`WR_MARK`]), and no single write is larger.
+/// The most bytes of one message a lane sends without a signaled write: the data write that
+/// reaches this many unsignaled bytes is signaled (a [`WR_MARK`]), and no single write is
+/// larger.
 pub const MARK_BYTES: u64 = 8 << 20;
 
 fn wr_id(kind: u64, lane: usize, slot: usize) -> u64 {
@@ -522,8 +523,8 @@ pub struct Params {
     pub progress_timeout: Duration,
     /// Probe a quiet peer after this long (`FERROCE_PROBE_INTERVAL_MS`).
     pub probe_interval: Duration,
-    /// Signal a lane's data write at least every this many bytes ([`MARK_BYTES`]), so that a
-    /// long message on a slow link shows progress instead of looking like a dead peer.
+    /// The most unsignaled data bytes in a row on a lane ([`MARK_BYTES`]), so that a long
+    /// message on a slow link shows progress instead of looking like a dead peer.
     pub mark: u64,
     pub path: Path,
 }

@@ -85,8 +85,6 @@ mod tests {
         // error, and the plugin would still load.
         assert!(SYMBOLS.reg_dmabuf_mr.is_some());
         assert!(SYMBOLS.reg_mr_iova2.is_some());
-        // Newer than rdma-core 44: either answer is fine, resolving must only not fail.
-        let _ = SYMBOLS.query_port_speed;
         assert!(resolve(c"ibv_no_such_verb", c"IBVERBS_1.1").is_none());
     }
 }

@@ -1397,6 +1397,7 @@ fn json(r: &Report) -> String {
             Err(e) => format!("{{\"error\":{}}}", js(e)),
         };
         let cc: Vec<String> = p.cc.iter().map(|(k, v)| format!("{}:{}", js(k), js(v))).collect();
+        let (mbps, speed_from) = speed_of(p);
         let nccl = p.nccl.as_ref().map_or("null".into(), |n| {
             format!(
                 "{{\"device\":{},\"name\":{},\"port\":{},\"pci_path\":{}}}",
@@ -1426,8 +1427,8 @@ fn json(r: &Report) -> String {
             p.kept,
             js(&state_name(p.state)),
             js(&link_name(p.link_layer)),
-            speed_of(p).0,
-            js(&speed_of(p).1),
+            mbps,
+            js(&speed_from),
             nccl,
             jopt(p.netdev.as_deref()),
             num(p.netdev_mtu.map(u64::from)),
