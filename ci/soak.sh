@@ -2,7 +2,8 @@
 # ci/soak.sh [SECONDS] -- the fault soak (tests/soak.rs) for as long as asked (default 600 s):
 # builds the release plugin and the soak binary on the host, boots the Soft-RoCE VM and runs
 # the soak there. CI runs the same program for 120 s through ci/vm-tests.sh.
-# SOAK_SEED=S replays a seed printed by an earlier run.
+# SOAK_SEED=S replays a seed printed by an earlier run; SOAK_ONLY="loss" runs just the phases
+# whose name contains it.
 main() {
   set -euo pipefail
   cd "$(dirname "$0")/.."
@@ -24,6 +25,6 @@ for l in sys.stdin:
   local t=$((secs + 600))
   ((t >= 1200)) || t=1200
   export FERROCE_VM_TIMEOUT=${FERROCE_VM_TIMEOUT:-$t}
-  FERROCE_PLUGIN_DIR="$PWD/target/release" ci/vm.sh "$bin" --seconds "$secs" ${SOAK_SEED:+--seed "$SOAK_SEED"}
+  FERROCE_PLUGIN_DIR="$PWD/target/release" ci/vm.sh "$bin" --seconds "$secs" ${SOAK_SEED:+--seed "$SOAK_SEED"} ${SOAK_ONLY:+--only "$SOAK_ONLY"}
 }
 main "$@"

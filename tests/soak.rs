@@ -264,7 +264,8 @@ fn role(sender: bool, args: &[String]) -> Result<(), String> {
         return Err(format!("--max-size {max_size} is above {MAX_SIZE}"));
     }
     let side = Side { drv: &drv, comm, mh, seed, max_size, lines: &lines, say: &say };
-    let totals = if sender { side.send(&mut arena)? } else { side.recv(&mut arena)? };
+    let totals = if sender { side.send(&mut arena) } else { side.recv(&mut arena) };
+    let totals = totals.inspect_err(|_| queue_pairs(sender))?;
     drv.dereg_mr(comm, mh)?;
     drv.close(if sender { Close::Send } else { Close::Recv }, comm)?;
     drv.finalize(ctx)?;
@@ -273,6 +274,24 @@ fn role(sender: bool, args: &[String]) -> Result<(), String> {
         eprintln!("soak: plugin WARN ({}): {w}", if sender { "sender" } else { "receiver" });
     }
     say(totals.line("DONE"))
+}
+
+/// On a failure, while this side's queue pairs (and the peer's) still exist: what rxe says of
+/// every QP in the VM (state, send and receive PSNs), so a stall shows whether the sender still
+/// had unacknowledged packets or the receiver had never seen them.
+fn queue_pairs(sender: bool) {
+    let who = if sender { "sender" } else { "receiver" };
+    match Command::new("rdma").args(["-d", "res", "show", "qp"]).output() {
+        Ok(o) => eprintln!(
+            "soak: {who} failed; rdma res show qp:\n{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        ),
+        Err(e) => eprintln!("soak: {who} failed; rdma res show qp: {e}"),
+    }
+    for (k, v) in counters() {
+        eprintln!("soak: {who} failed; {k} = {v}");
+    }
 }
 
 /// Backs off when nothing moves: the two processes share the VM's 2 vCPUs with rxe's
@@ -727,8 +746,17 @@ fn run_phase(
 
 fn orchestrate(args: &[String]) -> Result<(), String> {
     common::require_vm();
-    if args.iter().any(|a| a.starts_with("--") && a != "--seconds" && a != "--seed") {
-        return Err(format!("usage: soak [--seconds N] [--seed S]; got {args:?}"));
+    if args
+        .iter()
+        .any(|a| a.starts_with("--") && !["--seconds", "--seed", "--only"].contains(&a.as_str()))
+    {
+        return Err(format!("usage: soak [--seconds N] [--seed S] [--only PHASE]; got {args:?}"));
+    }
+    // `--only "loss 5%"`: just the phases whose name contains it (to chase one impairment).
+    let only = arg(args, "--only")?.unwrap_or_default();
+    let phases: Vec<_> = PHASES.into_iter().filter(|p| p.0.contains(&only)).collect();
+    if phases.is_empty() {
+        return Err(format!("--only {only:?} matches no phase of {PHASES:?}"));
     }
     let seconds = num(args, "--seconds")?.unwrap_or(120);
     let seed = match num(args, "--seed")? {
@@ -737,11 +765,11 @@ fn orchestrate(args: &[String]) -> Result<(), String> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(1, |d| d.as_nanos() as u64)),
     };
-    let runs = 2 * PHASES.len() as u64;
+    let runs = 2 * phases.len() as u64;
     let phase = Duration::from_millis((seconds * 1000 / runs).max(1000));
     println!(
         "soak: seed {seed}, {seconds} s: 2 modes x {} phases of {:.1} s, knobs {KNOBS:?}",
-        PHASES.len(),
+        phases.len(),
         phase.as_secs_f64()
     );
     let netem = Netem::load()?;
@@ -752,7 +780,8 @@ fn orchestrate(args: &[String]) -> Result<(), String> {
     let mut grand = Totals::default();
     let mut busy_secs = 0.0;
     for split in [0u8, 1] {
-        for (i, (name, spec, max_size)) in PHASES.into_iter().enumerate() {
+        for &(name, spec, max_size) in &phases {
+            let i = PHASES.iter().position(|p| p.0 == name).unwrap_or(0);
             // Each phase and mode on its own connection, so each has its own size range and
             // exact totals; a different seed per phase, derived from the printed one.
             let pseed = mix(seed ^ (u64::from(split) << 8 | i as u64));
