@@ -1,7 +1,17 @@
-//! Connection setup: `listen`, and the resumable `connect` and `accept` state machines.
+//! Connection setup: `listen`, and the resumable `connect` and `accept`. This is the shell
+//! around `machine`, which holds the logic; here are the TCP sockets (non-blocking, through
+//! `crate::os`), the clock and the verbs objects (queue pairs, their transitions, the flush QP).
+//! A call feeds the machine what the sockets and verbs did and does what it answers, until it
+//! says to wait (`Ok(None)`), or the connection is done or failed. `accept` reads the clock
+//! once per call (every pending connection is judged at the same instant), `connect` at each
+//! step (a QP transition can take milliseconds).
 //!
-//! Both machines advance as far as they can without blocking and return `Ok(None)` to be called
-//! again. Every step has a deadline (`FERROCE_SETUP_TIMEOUT_MS`); a passed deadline is an error
+//! Called by `ffi` (listen, connect, accept, closeListen), which parks a connector between
+//! calls in the handle's state bytes. Nothing here decides anything the machine could: a
+//! shell that only moves bytes and runs verbs is what the VM tests exercise, and the machine
+//! is what `machine/tests.rs` checks.
+//!
+//! Every step has a deadline (`FERROCE_SETUP_TIMEOUT_MS`); a passed deadline is an error
 //! naming the peer and the step.
 //!
 //! The listener serves any connection until it proves itself with a hello carrying this
@@ -22,101 +32,57 @@
 //! MTU, size records), after moving its QP to RTS; connector → `Ready`, after moving its QP to
 //! RTS. So no CTS is ever written before the sender's QP can take it.
 
-use std::collections::VecDeque;
+mod machine;
+
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 
 use once_cell::sync::Lazy;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::comm::{Flusher, Path, RecvComm, RecvParts, SendComm, SendParts};
 use super::device;
 use super::ecmp;
 use super::gid::{self, GidChoice};
-use super::handshake::{Handle, Kind, MAX_QPS, MSG_LEN, Msg, Reject, header_len};
+use super::handshake::{Handle, MAX_QPS, MSG_LEN, Msg};
 use super::net::{CommContext, Net};
 use crate::error::{Error, Result};
 use crate::verbs::{self, RegisteredBuf, RtrAttr, RtsAttr};
+pub use machine::{ACCEPT_BACKOFF, HELLO_TIMEOUT, MAX_PENDING, REJECT_SUMMARY_EVERY, REJECT_WARNS};
+use machine::{AcceptErr, Cmd, ConnId, Dial, Input, Listen, Local, Policy, QpPlan, ours};
 
-/// One TCP connection carrying fixed-size handshake messages, without blocking.
-struct Link {
-    stream: TcpStream,
-    peer: SocketAddr,
-    rx: [u8; MSG_LEN],
-    rx_len: usize,
-    tx: [u8; MSG_LEN],
-    tx_off: usize,
+/// Makes an accepted or connecting socket fit for the handshake: non-blocking, and no Nagle
+/// delay on its small messages.
+fn prepare(stream: &TcpStream) -> io::Result<()> {
+    stream.set_nonblocking(true)?;
+    stream.set_nodelay(true)
 }
 
-impl Link {
-    fn new(stream: TcpStream, peer: SocketAddr) -> io::Result<Link> {
-        stream.set_nonblocking(true)?;
-        stream.set_nodelay(true)?;
-        Ok(Link { stream, peer, rx: [0; MSG_LEN], rx_len: 0, tx: [0; MSG_LEN], tx_off: MSG_LEN })
-    }
-
-    fn queue(&mut self, msg: &Msg) {
-        self.tx = msg.encode();
-        self.tx_off = 0;
-    }
-
-    /// Sends what it can; `true` once the queued message is out.
-    fn flush(&mut self) -> io::Result<bool> {
-        while self.tx_off < MSG_LEN {
-            match self.stream.write(&self.tx[self.tx_off..]) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => self.tx_off += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(true)
-    }
-
-    /// Receives what it can; `Some` once a whole message is in. The header is checked as soon
-    /// as it arrives, so a garbage peer is rejected without waiting for more bytes.
-    fn recv(&mut self) -> std::result::Result<Option<[u8; MSG_LEN]>, Bad> {
-        while self.rx_len < MSG_LEN {
-            match self.stream.read(&mut self.rx[self.rx_len..]) {
-                Ok(0) => return Err(Bad::Closed(self.rx_len)),
-                Ok(n) => {
-                    let before = self.rx_len;
-                    self.rx_len += n;
-                    if before < header_len() && self.rx_len >= header_len() {
-                        Msg::check_header(&self.rx).map_err(Bad::Reject)?;
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(Bad::Io(e)),
-            }
-        }
-        self.rx_len = 0;
-        Ok(Some(self.rx))
+/// Writes what it can of `bytes`, for the machine.
+fn write(stream: &mut TcpStream, bytes: &[u8]) -> Input<'static> {
+    loop {
+        return match stream.write(bytes) {
+            Ok(0) => Input::Failed(io::Error::from(io::ErrorKind::WriteZero).to_string()),
+            Ok(n) => Input::Sent(n),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Input::Blocked,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => Input::Failed(e.to_string()),
+        };
     }
 }
 
-/// Why a link's incoming bytes are unusable.
-#[derive(Debug)]
-enum Bad {
-    Reject(Reject),
-    /// The peer closed after this many bytes of a message.
-    Closed(usize),
-    Io(io::Error),
-}
-
-impl std::fmt::Display for Bad {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Bad::Reject(r) => write!(f, "{r}"),
-            Bad::Closed(0) => write!(f, "connection closed"),
-            Bad::Closed(n) => {
-                write!(f, "connection closed after {n} of {MSG_LEN} bytes (truncated message)")
-            }
-            Bad::Io(e) => write!(f, "{e}"),
-        }
+/// Reads what it can into `buf` (as much as the machine asked for), for the machine.
+fn read<'b>(stream: &mut TcpStream, buf: &'b mut [u8]) -> Input<'b> {
+    loop {
+        return match stream.read(buf) {
+            Ok(0) => Input::Closed,
+            Ok(n) => Input::Received(&buf[..n]),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Input::Blocked,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => Input::Failed(e.to_string()),
+        };
     }
 }
 
@@ -133,108 +99,60 @@ static PORT_BLOCKS: Lazy<ecmp::Blocks> = Lazy::new(|| {
     ecmp::Blocks::new(seed)
 });
 
-/// How a connection uses its queue pairs: chosen by the connector, followed by the acceptor.
-#[derive(Clone, Copy, Debug)]
-struct Policy {
-    nqps: usize,
-    sports: [u16; MAX_QPS],
-    split: bool,
-    /// Traffic class of the data QPs (the connector's) and of the receiver's control writes.
-    tc: u8,
-    fifo_tc: u8,
-    sl: u8,
+/// The connector's choice: `NCCL_IB_TC` if set, else the communicator's traffic class, else 0
+/// (NCCL's precedence), and the same for `NCCL_IB_SL` (the communicator's traffic class in the
+/// SL field's 4 bits, as a NIC takes NCCL's value); source ports from `ecmp`, for a connection
+/// from the address `own` to `peer`.
+fn local_policy(net: &Net, comm_tc: Option<u8>, own: IpAddr, peer: IpAddr) -> Policy {
+    let c = &net.config;
+    let nqps = c.qps_per_conn;
+    let ports = if c.sport_spread {
+        PORT_BLOCKS.take(c.sport_base, c.sport_range, nqps, own, peer)
+    } else {
+        ecmp::source_ports(c.sport_base, c.sport_range, nqps)
+    };
+    let mut sports = [0; MAX_QPS];
+    sports[..nqps].copy_from_slice(&ports);
+    let tc = c.tc.or(comm_tc).unwrap_or(0);
+    let sl = c.sl.or(comm_tc.map(|t| t & 0xf)).unwrap_or(0);
+    Policy { nqps, sports, split: c.split_data, tc, fifo_tc: c.fifo_tc.unwrap_or(tc), sl }
 }
 
-impl Policy {
-    /// The connector's choice: `NCCL_IB_TC` if set, else the communicator's traffic class,
-    /// else 0 (NCCL's precedence), and the same for `NCCL_IB_SL` (the communicator's traffic
-    /// class in the SL field's 4 bits, as a NIC takes NCCL's value); source ports from `ecmp`,
-    /// for a connection from the address `own` to `peer`.
-    fn local(net: &Net, comm_tc: Option<u8>, own: IpAddr, peer: IpAddr) -> Policy {
-        let c = &net.config;
-        let nqps = c.qps_per_conn;
-        let ports = if c.sport_spread {
-            PORT_BLOCKS.take(c.sport_base, c.sport_range, nqps, own, peer)
-        } else {
-            ecmp::source_ports(c.sport_base, c.sport_range, nqps)
-        };
-        let mut sports = [0; MAX_QPS];
-        sports[..nqps].copy_from_slice(&ports);
-        let tc = c.tc.or(comm_tc).unwrap_or(0);
-        let sl = c.sl.or(comm_tc.map(|t| t & 0xf)).unwrap_or(0);
-        Policy { nqps, sports, split: c.split_data, tc, fifo_tc: c.fifo_tc.unwrap_or(tc), sl }
-    }
-
-    fn of(m: &Msg) -> Policy {
-        Policy {
-            nqps: usize::from(m.nqps),
-            sports: m.sports,
-            split: m.split,
-            tc: m.traffic_class,
-            fifo_tc: m.fifo_tc,
-            sl: m.sl,
-        }
-    }
-}
-
-/// The local endpoint message of one side.
-fn endpoint(
-    net: &Net,
-    dev: usize,
-    kind: Kind,
-    nonce: u64,
-    qps: &[verbs::Qp],
-    p: &Policy,
-    buf: &RegisteredBuf,
-) -> Result<Msg> {
+/// This side's endpoint: its queue pairs, port and the buffer the peer writes into.
+fn endpoint(net: &Net, dev: usize, qps: &[verbs::Qp], buf: &RegisteredBuf) -> Result<Local> {
     let d = &net.devices[dev];
     let mut qpns = [0; MAX_QPS];
     for (slot, qp) in qpns.iter_mut().zip(qps) {
         *slot = qp.qpn();
     }
-    Ok(Msg {
-        kind,
-        nonce,
-        nqps: p.nqps as u8,
+    Ok(Local {
         qpns,
-        sports: p.sports,
-        split: p.split,
-        fifo_tc: p.fifo_tc,
-        sl: p.sl,
+        gid: gid_of(net, dev)?.gid,
         mtu: d.active_mtu as u8,
         port: d.port,
-        traffic_class: p.tc,
-        gid: gid_of(net, dev)?.gid,
         buf_addr: buf.addr(0),
         buf_rkey: buf.rkey(),
         max_msg: d.max_msg_sz,
     })
 }
 
-/// RTR then RTS of each QP towards its remote QP, with its flow label (so its UDP source
-/// port), traffic class `tc` and the policy's service level. The path MTU is the smaller of the
-/// two ports' active MTUs.
-fn connect_qps(
-    net: &Net,
-    dev: usize,
-    qps: &[verbs::Qp],
-    remote: &Msg,
-    p: &Policy,
-    tc: u8,
-) -> Result<()> {
+/// RTR then RTS of each QP along the plan: towards its remote QP, with its flow label (so its
+/// UDP source port), the plan's traffic class and service level. The path MTU is the smaller
+/// of the two ports' active MTUs.
+fn connect_qps(net: &Net, dev: usize, qps: &[verbs::Qp], plan: &QpPlan) -> Result<()> {
     let d = &net.devices[dev];
     let gid = gid_of(net, dev)?;
     let c = &net.config;
     for (i, qp) in qps.iter().enumerate() {
         qp.to_rtr(&RtrAttr {
             port: d.port,
-            path_mtu: d.active_mtu.min(u32::from(remote.mtu)),
-            dest_qpn: remote.qpns[i],
-            dgid: remote.gid,
+            path_mtu: d.active_mtu.min(u32::from(plan.remote_mtu)),
+            dest_qpn: plan.remote_qpns[i],
+            dgid: plan.remote_gid,
             sgid_index: gid.index,
-            flow_label: ecmp::label_of_port(p.sports[i]),
-            traffic_class: tc,
-            sl: p.sl,
+            flow_label: ecmp::label_of_port(plan.sports[i]),
+            traffic_class: plan.traffic_class,
+            sl: plan.sl,
         })?;
         qp.to_rts(&RtsAttr {
             timeout: c.ib_timeout,
@@ -276,172 +194,6 @@ fn log_connection(role: &str, path: &Path, p: &Policy) {
 }
 
 // ---------------------------------------------------------------------------------------------
-
-/// The most connections a listener serves before they prove themselves; when another
-/// arrives, the oldest unproven one is dropped.
-pub const MAX_PENDING: usize = 64;
-/// How long a connection may take to prove itself with its hello (never longer than
-/// `FERROCE_SETUP_TIMEOUT_MS`). A stranger holds a slot at most this long. The rightful peer
-/// sends its hello on NCCL's next `connect` call after its TCP connection completes, so this
-/// leaves room for a proxy thread busy elsewhere (e.g. registering buffers) in between.
-pub const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long `accept` stops taking connections after the process ran out of fds or memory
-/// (EMFILE, ENFILE, ENOBUFS, ENOMEM); the connections already taken are still served.
-pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
-/// Turned-away connections logged one by one per listener; the rest are counted.
-pub const REJECT_WARNS: u64 = 8;
-/// At most this often a count of the unlogged ones, while they keep coming.
-pub const REJECT_SUMMARY_EVERY: Duration = Duration::from_secs(60);
-
-/// A bound listener: what `listen` returns.
-pub struct Listener {
-    listener: TcpListener,
-    handle: Handle,
-    net: Arc<Net>,
-    dev: usize,
-    /// Connections being served, oldest first; at most [`MAX_PENDING`].
-    pending: VecDeque<Pending>,
-    /// When the wait for the rightful peer ends: `FERROCE_SETUP_TIMEOUT_MS` after the first
-    /// `accept` call of this wait. Nothing a stranger does moves it.
-    deadline: Option<Instant>,
-    /// No `accept(2)` before this (the process ran out of fds or memory).
-    paused_until: Option<Instant>,
-    rejects: RejectLog,
-    exhausted: RejectLog,
-}
-
-enum Stage {
-    AwaitHello,
-    SendReply(Box<Accepted>),
-    AwaitReady(Box<Accepted>),
-}
-
-struct Accepted {
-    parts: RecvParts,
-    flusher: Option<Flusher>,
-    remote: Msg,
-}
-
-struct Pending {
-    link: Link,
-    stage: Stage,
-    deadline: Instant,
-}
-
-impl Pending {
-    /// Whether this connection sent a valid hello with this listener's nonce.
-    fn proven(&self) -> bool {
-        !matches!(self.stage, Stage::AwaitHello)
-    }
-}
-
-/// Appends `new` to `q`, which holds at most `cap`. When full, the oldest item `evictable`
-/// allows is taken out to make room; if none may go, `new` is refused. Returns the item that
-/// did not stay, if any.
-fn admit<T>(q: &mut VecDeque<T>, new: T, cap: usize, evictable: impl Fn(&T) -> bool) -> Option<T> {
-    let mut out = None;
-    if q.len() >= cap {
-        match q.iter().position(evictable) {
-            Some(i) => out = q.remove(i),
-            None => return Some(new),
-        }
-    }
-    q.push_back(new);
-    out
-}
-
-/// What an `accept(2)` error means for the listener.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum AcceptErr {
-    /// Nothing more to take now.
-    Empty,
-    /// That one connection failed (accept(2): network errors of the new socket, EINTR, EPERM
-    /// from a firewall): take the next.
-    Transient,
-    /// The process or system is out of fds or memory: stop taking connections for
-    /// [`ACCEPT_BACKOFF`], keep serving those already taken.
-    Exhausted,
-    /// The listening socket itself is broken (EBADF, EINVAL, ENOTSOCK, ...).
-    Fatal,
-}
-
-fn classify_accept(errno: Option<i32>) -> AcceptErr {
-    match errno {
-        Some(libc::EAGAIN) => AcceptErr::Empty,
-        Some(
-            libc::EINTR
-            | libc::ECONNABORTED
-            | libc::ECONNRESET
-            | libc::EPROTO
-            | libc::ENETDOWN
-            | libc::ENOPROTOOPT
-            | libc::EHOSTDOWN
-            | libc::ENONET
-            | libc::EHOSTUNREACH
-            | libc::EOPNOTSUPP
-            | libc::ENETUNREACH
-            | libc::EPERM
-            | libc::ETIMEDOUT
-            | libc::ENOSR
-            | libc::ESOCKTNOSUPPORT
-            | libc::EPROTONOSUPPORT,
-        ) => AcceptErr::Transient,
-        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => AcceptErr::Exhausted,
-        _ => AcceptErr::Fatal,
-    }
-}
-
-/// The rate limit of one kind of WARN: the first [`REJECT_WARNS`] are logged one by one, the
-/// rest only counted and reported as one line when [`RejectLog::summary`] says so.
-#[derive(Debug, Default)]
-struct RejectLog {
-    total: u64,
-    /// Counted since the last summary, not logged.
-    unreported: u64,
-    /// When the first of `unreported` came.
-    quiet_since: Option<Instant>,
-}
-
-impl RejectLog {
-    /// Counts one; `true` if this one is to be logged by itself.
-    fn note(&mut self, now: Instant) -> bool {
-        self.total += 1;
-        if self.total <= REJECT_WARNS {
-            return true;
-        }
-        self.unreported += 1;
-        self.quiet_since.get_or_insert(now);
-        false
-    }
-
-    /// Whether this is the last one logged by itself (its line says the rest are counted).
-    fn last_logged(&self) -> bool {
-        self.total == REJECT_WARNS
-    }
-
-    /// `(unreported, total)` when a summary line is due: `force`d (the peer arrived, the
-    /// listener closes) or [`REJECT_SUMMARY_EVERY`] after the first unreported one.
-    fn summary(&mut self, now: Instant, force: bool) -> Option<(u64, u64)> {
-        let since = self.quiet_since?;
-        if !force && now < since + REJECT_SUMMARY_EVERY {
-            return None;
-        }
-        let n = std::mem::take(&mut self.unreported);
-        self.quiet_since = None;
-        Some((n, self.total))
-    }
-}
-
-/// A failure of our own side while serving or connecting to the proven peer (queue pairs,
-/// registration, a fatal device): it keeps its class (`ncclSystemError`), with `what` in front.
-fn ours(what: String) -> impl FnOnce(Error) -> Error {
-    move |e| e.context(what)
-}
-
-/// A failure the peer or the network caused (closed, garbled, late, wrong nonce): `Remote`.
-fn theirs(what: &str, why: impl std::fmt::Display) -> Error {
-    Error::Remote(format!("{what}: {why}"))
-}
 
 /// The addresses of interface `name`.
 fn interface_ips(name: &str) -> Result<Vec<IpAddr>> {
@@ -496,6 +248,29 @@ fn listen_ip(net: &Net, dev: usize) -> Result<IpAddr> {
     })
 }
 
+/// A bound listener: what `listen` returns.
+pub struct Listener {
+    listener: TcpListener,
+    handle: Handle,
+    net: Arc<Net>,
+    dev: usize,
+    core: Listen,
+    /// The sockets of the machine's pending connections, and what was built for a proven one.
+    conns: HashMap<ConnId, Conn>,
+}
+
+struct Conn {
+    stream: TcpStream,
+    peer: SocketAddr,
+    accepted: Option<Accepted>,
+}
+
+/// The verbs side of a proven peer's connection.
+struct Accepted {
+    parts: RecvParts,
+    flusher: Option<Flusher>,
+}
+
 impl Listener {
     pub fn new(ctx: &CommContext, dev: i32) -> Result<Listener> {
         let net = ctx.net.clone();
@@ -523,122 +298,14 @@ impl Listener {
             err,
             context: "nonce".into(),
         })?;
-        Ok(Listener {
-            listener,
-            handle: Handle { addr, nonce },
-            net,
-            dev,
-            pending: VecDeque::new(),
-            deadline: None,
-            paused_until: None,
-            rejects: RejectLog::default(),
-            exhausted: RejectLog::default(),
-        })
+        let handle = Handle { addr, nonce };
+        let describe = format!("listener {addr} (device {})", d.name);
+        let core = Listen::new(handle, describe, net.config.setup_timeout);
+        Ok(Listener { listener, handle, net, dev, core, conns: HashMap::new() })
     }
 
     pub fn handle(&self) -> Handle {
         self.handle
-    }
-
-    fn timeout(&self) -> Duration {
-        self.net.config.setup_timeout
-    }
-
-    fn describe(&self) -> String {
-        format!("listener {} (device {})", self.handle.addr, self.net.devices[self.dev].name)
-    }
-
-    /// Logs one turned-away connection, or counts it once [`REJECT_WARNS`] were logged.
-    fn reject(&mut self, from: &dyn std::fmt::Display, why: &str, now: Instant) {
-        if self.rejects.note(now) {
-            let more = if self.rejects.last_logged() {
-                " (further rejections are counted, not logged one by one)"
-            } else {
-                ""
-            };
-            log::warn!(
-                "{}: rejected connection from {from}: {why}; still waiting for the peer{more}",
-                self.describe()
-            );
-        }
-    }
-
-    /// The count of the rejections not logged one by one, when one is due.
-    fn summarize(&mut self, now: Instant, force: bool) {
-        if let Some((n, total)) = self.rejects.summary(now, force) {
-            log::warn!(
-                "{}: {n} more connection(s) rejected without a line each ({total} in total)",
-                self.describe()
-            );
-        }
-        if let Some((n, total)) = self.exhausted.summary(now, force) {
-            log::warn!(
-                "{}: accept ran out of fds or memory {n} more time(s) ({total} in total)",
-                self.describe()
-            );
-        }
-    }
-
-    /// Takes the connections waiting in the kernel, at most [`MAX_PENDING`] per call, so a
-    /// flood cannot keep the listener from serving those it has.
-    fn take_new(&mut self, now: Instant) -> Result<()> {
-        if self.paused_until.is_some_and(|t| now < t) {
-            return Ok(());
-        }
-        self.paused_until = None;
-        let hello_deadline = now + HELLO_TIMEOUT.min(self.timeout());
-        for _ in 0..MAX_PENDING {
-            let err = match self.listener.accept() {
-                Ok((stream, peer)) => {
-                    match Link::new(stream, peer) {
-                        Ok(link) => {
-                            let p = Pending {
-                                link,
-                                stage: Stage::AwaitHello,
-                                deadline: hello_deadline,
-                            };
-                            if let Some(out) =
-                                admit(&mut self.pending, p, MAX_PENDING, |p| !p.proven())
-                            {
-                                let why = format!(
-                                    "{MAX_PENDING} connections pending; dropped the oldest that had not proven itself"
-                                );
-                                self.reject(&out.link.peer, &why, now);
-                            }
-                        }
-                        Err(e) => self.reject(&peer, &format!("setsockopt: {e}"), now),
-                    }
-                    continue;
-                }
-                Err(e) => e,
-            };
-            match classify_accept(err.raw_os_error()) {
-                AcceptErr::Empty => break,
-                AcceptErr::Transient => {
-                    self.reject(
-                        &"(unknown)",
-                        &format!("accept: {err}; that connection is lost"),
-                        now,
-                    );
-                }
-                AcceptErr::Exhausted => {
-                    self.paused_until = Some(now + ACCEPT_BACKOFF);
-                    if self.exhausted.note(now) {
-                        log::warn!(
-                            "{}: accept: {err}; not taking connections for {} ms (raise the \
-                             open-files limit `ulimit -n` if this persists)",
-                            self.describe(),
-                            ACCEPT_BACKOFF.as_millis()
-                        );
-                    }
-                    break;
-                }
-                AcceptErr::Fatal => {
-                    return Err(Error::Os { call: "accept", err, context: self.describe() });
-                }
-            }
-        }
-        Ok(())
     }
 
     /// Advances every pending connection; `Some` once the rightful peer is connected.
@@ -648,164 +315,135 @@ impl Listener {
     /// makes `accept` fail.
     pub fn accept(&mut self) -> Result<Option<Box<RecvComm>>> {
         let now = Instant::now();
-        let deadline = *self.deadline.get_or_insert(now + self.timeout());
-        self.take_new(now)?;
-        let mut i = 0;
-        while i < self.pending.len() {
-            match self.step(i, now) {
-                Ok(Some(comm)) => {
-                    // Anything else on this listener is not our peer; a next wait starts anew.
-                    self.pending.clear();
-                    self.deadline = None;
-                    self.summarize(now, true);
-                    return Ok(Some(comm));
-                }
-                Ok(None) => i += 1,
-                Err(Stranger(why)) => {
-                    if let Some(p) = self.pending.remove(i) {
-                        self.reject(&p.link.peer, &why, now);
-                    }
-                }
-                Err(Peer(e)) => {
-                    self.pending.remove(i);
-                    return Err(e);
-                }
+        let r = self.accept_at(now);
+        self.log_warnings();
+        r
+    }
+
+    fn log_warnings(&mut self) {
+        for line in self.core.take_warnings() {
+            log::warn!("{line}");
+        }
+    }
+
+    fn accept_at(&mut self, now: Instant) -> Result<Option<Box<RecvComm>>> {
+        if self.core.begin(now) {
+            self.take_new(now)?;
+        }
+        for id in self.core.ids() {
+            if let Some(comm) = self.serve(id, now)? {
+                return Ok(Some(comm));
             }
         }
-        self.summarize(now, false);
-        if now > deadline && !self.pending.iter().any(Pending::proven) {
-            return Err(Error::Remote(format!(
-                "accept on {}: no peer connected within {} ms (step: wait for connection; \
-                 FERROCE_SETUP_TIMEOUT_MS; {} other connection(s) rejected meanwhile)",
-                self.handle.addr,
-                self.timeout().as_millis(),
-                self.rejects.total
-            )));
-        }
+        self.core.end(now)?;
         Ok(None)
     }
 
-    fn step(
-        &mut self,
-        i: usize,
-        now: Instant,
-    ) -> std::result::Result<Option<Box<RecvComm>>, StepErr> {
-        let net = self.net.clone();
-        let (dev, nonce, timeout) = (self.dev, self.handle.nonce, self.timeout());
-        let p = &mut self.pending[i];
-        let peer = p.link.peer;
-        let what = format!("accept from {peer}");
-        let fail = |step: &str, why: String| Peer(theirs(&format!("{what}: {step}"), why));
-        loop {
-            match &mut p.stage {
-                Stage::AwaitHello => {
-                    let Some(bytes) = p.link.recv().map_err(|b| Stranger(b.to_string()))? else {
-                        if now > p.deadline {
-                            return Err(Stranger(format!(
-                                "no hello within {} ms",
-                                HELLO_TIMEOUT.min(timeout).as_millis()
-                            )));
+    /// Takes the connections waiting in the kernel, at most [`MAX_PENDING`] per call, so a
+    /// flood cannot keep the listener from serving those it has.
+    fn take_new(&mut self, now: Instant) -> Result<()> {
+        for _ in 0..MAX_PENDING {
+            match self.listener.accept() {
+                Ok((stream, peer)) => match prepare(&stream) {
+                    Ok(()) => {
+                        let (id, out) = self.core.admit(peer, now);
+                        self.conns.insert(id, Conn { stream, peer, accepted: None });
+                        if let Some(out) = out {
+                            self.conns.remove(&out);
                         }
-                        return Ok(None);
-                    };
-                    let hello = Msg::decode(&bytes, Kind::Hello, nonce)
-                        .map_err(|r| Stranger(r.to_string()))?;
-                    // The peer proved itself: from here on, failures are errors, each of the
-                    // class of whoever caused it.
-                    let acc = accept_parts(&net, dev, &hello)
-                        .map_err(ours(format!("{what}: create queue pairs")))
-                        .map_err(Peer)?;
-                    let policy = Policy::of(&hello);
-                    let reply = endpoint(
-                        &net,
-                        dev,
-                        Kind::Reply,
-                        nonce,
-                        &acc.parts.qps,
-                        &policy,
-                        &acc.parts.sizes,
-                    )
-                    .map_err(ours(format!("{what}: reply")))
-                    .map_err(Peer)?;
-                    p.link.queue(&reply);
-                    p.stage = Stage::SendReply(Box::new(acc));
-                    p.deadline = now + timeout;
-                }
-                Stage::SendReply(_) => {
-                    if !p.link.flush().map_err(|e| fail("send reply", e.to_string()))? {
-                        return if now > p.deadline {
-                            Err(fail("send reply", "deadline passed".into()))
-                        } else {
-                            Ok(None)
-                        };
                     }
-                    let Stage::SendReply(acc) = std::mem::replace(&mut p.stage, Stage::AwaitHello)
-                    else {
-                        unreachable!()
-                    };
-                    p.stage = Stage::AwaitReady(acc);
-                    p.deadline = now + timeout;
-                }
-                Stage::AwaitReady(_) => {
-                    let got = p.link.recv().map_err(|b| fail("wait for ready", b.to_string()))?;
-                    let Some(bytes) = got else {
-                        if now > p.deadline {
-                            return Err(fail(
-                                "wait for ready",
-                                format!("no answer within {} ms", timeout.as_millis()),
-                            ));
-                        }
-                        return Ok(None);
-                    };
-                    Msg::decode(&bytes, Kind::Ready, nonce)
-                        .map_err(|r| fail("wait for ready", r.to_string()))?;
-                    let Stage::AwaitReady(acc) = std::mem::replace(&mut p.stage, Stage::AwaitHello)
-                    else {
-                        unreachable!()
-                    };
-                    let acc = *acc;
-                    let remote_fifo = (acc.remote.buf_addr, acc.remote.buf_rkey);
-                    let policy = Policy::of(&acc.remote);
-                    let path = path(&net, dev, peer, &acc.remote, &policy, policy.fifo_tc);
-                    log_connection("accepted from", &path, &policy);
-                    return Ok(Some(RecvComm::new(
-                        acc.parts,
-                        acc.flusher,
-                        net,
-                        dev,
-                        path,
-                        policy.split,
-                        remote_fifo,
-                    )));
-                }
+                    Err(e) => self.core.refuse(&peer, &format!("setsockopt: {e}"), now),
+                },
+                Err(err) => match self.core.accept_failed(err.raw_os_error(), &err, now) {
+                    AcceptErr::Empty | AcceptErr::Exhausted => break,
+                    AcceptErr::Transient => {}
+                    AcceptErr::Fatal => {
+                        let context = self.core.describe().to_string();
+                        return Err(Error::Os { call: "accept", err, context });
+                    }
+                },
             }
         }
+        Ok(())
+    }
+
+    /// Advances connection `id` as far as it goes without blocking.
+    fn serve(&mut self, id: ConnId, now: Instant) -> Result<Option<Box<RecvComm>>> {
+        let mut buf = [0u8; MSG_LEN];
+        let mut input = Input::Poll;
+        loop {
+            // In the order the machine wrote them, before anything this step logs itself.
+            self.log_warnings();
+            let conn = self.conns.get_mut(&id).expect("a socket for every pending connection");
+            input = match self.core.advance(id, now, input) {
+                Cmd::Recv(n) => read(&mut conn.stream, &mut buf[..n]),
+                Cmd::Send(bytes) => write(&mut conn.stream, bytes),
+                Cmd::ConnectQps(plan) => match accept_parts(&self.net, self.dev, &plan) {
+                    Ok(acc) => {
+                        conn.accepted = Some(acc);
+                        Input::QpsReady
+                    }
+                    Err(e) => Input::Local(e),
+                },
+                Cmd::Endpoint => {
+                    let parts = &conn.accepted.as_ref().expect("queue pairs first").parts;
+                    match endpoint(&self.net, self.dev, &parts.qps, &parts.sizes) {
+                        Ok(local) => Input::Endpoint(Box::new(local)),
+                        Err(e) => Input::Local(e),
+                    }
+                }
+                Cmd::Wait => return Ok(None),
+                Cmd::Close => {
+                    self.conns.remove(&id);
+                    return Ok(None);
+                }
+                Cmd::Fail(e) => {
+                    self.conns.remove(&id);
+                    return Err(e);
+                }
+                Cmd::Done(hello) => return Ok(Some(self.finish(id, &hello))),
+                Cmd::AwaitConnect => {
+                    return Err(Error::Internal("accept: the machine asked for a connect".into()));
+                }
+            };
+        }
+    }
+
+    /// The peer of connection `id` connected with `hello`: every other connection goes.
+    fn finish(&mut self, id: ConnId, hello: &Msg) -> Box<RecvComm> {
+        let conn = self.conns.remove(&id).expect("a socket for every pending connection");
+        self.conns.clear();
+        let acc = conn.accepted.expect("queue pairs before done");
+        let remote_fifo = (hello.buf_addr, hello.buf_rkey);
+        let policy = Policy::of(hello);
+        let path = path(&self.net, self.dev, conn.peer, hello, &policy, policy.fifo_tc);
+        log_connection("accepted from", &path, &policy);
+        RecvComm::new(
+            acc.parts,
+            acc.flusher,
+            self.net.clone(),
+            self.dev,
+            path,
+            policy.split,
+            remote_fifo,
+        )
     }
 }
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        self.summarize(Instant::now(), true);
+        self.core.close(Instant::now());
+        self.log_warnings();
     }
 }
 
-/// How one pending connection ended a step badly.
-enum StepErr {
-    /// Not (yet) our peer: drop the connection, keep listening.
-    Stranger(String),
-    /// Our peer failed: `accept` fails with this error.
-    Peer(Error),
-}
-use StepErr::{Peer, Stranger};
-
-fn accept_parts(net: &Arc<Net>, dev: usize, hello: &Msg) -> Result<Accepted> {
-    let policy = Policy::of(hello);
-    let parts = RecvParts::new(net, dev, policy.nqps)?;
-    // The receiver's QPs carry the control (CTS) writes: they use the FIFO traffic class.
-    connect_qps(net, dev, &parts.qps, hello, &policy, policy.fifo_tc)?;
+/// The proven peer's queue pairs, at RTS along `plan`, and the flush QP where one is needed.
+fn accept_parts(net: &Arc<Net>, dev: usize, plan: &QpPlan) -> Result<Accepted> {
+    let parts = RecvParts::new(net, dev, plan.nqps)?;
+    connect_qps(net, dev, &parts.qps, plan)?;
     // Only devices that can write GPU memory need the flush QP (or FERROCE_FORCE_FLUSH=1).
     let flusher = if net.devices[dev].gdr.flush { Some(flusher(net, dev, &parts)?) } else { None };
-    Ok(Accepted { parts, flusher, remote: *hello })
+    Ok(Accepted { parts, flusher })
 }
 
 /// A queue pair connected to itself, for the RDMA-read flush.
@@ -819,21 +457,21 @@ fn flusher(net: &Arc<Net>, dev: usize, parts: &RecvParts) -> Result<Flusher> {
     )?;
     qp.to_init(d.port, verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_READ)?;
     let target = RegisteredBuf::new(&d.pd, 8, verbs::ACCESS_LOCAL_WRITE)?;
-    let loopback =
-        Policy { nqps: 1, sports: [0xc000; MAX_QPS], split: false, tc: 0, fifo_tc: 0, sl: 0 };
-    let me = endpoint(net, dev, Kind::Hello, 0, std::slice::from_ref(&qp), &loopback, &target)?;
-    connect_qps(net, dev, std::slice::from_ref(&qp), &me, &loopback, 0)?;
+    let me = endpoint(net, dev, std::slice::from_ref(&qp), &target)?;
+    let loopback = QpPlan {
+        nqps: 1,
+        remote_qpns: me.qpns,
+        sports: [0xc000; MAX_QPS],
+        remote_gid: me.gid,
+        remote_mtu: me.mtu,
+        traffic_class: 0,
+        sl: 0,
+    };
+    connect_qps(net, dev, std::slice::from_ref(&qp), &loopback)?;
     Ok(Flusher { qp, target })
 }
 
 // ---------------------------------------------------------------------------------------------
-
-enum CStage {
-    Connecting,
-    SendHello,
-    AwaitReply,
-    SendReady(Box<Msg>),
-}
 
 /// The connector's resumable state, kept between `connect` calls.
 pub struct Connector {
@@ -841,10 +479,9 @@ pub struct Connector {
     dev: usize,
     policy: Policy,
     handle: Handle,
-    link: Link,
-    stage: CStage,
+    stream: TcpStream,
+    core: Dial,
     parts: Option<SendParts>,
-    deadline: Instant,
 }
 
 impl Connector {
@@ -865,18 +502,18 @@ impl Connector {
             err,
             context: peer.to_string(),
         })?;
-        let link = Link::new(stream, peer).map_err(|err| Error::Os {
+        prepare(&stream).map_err(|err| Error::Os {
             call: "setsockopt",
             err,
             context: peer.to_string(),
         })?;
         let own = IpAddr::V6(gid_of(&net, dev)?.gid.into());
-        let policy = Policy::local(&net, comm_tc, own, peer.ip());
+        let policy = local_policy(&net, comm_tc, own, peer.ip());
         let parts = SendParts::new(&net, dev, policy.nqps)
             .map_err(ours(format!("connect to {peer}: create queue pairs")))?;
         let parts = Some(parts);
-        let deadline = Instant::now() + net.config.setup_timeout;
-        Ok(Connector { net, dev, policy, handle, link, stage: CStage::Connecting, parts, deadline })
+        let core = Dial::new(handle, policy, net.config.setup_timeout, Instant::now());
+        Ok(Connector { net, dev, policy, handle, stream, core, parts })
     }
 
     /// The listener this connector is connecting to.
@@ -884,213 +521,55 @@ impl Connector {
         self.handle
     }
 
-    /// A failure the peer or the network caused.
-    fn fail(&self, step: &str, why: impl std::fmt::Display) -> Error {
-        theirs(&format!("connect to {}: {step}", self.handle.addr), why)
-    }
-
-    /// A failure of our own side, keeping its class.
-    fn local(&self, step: &str) -> impl FnOnce(Error) -> Error {
-        ours(format!("connect to {}: {step}", self.handle.addr))
-    }
-
-    fn check_deadline(&self, step: &str) -> Result<()> {
-        if Instant::now() > self.deadline {
-            return Err(self.fail(
-                step,
-                format!(
-                    "no progress within {} ms (FERROCE_SETUP_TIMEOUT_MS)",
-                    self.net.config.setup_timeout.as_millis()
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    fn next(&mut self, stage: CStage) {
-        self.stage = stage;
-        self.deadline = Instant::now() + self.net.config.setup_timeout;
-    }
-
     /// Advances; `Some` once connected.
     pub fn progress(&mut self) -> Result<Option<Box<SendComm>>> {
+        let mut buf = [0u8; MSG_LEN];
+        let mut input = Input::Poll;
         loop {
-            match &self.stage {
-                CStage::Connecting => {
-                    if !crate::os::connected(&self.link.stream)
-                        .map_err(|e| self.fail("TCP connect", e))?
-                    {
-                        self.check_deadline("TCP connect")?;
-                        return Ok(None);
+            let parts = &self.parts;
+            let parts = || parts.as_ref().expect("parts until connected");
+            input = match self.core.advance(Instant::now(), input) {
+                Cmd::AwaitConnect => match crate::os::connected(&self.stream) {
+                    Ok(true) => Input::Connected,
+                    Ok(false) => Input::Blocked,
+                    Err(e) => Input::Failed(e.to_string()),
+                },
+                Cmd::Endpoint => match endpoint(&self.net, self.dev, &parts().qps, &parts().fifo) {
+                    Ok(local) => Input::Endpoint(Box::new(local)),
+                    Err(e) => Input::Local(e),
+                },
+                Cmd::Send(bytes) => write(&mut self.stream, bytes),
+                Cmd::Recv(n) => read(&mut self.stream, &mut buf[..n]),
+                Cmd::ConnectQps(plan) => {
+                    match connect_qps(&self.net, self.dev, &parts().qps, &plan) {
+                        Ok(()) => Input::QpsReady,
+                        Err(e) => Input::Local(e),
                     }
-                    let parts = self.parts.as_ref().expect("parts until connected");
-                    let hello = endpoint(
-                        &self.net,
-                        self.dev,
-                        Kind::Hello,
-                        self.handle.nonce,
-                        &parts.qps,
-                        &self.policy,
-                        &parts.fifo,
-                    )
-                    .map_err(self.local("hello"))?;
-                    self.link.queue(&hello);
-                    self.next(CStage::SendHello);
                 }
-                CStage::SendHello => {
-                    if !self.link.flush().map_err(|e| self.fail("send hello", e))? {
-                        self.check_deadline("send hello")?;
-                        return Ok(None);
-                    }
-                    self.next(CStage::AwaitReply);
+                Cmd::Wait => return Ok(None),
+                Cmd::Done(reply) => return Ok(Some(self.finish(&reply))),
+                Cmd::Fail(e) => return Err(e),
+                Cmd::Close => {
+                    return Err(Error::Internal("connect: the machine closed a stranger".into()));
                 }
-                CStage::AwaitReply => {
-                    let Some(bytes) =
-                        self.link.recv().map_err(|b| self.fail("wait for reply", b))?
-                    else {
-                        self.check_deadline("wait for reply")?;
-                        return Ok(None);
-                    };
-                    let reply = Msg::decode(&bytes, Kind::Reply, self.handle.nonce)
-                        .map_err(|r| self.fail("wait for reply", r))?;
-                    if usize::from(reply.nqps) != self.policy.nqps {
-                        return Err(self.fail(
-                            "wait for reply",
-                            format!("peer has {} QPs, not {}", reply.nqps, self.policy.nqps),
-                        ));
-                    }
-                    let parts = self.parts.as_ref().expect("parts until connected");
-                    connect_qps(
-                        &self.net,
-                        self.dev,
-                        &parts.qps,
-                        &reply,
-                        &self.policy,
-                        self.policy.tc,
-                    )
-                    .map_err(self.local("connect queue pairs"))?;
-                    let ready = Msg { kind: Kind::Ready, ..reply };
-                    self.link.queue(&ready);
-                    self.next(CStage::SendReady(Box::new(reply)));
-                }
-                CStage::SendReady(reply) => {
-                    let reply = **reply;
-                    if !self.link.flush().map_err(|e| self.fail("send ready", e))? {
-                        self.check_deadline("send ready")?;
-                        return Ok(None);
-                    }
-                    let parts = self.parts.take().expect("parts until connected");
-                    let max_msg =
-                        u64::from(self.net.devices[self.dev].max_msg_sz.min(reply.max_msg));
-                    let p = &self.policy;
-                    let path = path(&self.net, self.dev, self.handle.addr, &reply, p, p.tc);
-                    log_connection("connected to", &path, p);
-                    return Ok(Some(SendComm::new(
-                        parts,
-                        self.net.clone(),
-                        self.dev,
-                        path,
-                        p.split,
-                        (reply.buf_addr, reply.buf_rkey),
-                        max_msg,
-                    )));
-                }
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn admit_drops_the_oldest_evictable_when_full() {
-        let mut q: VecDeque<u32> = VecDeque::new();
-        for i in 0..4 {
-            assert_eq!(admit(&mut q, i, 4, |_| true), None);
-        }
-        // Full: the oldest goes, arrival order stays.
-        assert_eq!(admit(&mut q, 4, 4, |_| true), Some(0));
-        assert_eq!(q, [1, 2, 3, 4]);
-        // Odd numbers stand for proven connections: never pushed out.
-        assert_eq!(admit(&mut q, 5, 4, |x| x % 2 == 0), Some(2));
-        assert_eq!(q, [1, 3, 4, 5]);
-        assert_eq!(admit(&mut q, 6, 4, |x| x % 2 == 0), Some(4));
-        assert_eq!(q, [1, 3, 5, 6]);
-        // Nothing may go but the newcomer's predecessor 6; then nothing: the newcomer is refused.
-        assert_eq!(admit(&mut q, 7, 4, |x| x % 2 == 0), Some(6));
-        assert_eq!(admit(&mut q, 8, 4, |x| x % 2 == 0), Some(8));
-        assert_eq!(q, [1, 3, 5, 7]);
-    }
-
-    #[test]
-    fn accept_errors_are_classified_as_accept_2_says() {
-        for e in [
-            libc::ECONNABORTED,
-            libc::EPROTO,
-            libc::ENETDOWN,
-            libc::ENOPROTOOPT,
-            libc::EHOSTDOWN,
-            libc::ENONET,
-            libc::EHOSTUNREACH,
-            libc::EOPNOTSUPP,
-            libc::ENETUNREACH,
-            libc::EPERM,
-            libc::EINTR,
-            libc::ETIMEDOUT,
-        ] {
-            assert_eq!(classify_accept(Some(e)), AcceptErr::Transient, "errno {e}");
-        }
-        assert_eq!(classify_accept(Some(libc::EAGAIN)), AcceptErr::Empty);
-        assert_eq!(classify_accept(Some(libc::EWOULDBLOCK)), AcceptErr::Empty);
-        for e in [libc::EMFILE, libc::ENFILE, libc::ENOBUFS, libc::ENOMEM] {
-            assert_eq!(classify_accept(Some(e)), AcceptErr::Exhausted, "errno {e}");
-        }
-        for e in [Some(libc::EBADF), Some(libc::EINVAL), Some(libc::ENOTSOCK), None] {
-            assert_eq!(classify_accept(e), AcceptErr::Fatal, "errno {e:?}");
+            };
         }
     }
 
-    #[test]
-    fn rejections_log_the_first_eight_then_a_count() {
-        let t0 = Instant::now();
-        let mut log = RejectLog::default();
-        assert_eq!(log.summary(t0, true), None, "nothing to report yet");
-        for i in 1..=REJECT_WARNS {
-            assert!(log.note(t0), "rejection {i} is logged");
-            assert_eq!(log.last_logged(), i == REJECT_WARNS);
-        }
-        assert_eq!(log.summary(t0, true), None, "all were logged");
-        for _ in 0..5 {
-            assert!(!log.note(t0));
-        }
-        assert!(!log.last_logged());
-        // Not due before the period, unless forced.
-        assert_eq!(log.summary(t0 + REJECT_SUMMARY_EVERY / 2, false), None);
-        assert_eq!(log.summary(t0 + REJECT_SUMMARY_EVERY, false), Some((5, 13)));
-        assert_eq!(log.summary(t0 + REJECT_SUMMARY_EVERY, true), None, "reported once");
-        // Counting goes on silently: a listener logs at most eight by themselves.
-        assert!(!log.note(t0 + REJECT_SUMMARY_EVERY));
-        assert_eq!(log.summary(t0 + REJECT_SUMMARY_EVERY, true), Some((1, 14)));
-    }
-
-    #[test]
-    fn local_failures_keep_their_class_and_peer_failures_are_remote() {
-        // A local failure while serving the proven peer: the verb's error, with the step.
-        let e = ours("accept from 10.0.0.2:5: create queue pairs".into())(Error::verbs(
-            "ibv_create_qp",
-            libc::ENOMEM,
-            "mlx5_0",
-        ));
-        assert!(matches!(e, Error::Verbs { verb: "ibv_create_qp", errno: libc::ENOMEM, .. }));
-        assert!(e.to_string().contains("accept from 10.0.0.2:5: create queue pairs"), "{e}");
-        let dead = ours("connect to 10.0.0.1:7: hello".into())(Error::Local("device dead".into()));
-        assert!(matches!(dead, Error::Local(ref t) if t.contains("connect to 10.0.0.1:7")));
-        // What the peer did.
-        let r = theirs("accept from 10.0.0.2:5: wait for ready", Reject::Nonce);
-        assert!(matches!(r, Error::Remote(ref t) if t.contains("nonce")), "{r}");
-        let closed = theirs("connect to 10.0.0.1:7: wait for reply", Bad::Closed(10));
-        assert!(matches!(closed, Error::Remote(ref t) if t.contains("truncated")), "{closed}");
+    fn finish(&mut self, reply: &Msg) -> Box<SendComm> {
+        let parts = self.parts.take().expect("parts until connected");
+        let max_msg = u64::from(self.net.devices[self.dev].max_msg_sz.min(reply.max_msg));
+        let p = &self.policy;
+        let path = path(&self.net, self.dev, self.handle.addr, reply, p, p.tc);
+        log_connection("connected to", &path, p);
+        SendComm::new(
+            parts,
+            self.net.clone(),
+            self.dev,
+            path,
+            p.split,
+            (reply.buf_addr, reply.buf_rkey),
+            max_msg,
+        )
     }
 }

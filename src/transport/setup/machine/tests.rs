@@ -1,0 +1,1152 @@
+//! Both ends of connection setup over a simulated network and clock, with no sockets or verbs:
+//! the rightful connector and any number of strangers talk to one listener through simulated
+//! TCP connections that move any number of bytes per read or write, close or are cut at any
+//! byte, change a byte in flight, or stay silent. Each end is called at its own pace, as NCCL's
+//! proxy threads call `connect` and `accept`.
+//!
+//! What must hold: the rightful peer connects whatever the strangers do before, during and
+//! after it, and both ends move their queue pairs towards each other before the message that
+//! lets the other side send; a stranger is dropped alone, with its reason, within
+//! [`HELLO_TIMEOUT`]; a deadline fires just after it passes on a silent end and never on a slow
+//! live one; the pending cap evicts the oldest unproven connection and never a proven one; every
+//! failure has the class of whoever caused it.
+//!
+//! Mutants of `machine.rs` these tests kill (each applied by hand, seen failing, reverted):
+//! - the connector's deadline check with `>=` for `>`:
+//!   `a_silent_listener_fails_the_connector_just_after_its_deadline`;
+//! - the connector's deadline not moved at a new stage: `a_slow_peer_at_every_step_is_not_late`;
+//! - `admit` with `q.len() > cap` (one too many): `the_cap_is_exactly_max_pending`,
+//!   `a_flood_evicts_the_oldest_stranger_and_the_peer_still_connects`;
+//! - `admit` pushing out proven connections too: `a_flood_never_pushes_out_a_proven_peer`;
+//! - no header check before the whole message is in:
+//!   `each_kind_of_stranger_is_dropped_with_its_reason`;
+//! - the hello deadline never checked, or `FERROCE_SETUP_TIMEOUT_MS` instead of
+//!   [`HELLO_TIMEOUT`]: `a_silent_stranger_is_dropped_just_after_the_hello_timeout`;
+//! - the listener's deadline failing a wait whose peer proved itself:
+//!   `a_slow_peer_at_every_step_is_not_late`;
+//! - the listener's deadline moved while strangers are pending:
+//!   `the_listener_fails_when_no_peer_proves_itself_in_time`;
+//! - the listener's deadline kept after its peer connected:
+//!   `a_second_wait_on_the_listener_has_its_own_deadline`;
+//! - the reply's or the ready's deadline not moved at its stage:
+//!   `a_slow_reader_of_the_reply_gets_its_timeout_for_each_step`;
+//! - a bad hello failing `accept` instead of dropping the stranger:
+//!   `strangers_before_during_and_after_the_peer_are_dropped_alone`;
+//! - the acceptor's QPs with the data traffic class instead of the FIFO's: every test that
+//!   connects (`World::assert_connected`);
+//! - `RejectLog::note` with `<` for `<=`: `rejections_are_logged_eight_times_then_counted`;
+//! - the reply's QP count unchecked: `a_reply_for_another_qp_count_fails_the_connector`.
+
+use std::collections::HashMap;
+
+use proptest::prelude::*;
+
+use super::*;
+
+const TIMEOUT: Duration = Duration::from_secs(20);
+const NONCE: u64 = 0x0123_4567_89ab_cdef;
+const LISTENER: &str = "10.0.0.1:4000";
+const UP: usize = 0;
+const DOWN: usize = 1;
+const CLIENT: usize = 0;
+const SERVER: usize = 1;
+
+fn handle() -> Handle {
+    Handle { addr: LISTENER.parse().unwrap(), nonce: NONCE }
+}
+
+fn policy(nqps: usize) -> Policy {
+    let mut sports = [0; MAX_QPS];
+    for (i, p) in sports[..nqps].iter_mut().enumerate() {
+        *p = 0xc000 + 7 * i as u16;
+    }
+    Policy { nqps, sports, split: nqps > 1, tc: 106, fifo_tc: 104, sl: 3 }
+}
+
+/// Side 1 connects, side 2 listens.
+fn local(side: u32, nqps: usize) -> Local {
+    Local {
+        qpns: std::array::from_fn(|i| if i < nqps { side << 16 | (i as u32 + 1) } else { 0 }),
+        gid: [side as u8; 16],
+        mtu: 2 + side as u8,
+        port: 1,
+        buf_addr: 0x10_0000 * u64::from(side),
+        buf_rkey: 0x100 + side,
+        max_msg: 1 << 30,
+    }
+}
+
+fn hello(nqps: usize) -> [u8; MSG_LEN] {
+    message(Kind::Hello, NONCE, &policy(nqps), &local(1, nqps)).encode()
+}
+
+fn verbs_error(what: &str) -> Error {
+    Error::verbs("ibv_modify_qp", libc::EINVAL, what)
+}
+
+// --- the simulated network --------------------------------------------------------------------
+
+/// One TCP connection: bytes in flight each way (`UP` to the listener, `DOWN` to the client).
+struct Sock {
+    /// The client's address, as the listener sees it.
+    peer: SocketAddr,
+    /// When the listener's kernel completes the connection (its connect succeeds then).
+    arrive: Option<u64>,
+    /// `accept(2)` took it.
+    taken: bool,
+    queue: [VecDeque<u8>; 2],
+    written: [usize; 2],
+    /// Each end closed its side (the client gave up or finished; the listener dropped it).
+    closed: [bool; 2],
+    /// The most bytes one read or write moves.
+    chunk: usize,
+    /// The most bytes in flight, per direction: a write beyond it would block.
+    window: [usize; 2],
+    /// The connection closes both ways once this many bytes went in this direction.
+    cut: Option<(usize, usize)>,
+    /// Byte `offset` of this direction is xor-ed with `mask` on the way.
+    garble: Option<(usize, usize, u8)>,
+}
+
+impl Sock {
+    fn new(peer: SocketAddr, arrive: Option<u64>) -> Sock {
+        Sock {
+            peer,
+            arrive,
+            taken: false,
+            queue: [VecDeque::new(), VecDeque::new()],
+            written: [0; 2],
+            closed: [false; 2],
+            chunk: MSG_LEN,
+            window: [4 * MSG_LEN; 2],
+            cut: None,
+            garble: None,
+        }
+    }
+
+    fn write(&mut self, from: usize, bytes: &[u8]) -> Input<'static> {
+        if self.cut == Some((from, self.written[from])) {
+            self.closed = [true; 2];
+        }
+        if self.closed.iter().any(|&c| c) {
+            return Input::Failed("Broken pipe (os error 32)".into());
+        }
+        let mut n = bytes.len().min(self.chunk).min(self.window[from] - self.queue[from].len());
+        if let Some((dir, at)) = self.cut.filter(|c| c.0 == from) {
+            n = n.min(at - self.written[dir]);
+        }
+        if n == 0 {
+            return Input::Blocked;
+        }
+        for (i, &b) in bytes[..n].iter().enumerate() {
+            let off = self.written[from] + i;
+            let mask = match self.garble {
+                Some((dir, at, mask)) if dir == from && at == off => mask,
+                _ => 0,
+            };
+            self.queue[from].push_back(b ^ mask);
+        }
+        self.written[from] += n;
+        if self.cut == Some((from, self.written[from])) {
+            self.closed = [true; 2];
+        }
+        Input::Sent(n)
+    }
+
+    fn read<'b>(&mut self, to: usize, buf: &'b mut [u8]) -> Input<'b> {
+        let q = &mut self.queue[1 - to];
+        if q.is_empty() {
+            return if self.closed[1 - to] { Input::Closed } else { Input::Blocked };
+        }
+        let n = buf.len().min(self.chunk).min(q.len());
+        for b in &mut buf[..n] {
+            *b = q.pop_front().expect("counted");
+        }
+        Input::Received(&buf[..n])
+    }
+}
+
+/// The rightful connector, as `Connector::progress` drives its machine.
+struct Dialer {
+    core: Dial,
+    sock: usize,
+    local: Local,
+    refused: bool,
+    fail_endpoint: Option<Error>,
+    fail_qps: Option<Error>,
+    /// Its plan, and the bytes it had sent when it connected its queue pairs.
+    plan: Option<(QpPlan, usize)>,
+    outcome: Option<Result<Msg, Error>>,
+    every: u64,
+    next: u64,
+}
+
+/// The listener, as `Listener::accept` drives its machine.
+struct Acceptor {
+    core: Listen,
+    local: Local,
+    conns: HashMap<ConnId, usize>,
+    /// Per proven connection: its plan, and the bytes it had sent down by then.
+    plans: Vec<(usize, QpPlan, usize)>,
+    fail_endpoint: Option<Error>,
+    fail_qps: Option<Error>,
+    outcome: Option<Result<(usize, Msg), Error>>,
+    warnings: Vec<String>,
+    /// When the listener dropped each connection it did not connect.
+    dropped_at: HashMap<usize, u64>,
+    /// Connections dropped as strangers (not those still pending when the peer connected).
+    rejected: u64,
+    every: u64,
+    next: u64,
+}
+
+/// A client that writes `bytes` as soon as it can, then closes if `close`.
+struct Stranger {
+    sock: usize,
+    bytes: Vec<u8>,
+    sent: usize,
+    close: bool,
+}
+
+struct World {
+    t0: Instant,
+    now: u64,
+    socks: Vec<Sock>,
+    dialer: Option<Dialer>,
+    acceptor: Acceptor,
+    strangers: Vec<Stranger>,
+}
+
+impl World {
+    /// A listener for QP count `nqps`, called every `every` ms from 0.
+    fn new(nqps: usize, every: u64) -> World {
+        let describe = format!("listener {LISTENER} (device sim0)");
+        World {
+            t0: Instant::now(),
+            now: 0,
+            socks: Vec::new(),
+            dialer: None,
+            acceptor: Acceptor {
+                core: Listen::new(handle(), describe, TIMEOUT),
+                local: local(2, nqps),
+                conns: HashMap::new(),
+                plans: Vec::new(),
+                fail_endpoint: None,
+                fail_qps: None,
+                outcome: None,
+                warnings: Vec::new(),
+                dropped_at: HashMap::new(),
+                rejected: 0,
+                every,
+                next: 0,
+            },
+            strangers: Vec::new(),
+        }
+    }
+
+    fn at(&self, ms: u64) -> Instant {
+        self.t0 + Duration::from_millis(ms)
+    }
+
+    fn sock(&mut self, arrive: Option<u64>) -> usize {
+        let i = self.socks.len();
+        let peer = SocketAddr::new([10, 0, 1, (i % 250) as u8].into(), 30000 + i as u16);
+        self.socks.push(Sock::new(peer, arrive));
+        i
+    }
+
+    /// The rightful connector: starts at `start`, its TCP connection completes at `arrive`,
+    /// it is called every `every` ms.
+    fn dial(&mut self, nqps: usize, start: u64, arrive: Option<u64>, every: u64) -> usize {
+        let sock = self.sock(arrive);
+        self.dialer = Some(Dialer {
+            core: Dial::new(handle(), policy(nqps), TIMEOUT, self.at(start)),
+            sock,
+            local: local(1, nqps),
+            refused: false,
+            fail_endpoint: None,
+            fail_qps: None,
+            plan: None,
+            outcome: None,
+            every,
+            next: start,
+        });
+        sock
+    }
+
+    fn stranger(&mut self, arrive: u64, bytes: &[u8], close: bool) -> usize {
+        let sock = self.sock(Some(arrive));
+        self.strangers.push(Stranger { sock, bytes: bytes.to_vec(), sent: 0, close });
+        sock
+    }
+
+    fn dialer(&self) -> &Dialer {
+        self.dialer.as_ref().expect("a connector")
+    }
+
+    /// Runs both ends until `until` ms, or until neither has anything left to do.
+    fn run(&mut self, until: u64) {
+        loop {
+            let dial = self.dialer.as_ref().filter(|d| d.outcome.is_none()).map(|d| d.next);
+            let a = &self.acceptor;
+            let accept = a.outcome.is_none().then_some(a.next);
+            let Some(t) = dial.into_iter().chain(accept).min().filter(|&t| t <= until) else {
+                return;
+            };
+            self.now = t;
+            self.push_strangers();
+            if dial == Some(t) {
+                self.dial_call();
+                let d = self.dialer.as_mut().expect("due");
+                d.next += d.every;
+            }
+            if accept == Some(t) {
+                self.accept_call();
+                self.acceptor.next += self.acceptor.every;
+            }
+        }
+    }
+
+    fn push_strangers(&mut self) {
+        for s in &mut self.strangers {
+            let sock = &mut self.socks[s.sock];
+            if sock.arrive.is_none_or(|a| a > self.now) || sock.closed[CLIENT] {
+                continue;
+            }
+            while s.sent < s.bytes.len() {
+                match sock.write(CLIENT, &s.bytes[s.sent..]) {
+                    Input::Sent(n) => s.sent += n,
+                    _ => break,
+                }
+            }
+            if s.close && s.sent == s.bytes.len() {
+                sock.closed[CLIENT] = true;
+            }
+        }
+    }
+
+    /// One `connect` call.
+    fn dial_call(&mut self) {
+        let now = self.at(self.now);
+        let (d, socks) = (self.dialer.as_mut().expect("a connector"), &mut self.socks);
+        let sock = &mut socks[d.sock];
+        let mut buf = [0u8; MSG_LEN];
+        let mut input = Input::Poll;
+        loop {
+            input = match d.core.advance(now, input) {
+                Cmd::AwaitConnect if d.refused => Input::Failed("Connection refused".into()),
+                Cmd::AwaitConnect if sock.arrive.is_some_and(|a| a <= self.now) => Input::Connected,
+                Cmd::AwaitConnect => Input::Blocked,
+                Cmd::Endpoint => match d.fail_endpoint.take() {
+                    Some(e) => Input::Local(e),
+                    None => Input::Endpoint(Box::new(d.local)),
+                },
+                Cmd::Send(bytes) => sock.write(CLIENT, bytes),
+                Cmd::Recv(n) => sock.read(CLIENT, &mut buf[..n]),
+                Cmd::ConnectQps(plan) => {
+                    d.plan = Some((*plan, sock.written[UP]));
+                    d.fail_qps.take().map_or(Input::QpsReady, Input::Local)
+                }
+                Cmd::Wait => return,
+                Cmd::Done(reply) => {
+                    d.outcome = Some(Ok(*reply));
+                    sock.closed[CLIENT] = true;
+                    return;
+                }
+                Cmd::Fail(e) => {
+                    d.outcome = Some(Err(e));
+                    sock.closed[CLIENT] = true;
+                    return;
+                }
+                Cmd::Close => panic!("a connector closed a stranger"),
+            };
+        }
+    }
+
+    /// One `accept` call.
+    fn accept_call(&mut self) {
+        let now = self.at(self.now);
+        if self.acceptor.core.begin(now) {
+            self.take_new(now);
+        }
+        for id in self.acceptor.core.ids() {
+            if self.serve(id, now) {
+                break;
+            }
+        }
+        let a = &mut self.acceptor;
+        if a.outcome.is_none()
+            && let Err(e) = a.core.end(now)
+        {
+            a.outcome = Some(Err(e));
+        }
+        a.warnings.extend(a.core.take_warnings());
+    }
+
+    fn take_new(&mut self, now: Instant) {
+        let mut ready: Vec<usize> = (0..self.socks.len())
+            .filter(|&i| {
+                !self.socks[i].taken && self.socks[i].arrive.is_some_and(|a| a <= self.now)
+            })
+            .collect();
+        ready.sort_by_key(|&i| (self.socks[i].arrive, i));
+        for s in ready.into_iter().take(MAX_PENDING) {
+            self.socks[s].taken = true;
+            let (id, out) = self.acceptor.core.admit(self.socks[s].peer, now);
+            self.acceptor.conns.insert(id, s);
+            if let Some(out) = out {
+                let gone = self.acceptor.conns.remove(&out).expect("admitted");
+                self.acceptor.rejected += 1;
+                self.drop_sock(gone);
+            }
+        }
+    }
+
+    fn drop_sock(&mut self, s: usize) {
+        self.socks[s].closed[SERVER] = true;
+        self.acceptor.dropped_at.insert(s, self.now);
+    }
+
+    /// Serves one connection until it waits; `true` once `accept` has its answer.
+    fn serve(&mut self, id: ConnId, now: Instant) -> bool {
+        let s = self.acceptor.conns[&id];
+        let (a, sock) = (&mut self.acceptor, &mut self.socks[s]);
+        let mut buf = [0u8; MSG_LEN];
+        let mut input = Input::Poll;
+        let end = loop {
+            input = match a.core.advance(id, now, input) {
+                Cmd::Recv(n) => sock.read(SERVER, &mut buf[..n]),
+                Cmd::Send(bytes) => sock.write(SERVER, bytes),
+                Cmd::ConnectQps(plan) => {
+                    a.plans.push((s, *plan, sock.written[DOWN]));
+                    a.fail_qps.take().map_or(Input::QpsReady, Input::Local)
+                }
+                Cmd::Endpoint => match a.fail_endpoint.take() {
+                    Some(e) => Input::Local(e),
+                    None => Input::Endpoint(Box::new(a.local)),
+                },
+                Cmd::Wait => return false,
+                end @ (Cmd::Close | Cmd::Fail(_) | Cmd::Done(_)) => break end,
+                Cmd::AwaitConnect => panic!("a listener connected"),
+            };
+        };
+        let finished = match end {
+            Cmd::Close => {
+                a.rejected += 1;
+                false
+            }
+            Cmd::Fail(e) => {
+                a.outcome = Some(Err(e));
+                true
+            }
+            Cmd::Done(hello) => {
+                a.outcome = Some(Ok((s, *hello)));
+                let others: Vec<usize> =
+                    a.conns.drain().map(|(_, o)| o).filter(|&o| o != s).collect();
+                for o in others {
+                    self.drop_sock(o);
+                }
+                self.socks[s].closed[SERVER] = true;
+                return true;
+            }
+            _ => unreachable!(),
+        };
+        self.acceptor.conns.remove(&id);
+        self.drop_sock(s);
+        finished
+    }
+
+    /// The rejections of this wait: those logged one by one and those counted.
+    fn rejections(&self) -> u64 {
+        let w = &self.acceptor.warnings;
+        let one_by_one = w.iter().filter(|l| l.contains(": rejected connection from ")).count();
+        let counted: u64 = w
+            .iter()
+            .filter_map(|l| {
+                l.split(": ").nth(1)?.split(" more connection(s)").next()?.parse::<u64>().ok()
+            })
+            .sum();
+        one_by_one as u64 + counted
+    }
+
+    /// Both ends connected, each to the other, with the QPs moved before they were needed.
+    fn assert_connected(&self, nqps: usize) {
+        let d = self.dialer();
+        let a = &self.acceptor;
+        let p = policy(nqps);
+        let reply = match &d.outcome {
+            Some(Ok(m)) => *m,
+            other => panic!("the connector ended with {other:?}"),
+        };
+        assert_eq!(reply, message(Kind::Reply, NONCE, &p, &a.local));
+        let (s, got) = match &a.outcome {
+            Some(Ok(x)) => *x,
+            other => panic!("the listener ended with {other:?}"),
+        };
+        assert_eq!(s, d.sock, "the listener connected someone else");
+        assert_eq!(got, message(Kind::Hello, NONCE, &p, &d.local));
+        // The connector's QPs go to RTS before its ready: it had sent its hello alone.
+        let (plan, sent) = d.plan.expect("the connector connected its QPs");
+        assert_eq!(sent, MSG_LEN);
+        assert_eq!(plan, QpPlan::towards(&reply, &p, p.tc));
+        assert_eq!(plan.remote_qpns, a.local.qpns);
+        // The acceptor's before its reply, with the FIFO traffic class.
+        let (_, plan, sent) = *a.plans.iter().find(|x| x.0 == s).expect("the acceptor's QPs");
+        assert_eq!(sent, 0);
+        assert_eq!(
+            (plan.remote_qpns, plan.remote_gid, plan.remote_mtu),
+            (d.local.qpns, d.local.gid, d.local.mtu)
+        );
+        assert_eq!(
+            (plan.nqps, plan.sports, plan.traffic_class, plan.sl),
+            (nqps, p.sports, p.fifo_tc, p.sl)
+        );
+    }
+}
+
+fn remote(e: &Error, want: &str) {
+    assert!(matches!(e, Error::Remote(t) if t.contains(want)), "{e:?} is not Remote({want:?}...)");
+}
+
+/// Whether an end connected; a failure must be the peer's doing.
+fn connected<T>(o: &Option<Result<T, Error>>) -> Result<bool, TestCaseError> {
+    match o {
+        Some(Ok(_)) => Ok(true),
+        Some(Err(e)) => {
+            prop_assert!(matches!(e, Error::Remote(_)), "{:?}", e);
+            Ok(false)
+        }
+        None => Err(TestCaseError::fail("an end never decided")),
+    }
+}
+
+fn listener_error(w: &World) -> &Error {
+    match &w.acceptor.outcome {
+        Some(Err(e)) => e,
+        other => panic!("the listener ended with {other:?}"),
+    }
+}
+
+fn dialer_error(w: &World) -> &Error {
+    match &w.dialer().outcome {
+        Some(Err(e)) => e,
+        other => panic!("the connector ended with {other:?}"),
+    }
+}
+
+// --- the rightful peer and strangers ----------------------------------------------------------
+
+/// What a stranger sends.
+#[derive(Clone, Debug)]
+enum Stray {
+    Silent,
+    Garbage(Vec<u8>),
+    /// The first bytes of a valid hello, then it closes.
+    Truncated(usize),
+    /// The first bytes of a valid hello, then silence.
+    Stalled(usize),
+    WrongNonce,
+    /// A well-formed message of another kind.
+    Reply,
+    /// A hello with the right nonce and a QP count of 0.
+    NoQps,
+}
+
+impl Stray {
+    fn bytes(&self) -> (Vec<u8>, bool) {
+        let h = hello(2);
+        match self {
+            Stray::Silent => (Vec::new(), false),
+            Stray::Garbage(b) => (b.clone(), true),
+            Stray::Truncated(n) => (h[..*n].to_vec(), true),
+            Stray::Stalled(n) => (h[..*n].to_vec(), false),
+            Stray::WrongNonce => {
+                let m = message(Kind::Hello, NONCE ^ 1, &policy(2), &local(9, 2));
+                (m.encode().to_vec(), false)
+            }
+            Stray::Reply => {
+                (message(Kind::Reply, NONCE, &policy(2), &local(9, 2)).encode().to_vec(), false)
+            }
+            Stray::NoQps => {
+                let mut b = h;
+                b[32] = 0;
+                (b.to_vec(), false)
+            }
+        }
+    }
+}
+
+fn stray() -> impl Strategy<Value = Stray> {
+    prop_oneof![
+        Just(Stray::Silent),
+        // Anything but our magic's first byte, so that it is garbage.
+        (0u8..0x46, proptest::collection::vec(any::<u8>(), 0..100))
+            .prop_map(|(b0, rest)| Stray::Garbage([vec![b0], rest].concat())),
+        (0..MSG_LEN).prop_map(Stray::Truncated),
+        (0..MSG_LEN).prop_map(Stray::Stalled),
+        Just(Stray::WrongNonce),
+        Just(Stray::Reply),
+        Just(Stray::NoQps),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_rightful_peer_connects_through_any_chunking(
+        nqps in 1usize..=8,
+        chunk in 1..=MSG_LEN,
+        window in MSG_LEN..=3 * MSG_LEN,
+        dial_every in 1u64..2000,
+        accept_every in 1u64..2000,
+        start in 0u64..3000,
+        rtt in 0u64..500,
+    ) {
+        let mut w = World::new(nqps, accept_every);
+        let s = w.dial(nqps, start, Some(start + rtt), dial_every);
+        w.socks[s].chunk = chunk;
+        w.socks[s].window = [window; 2];
+        w.run(60_000);
+        w.assert_connected(nqps);
+        prop_assert!(w.acceptor.warnings.is_empty(), "{:?}", w.acceptor.warnings);
+    }
+
+    #[test]
+    fn strangers_before_during_and_after_the_peer_are_dropped_alone(
+        strangers in proptest::collection::vec((stray(), 0u64..8000, 1..=MSG_LEN), 0..40),
+        later in proptest::collection::vec((stray(), 0u64..8000), 0..10),
+        dial_every in 1u64..1500,
+        accept_every in 1u64..1500,
+        start in 0u64..6000,
+    ) {
+        let mut w = World::new(2, accept_every);
+        for (k, at, chunk) in &strangers {
+            let (bytes, close) = k.bytes();
+            let s = w.stranger(*at, &bytes, close);
+            w.socks[s].chunk = *chunk;
+        }
+        w.dial(2, start, Some(start), dial_every);
+        w.run(60_000);
+        w.assert_connected(2);
+        // Every stranger the listener took is gone: dropped as a stranger (and counted once,
+        // in a line of its own or in the count), or when the peer connected; none held its
+        // slot past its hello deadline and the next call.
+        let peer = w.dialer().sock;
+        for (i, sock) in w.socks.iter().enumerate().filter(|(i, s)| s.taken && *i != peer) {
+            let at = w.acceptor.dropped_at.get(&i).copied();
+            let arrive = sock.arrive.unwrap();
+            let bound = arrive + 5000 + 2 * accept_every;
+            prop_assert!(at.is_some_and(|t| t <= bound), "sock {i}: {at:?}");
+        }
+        prop_assert_eq!(w.rejections(), w.acceptor.rejected);
+        // After: a second wait on the same listener, with new strangers, serves the next peer.
+        let base = w.now;
+        w.acceptor.outcome = None;
+        w.acceptor.warnings.clear();
+        for (k, at) in &later {
+            let (bytes, close) = k.bytes();
+            w.stranger(base + at, &bytes, close);
+        }
+        w.acceptor.next = base + 1;
+        w.dial(2, base + 1000, Some(base + 1000), dial_every);
+        w.run(base + 60_000);
+        w.assert_connected(2);
+    }
+
+    /// One byte changed on the way, anywhere in the exchange: never a hang, a local error or a
+    /// listener that connects a garbled hello's header; only `Remote` failures.
+    #[test]
+    fn a_garbled_stream_fails_cleanly(
+        dir in 0usize..2,
+        off in 0..2 * MSG_LEN,
+        mask in 1u8..=255,
+    ) {
+        let mut w = World::new(2, 10);
+        let s = w.dial(2, 0, Some(0), 10);
+        w.socks[s].garble = Some((dir, off, mask));
+        w.run(100_000);
+        let dial_ok = connected(&w.dialer().outcome)?;
+        let listen_ok = connected(&w.acceptor.outcome)?;
+        // The listener is done only once the connector sent its ready.
+        prop_assert!(dial_ok || !listen_ok);
+        // Magic, version, kind, length and nonce are checked in every message.
+        let header = off % MSG_LEN < 20 || (24..32).contains(&(off % MSG_LEN));
+        match (dir, off >= MSG_LEN) {
+            // Nothing goes down after the reply.
+            (DOWN, true) => prop_assert!(dial_ok && listen_ok),
+            // A garbled ready: the connector is done, the listener fails.
+            (UP, true) if header => prop_assert!(dial_ok && !listen_ok),
+            (_, false) if header => prop_assert!(!dial_ok && !listen_ok),
+            _ => {}
+        }
+    }
+
+    /// The connection closes after `at` bytes one way.
+    #[test]
+    fn a_cut_stream_fails_cleanly(dir in 0usize..2, at in 0..2 * MSG_LEN) {
+        let mut w = World::new(2, 10);
+        let s = w.dial(2, 0, Some(0), 10);
+        w.socks[s].cut = Some((dir, at));
+        w.run(100_000);
+        let truncated = |n: usize| if n == 0 {
+            "connection closed".to_string()
+        } else {
+            format!("connection closed after {n} of {MSG_LEN} bytes (truncated message)")
+        };
+        match (dir, at) {
+            (UP, at) if at < MSG_LEN => {
+                // A truncated hello is a stranger's: the listener waits on, until its deadline.
+                remote(dialer_error(&w), "connect to 10.0.0.1:4000: send hello: Broken pipe");
+                remote(listener_error(&w), "no peer connected within 20000 ms");
+                let peer = w.socks[s].peer;
+                let why = format!("rejected connection from {peer}: {}", truncated(at));
+                prop_assert!(w.acceptor.warnings[0].contains(&why), "{:?}", w.acceptor.warnings);
+            }
+            (UP, MSG_LEN) => {
+                remote(dialer_error(&w), "wait for reply: connection closed");
+                remote(listener_error(&w), "send reply: Broken pipe");
+            }
+            (UP, at) => {
+                remote(dialer_error(&w), "connect to 10.0.0.1:4000: send ready: Broken pipe");
+                let why = format!("wait for ready: {}", truncated(at - MSG_LEN));
+                remote(listener_error(&w), &why);
+            }
+            (_, at) if at < MSG_LEN => {
+                let why = format!("wait for reply: {}", truncated(at));
+                remote(dialer_error(&w), &why);
+                remote(listener_error(&w), "send reply: Broken pipe");
+            }
+            (_, MSG_LEN) => {
+                remote(dialer_error(&w), "connect to 10.0.0.1:4000: send ready: Broken pipe");
+                remote(listener_error(&w), "wait for ready: connection closed");
+            }
+            _ => w.assert_connected(2),
+        }
+    }
+}
+
+#[test]
+fn each_kind_of_stranger_is_dropped_with_its_reason() {
+    let mut garbage = vec![0xffu8; 40];
+    garbage[0] = 0x12;
+    let cases: Vec<(Stray, String, u64)> = vec![
+        (Stray::Garbage(garbage), "bad magic 0xffffffffffffff12 (not a ferroce peer)".into(), 0),
+        (
+            Stray::Truncated(100),
+            format!("connection closed after 100 of {MSG_LEN} bytes (truncated message)"),
+            0,
+        ),
+        (Stray::Truncated(0), "connection closed".into(), 0),
+        (
+            Stray::WrongNonce,
+            "nonce does not match this listener (stale or foreign handle)".into(),
+            0,
+        ),
+        (Stray::Reply, "unexpected message kind 2".into(), 0),
+        (Stray::NoQps, "invalid field nqps, split or sl".into(), 0),
+        (Stray::Silent, "no hello within 5000 ms".into(), 5100),
+        (Stray::Stalled(40), "no hello within 5000 ms".into(), 5100),
+    ];
+    for (k, why, when) in cases {
+        let mut w = World::new(2, 100);
+        let (bytes, close) = k.bytes();
+        let s = w.stranger(0, &bytes, close);
+        w.run(10_000);
+        assert_eq!(w.acceptor.dropped_at.get(&s), Some(&when), "{k:?}");
+        let line = format!(
+            "listener {LISTENER} (device sim0): rejected connection from {}: {why}; still waiting for the peer",
+            w.socks[s].peer
+        );
+        assert_eq!(w.acceptor.warnings, [line], "{k:?}");
+        assert!(w.acceptor.outcome.is_none(), "a stranger failed accept: {k:?}");
+    }
+}
+
+#[test]
+fn a_silent_stranger_is_dropped_just_after_the_hello_timeout() {
+    let t0 = Instant::now();
+    let mut l = Listen::new(handle(), "l".into(), TIMEOUT);
+    assert!(l.begin(t0));
+    let (id, out) = l.admit("10.0.0.9:1".parse().unwrap(), t0);
+    assert_eq!(out, None);
+    for after in [0, 5000] {
+        let now = t0 + Duration::from_millis(after);
+        assert!(matches!(l.advance(id, now, Input::Poll), Cmd::Recv(MSG_LEN)));
+        assert!(matches!(l.advance(id, now, Input::Blocked), Cmd::Wait), "dropped at {after} ms");
+    }
+    let late = t0 + HELLO_TIMEOUT + Duration::from_millis(1);
+    assert!(matches!(l.advance(id, late, Input::Poll), Cmd::Recv(MSG_LEN)));
+    assert!(matches!(l.advance(id, late, Input::Blocked), Cmd::Close));
+    assert!(l.ids().is_empty());
+    assert!(l.end(late).is_ok(), "a stranger is no reason to fail");
+}
+
+#[test]
+fn a_silent_listener_fails_the_connector_just_after_its_deadline() {
+    let t0 = Instant::now();
+    // No TCP connection ever.
+    let mut d = Dial::new(handle(), policy(1), TIMEOUT, t0);
+    assert!(matches!(d.advance(t0, Input::Poll), Cmd::AwaitConnect));
+    assert!(matches!(d.advance(t0 + TIMEOUT, Input::Blocked), Cmd::Wait));
+    let late = t0 + TIMEOUT + Duration::from_millis(1);
+    assert!(matches!(d.advance(late, Input::Poll), Cmd::AwaitConnect));
+    let Cmd::Fail(e) = d.advance(late, Input::Blocked) else { panic!("not failed") };
+    remote(
+        &e,
+        "connect to 10.0.0.1:4000: TCP connect: no progress within 20000 ms (FERROCE_SETUP_TIMEOUT_MS)",
+    );
+    // Connected, hello sent, no reply: the deadline runs from the hello.
+    let mut w = World::new(1, 1_000_000);
+    w.dial(1, 0, Some(3000), 1000);
+    w.run(3000 + 20_000);
+    assert!(w.dialer().outcome.is_none(), "failed at its deadline");
+    w.run(3000 + 21_000);
+    remote(
+        dialer_error(&w),
+        "connect to 10.0.0.1:4000: wait for reply: no progress within 20000 ms",
+    );
+    assert_eq!(w.socks[w.dialer().sock].written[UP], MSG_LEN);
+}
+
+#[test]
+fn a_slow_peer_at_every_step_is_not_late() {
+    // The listener is called every 19 s. The connector's TCP connect takes 19.5 s, its reply
+    // comes 18.5 s after its hello, its ready is read 19 s after the reply: each step within
+    // the 20 s timeout, 57 s in all. The listener's own deadline passes before the peer
+    // proves itself, in the same call that serves it.
+    let mut w = World::new(2, 19_000);
+    w.dial(2, 0, Some(19_500), 100);
+    w.run(100_000);
+    w.assert_connected(2);
+    assert_eq!(w.now, 57_000);
+}
+
+#[test]
+fn a_peer_that_takes_its_time_with_the_hello_is_served() {
+    // The listener takes the connection at 0; NCCL's next connect call comes 4.9 s later.
+    let mut w = World::new(2, 100);
+    w.dial(2, 0, Some(0), 4900);
+    w.dialer.as_mut().unwrap().next = 4900;
+    w.run(60_000);
+    w.assert_connected(2);
+}
+
+#[test]
+fn a_proven_peer_that_goes_silent_fails_accept() {
+    let mut w = World::new(2, 100);
+    let s = w.dial(2, 0, Some(0), 100);
+    w.run(50);
+    assert_eq!(w.socks[s].written[UP], MSG_LEN, "hello sent");
+    // NCCL stops calling connect: no ready.
+    w.dialer.as_mut().unwrap().next = 1 << 40;
+    w.run(100_000);
+    let e = listener_error(&w);
+    remote(
+        e,
+        &format!("accept from {}: wait for ready: no answer within 20000 ms", w.socks[s].peer),
+    );
+    assert_eq!(w.now, 20_100, "failed at the first call after the deadline");
+}
+
+#[test]
+fn the_listener_fails_when_no_peer_proves_itself_in_time() {
+    let mut w = World::new(2, 1000);
+    for i in 0..30 {
+        // Half of them garbage, half of them silent (pending for 5 s each).
+        let bytes: &[u8] = if i % 2 == 0 { b"GET / HTTP/1.1\r\nHost: x\r\n\r\n-----" } else { b"" };
+        w.stranger(700 * i, bytes, i % 2 == 0);
+    }
+    w.run(100_000);
+    // Strangers came and were pending all along: the deadline stayed 20 s after the first call.
+    assert_eq!(w.now, 21_000);
+    let want = format!(
+        "accept on 10.0.0.1:4000: no peer connected within 20000 ms (step: wait for connection; \
+         FERROCE_SETUP_TIMEOUT_MS; {} other connection(s) rejected meanwhile)",
+        w.acceptor.rejected
+    );
+    remote(listener_error(&w), &want);
+    assert!(w.acceptor.rejected >= 20, "{}", w.acceptor.rejected);
+}
+
+#[test]
+fn a_second_wait_on_the_listener_has_its_own_deadline() {
+    let mut w = World::new(2, 100);
+    w.dial(2, 0, Some(0), 100);
+    w.run(1000);
+    w.assert_connected(2);
+    // NCCL calls accept again 30 s later, for another connection, which comes 15 s after that.
+    w.acceptor.outcome = None;
+    w.acceptor.next = 30_000;
+    w.dial(2, 45_000, Some(45_000), 100);
+    w.run(100_000);
+    w.assert_connected(2);
+    // And a wait without a peer ends 20 s after its own first call.
+    w.acceptor.outcome = None;
+    w.acceptor.next = 200_000;
+    w.run(300_000);
+    remote(listener_error(&w), "no peer connected within 20000 ms");
+    assert_eq!(w.now, 220_100);
+}
+
+#[test]
+fn a_slow_reader_of_the_reply_gets_its_timeout_for_each_step() {
+    // The reply goes out half at once and half when the connector reads, 19 s later: the
+    // reply's deadline runs from the hello, the ready's from the reply, not from the
+    // connection's arrival or from the hello.
+    let mut w = World::new(2, 100);
+    let s = w.dial(2, 0, Some(0), 19_000);
+    w.socks[s].window[DOWN] = MSG_LEN / 2;
+    w.run(100_000);
+    w.assert_connected(2);
+    assert_eq!(w.now, 38_000);
+}
+
+#[test]
+fn the_cap_is_exactly_max_pending() {
+    let t0 = Instant::now();
+    let mut l = Listen::new(handle(), "l".into(), TIMEOUT);
+    l.begin(t0);
+    for i in 0..MAX_PENDING {
+        let peer = SocketAddr::new([10, 0, 2, 1].into(), i as u16 + 1);
+        assert_eq!(l.admit(peer, t0), (i as u64, None));
+    }
+    let (id, out) = l.admit("10.0.2.2:1".parse().unwrap(), t0);
+    assert_eq!((id, out), (MAX_PENDING as u64, Some(0)), "the oldest goes");
+    assert_eq!(l.ids().len(), MAX_PENDING);
+    let w = l.take_warnings();
+    assert_eq!(w.len(), 1);
+    assert!(
+        w[0].contains(
+            "from 10.0.2.1:1: 64 connections pending; dropped the oldest that had not proven itself"
+        ),
+        "{w:?}"
+    );
+}
+
+#[test]
+fn a_flood_evicts_the_oldest_stranger_and_the_peer_still_connects() {
+    let mut w = World::new(2, 50);
+    let silent: Vec<usize> = (0..MAX_PENDING).map(|i| w.stranger(i as u64, &[], false)).collect();
+    w.dial(2, 100, Some(100), 50);
+    w.run(1000);
+    w.assert_connected(2);
+    // Only the oldest made room; the rest went when the peer connected.
+    let d = &w.acceptor.dropped_at;
+    assert_eq!(d[&silent[0]], 100);
+    assert!(silent[1..].iter().all(|s| d[s] > 100), "{d:?}");
+    assert_eq!(w.rejections(), 1);
+}
+
+#[test]
+fn a_flood_never_pushes_out_a_proven_peer() {
+    let mut w = World::new(2, 50);
+    w.dial(2, 0, Some(0), 50);
+    w.run(10);
+    // The peer has proven itself; it reads the reply and sends its ready only at 3 s.
+    w.dialer.as_mut().unwrap().next = 3000;
+    for i in 0..2 * MAX_PENDING {
+        w.stranger(100 + i as u64, &[], false);
+    }
+    w.run(10_000);
+    w.assert_connected(2);
+    assert_eq!(w.rejections(), MAX_PENDING as u64 + 1);
+}
+
+#[test]
+fn rejections_are_logged_eight_times_then_counted() {
+    let mut w = World::new(2, 100);
+    for i in 0..20 {
+        w.stranger(i, &[0; 32], true);
+    }
+    w.dial(2, 500, Some(500), 100);
+    w.run(10_000);
+    w.assert_connected(2);
+    let lines = &w.acceptor.warnings;
+    assert_eq!(lines.len(), REJECT_WARNS as usize + 1, "{lines:?}");
+    assert!(lines[7].ends_with("(further rejections are counted, not logged one by one)"));
+    assert!(!lines[6].contains("further"));
+    assert_eq!(
+        lines[8],
+        format!(
+            "listener {LISTENER} (device sim0): 12 more connection(s) rejected without a line each (20 in total)"
+        )
+    );
+}
+
+#[test]
+fn accept_errors_skip_one_connection_or_back_off() {
+    let t0 = Instant::now();
+    let mut l = Listen::new(handle(), "l".into(), TIMEOUT);
+    assert!(l.begin(t0));
+    assert_eq!(l.accept_failed(Some(libc::ECONNABORTED), &"aborted", t0), AcceptErr::Transient);
+    assert_eq!(l.accept_failed(Some(libc::EMFILE), &"too many", t0), AcceptErr::Exhausted);
+    assert_eq!(l.accept_failed(Some(libc::EBADF), &"bad", t0), AcceptErr::Fatal);
+    let w = l.take_warnings();
+    assert_eq!(w.len(), 2, "{w:?}");
+    assert!(
+        w[0].contains(
+            "rejected connection from (unknown): accept: aborted; that connection is lost"
+        )
+    );
+    assert!(w[1].contains("accept: too many; not taking connections for 100 ms"));
+    assert!(!l.begin(t0 + ACCEPT_BACKOFF - Duration::from_millis(1)));
+    assert!(l.begin(t0 + ACCEPT_BACKOFF));
+}
+
+#[test]
+fn local_failures_of_either_side_keep_their_class() {
+    for (qps, reply_step) in [(true, "create queue pairs"), (false, "reply")] {
+        let mut w = World::new(2, 10);
+        let s = w.dial(2, 0, Some(0), 10);
+        if qps {
+            w.acceptor.fail_qps = Some(verbs_error("mlx5_0"));
+        } else {
+            w.acceptor.fail_endpoint = Some(Error::Local("device dead".into()));
+        }
+        w.run(60_000);
+        let e = listener_error(&w).to_string();
+        assert!(e.contains(&format!("accept from {}: {reply_step}", w.socks[s].peer)), "{e}");
+        assert!(!matches!(listener_error(&w), Error::Remote(_)));
+        // The connector sees only a closed connection: the peer's doing.
+        remote(dialer_error(&w), "wait for reply: connection closed");
+    }
+    for (qps, step) in [(true, "connect queue pairs"), (false, "hello")] {
+        let mut w = World::new(2, 10);
+        w.dial(2, 0, Some(0), 10);
+        let d = w.dialer.as_mut().unwrap();
+        if qps {
+            d.fail_qps = Some(verbs_error("mlx5_0"));
+        } else {
+            d.fail_endpoint = Some(Error::Local("device dead".into()));
+        }
+        w.run(60_000);
+        let e = dialer_error(&w);
+        assert!(e.to_string().contains(&format!("connect to {LISTENER}: {step}")), "{e}");
+        assert!(matches!(e, Error::Verbs { errno: libc::EINVAL, .. } | Error::Local(_)), "{e:?}");
+    }
+}
+
+#[test]
+fn a_refused_connect_is_the_peers_doing() {
+    let mut w = World::new(2, 10);
+    w.dial(2, 0, None, 10);
+    w.dialer.as_mut().unwrap().refused = true;
+    w.run(1000);
+    remote(dialer_error(&w), "connect to 10.0.0.1:4000: TCP connect: Connection refused");
+}
+
+#[test]
+fn a_reply_for_another_qp_count_fails_the_connector() {
+    let t0 = Instant::now();
+    let mut d = Dial::new(handle(), policy(2), TIMEOUT, t0);
+    assert!(matches!(d.advance(t0, Input::Connected), Cmd::Endpoint));
+    let Cmd::Send(b) = d.advance(t0, Input::Endpoint(Box::new(local(1, 2)))) else { panic!() };
+    let n = b.len();
+    assert!(matches!(d.advance(t0, Input::Sent(n)), Cmd::Recv(MSG_LEN)));
+    let reply = message(Kind::Reply, NONCE, &policy(3), &local(2, 3)).encode();
+    let Cmd::Fail(e) = d.advance(t0, Input::Received(&reply)) else { panic!("accepted") };
+    remote(&e, "connect to 10.0.0.1:4000: wait for reply: peer has 3 QPs, not 2");
+}
+
+#[test]
+fn a_machine_that_ended_or_gets_the_wrong_input_fails_without_panicking() {
+    let t0 = Instant::now();
+    let mut d = Dial::new(handle(), policy(1), TIMEOUT, t0);
+    assert!(matches!(d.advance(t0, Input::QpsReady), Cmd::Fail(Error::Internal(_))));
+    assert!(matches!(d.advance(t0, Input::Poll), Cmd::Fail(Error::Internal(_))));
+    let mut l = Listen::new(handle(), "l".into(), TIMEOUT);
+    assert!(matches!(l.advance(7, t0, Input::Poll), Cmd::Fail(Error::Internal(_))));
+}
+
+// --- the edges, unchanged from before the split ------------------------------------------------
+
+#[test]
+fn admit_drops_the_oldest_evictable_when_full() {
+    let mut q: VecDeque<u32> = VecDeque::new();
+    for i in 0..4 {
+        assert_eq!(admit(&mut q, i, 4, |_| true), None);
+    }
+    // Full: the oldest goes, arrival order stays.
+    assert_eq!(admit(&mut q, 4, 4, |_| true), Some(0));
+    assert_eq!(q, [1, 2, 3, 4]);
+    // Odd numbers stand for proven connections: never pushed out.
+    assert_eq!(admit(&mut q, 5, 4, |x| x % 2 == 0), Some(2));
+    assert_eq!(q, [1, 3, 4, 5]);
+    assert_eq!(admit(&mut q, 6, 4, |x| x % 2 == 0), Some(4));
+    assert_eq!(q, [1, 3, 5, 6]);
+    // Nothing may go but the newcomer's predecessor 6; then nothing: the newcomer is refused.
+    assert_eq!(admit(&mut q, 7, 4, |x| x % 2 == 0), Some(6));
+    assert_eq!(admit(&mut q, 8, 4, |x| x % 2 == 0), Some(8));
+    assert_eq!(q, [1, 3, 5, 7]);
+}
+
+#[test]
+fn accept_errors_are_classified_as_accept_2_says() {
+    for e in [
+        libc::ECONNABORTED,
+        libc::EPROTO,
+        libc::ENETDOWN,
+        libc::ENOPROTOOPT,
+        libc::EHOSTDOWN,
+        libc::ENONET,
+        libc::EHOSTUNREACH,
+        libc::EOPNOTSUPP,
+        libc::ENETUNREACH,
+        libc::EPERM,
+        libc::EINTR,
+        libc::ETIMEDOUT,
+    ] {
+        assert_eq!(classify_accept(Some(e)), AcceptErr::Transient, "errno {e}");
+    }
+    assert_eq!(classify_accept(Some(libc::EAGAIN)), AcceptErr::Empty);
+    assert_eq!(classify_accept(Some(libc::EWOULDBLOCK)), AcceptErr::Empty);
+    for e in [libc::EMFILE, libc::ENFILE, libc::ENOBUFS, libc::ENOMEM] {
+        assert_eq!(classify_accept(Some(e)), AcceptErr::Exhausted, "errno {e}");
+    }
+    for e in [Some(libc::EBADF), Some(libc::EINVAL), Some(libc::ENOTSOCK), None] {
+        assert_eq!(classify_accept(e), AcceptErr::Fatal, "errno {e:?}");
+    }
+}
+
+#[test]
+fn rejections_log_the_first_eight_then_a_count() {
+    let t0 = Instant::now();
+    let mut log = RejectLog::default();
+    assert_eq!(log.summary(t0, true), None, "nothing to report yet");
+    for i in 1..=REJECT_WARNS {
+        assert!(log.note(t0), "rejection {i} is logged");
+        assert_eq!(log.last_logged(), i == REJECT_WARNS);
+    }
+    assert_eq!(log.summary(t0, true), None, "all were logged");
+    for _ in 0..5 {
+        assert!(!log.note(t0));
+    }
+    assert!(!log.last_logged());
+    // Not due before the period, unless forced.
+    assert_eq!(log.summary(t0 + REJECT_SUMMARY_EVERY / 2, false), None);
+    assert_eq!(log.summary(t0 + REJECT_SUMMARY_EVERY, false), Some((5, 13)));
+    assert_eq!(log.summary(t0 + REJECT_SUMMARY_EVERY, true), None, "reported once");
+    // Counting goes on silently: a listener logs at most eight by themselves.
+    assert!(!log.note(t0 + REJECT_SUMMARY_EVERY));
+    assert_eq!(log.summary(t0 + REJECT_SUMMARY_EVERY, true), Some((1, 14)));
+}
+
+#[test]
+fn local_failures_keep_their_class_and_peer_failures_are_remote() {
+    // A local failure while serving the proven peer: the verb's error, with the step.
+    let e = ours("accept from 10.0.0.2:5: create queue pairs".into())(Error::verbs(
+        "ibv_create_qp",
+        libc::ENOMEM,
+        "mlx5_0",
+    ));
+    assert!(matches!(e, Error::Verbs { verb: "ibv_create_qp", errno: libc::ENOMEM, .. }));
+    assert!(e.to_string().contains("accept from 10.0.0.2:5: create queue pairs"), "{e}");
+    let dead = ours("connect to 10.0.0.1:7: hello".into())(Error::Local("device dead".into()));
+    assert!(matches!(dead, Error::Local(ref t) if t.contains("connect to 10.0.0.1:7")));
+    // What the peer did.
+    let r = theirs("accept from 10.0.0.2:5: wait for ready", Reject::Nonce);
+    assert!(matches!(r, Error::Remote(ref t) if t.contains("nonce")), "{r}");
+    let closed = theirs("connect to 10.0.0.1:7: wait for reply", Bad::Closed(10));
+    assert!(matches!(closed, Error::Remote(ref t) if t.contains("truncated")), "{closed}");
+}
