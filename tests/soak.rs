@@ -219,7 +219,7 @@ struct Posting {
 }
 
 /// Commands on stdin (the receiver's `STOP`, the sender's `END n`), events on stdout (`HANDLE`,
-/// `READY`, `POSTED n`, `DONE g m b`).
+/// `READY`, `POSTED n`, `DONE g m b`; both then wait for `CLOSE` before closing their comm).
 fn role(sender: bool, args: &[String]) -> Result<(), String> {
     ECHO.store(std::env::var_os("SOAK_VERBOSE").is_some(), std::sync::atomic::Ordering::Relaxed);
     let seed = num(args, "--seed")?.ok_or("missing --seed")?;
@@ -266,6 +266,16 @@ fn role(sender: bool, args: &[String]) -> Result<(), String> {
     let side = Side { drv: &drv, comm, mh, seed, max_size, lines: &lines, say: &say };
     let totals = if sender { side.send(&mut arena) } else { side.recv(&mut arena) };
     let totals = totals.inspect_err(|_| queue_pairs(sender))?;
+    say(totals.line("DONE"))?;
+    // Both ends keep their comm until both are done. A receiver that closed as soon as its
+    // last receive completed would leave the sender retransmitting its last write into a
+    // destroyed QP whenever that write's ACK was lost (RETRY_CNT 7 retries for ever), and the
+    // sender's progress timeout would fail a soak in which nothing went wrong.
+    match lines.recv_timeout(STALL + Duration::from_secs(60)) {
+        Ok(l) if l == "CLOSE" => {}
+        Ok(l) => return Err(format!("expected CLOSE, got {l:?}")),
+        Err(e) => return Err(format!("no CLOSE from the orchestrator: {e}")),
+    }
     drv.dereg_mr(comm, mh)?;
     drv.close(if sender { Close::Send } else { Close::Recv }, comm)?;
     drv.finalize(ctx)?;
@@ -273,7 +283,7 @@ fn role(sender: bool, args: &[String]) -> Result<(), String> {
     for w in &warns {
         eprintln!("soak: plugin WARN ({}): {w}", if sender { "sender" } else { "receiver" });
     }
-    say(totals.line("DONE"))
+    Ok(())
 }
 
 /// On a failure, while this side's queue pairs (and the peer's) still exist: what rxe says of
@@ -590,11 +600,17 @@ fn still_fine(p: &mut Proc) -> Result<(), String> {
     }
 }
 
-/// Its `DONE` totals and exit status 0.
-fn finish(mut p: Proc) -> Result<Totals, String> {
-    let done = Totals::parse(&p.expect("DONE", STALL + Duration::from_secs(60))?)?;
-    p.exits_ok(Duration::from_secs(60))?;
-    Ok(done)
+/// Both sides' `DONE` totals (receiver, sender); then both close and must exit with status 0.
+fn finish(mut recv: Proc, mut send: Proc) -> Result<(Totals, Totals), String> {
+    let got = Totals::parse(&recv.expect("DONE", STALL + Duration::from_secs(60))?)?;
+    let sent = Totals::parse(&send.expect("DONE", STALL + Duration::from_secs(60))?)?;
+    for p in [&mut recv, &mut send] {
+        p.tell("CLOSE")?;
+    }
+    for mut p in [recv, send] {
+        p.exits_ok(Duration::from_secs(60))?;
+    }
+    Ok((got, sent))
 }
 
 /// The netem qdiscs and the pinned neighbours; removed again however the soak ends, so later
@@ -729,8 +745,7 @@ fn run_phase(
         .and_then(|n| n.parse().ok())
         .ok_or("bad POSTED line")?;
     send.tell(&format!("END {posted}"))?;
-    let got = finish(recv)?;
-    let sent = finish(send)?;
+    let (got, sent) = finish(recv, send)?;
     let secs = t.elapsed().as_secs_f64();
     netem.clear();
     if got != sent || got.groups != posted {
