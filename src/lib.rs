@@ -2,8 +2,8 @@
 //!
 //! # Architecture
 //! Three layers, each calling only downward:
-//! - [`ffi`]: the C ABI. Exported vtables `ncclNetPlugin_v6` … `ncclNetPlugin_v12`; v12 is the
-//!   implementation and the older versions are thin shims onto it. Every entry point runs
+//! - [`ffi`]: the C ABI. Exported vtables `ncclNetPlugin_v6` … `ncclNetPlugin_v12`, each a table
+//!   over one version-neutral set of entry points (`ffi::plugin`). Every entry point runs
 //!   through one panic-catching funnel that maps [`error::Error`] to `ncclResult_t`.
 //! - [`transport`]: NCCL semantics (devices, properties, the shared state's lifetime). No
 //!   `unsafe` code.
