@@ -8,6 +8,8 @@
 //! - [`transport`]: NCCL semantics (devices, properties, the shared state's lifetime). No
 //!   `unsafe` code.
 //! - [`verbs`]: safe RAII wrappers over libibverbs that know nothing about NCCL.
+//! - [`wr`]: work requests and completions as plain data, shared by `transport` and `verbs`, so
+//!   the data-path core sees no verbs.
 //!
 //! [`config`] holds every knob; [`error`] the one error type.
 //!
@@ -21,3 +23,4 @@ pub mod ffi;
 pub mod os;
 pub mod transport;
 pub mod verbs;
+pub mod wr;
