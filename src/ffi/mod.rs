@@ -11,6 +11,8 @@
 //! - `v12` … `v6`: one exported table per ABI version, naming `plugin` and `legacy` only. A new
 //!   version is one more file here.
 
+#![allow(unsafe_code)]
+
 pub mod abi;
 mod boundary;
 mod handles;

@@ -7,6 +7,8 @@
 //!
 //! Callers: `transport` only.
 
+#![allow(unsafe_code)]
+
 mod buf;
 mod cq;
 mod device;
