@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use ferroce::transport::proto::{
     Buf, FIFO_WORDS, Params, Path, Post, RecvCore, SIZE_WORDS, SendCore, Words,
 };
-use ferroce::verbs::{Completion, Op, SendWr};
+use ferroce::wr::{Completion, Op, SendWr};
 
 /// Regions, told apart by the top bits of their fake addresses.
 const FIFO: u64 = 1 << 40;
