@@ -1248,6 +1248,11 @@ fn port_text(w: &mut String, p: &Port) {
         p.active_mtu,
         p.max_mtu
     );
+    port_tables(w, p);
+}
+
+/// A port's GID table (with the plugin's choice), congestion control, counters and GPUDirect.
+fn port_tables(w: &mut String, p: &Port) {
     let _ = writeln!(w, "GID table (index, version, address, interface)");
     if p.gids.is_empty() {
         let _ = writeln!(w, "  (empty)");
