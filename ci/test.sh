@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it (.ci/run calls exactly this):
 #   1. install what is needed (apt packages, kernel image, qemu);
-#   2. style gates: cargo fmt --check, cargo clippy -D warnings;
-#   3. host tests: unit tests, ABI layout, loadability (cargo test);
+#   2. style gates over the whole workspace (the plugin and src/tools): cargo fmt --check,
+#      cargo clippy -D warnings;
+#   3. host tests of the whole workspace: unit tests, ABI layout, loadability, the tools'
+#      command line (cargo test);
 #   4. build the release plugin and the test binaries on the host, boot the Soft-RoCE VM and
 #      run the VM tests against rxe0/rxe1 inside it, plus perftest between the same devices;
 #   5. boot it again with 4 ranks on one bridge and run the cluster test (ring collectives,
@@ -18,11 +20,11 @@ main() {
   ci/install.sh
 
   step "style"
-  cargo fmt --check
-  cargo clippy --all-targets --locked -- -D warnings
+  cargo fmt --all --check
+  cargo clippy --workspace --all-targets --locked -- -D warnings
 
   step "host tests"
-  cargo test --locked
+  cargo test --workspace --locked
 
   step "build release plugin and VM test binaries"
   ci/build.sh

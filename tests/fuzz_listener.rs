@@ -32,12 +32,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::harness::Rng;
-use common::harness::driver::{Close, Driver, Ptr};
 use common::{open_plugin, require_vm};
 use ferroce::ffi::abi::ncclResult_t;
 use ferroce::transport::handshake::{Handle, Kind, MAGIC, MAX_QPS, MSG_LEN, Msg};
 use ferroce::transport::setup::{HELLO_TIMEOUT, MAX_PENDING, REJECT_WARNS};
+use ferroce_tools::Rng;
+use ferroce_tools::driver::{Close, Driver, Ptr};
 
 /// Streams per CI run, as the issue asks: about 5 minutes of the TCG VM (355 streams/s measured
 /// alone on the 2-core host; 90 with three other VMs beside it).
@@ -125,7 +125,7 @@ fn listener(args: &[String]) -> Result<(), String> {
     let streams: u64 = common::num_arg(args, "--streams", DEFAULT_STREAMS)?;
     let nclients: usize = common::num_arg(args, "--clients", CLIENTS)?;
     common::set_env(&[("FERROCE_SETUP_TIMEOUT_MS", Some(SETUP_TIMEOUT_MS))]);
-    common::harness::loader::ECHO.store(true, Ordering::Relaxed);
+    ferroce_tools::loader::ECHO.store(true, Ordering::Relaxed);
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12)?;
     let ctx = drv.init(1)?;
@@ -305,9 +305,8 @@ fn error_classes(drv: &Driver, ctx: Ptr) -> Result<(), String> {
             let _ = s.read(&mut [0u8; 1]);
             Ok(())
         });
-        let r = common::harness::driver::until("accept", Duration::from_secs(60), || {
-            drv.accept(listen)
-        });
+        let r =
+            ferroce_tools::wait::until("accept", Duration::from_secs(60), || drv.accept(listen));
         let warn = last_warn();
         drv.close(Close::Listen, listen)?;
         peer.join().map_err(|_| "peer thread panicked")??;

@@ -40,15 +40,16 @@ mod common;
 
 use std::collections::{BTreeMap, HashSet};
 use std::ffi::c_int;
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::process::{Command, Stdio};
-use std::sync::mpsc::{self, Receiver, TryRecvError};
+use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::{Duration, Instant};
 
-use common::Proc;
-use common::harness::Rng;
-use common::harness::driver::{Close, Driver, Ptr};
-use common::harness::loader::ECHO;
+use ferroce_tools::Rng;
+use ferroce_tools::driver::{Close, Driver, Ptr};
+use ferroce_tools::handle::{from_hex, to_hex};
+use ferroce_tools::loader::ECHO;
+use ferroce_tools::proc::{Proc, lines_of};
 
 /// Multi-receives in flight (the plugin allows 32).
 const WINDOW: usize = 16;
@@ -227,31 +228,16 @@ fn role(sender: bool, args: &[String]) -> Result<(), String> {
         println!("{s}");
         std::io::stdout().flush().map_err(|e| e.to_string())
     };
-    let lines = {
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in std::io::stdin().lock().lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        rx
-    };
+    let lines = lines_of(std::io::stdin());
     let lib = common::open_plugin();
     let drv = Driver::new(&lib, 12)?;
     let ctx = drv.init(9)?;
     let comm = if sender {
-        let hex = arg(args, "--handle")?.ok_or("send needs --handle")?;
-        let mut h = [0u8; 128];
-        for (i, b) in h.iter_mut().enumerate() {
-            *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2).ok_or("short handle")?, 16)
-                .map_err(|e| e.to_string())?;
-        }
+        let mut h = from_hex(&arg(args, "--handle")?.ok_or("send needs --handle")?)?;
         common::until("connect", || drv.connect(ctx, 0, &mut h))?
     } else {
         let (h, listen) = drv.listen(ctx, 1)?;
-        say(format!("HANDLE {}", h.iter().map(|b| format!("{b:02x}")).collect::<String>()))?;
+        say(format!("HANDLE {}", to_hex(&h)))?;
         let c = common::until("accept", || drv.accept(listen))?;
         drv.close(Close::Listen, listen)?;
         c
@@ -591,10 +577,10 @@ fn start(
 
 /// Fails if the process has said anything or exited (each only speaks when asked).
 fn still_fine(p: &mut Proc) -> Result<(), String> {
-    if let Ok(l) = p.events.try_recv() {
+    if let Ok(l) = p.lines.try_recv() {
         return Err(format!("{}: unexpected {l:?}", p.name));
     }
-    match p.child.try_wait().map_err(|e| e.to_string())? {
+    match p.try_wait()? {
         Some(st) => Err(format!("{} exited with {st} mid-soak", p.name)),
         None => Ok(()),
     }
