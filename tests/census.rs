@@ -17,6 +17,7 @@
 //!   that drops only that connection) keeps waiting and the rightful peer connects;
 //! - **killed** (every 200th cycle): a child process running the plugin's connector is killed
 //!   with SIGKILL after sending its hello; the same two outcomes are allowed.
+//!
 //! Once, after the baseline, a silent stranger is left alone with the listener until the
 //! listener closes its connection (its deadline), with no error, and the rightful peer then
 //! connects.
@@ -92,7 +93,7 @@ fn kind_of(i: usize) -> Kind {
         return Kind::Killed;
     }
     match i % 8 {
-        1 if (i / 8) % 2 == 0 => Kind::HalfHello,
+        1 if (i / 8).is_multiple_of(2) => Kind::HalfHello,
         1 => Kind::CutHello,
         3 => Kind::WrongNonce,
         5 => Kind::Silent,
@@ -117,7 +118,7 @@ struct Census<'a> {
 }
 
 fn fill(seed: usize, buf: &mut [u8]) {
-    let mut x = Rng(0x0ddb_a11 ^ ((seed as u64) << 16) | 1);
+    let mut x = Rng(0x00dd_ba11 ^ ((seed as u64) << 16) | 1);
     for chunk in buf.chunks_mut(8) {
         let w = x.next().to_le_bytes();
         chunk.copy_from_slice(&w[..chunk.len()]);
@@ -591,7 +592,6 @@ fn census(args: &[String]) -> Result<(), String> {
 
     drop(c);
     drv.finalize(ctx)?;
-    drop(drv);
     drop(lib);
     let (fds1, threads1) = settle(&(fds0, threads0), Duration::from_secs(5), fds_threads);
     let res1 = settle(&Ok(RdmaCounts::default()), Duration::from_secs(10), || rdma_counts(pid))?;

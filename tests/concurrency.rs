@@ -243,13 +243,13 @@ fn drive(
             step(drv, sender, l, msgs, bytes, registered)?;
         }
         // The clock is slow in an emulated VM: look at it now and then.
-        if round % 256 == 255 {
-            if let Some(l) = lanes.iter().find(|l| l.done < msgs && l.last.elapsed() > STALL) {
-                return Err(format!(
-                    "comm {}: no completion for {STALL:?} ({} of {msgs} done)",
-                    l.k, l.done
-                ));
-            }
+        if round % 256 == 255
+            && let Some(l) = lanes.iter().find(|l| l.done < msgs && l.last.elapsed() > STALL)
+        {
+            return Err(format!(
+                "comm {}: no completion for {STALL:?} ({} of {msgs} done)",
+                l.k, l.done
+            ));
         }
     }
     unreachable!("the loop only ends by returning")

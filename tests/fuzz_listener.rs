@@ -25,7 +25,6 @@ mod common;
 
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
-use std::os::fd::AsRawFd;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -363,7 +362,7 @@ fn break_one_field(rng: &mut Rng, b: &mut [u8; MSG_LEN]) {
         1 => b[32] = MAX_QPS as u8 + 1 + r % 127,                                    // nqps > 128
         2 => b[33] = 2 + r % 200,                                                    // split
         3 => b[35] = 16 + r % 200,                                                   // sl
-        4 => b[36] = if r % 2 == 0 { 0 } else { 6 + r % 200 },                       // mtu
+        4 => b[36] = if r.is_multiple_of(2) { 0 } else { 6 + r % 200 },              // mtu
         5 => b[96..100].copy_from_slice(&0u32.to_le_bytes()),                        // qpn 0
         6 => b[96..100].copy_from_slice(&(0x100_0000 + u32::from(r)).to_le_bytes()), // qpn > 24 bits
         7 => b[96 + 4 * MAX_QPS..98 + 4 * MAX_QPS].copy_from_slice(&u16::from(r).to_le_bytes()), // sport
@@ -613,7 +612,7 @@ fn client(addr: SocketAddr, nonce: u64, streams: u64, next: &AtomicU64, done: &A
             stats.error(format!("stream {i}: {e}"));
         }
         let n = done.fetch_add(1, Ordering::Relaxed) + 1;
-        if n % every == 0 {
+        if n.is_multiple_of(every) {
             println!("PROGRESS {n}");
         }
     }

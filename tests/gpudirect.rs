@@ -310,7 +310,7 @@ fn pattern(g: usize, r: usize, buf: &mut [u8]) {
 
 /// One group: a (multi-)receive of `(offset, size)` buffers, all inside one half of the arena.
 fn schedule() -> Vec<Vec<(usize, usize)>> {
-    let mut rng = Rng(0x5eed_0f_9d0_u64);
+    let mut rng = Rng(0x0005_eed0_f9d0_u64);
     let mut out: Vec<Vec<(usize, usize)>> = Vec::new();
     // Singles across both halves, at odd offsets too.
     for (i, size) in [1usize, 4095, 4096, 65537, 1 << 20, (3 << 20) + 5].into_iter().enumerate() {

@@ -128,8 +128,8 @@ fn every_legacy_init_fails_the_same_way_without_devices() {
     }
     // SAFETY: the symbol is an ncclNet_v10_t.
     let v10 = unsafe { lib.table::<ncclNet_v10_t>(c"ncclNetPlugin_v10") }.unwrap();
-    // SAFETY: init(logger, profiler) per the v10 ABI.
     assert_eq!(
+        // SAFETY: init(logger, profiler) per the v10 ABI.
         unsafe { v10.init.unwrap()(capture_logger(), None) },
         ncclResult_t::ncclInvalidUsage
     );

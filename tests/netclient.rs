@@ -303,7 +303,7 @@ fn recv_all(
             }
         }
         let data: Vec<*mut u8> =
-            group.items.iter().map(|it| unsafe { base.add(it.offset) }).collect();
+            group.items.iter().map(|it| base.wrapping_add(it.offset)).collect();
         let caps: Vec<usize> = group.items.iter().map(|it| it.capacity).collect();
         let tags: Vec<c_int> = group.items.iter().map(|it| it.tag).collect();
         let mhs = vec![mh; group.items.len()];

@@ -93,11 +93,11 @@ extern "C" fn capture(
     fmt: *const c_char,
     arg: *const c_char,
 ) {
-    // SAFETY: the plugin passes NUL-terminated strings (or NULL, handled).
     let text = |p: *const c_char| {
         if p.is_null() {
             String::from("(null)")
         } else {
+            // SAFETY: the plugin passes NUL-terminated strings (or NULL, handled above).
             unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
         }
     };
