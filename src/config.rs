@@ -8,7 +8,7 @@
 //! unless `FERROCE_ALLOW_UNBOUNDED=1` asks for it. The README's knob table is written from
 //! [`KNOBS`].
 //!
-//! Callers: `transport` (at init), the tools in `src/bin`.
+//! Callers: `transport` (at init), the tools in `src/tools`.
 
 pub mod hca;
 

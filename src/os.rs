@@ -1,8 +1,12 @@
 //! The few OS calls std does not offer: a non-blocking TCP connect, a zero-timeout writability
-//! check, the addresses of the network interfaces, and the locked-memory limit.
+//! check, the addresses of the network interfaces, `getrandom`, the page size, the coarse
+//! clock, and the locked-memory limit.
 //!
-//! Callers: `transport` (connection setup, init), `verbs` (the memlock hint of a failed
-//! registration).
+//! The bottom layer beside `verbs`: it imports nothing of ferroce, and its `unsafe` stays inside
+//! each call (no pointer outlives one). Callers: `transport` (connection setup, init, clocks),
+//! `verbs` (the memlock hint of a failed registration), `ffi` (random connect ids).
+
+#![allow(unsafe_code)]
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};

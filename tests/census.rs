@@ -17,6 +17,7 @@
 //!   that drops only that connection) keeps waiting and the rightful peer connects;
 //! - **killed** (every 200th cycle): a child process running the plugin's connector is killed
 //!   with SIGKILL after sending its hello; the same two outcomes are allowed.
+//!
 //! Once, after the baseline, a silent stranger is left alone with the listener until the
 //! listener closes its connection (its deadline), with no error, and the rightful peer then
 //! connects.
@@ -35,16 +36,19 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{Ipv4Addr, Shutdown, TcpStream};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use common::harness::Rng;
-use common::harness::driver::{self, Close, Driver, Ptr};
 use common::{RdmaCounts, fds_threads, open_plugin, rdma_counts, require_vm, rss_bytes, settle};
 use ferroce::transport::handshake::{Handle, Kind as MsgKind, MAX_QPS, MSG_LEN, Msg};
+use ferroce_tools::Rng;
+use ferroce_tools::driver::{Close, Driver, Ptr};
+use ferroce_tools::handle::{from_hex, to_hex};
+use ferroce_tools::proc::Proc;
+use ferroce_tools::wait::until;
 
 const SETUP_TIMEOUT_MS: &str = "10000";
 const QPS: &str = "2";
@@ -71,26 +75,6 @@ fn main() {
     common::exit_on_error("census", r);
 }
 
-/// Calls `f` until it yields, for at most `limit`, giving the CPU away between calls: the
-/// emulated VM has two vCPUs, and rxe does its work in kernel threads that need them.
-fn spin<T>(
-    what: &str,
-    limit: Duration,
-    mut f: impl FnMut() -> Result<Option<T>, String>,
-) -> Result<T, String> {
-    driver::until(what, limit, || {
-        let r = f()?;
-        if r.is_none() {
-            std::thread::yield_now();
-        }
-        Ok(r)
-    })
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
 // --- what a cycle does ------------------------------------------------------------------------
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -109,7 +93,7 @@ fn kind_of(i: usize) -> Kind {
         return Kind::Killed;
     }
     match i % 8 {
-        1 if (i / 8) % 2 == 0 => Kind::HalfHello,
+        1 if (i / 8).is_multiple_of(2) => Kind::HalfHello,
         1 => Kind::CutHello,
         3 => Kind::WrongNonce,
         5 => Kind::Silent,
@@ -134,7 +118,7 @@ struct Census<'a> {
 }
 
 fn fill(seed: usize, buf: &mut [u8]) {
-    let mut x = Rng(0x0ddb_a11 ^ ((seed as u64) << 16) | 1);
+    let mut x = Rng(0x00dd_ba11 ^ ((seed as u64) << 16) | 1);
     for chunk in buf.chunks_mut(8) {
         let w = x.next().to_le_bytes();
         chunk.copy_from_slice(&w[..chunk.len()]);
@@ -227,11 +211,11 @@ impl Census<'_> {
         let smh = drv.reg_mr(send, self.src.as_mut_ptr(), BUF)?;
         let rmh = drv.reg_mr(recv, self.dst.as_mut_ptr(), BUF)?;
         let d = self.dst.as_mut_ptr();
-        let rreq = spin("irecv", BOUND, || drv.irecv(recv, &[d], &[BUF], &[tag], &[rmh], false))?;
+        let rreq = until("irecv", BOUND, || drv.irecv(recv, &[d], &[BUF], &[tag], &[rmh], false))?;
         let s = self.src.as_mut_ptr();
-        let sreq = spin("isend", BOUND, || drv.isend(send, s, size, tag, smh))?;
-        let ss = spin("test send", BOUND, || drv.test(sreq))?;
-        let rs = spin("test recv", BOUND, || drv.test(rreq))?;
+        let sreq = until("isend", BOUND, || drv.isend(send, s, size, tag, smh))?;
+        let ss = until("test send", BOUND, || drv.test(sreq))?;
+        let rs = until("test recv", BOUND, || drv.test(rreq))?;
         drv.dereg_mr(send, smh)?;
         drv.dereg_mr(recv, rmh)?;
         if ss[0] as usize != size || rs[0] as usize != size {
@@ -254,7 +238,7 @@ impl Census<'_> {
         let mut h = *handle;
         let (mut send, mut recv) = (None, None);
         let drv = self.drv;
-        let (send, recv) = spin("connect and accept", BOUND, || {
+        let (send, recv) = until("connect and accept", BOUND, || {
             if send.is_none() {
                 send = drv.connect(self.ctx, SEND_DEV, &mut h)?;
             }
@@ -269,22 +253,22 @@ impl Census<'_> {
         r
     }
 
-    /// Drives `accept` alone for as long as `until` says to go on; it must never fail or
-    /// yield a comm (only strangers are connecting).
+    /// Drives `accept` alone until `done` says so; it must never fail or yield a comm (only
+    /// strangers are connecting).
     fn accept_only(
         &self,
         listen: Ptr,
         what: &str,
         limit: Duration,
-        mut until: impl FnMut() -> Result<bool, String>,
+        mut done: impl FnMut() -> Result<bool, String>,
     ) -> Result<(), String> {
-        spin(what, limit, || {
+        until(what, limit, || {
             match self.drv.accept(listen) {
                 Err(e) => return Err(format!("{what}: the listener failed: {e}")),
                 Ok(Some(_)) => return Err(format!("{what}: accept yielded a comm for a stranger")),
                 Ok(None) => {}
             }
-            Ok(until()?.then_some(()))
+            Ok(done()?.then_some(()))
         })
     }
 
@@ -301,7 +285,7 @@ impl Census<'_> {
         let drv = self.drv;
         let mut h = handle;
         let (mut send, mut recv) = (None, None);
-        let failed = spin(what, BOUND, || {
+        let failed = until(what, BOUND, || {
             if recv.is_none() {
                 match drv.accept(listen) {
                     Err(_) => return Ok(Some(true)),
@@ -325,7 +309,7 @@ impl Census<'_> {
             drv.close(Close::Listen, listen)?;
             // A connector already under way towards the failed listener must fail too.
             if h != handle {
-                let r = spin("the stale connector", BOUND, || {
+                let r = until("the stale connector", BOUND, || {
                     match drv.connect(self.ctx, SEND_DEV, &mut h) {
                         Err(_) => Ok(Some(Ok(()))),
                         Ok(Some(_)) => Ok(Some(Err("connected to a closed listener"))),
@@ -433,24 +417,11 @@ impl Census<'_> {
                 listen = self.after_vanished("proven stranger vanished", handle, listen, i)?;
             }
             Kind::Killed => {
-                let me = std::env::current_exe().map_err(|e| e.to_string())?;
-                let mut child = Command::new(me)
-                    .args(["child-connect", &hex(&handle)])
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::piped())
-                    .spawn()
-                    .map_err(|e| format!("child: {e}"))?;
-                let out = child.stdout.take().ok_or("no child stdout")?;
-                let (tx, rx) = std::sync::mpsc::channel();
-                let reader = std::thread::spawn(move || {
-                    for l in BufReader::new(out).lines().map_while(Result::ok) {
-                        let _ = tx.send(l);
-                    }
-                });
-                let said = rx.recv_timeout(Duration::from_secs(60));
-                let _ = child.kill();
-                let st = child.wait().map_err(|e| e.to_string())?;
-                let _ = reader.join();
+                let mut cmd = Proc::me(&["child-connect", &to_hex(&handle)]);
+                cmd.stdin(Stdio::null());
+                let mut child = Proc::spawn("child connector", cmd)?;
+                let said = child.next(Duration::from_secs(60));
+                let st = child.kill()?;
                 match said.as_deref() {
                     Ok("SENT") => {}
                     other => {
@@ -468,13 +439,8 @@ impl Census<'_> {
 /// The child of a `killed` cycle: starts connecting, says `SENT` once its hello is out, and
 /// waits to be killed.
 fn child_connect(hexh: Option<&String>) -> Result<(), String> {
-    common::harness::loader::ECHO.store(false, Ordering::Relaxed);
-    let hexh = hexh.ok_or("child-connect needs a handle")?;
-    let mut h = [0u8; 128];
-    for (i, b) in h.iter_mut().enumerate() {
-        *b = u8::from_str_radix(hexh.get(2 * i..2 * i + 2).ok_or("short handle")?, 16)
-            .map_err(|e| e.to_string())?;
-    }
+    ferroce_tools::loader::ECHO.store(false, Ordering::Relaxed);
+    let mut h = from_hex(hexh.ok_or("child-connect needs a handle")?)?;
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12)?;
     let ctx = drv.init(99)?;
@@ -517,7 +483,7 @@ fn census(args: &[String]) -> Result<(), String> {
             std::env::set_var("NCCL_IB_QPS_PER_CONNECTION", QPS);
         }
     }
-    common::harness::loader::ECHO.store(false, Ordering::Relaxed);
+    ferroce_tools::loader::ECHO.store(false, Ordering::Relaxed);
     let pid = std::process::id();
     let (fds0, threads0) = fds_threads();
     let lib = open_plugin();
@@ -626,7 +592,6 @@ fn census(args: &[String]) -> Result<(), String> {
 
     drop(c);
     drv.finalize(ctx)?;
-    drop(drv);
     drop(lib);
     let (fds1, threads1) = settle(&(fds0, threads0), Duration::from_secs(5), fds_threads);
     let res1 = settle(&Ok(RdmaCounts::default()), Duration::from_secs(10), || rdma_counts(pid))?;

@@ -67,7 +67,7 @@ fn plugin() -> String {
 }
 
 fn ferroce(args: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ferroce"));
+    let mut c = Command::new(common::ferroce_exe());
     c.arg("collective").args(args).args(["--plugin", &plugin()]);
     c
 }

@@ -28,11 +28,13 @@ use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::harness::Rng;
-use common::harness::driver::{Close, Driver, Ptr};
 use common::{
-    Proc, RdmaCounts, fds_threads, open_plugin, rdma_counts, rdma_resources, require_vm, settle,
+    RdmaCounts, fds_threads, open_plugin, rdma_counts, rdma_resources, require_vm, settle,
 };
+use ferroce_tools::Rng;
+use ferroce_tools::driver::{Close, Driver, Ptr};
+use ferroce_tools::handle::{from_hex, to_hex};
+use ferroce_tools::proc::Proc;
 
 const THREADS: usize = 4;
 const COMMS: usize = 4; // per data thread
@@ -147,21 +149,6 @@ struct Lane {
     last: Instant,
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Result<[u8; 128], String> {
-    let mut out = [0u8; 128];
-    if s.len() != 256 {
-        return Err(format!("bad handle {s:?}"));
-    }
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|e| e.to_string())?;
-    }
-    Ok(out)
-}
-
 fn slot(m: usize) -> usize {
     (m % WINDOW) * (SLOT + GUARD)
 }
@@ -256,13 +243,13 @@ fn drive(
             step(drv, sender, l, msgs, bytes, registered)?;
         }
         // The clock is slow in an emulated VM: look at it now and then.
-        if round % 256 == 255 {
-            if let Some(l) = lanes.iter().find(|l| l.done < msgs && l.last.elapsed() > STALL) {
-                return Err(format!(
-                    "comm {}: no completion for {STALL:?} ({} of {msgs} done)",
-                    l.k, l.done
-                ));
-            }
+        if round % 256 == 255
+            && let Some(l) = lanes.iter().find(|l| l.done < msgs && l.last.elapsed() > STALL)
+        {
+            return Err(format!(
+                "comm {}: no completion for {STALL:?} ({} of {msgs} done)",
+                l.k, l.done
+            ));
         }
     }
     unreachable!("the loop only ends by returning")
@@ -340,7 +327,7 @@ fn registrar(
 /// The sender reads `HANDLE k <hex>` lines on stdin; the receiver prints them on stdout. Both
 /// print `DONE ...` at the end.
 fn role(sender: bool, msgs: usize) -> Result<(), String> {
-    common::harness::loader::ECHO.store(false, Ordering::Relaxed);
+    ferroce_tools::loader::ECHO.store(false, Ordering::Relaxed);
     let who = if sender { "sender" } else { "receiver" };
     let dev = if sender { 0 } else { 1 };
     let (fds0, threads0) = fds_threads();
@@ -358,7 +345,7 @@ fn role(sender: bool, msgs: usize) -> Result<(), String> {
             let line = line.map_err(|e| e.to_string())?;
             let w: Vec<&str> = line.split_whitespace().collect();
             match w.as_slice() {
-                ["HANDLE", k, h] if k.parse() == Ok(handles.len()) => handles.push(unhex(h)?),
+                ["HANDLE", k, h] if k.parse() == Ok(handles.len()) => handles.push(from_hex(h)?),
                 _ => return Err(format!("bad handle line {line:?}")),
             }
         }
@@ -368,7 +355,7 @@ fn role(sender: bool, msgs: usize) -> Result<(), String> {
     } else {
         for k in 0..NCOMMS {
             let (h, listen) = drv.listen(ctx, dev)?;
-            println!("HANDLE {k} {}", hex(&h));
+            println!("HANDLE {k} {}", to_hex(&h));
             listeners.push(listen);
         }
         std::io::stdout().flush().map_err(|e| e.to_string())?;

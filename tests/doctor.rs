@@ -12,14 +12,11 @@
 
 mod common;
 
-use std::io::BufRead;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{require_vm, run};
-
-const DOCTOR: &str = env!("CARGO_BIN_EXE_ferroce");
+use ferroce_tools::proc::Proc;
 
 struct Out {
     code: i32,
@@ -38,10 +35,10 @@ fn doctor_with(prefix: &[&str], args: &[&str], env: &[(&str, &str)]) -> Out {
     let mut cmd = match prefix.split_first() {
         Some((first, rest)) => {
             let mut c = Command::new(first);
-            c.args(rest).arg(DOCTOR);
+            c.args(rest).arg(common::ferroce_exe());
             c
         }
-        None => Command::new(DOCTOR),
+        None => Command::new(common::ferroce_exe()),
     };
     cmd.arg("doctor").args(args);
     for (k, v) in env {
@@ -274,7 +271,7 @@ fn set_knobs_are_listed_and_a_malformed_one_or_a_bad_argument_named() {
     assert!(o.stdout.contains("NCCL_IB_TIMEOUT=20   ("), "a set knob is listed with its meaning");
     let o = doctor(&["--frobnicate"], &[]);
     assert_eq!(o.code, 1);
-    assert!(o.stderr.contains("unknown argument") && o.stderr.contains("usage"));
+    assert!(o.stderr.contains("unexpected argument") && o.stderr.contains("Usage"));
     let o = doctor(&["--dev", "rxe7"], &[]);
     assert_eq!(o.code, 1);
     assert!(o.lines("BLOCK").join("\n").contains("rxe7"));
@@ -304,52 +301,40 @@ fn the_selftest_moves_data_and_shows_the_counters() {
     assert!(block.contains("needs a second one") && block.contains("--peer"), "{block}");
 }
 
-/// A `ferroce perf --listen --dev DEV` (the peer of `doctor --peer`), its address, and the rest
-/// of its stdout.
-fn listener(dev: &str) -> (Child, String, mpsc::Receiver<String>) {
-    let mut child = Command::new(DOCTOR)
-        .args(["perf", "--listen", "--dev", dev])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("run ferroce perf --listen");
-    let (tx, rx) = mpsc::channel();
-    let out = child.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
-            let _ = tx.send(l);
-        }
-    });
-    let Ok(first) = rx.recv_timeout(Duration::from_secs(60)) else {
-        let _ = child.kill();
-        panic!("no HANDLE line from ferroce perf --listen within 60 s");
-    };
+/// A `ferroce perf --listen --dev DEV` (the peer of `doctor --peer`) and its address; the rest
+/// of its stdout stays in its lines.
+fn listener(dev: &str) -> (Proc, String) {
+    let mut cmd = Command::new(common::ferroce_exe());
+    cmd.args(["perf", "--listen", "--dev", dev]);
+    let p = Proc::spawn("perf --listen", cmd).expect("run ferroce perf --listen");
+    let first = p.next(Duration::from_secs(60)).unwrap_or_else(|e| panic!("no HANDLE line: {e}"));
     println!("listener: {first}");
     let w: Vec<&str> = first.split_whitespace().collect();
     assert!(matches!(w[..], ["HANDLE", _, d] if d == dev), "{first}");
-    (child, w[1].to_string(), rx)
+    let addr = w[1].to_string();
+    (p, addr)
 }
 
 /// The listener ends by itself after the doctor's QUIT, successfully.
-fn listener_done(mut child: Child, rx: mpsc::Receiver<String>) {
-    let t0 = Instant::now();
-    let st = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st;
-        }
-        if t0.elapsed() > Duration::from_secs(30) {
-            let _ = child.kill();
-            panic!("perf --listen still running 30 s after the doctor finished");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let lines: Vec<String> = rx.try_iter().collect();
-    assert!(st.success() && lines.iter().any(|l| l == "# done"), "{st}: {lines:?}");
+fn listener_done(mut p: Proc) {
+    let st = p.finish(Duration::from_secs(30));
+    // Its last lines may still be on their way from the pipe: read to its end.
+    let end = Instant::now() + Duration::from_secs(5);
+    let lines: Vec<String> = std::iter::from_fn(|| {
+        p.lines.recv_timeout(end.saturating_duration_since(Instant::now())).ok()
+    })
+    .collect();
+    assert!(st.is_some(), "perf --listen still running 30 s after the doctor finished");
+    assert!(
+        st.is_some_and(|s| s.success()) && lines.iter().any(|l| l == "# done"),
+        "{st:?}: {lines:?}"
+    );
 }
 
 /// `doctor --dev rxe0 --peer ADDR --selftest` against a listener on rxe1: exit 0, both ends'
 /// facts shown, the data verified and the bandwidth measured; returns the doctor's output.
 fn doctor_with_peer() -> (Out, String) {
-    let (child, addr, rx) = listener("rxe1");
+    let (child, addr) = listener("rxe1");
     let o = doctor(&["--dev", "rxe0", "--peer", &addr, "--selftest"], &[]);
     assert_eq!(o.code, 0, "{}", o.stderr);
     let peer = o.stdout.split("== Peer ").nth(1).expect("a peer section");
@@ -365,7 +350,7 @@ fn doctor_with_peer() -> (Out, String) {
     assert!(s.contains(&format!("rxe0:1 -> rxe1:1 at {addr}: 8 x 4 MiB in")), "{s}");
     assert!(s.contains("MB/s") && s.contains("Gb/s") && s.contains("data verified"), "{s}");
     assert!(s.contains("hw_counters/sent_pkts"), "our counters moved: {s}");
-    listener_done(child, rx);
+    listener_done(child);
     (o, addr)
 }
 
@@ -381,9 +366,9 @@ fn a_peer_self_test_shows_both_ends_and_moves_verified_data() {
     assert!(o.lines("BLOCK").join("\n").contains(&gone), "{}", o.stdout);
     assert!(o.stdout.contains("netdev MTU   1500"), "{}", o.stdout);
     // --json carries the peer's facts and the comparison.
-    let (child, addr, rx) = listener("rxe1");
+    let (child, addr) = listener("rxe1");
     let j = doctor(&["--json", "--dev", "rxe0", "--peer", &addr], &[]);
-    listener_done(child, rx);
+    listener_done(child);
     assert_eq!(j.code, 0);
     let check = "import json,sys; p=json.loads(sys.argv[1])['peer']; \
                  assert p['peer']['port']=='rxe1:1' and p['here']['port']=='rxe0:1', p; \

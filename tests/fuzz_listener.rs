@@ -25,19 +25,18 @@ mod common;
 
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
-use std::os::fd::AsRawFd;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::harness::Rng;
-use common::harness::driver::{Close, Driver, Ptr};
 use common::{open_plugin, require_vm};
 use ferroce::ffi::abi::ncclResult_t;
 use ferroce::transport::handshake::{Handle, Kind, MAGIC, MAX_QPS, MSG_LEN, Msg};
 use ferroce::transport::setup::{HELLO_TIMEOUT, MAX_PENDING, REJECT_WARNS};
+use ferroce_tools::Rng;
+use ferroce_tools::driver::{Close, Driver, Ptr};
 
 /// Streams per CI run, as the issue asks: about 5 minutes of the TCG VM (355 streams/s measured
 /// alone on the 2-core host; 90 with three other VMs beside it).
@@ -125,7 +124,7 @@ fn listener(args: &[String]) -> Result<(), String> {
     let streams: u64 = common::num_arg(args, "--streams", DEFAULT_STREAMS)?;
     let nclients: usize = common::num_arg(args, "--clients", CLIENTS)?;
     common::set_env(&[("FERROCE_SETUP_TIMEOUT_MS", Some(SETUP_TIMEOUT_MS))]);
-    common::harness::loader::ECHO.store(true, Ordering::Relaxed);
+    ferroce_tools::loader::ECHO.store(true, Ordering::Relaxed);
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12)?;
     let ctx = drv.init(1)?;
@@ -305,9 +304,8 @@ fn error_classes(drv: &Driver, ctx: Ptr) -> Result<(), String> {
             let _ = s.read(&mut [0u8; 1]);
             Ok(())
         });
-        let r = common::harness::driver::until("accept", Duration::from_secs(60), || {
-            drv.accept(listen)
-        });
+        let r =
+            ferroce_tools::wait::until("accept", Duration::from_secs(60), || drv.accept(listen));
         let warn = last_warn();
         drv.close(Close::Listen, listen)?;
         peer.join().map_err(|_| "peer thread panicked")??;
@@ -364,7 +362,7 @@ fn break_one_field(rng: &mut Rng, b: &mut [u8; MSG_LEN]) {
         1 => b[32] = MAX_QPS as u8 + 1 + r % 127,                                    // nqps > 128
         2 => b[33] = 2 + r % 200,                                                    // split
         3 => b[35] = 16 + r % 200,                                                   // sl
-        4 => b[36] = if r % 2 == 0 { 0 } else { 6 + r % 200 },                       // mtu
+        4 => b[36] = if r.is_multiple_of(2) { 0 } else { 6 + r % 200 },              // mtu
         5 => b[96..100].copy_from_slice(&0u32.to_le_bytes()),                        // qpn 0
         6 => b[96..100].copy_from_slice(&(0x100_0000 + u32::from(r)).to_le_bytes()), // qpn > 24 bits
         7 => b[96 + 4 * MAX_QPS..98 + 4 * MAX_QPS].copy_from_slice(&u16::from(r).to_le_bytes()), // sport
@@ -614,7 +612,7 @@ fn client(addr: SocketAddr, nonce: u64, streams: u64, next: &AtomicU64, done: &A
             stats.error(format!("stream {i}: {e}"));
         }
         let n = done.fetch_add(1, Ordering::Relaxed) + 1;
-        if n % every == 0 {
+        if n.is_multiple_of(every) {
             println!("PROGRESS {n}");
         }
     }

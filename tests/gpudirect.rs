@@ -25,11 +25,11 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::process::Command;
 
-use common::harness::Rng;
-use common::harness::driver::{Close, Driver, Ptr};
-use common::harness::loader::take_captured;
 use common::{open_plugin, pair, require_vm};
 use ferroce::ffi::abi::{NCCL_PTR_CUDA, NCCL_PTR_DMABUF, NCCL_PTR_HOST};
+use ferroce_tools::Rng;
+use ferroce_tools::driver::{Close, Driver, Ptr};
+use ferroce_tools::loader::take_captured;
 
 const CUDA: c_int = NCCL_PTR_CUDA as c_int;
 const HOST: c_int = NCCL_PTR_HOST as c_int;
@@ -310,7 +310,7 @@ fn pattern(g: usize, r: usize, buf: &mut [u8]) {
 
 /// One group: a (multi-)receive of `(offset, size)` buffers, all inside one half of the arena.
 fn schedule() -> Vec<Vec<(usize, usize)>> {
-    let mut rng = Rng(0x5eed_0f_9d0_u64);
+    let mut rng = Rng(0x0005_eed0_f9d0_u64);
     let mut out: Vec<Vec<(usize, usize)>> = Vec::new();
     // Singles across both halves, at odd offsets too.
     for (i, size) in [1usize, 4095, 4096, 65537, 1 << 20, (3 << 20) + 5].into_iter().enumerate() {
@@ -485,7 +485,7 @@ fn plain() -> Result<(), String> {
     let (info, warns) = lines();
     check(warns.is_empty(), || format!("WARNs at init: {warns:?}"))?;
     for (dev, name) in [(0, "rxe0"), (1, "rxe1")] {
-        let p = drv.ptr_support(dev)?;
+        let p = drv.properties(dev)?.ptr_support;
         check(p == HOST, || format!("{name}: ptrSupport {p:#x}, expected HOST only"))?;
         let line = info.iter().find(|l| l.contains(&format!("device {dev}: {name} GPUDirect")));
         let line = line.ok_or(format!("no GPUDirect INFO line for {name}: {info:?}"))?;
@@ -498,7 +498,7 @@ fn plain() -> Result<(), String> {
         eprintln!("gpudirect: {line}");
     }
     // `ferroce info` shows each device's line too.
-    let out = Command::new(env!("CARGO_BIN_EXE_ferroce"))
+    let out = Command::new(common::ferroce_exe())
         .args(["info", "ferroce"])
         .env("LD_LIBRARY_PATH", plugin_dir())
         .output()
@@ -554,7 +554,7 @@ fn dmabuf(v: u32) -> Result<(), String> {
     let ctx = drv.init(u64::from(v))?;
     let (info, _) = lines();
     for dev in 0..2 {
-        let p = drv.ptr_support(dev)?;
+        let p = drv.properties(dev)?.ptr_support;
         check(p == HOST | NCCL_PTR_DMABUF as c_int, || {
             format!("v{v} dev {dev}: ptrSupport {p:#x}")
         })?;
@@ -766,7 +766,7 @@ fn peermem(flush: bool) -> Result<(), String> {
     let ctx = drv.init(1)?;
     let (info, _) = lines();
     for dev in 0..2 {
-        let p = drv.ptr_support(dev)?;
+        let p = drv.properties(dev)?.ptr_support;
         check(p == HOST | CUDA, || format!("dev {dev}: ptrSupport {p:#x}, expected HOST|CUDA"))?;
     }
     let line = info.iter().find(|l| l.contains("device 1: rxe1 GPUDirect")).cloned();

@@ -21,13 +21,15 @@
 mod common;
 
 use std::collections::VecDeque;
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::process::{Command, Stdio};
-use std::sync::mpsc::{self, TryRecvError};
+use std::sync::mpsc::TryRecvError;
 use std::time::{Duration, Instant};
 
-use common::harness::driver::{Close, Driver, Ptr};
-use common::{Proc, fds_threads, open_plugin, rdma_resources, require_vm};
+use common::{fds_threads, open_plugin, rdma_resources, require_vm};
+use ferroce_tools::driver::{Close, Driver, Ptr};
+use ferroce_tools::handle::{from_hex, to_hex};
+use ferroce_tools::proc::{Proc, lines_of};
 
 const SIZE: usize = 1 << 20;
 const BIG: usize = 8 << 20;
@@ -66,33 +68,18 @@ fn role(sender: bool, handle: Option<&String>) -> Result<(), String> {
         println!("{s}");
         std::io::stdout().flush().map_err(|e| e.to_string())
     };
-    let lines = {
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in std::io::stdin().lock().lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        rx
-    };
+    let lines = lines_of(std::io::stdin());
     // The baseline includes the stdin reader; everything the plugin opens must go again.
     let (fds0, threads0) = fds_threads();
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12)?;
     let ctx = drv.init(7)?;
     let comm = if sender {
-        let hex = handle.ok_or("send needs the receiver's handle")?;
-        let mut h = [0u8; 128];
-        for (i, b) in h.iter_mut().enumerate() {
-            *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2).ok_or("short handle")?, 16)
-                .map_err(|e| e.to_string())?;
-        }
+        let mut h = from_hex(handle.ok_or("send needs the receiver's handle")?)?;
         common::until("connect", || drv.connect(ctx, 0, &mut h))?
     } else {
         let (h, listen) = drv.listen(ctx, 1)?;
-        say(format!("HANDLE {}", h.iter().map(|b| format!("{b:02x}")).collect::<String>()))?;
+        say(format!("HANDLE {}", to_hex(&h)))?;
         let c = common::until("accept", || drv.accept(listen))?;
         drv.close(Close::Listen, listen)?;
         c
@@ -225,7 +212,7 @@ trait Side {
 impl Side for Proc {
     /// Nothing reported for `d` (a stopped peer must cause no error).
     fn quiet_for(&self, d: Duration) -> Result<(), String> {
-        match self.events.recv_timeout(d) {
+        match self.lines.recv_timeout(d) {
             Ok(l) => Err(format!("{}: reported {l:?} while its peer was stopped", self.name)),
             Err(_) => Ok(()),
         }
@@ -233,7 +220,7 @@ impl Side for Proc {
 
     fn signal(&self, sig: &str) -> Result<(), String> {
         let st = Command::new("kill")
-            .args([sig, &self.child.id().to_string()])
+            .args([sig, &self.pid().unwrap_or_default().to_string()])
             .status()
             .map_err(|e| e.to_string())?;
         if st.success() { Ok(()) } else { Err(format!("kill {sig} {}", self.name)) }
@@ -263,7 +250,7 @@ fn pair() -> Result<(Proc, Proc), String> {
 fn expect_error(side: &Proc, after: Instant, what: &str) -> Result<(), String> {
     let l = loop {
         let l = side
-            .events
+            .lines
             .recv_timeout(BOUND + Duration::from_secs(20))
             .map_err(|_| format!("{what}: {} reported no error after its peer died", side.name))?;
         if !l.starts_with("COMPLETED") && !l.starts_with("POSTED") {

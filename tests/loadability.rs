@@ -7,9 +7,9 @@ use std::ffi::{CStr, c_int, c_void};
 use std::process::Command;
 use std::ptr::null_mut;
 
-use common::harness::loader::{capture_logger, take_captured};
 use common::*;
 use ferroce::ffi::abi::*;
+use ferroce_tools::loader::{capture_logger, take_captured};
 
 fn has_rdma_devices() -> bool {
     std::fs::read_dir("/sys/class/infiniband").map(|d| d.count() > 0).unwrap_or(false)
@@ -43,7 +43,7 @@ fn nccl_net_plugin_name_resolves_through_ld_library_path() {
     // NCCL_NET_PLUGIN=ferroce: dlopen("ferroce") fails, then dlopen("libnccl-net-ferroce.so")
     // succeeds through LD_LIBRARY_PATH. A child process, because the loader reads
     // LD_LIBRARY_PATH only at start-up.
-    let out = Command::new(env!("CARGO_BIN_EXE_ferroce"))
+    let out = Command::new(common::ferroce_exe())
         .args(["load", "ferroce"])
         .env("LD_LIBRARY_PATH", plugin_dir())
         .output()
@@ -58,7 +58,7 @@ fn nccl_net_plugin_name_resolves_through_ld_library_path() {
 
 #[test]
 fn a_missing_plugin_is_reported_not_crashed() {
-    let out = Command::new(env!("CARGO_BIN_EXE_ferroce"))
+    let out = Command::new(common::ferroce_exe())
         .args(["load", "ferroce"])
         .env("LD_LIBRARY_PATH", "/nonexistent")
         .output()
@@ -128,8 +128,8 @@ fn every_legacy_init_fails_the_same_way_without_devices() {
     }
     // SAFETY: the symbol is an ncclNet_v10_t.
     let v10 = unsafe { lib.table::<ncclNet_v10_t>(c"ncclNetPlugin_v10") }.unwrap();
-    // SAFETY: init(logger, profiler) per the v10 ABI.
     assert_eq!(
+        // SAFETY: init(logger, profiler) per the v10 ABI.
         unsafe { v10.init.unwrap()(capture_logger(), None) },
         ncclResult_t::ncclInvalidUsage
     );

@@ -18,17 +18,13 @@
 
 use std::collections::VecDeque;
 use std::ffi::c_int;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-#[allow(dead_code)] // the harness serves every test; this one uses part of it
-#[path = "../src/harness/mod.rs"]
-mod harness;
-
-use harness::Rng;
-use harness::driver::{self, Close, Driver, Ptr};
-use harness::loader::{ECHO, Library};
+use ferroce_tools::Rng;
+use ferroce_tools::driver::{Close, Driver, Ptr};
+use ferroce_tools::handle::{from_hex, to_hex};
+use ferroce_tools::loader::{ECHO, Library};
+use ferroce_tools::proc::Proc;
 
 const WINDOW: usize = 32;
 const AREA: usize = 512 << 10; // per in-flight group: 8 buffers x 64 KiB, or one of 256 KiB
@@ -44,7 +40,7 @@ fn main() {
         Some(other) => Err(format!("unknown mode {other:?}")),
     };
     if let Err(e) = r {
-        for (level, _, line) in harness::loader::take_captured() {
+        for (level, _, line) in ferroce_tools::loader::take_captured() {
             if level <= 2 {
                 eprintln!("netclient: plugin WARN: {line}");
             }
@@ -134,23 +130,8 @@ fn arg(args: &[String], name: &str) -> Result<String, String> {
         .ok_or_else(|| format!("missing {name}"))
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Result<[u8; 128], String> {
-    let mut out = [0u8; 128];
-    if s.len() != 256 {
-        return Err("handle must be 256 hex digits".into());
-    }
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|e| e.to_string())?;
-    }
-    Ok(out)
-}
-
 fn until<T>(what: &str, f: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
-    driver::until(what, STEP, f)
+    ferroce_tools::wait::until(what, STEP, f)
 }
 
 fn role(sender: bool, args: &[String]) -> Result<(), String> {
@@ -164,11 +145,11 @@ fn role(sender: bool, args: &[String]) -> Result<(), String> {
     let drv = Driver::new(&lib, version)?;
     let ctx = drv.init(version as u64)?;
     let comm = if sender {
-        let mut handle = unhex(&arg(args, "--handle")?)?;
+        let mut handle = from_hex(&arg(args, "--handle")?)?;
         until("connect", || drv.connect(ctx, dev, &mut handle))?
     } else {
         let (handle, listen) = drv.listen(ctx, dev)?;
-        println!("HANDLE {}", hex(&handle));
+        println!("HANDLE {}", to_hex(&handle));
         use std::io::Write;
         std::io::stdout().flush().map_err(|e| e.to_string())?;
         let c = until("accept", || drv.accept(listen))?;
@@ -322,7 +303,7 @@ fn recv_all(
             }
         }
         let data: Vec<*mut u8> =
-            group.items.iter().map(|it| unsafe { base.add(it.offset) }).collect();
+            group.items.iter().map(|it| base.wrapping_add(it.offset)).collect();
         let caps: Vec<usize> = group.items.iter().map(|it| it.capacity).collect();
         let tags: Vec<c_int> = group.items.iter().map(|it| it.tag).collect();
         let mhs = vec![mh; group.items.len()];
@@ -345,20 +326,6 @@ fn recv_all(
 
 // --- the orchestrator -----------------------------------------------------------------------------
 
-fn wait(child: &mut Child, who: &str, deadline: Instant) -> Result<(), String> {
-    loop {
-        if let Some(st) = child.try_wait().map_err(|e| e.to_string())? {
-            return if st.success() { Ok(()) } else { Err(format!("{who} exited with {st}")) };
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(format!("{who} did not finish in time (killed)"));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 fn run_pair(
     plugin: &str,
     version: u32,
@@ -366,47 +333,23 @@ fn run_pair(
     send_dev: u32,
     flush: bool,
 ) -> Result<(), String> {
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let common = |mode: &str, dev: u32| {
-        let mut c = Command::new(&exe);
-        c.args([
-            mode,
-            "--version",
-            &version.to_string(),
-            "--dev",
-            &dev.to_string(),
-            "--plugin",
-            plugin,
-        ]);
-        c
+    let (version, plugin) = (version.to_string(), plugin.to_string());
+    let role = |mode: &str, dev: u32| {
+        Proc::me(&[mode, "--version", &version, "--dev", &dev.to_string(), "--plugin", &plugin])
     };
-    let mut rc = common("recv", recv_dev);
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let mut rc = role("recv", recv_dev);
     if flush {
         rc.env("FERROCE_FORCE_FLUSH", "1");
     }
-    let mut recv = rc.stdout(Stdio::piped()).spawn().map_err(|e| e.to_string())?;
-    let stdout = recv.stdout.take().expect("piped");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let handle = match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(line) => line
-            .strip_prefix("HANDLE ")
-            .map(str::to_string)
-            .ok_or(format!("receiver said {line:?}"))?,
-        Err(_) => {
-            let _ = recv.kill();
-            return Err("the receiver published no handle within 60 s".into());
-        }
-    };
-    let mut send =
-        common("send", send_dev).args(["--handle", &handle]).spawn().map_err(|e| e.to_string())?;
-    let r1 = wait(&mut send, "sender", deadline);
-    let r2 = wait(&mut recv, "receiver", deadline);
+    let mut recv = Proc::spawn("receiver", rc)?;
+    let line = recv.expect("HANDLE ", Duration::from_secs(60))?;
+    let mut sc = role("send", send_dev);
+    sc.args(["--handle", &line["HANDLE ".len()..]]);
+    let mut send = Proc::spawn("sender", sc)?;
+    let left = || deadline.saturating_duration_since(Instant::now());
+    let r1 = send.exits_ok(left());
+    let r2 = recv.exits_ok(left());
     r1.and(r2)
 }
 

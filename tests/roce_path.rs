@@ -10,10 +10,10 @@ use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::harness::driver::{Close, Driver, Ptr};
-use common::harness::loader::take_captured;
 use common::*;
 use ferroce::transport::ecmp;
+use ferroce_tools::driver::{Close, Driver, Ptr};
+use ferroce_tools::loader::take_captured;
 
 const SENDER: [u8; 4] = [198, 18, 0, 1];
 
@@ -312,7 +312,7 @@ fn a_deleted_peer_device_fails_the_sender_within_the_progress_deadline() {
     // stdin and stdout (HANDLE, PEER, READY), then told to keep receives of MSG bytes posted.
     const MSG: usize = 8 << 20; // the rank's buffer size, so every receive is exactly one send
     let plugin = plugin_dir().join("libnccl-net-ferroce.so");
-    let mut peer = Command::new(env!("CARGO_BIN_EXE_ferroce"))
+    let mut peer = Command::new(common::ferroce_exe())
         .args(["perf-rank", "recv", plugin.to_str().unwrap(), "rxe1"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -321,11 +321,8 @@ fn a_deleted_peer_device_fails_the_sender_within_the_progress_deadline() {
     let mut to_peer = peer.stdin.take().unwrap();
     let mut lines = std::io::BufReader::new(peer.stdout.take().unwrap()).lines();
     let first = lines.next().unwrap().unwrap();
-    let hex = first.strip_prefix("HANDLE ").unwrap().split(' ').next().unwrap().to_string();
-    let mut handle = [0u8; 128];
-    for (i, b) in handle.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
-    }
+    let hex = first.strip_prefix("HANDLE ").unwrap().split(' ').next().unwrap();
+    let mut handle = ferroce_tools::handle::from_hex(hex).unwrap();
     // Like a sender on another host, this process must not hold rxe1 open (deleting a device
     // waits for every process using it): NCCL_IB_HCA keeps ferroce from opening it at all.
     set_env(&[("NCCL_IB_HCA", Some("=rxe0"))]);

@@ -40,15 +40,16 @@ mod common;
 
 use std::collections::{BTreeMap, HashSet};
 use std::ffi::c_int;
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::process::{Command, Stdio};
-use std::sync::mpsc::{self, Receiver, TryRecvError};
+use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::{Duration, Instant};
 
-use common::Proc;
-use common::harness::Rng;
-use common::harness::driver::{Close, Driver, Ptr};
-use common::harness::loader::ECHO;
+use ferroce_tools::Rng;
+use ferroce_tools::driver::{Close, Driver, Ptr};
+use ferroce_tools::handle::{from_hex, to_hex};
+use ferroce_tools::loader::ECHO;
+use ferroce_tools::proc::{Proc, lines_of};
 
 /// Multi-receives in flight (the plugin allows 32).
 const WINDOW: usize = 16;
@@ -219,7 +220,7 @@ struct Posting {
 }
 
 /// Commands on stdin (the receiver's `STOP`, the sender's `END n`), events on stdout (`HANDLE`,
-/// `READY`, `POSTED n`, `DONE g m b`).
+/// `READY`, `POSTED n`, `DONE g m b`; both then wait for `CLOSE` before closing their comm).
 fn role(sender: bool, args: &[String]) -> Result<(), String> {
     ECHO.store(std::env::var_os("SOAK_VERBOSE").is_some(), std::sync::atomic::Ordering::Relaxed);
     let seed = num(args, "--seed")?.ok_or("missing --seed")?;
@@ -227,31 +228,16 @@ fn role(sender: bool, args: &[String]) -> Result<(), String> {
         println!("{s}");
         std::io::stdout().flush().map_err(|e| e.to_string())
     };
-    let lines = {
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in std::io::stdin().lock().lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        rx
-    };
+    let lines = lines_of(std::io::stdin());
     let lib = common::open_plugin();
     let drv = Driver::new(&lib, 12)?;
     let ctx = drv.init(9)?;
     let comm = if sender {
-        let hex = arg(args, "--handle")?.ok_or("send needs --handle")?;
-        let mut h = [0u8; 128];
-        for (i, b) in h.iter_mut().enumerate() {
-            *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2).ok_or("short handle")?, 16)
-                .map_err(|e| e.to_string())?;
-        }
+        let mut h = from_hex(&arg(args, "--handle")?.ok_or("send needs --handle")?)?;
         common::until("connect", || drv.connect(ctx, 0, &mut h))?
     } else {
         let (h, listen) = drv.listen(ctx, 1)?;
-        say(format!("HANDLE {}", h.iter().map(|b| format!("{b:02x}")).collect::<String>()))?;
+        say(format!("HANDLE {}", to_hex(&h)))?;
         let c = common::until("accept", || drv.accept(listen))?;
         drv.close(Close::Listen, listen)?;
         c
@@ -266,6 +252,16 @@ fn role(sender: bool, args: &[String]) -> Result<(), String> {
     let side = Side { drv: &drv, comm, mh, seed, max_size, lines: &lines, say: &say };
     let totals = if sender { side.send(&mut arena) } else { side.recv(&mut arena) };
     let totals = totals.inspect_err(|_| queue_pairs(sender))?;
+    say(totals.line("DONE"))?;
+    // Both ends keep their comm until both are done. A receiver that closed as soon as its
+    // last receive completed would leave the sender retransmitting its last write into a
+    // destroyed QP whenever that write's ACK was lost (RETRY_CNT 7 retries for ever), and the
+    // sender's progress timeout would fail a soak in which nothing went wrong.
+    match lines.recv_timeout(STALL + Duration::from_secs(60)) {
+        Ok(l) if l == "CLOSE" => {}
+        Ok(l) => return Err(format!("expected CLOSE, got {l:?}")),
+        Err(e) => return Err(format!("no CLOSE from the orchestrator: {e}")),
+    }
     drv.dereg_mr(comm, mh)?;
     drv.close(if sender { Close::Send } else { Close::Recv }, comm)?;
     drv.finalize(ctx)?;
@@ -273,7 +269,7 @@ fn role(sender: bool, args: &[String]) -> Result<(), String> {
     for w in &warns {
         eprintln!("soak: plugin WARN ({}): {w}", if sender { "sender" } else { "receiver" });
     }
-    say(totals.line("DONE"))
+    Ok(())
 }
 
 /// On a failure, while this side's queue pairs (and the peer's) still exist: what rxe says of
@@ -581,20 +577,26 @@ fn start(
 
 /// Fails if the process has said anything or exited (each only speaks when asked).
 fn still_fine(p: &mut Proc) -> Result<(), String> {
-    if let Ok(l) = p.events.try_recv() {
+    if let Ok(l) = p.lines.try_recv() {
         return Err(format!("{}: unexpected {l:?}", p.name));
     }
-    match p.child.try_wait().map_err(|e| e.to_string())? {
+    match p.try_wait()? {
         Some(st) => Err(format!("{} exited with {st} mid-soak", p.name)),
         None => Ok(()),
     }
 }
 
-/// Its `DONE` totals and exit status 0.
-fn finish(mut p: Proc) -> Result<Totals, String> {
-    let done = Totals::parse(&p.expect("DONE", STALL + Duration::from_secs(60))?)?;
-    p.exits_ok(Duration::from_secs(60))?;
-    Ok(done)
+/// Both sides' `DONE` totals (receiver, sender); then both close and must exit with status 0.
+fn finish(mut recv: Proc, mut send: Proc) -> Result<(Totals, Totals), String> {
+    let got = Totals::parse(&recv.expect("DONE", STALL + Duration::from_secs(60))?)?;
+    let sent = Totals::parse(&send.expect("DONE", STALL + Duration::from_secs(60))?)?;
+    for p in [&mut recv, &mut send] {
+        p.tell("CLOSE")?;
+    }
+    for mut p in [recv, send] {
+        p.exits_ok(Duration::from_secs(60))?;
+    }
+    Ok((got, sent))
 }
 
 /// The netem qdiscs and the pinned neighbours; removed again however the soak ends, so later
@@ -729,8 +731,7 @@ fn run_phase(
         .and_then(|n| n.parse().ok())
         .ok_or("bad POSTED line")?;
     send.tell(&format!("END {posted}"))?;
-    let got = finish(recv)?;
-    let sent = finish(send)?;
+    let (got, sent) = finish(recv, send)?;
     let secs = t.elapsed().as_secs_f64();
     netem.clear();
     if got != sent || got.groups != posted {

@@ -8,11 +8,11 @@ use std::ffi::{CStr, CString, c_int, c_void};
 use std::ptr::null_mut;
 use std::time::{Duration, Instant};
 
-use common::harness::driver::{Close, Driver};
-use common::harness::loader::{Library, capture_logger, take_captured};
 use common::*;
 use ferroce::ffi::abi::*;
 use ferroce::transport::handshake::{Handle, Kind, Msg};
+use ferroce_tools::driver::{Close, Driver};
+use ferroce_tools::loader::{Library, capture_logger, take_captured};
 
 fn v12(lib: &Library) -> &ncclNet_v12_t {
     // SAFETY: the symbol is an ncclNet_v12_t; the reference does not outlive `lib`.

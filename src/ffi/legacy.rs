@@ -1,11 +1,11 @@
-//! What the older ABIs (v6–v11) share when they adapt onto v12.
+//! What the older ABIs (v6–v11) share when they adapt onto [`plugin`]'s (newest) signatures.
 //!
 //! - v6–v10 have no per-communicator `init`/`finalize`: NCCL calls `init` once per load. Their
 //!   calls run on one context created by the first such `init` and kept for the life of the
 //!   library.
 //! - v6–v8 pass `int` sizes, v9+ `size_t`; conversions reject negative sizes instead of
 //!   wrapping them.
-//! - Property structs are the v12 one with fewer fields: [`narrow!`] copies the named fields.
+//! - Property structs are the newest one with fewer fields: [`narrow!`] copies the named fields.
 
 use std::ffi::{c_int, c_void};
 use std::sync::Mutex;
@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 
 use super::abi::*;
 use super::handles::{self, clear, out};
-use super::{guard, log, v12};
+use super::{guard, log, plugin};
 use crate::error::{Error, Result};
 use crate::transport;
 use crate::transport::comm::MAX_RECVS;
@@ -23,7 +23,7 @@ static LEGACY_CTX: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 static LEGACY_INIT: Mutex<()> = Mutex::new(());
 
 /// `init` of v6–v10: once per load, no context returned to NCCL.
-pub fn init(logger: ncclDebugLogger_t) -> ncclResult_t {
+pub extern "C" fn init(logger: ncclDebugLogger_t) -> ncclResult_t {
     log::install(logger);
     guard("init", || {
         let _once = LEGACY_INIT.lock().unwrap_or_else(|p| p.into_inner());
@@ -35,12 +35,12 @@ pub fn init(logger: ncclDebugLogger_t) -> ncclResult_t {
     })
 }
 
-/// The context v6–v10 calls pass on to v12 (NULL before `init`, which v12 reports).
+/// The context v6–v10 calls pass on to [`plugin`] (NULL before `init`, which `plugin` reports).
 pub fn ctx() -> *mut c_void {
     LEGACY_CTX.load(Ordering::Acquire)
 }
 
-/// Copies the listed fields from a v12 properties value into an older struct.
+/// Copies the listed fields from the newest properties value into an older struct.
 macro_rules! narrow {
     ($src:expr, $ty:ident { $($field:ident),* $(,)? }) => {
         {
@@ -53,7 +53,7 @@ macro_rules! narrow {
 }
 pub(super) use narrow;
 
-/// The v9–v11 view of the v12 virtual-device properties (4 slots instead of 8).
+/// The v9–v11 view of the newest virtual-device properties (4 slots instead of 8).
 pub fn vprops_v9(p: &ncclNetVDeviceProps_v12_t) -> ncclNetVDeviceProps_v9_t {
     let mut devs = [0; NCCL_NET_MAX_DEVS_PER_NIC_V11 as usize];
     let n = devs.len();
@@ -61,22 +61,29 @@ pub fn vprops_v9(p: &ncclNetVDeviceProps_v12_t) -> ncclNetVDeviceProps_v9_t {
     ncclNetVDeviceProps_v9_t { ndevs: p.ndevs.min(devs.len() as c_int), devs }
 }
 
-/// Runs `fill` on the v12 properties of `dev` and stores the result through `props`.
+/// Runs `fill` on the newest properties of `dev` and stores the result through `props`.
 pub fn get_properties<T>(
     dev: c_int,
     props: *mut T,
     fill: impl FnOnce(&ncclNetProperties_v12_t) -> T,
 ) -> ncclResult_t {
     guard("getProperties", || {
-        let p = v12::properties(dev)?;
+        let p = plugin::properties(dev)?;
         // SAFETY: NCCL passes a valid properties struct of this version (NULL rejected).
         *unsafe { out(props, "props") }? = fill(&p);
         Ok(())
     })
 }
 
-/// The v9/v10 properties (identical layouts).
-pub fn props_v9(p: &ncclNetProperties_v12_t) -> ncclNetProperties_v9_t {
+/// `getProperties` of v9 and v10 (identical layouts).
+pub unsafe extern "C" fn get_properties_v9(
+    dev: c_int,
+    props: *mut ncclNetProperties_v9_t,
+) -> ncclResult_t {
+    get_properties(dev, props, props_v9)
+}
+
+fn props_v9(p: &ncclNetProperties_v12_t) -> ncclNetProperties_v9_t {
     ncclNetProperties_v9_t {
         vProps: vprops_v9(&p.vProps),
         ..narrow!(
@@ -120,7 +127,7 @@ pub unsafe extern "C" fn isend_int(
     match size_of_int(size) {
         // SAFETY: the remaining arguments are forwarded unchanged under the same contract.
         Ok(size) => unsafe {
-            v12::isend(send_comm, data, size, tag, mhandle, std::ptr::null_mut(), request)
+            plugin::isend(send_comm, data, size, tag, mhandle, std::ptr::null_mut(), request)
         },
         Err(e) => guard("isend", || Err(e)),
     }
@@ -156,7 +163,7 @@ pub unsafe extern "C" fn irecv_int(
     match converted {
         // SAFETY: the other arguments are forwarded unchanged under the same contract.
         Ok(()) => unsafe {
-            v12::irecv(
+            plugin::irecv(
                 recv_comm,
                 n,
                 data,
@@ -185,7 +192,7 @@ pub unsafe extern "C" fn isend_v9(
     request: *mut *mut c_void,
 ) -> ncclResult_t {
     // SAFETY: forwarded unchanged under the same contract.
-    unsafe { v12::isend(send_comm, data, size, tag, mhandle, std::ptr::null_mut(), request) }
+    unsafe { plugin::isend(send_comm, data, size, tag, mhandle, std::ptr::null_mut(), request) }
 }
 
 /// `irecv` without profiler handles (v9).
@@ -199,7 +206,9 @@ pub unsafe extern "C" fn irecv_v9(
     request: *mut *mut c_void,
 ) -> ncclResult_t {
     // SAFETY: forwarded unchanged under the same contract.
-    unsafe { v12::irecv(recv_comm, n, data, sizes, tags, mhandles, std::ptr::null_mut(), request) }
+    unsafe {
+        plugin::irecv(recv_comm, n, data, sizes, tags, mhandles, std::ptr::null_mut(), request)
+    }
 }
 
 /// `listen` without a context (v6–v10).
@@ -209,7 +218,7 @@ pub unsafe extern "C" fn listen(
     listen_comm: *mut *mut c_void,
 ) -> ncclResult_t {
     // SAFETY: forwarded unchanged; the legacy context lives as long as the library.
-    unsafe { v12::listen(ctx(), dev, handle, listen_comm) }
+    unsafe { plugin::listen(ctx(), dev, handle, listen_comm) }
 }
 
 /// `connect` without a context (v7–v9).
@@ -220,7 +229,7 @@ pub unsafe extern "C" fn connect(
     send_dev_comm: *mut *mut ncclNetDeviceHandle_v7_t,
 ) -> ncclResult_t {
     // SAFETY: forwarded unchanged; the legacy context lives as long as the library.
-    unsafe { v12::connect(ctx(), dev, handle, send_comm, send_dev_comm) }
+    unsafe { plugin::connect(ctx(), dev, handle, send_comm, send_dev_comm) }
 }
 
 /// `regMr` with an `int` size (v6, v7).
@@ -235,7 +244,7 @@ pub unsafe extern "C" fn reg_mr_int(
     unsafe { clear(mhandle) };
     match size_of_int(size) {
         // SAFETY: forwarded unchanged under the same contract.
-        Ok(size) => unsafe { v12::reg_mr(comm, data, size, type_, mhandle) },
+        Ok(size) => unsafe { plugin::reg_mr(comm, data, size, type_, mhandle) },
         Err(e) => guard("regMr", || Err(e)),
     }
 }

@@ -5,14 +5,20 @@
 //! - `boundary`: the one funnel every entry point runs through (panic catching, error codes).
 //! - `handles`: typed conversions between NCCL's `void*` and ferroce objects.
 //! - `log`: the `log` facade onto NCCL's logger.
-//! - `v12`: the implementation of the newest ABI; `v11` … `v6`: thin shims onto it.
+//! - `plugin`: the entry points, written once against the newest signatures.
+//! - `legacy`: the shims several older versions share (no context, `int` sizes, narrower
+//!   property structs).
+//! - `v12` … `v6`: one exported table per ABI version, naming `plugin` and `legacy` only. A new
+//!   version is one more file here.
+
+#![allow(unsafe_code)]
 
 pub mod abi;
 mod boundary;
 mod handles;
 mod legacy;
-
 pub mod log;
+mod plugin;
 mod v10;
 mod v11;
 mod v12;

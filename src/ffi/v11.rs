@@ -4,31 +4,31 @@ use std::ffi::c_int;
 
 use super::abi::*;
 use super::legacy::{self, narrow};
-use super::{Exported, PLUGIN_NAME, v12};
+use super::{Exported, PLUGIN_NAME, plugin};
 
 #[unsafe(no_mangle)]
 pub static ncclNetPlugin_v11: Exported<ncclNet_v11_t> = Exported(ncclNet_v11_t {
     name: PLUGIN_NAME.as_ptr(),
-    init: Some(v12::init),
-    devices: Some(v12::devices),
+    init: Some(plugin::init),
+    devices: Some(plugin::devices),
     getProperties: Some(get_properties),
-    listen: Some(v12::listen),
-    connect: Some(v12::connect),
-    accept: Some(v12::accept),
-    regMr: Some(v12::reg_mr),
-    regMrDmaBuf: Some(v12::reg_mr_dma_buf),
-    deregMr: Some(v12::dereg_mr),
-    isend: Some(v12::isend),
-    irecv: Some(v12::irecv),
-    iflush: Some(v12::iflush),
-    test: Some(v12::test),
-    closeSend: Some(v12::close_send),
-    closeRecv: Some(v12::close_recv),
-    closeListen: Some(v12::close_listen),
+    listen: Some(plugin::listen),
+    connect: Some(plugin::connect),
+    accept: Some(plugin::accept),
+    regMr: Some(plugin::reg_mr),
+    regMrDmaBuf: Some(plugin::reg_mr_dma_buf),
+    deregMr: Some(plugin::dereg_mr),
+    isend: Some(plugin::isend),
+    irecv: Some(plugin::irecv),
+    iflush: Some(plugin::iflush),
+    test: Some(plugin::test),
+    closeSend: Some(plugin::close_send),
+    closeRecv: Some(plugin::close_recv),
+    closeListen: Some(plugin::close_listen),
     getDeviceMr: None,
     irecvConsumed: None,
     makeVDevice: None,
-    finalize: Some(v12::finalize),
+    finalize: Some(plugin::finalize),
     setNetAttr: None,
 });
 

@@ -4,27 +4,27 @@ use std::ffi::{c_int, c_void};
 
 use super::abi::*;
 use super::legacy::{self, narrow};
-use super::{Exported, PLUGIN_NAME, v9, v12};
+use super::{Exported, PLUGIN_NAME, plugin};
 
 #[unsafe(no_mangle)]
 pub static ncclNetPlugin_v6: Exported<ncclNet_v6_t> = Exported(ncclNet_v6_t {
     name: PLUGIN_NAME.as_ptr(),
-    init: Some(v9::init),
-    devices: Some(v12::devices),
+    init: Some(legacy::init),
+    devices: Some(plugin::devices),
     getProperties: Some(get_properties),
     listen: Some(legacy::listen),
     connect: Some(connect),
     accept: Some(accept),
     regMr: Some(legacy::reg_mr_int),
-    regMrDmaBuf: Some(v12::reg_mr_dma_buf),
-    deregMr: Some(v12::dereg_mr),
+    regMrDmaBuf: Some(plugin::reg_mr_dma_buf),
+    deregMr: Some(plugin::dereg_mr),
     isend: Some(legacy::isend_int),
     irecv: Some(legacy::irecv_int),
-    iflush: Some(v12::iflush),
-    test: Some(v12::test),
-    closeSend: Some(v12::close_send),
-    closeRecv: Some(v12::close_recv),
-    closeListen: Some(v12::close_listen),
+    iflush: Some(plugin::iflush),
+    test: Some(plugin::test),
+    closeSend: Some(plugin::close_send),
+    closeRecv: Some(plugin::close_recv),
+    closeListen: Some(plugin::close_listen),
 });
 
 unsafe extern "C" fn get_properties(
@@ -60,5 +60,5 @@ unsafe extern "C" fn connect(
 
 unsafe extern "C" fn accept(listen_comm: *mut c_void, recv_comm: *mut *mut c_void) -> ncclResult_t {
     // SAFETY: forwarded unchanged; a host plugin needs no device handle.
-    unsafe { v12::accept(listen_comm, recv_comm, std::ptr::null_mut()) }
+    unsafe { plugin::accept(listen_comm, recv_comm, std::ptr::null_mut()) }
 }

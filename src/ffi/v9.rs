@@ -1,32 +1,28 @@
 //! ncclNet v9: like v10 without profiler handles and without the connect config.
 
 use super::abi::*;
-use super::{Exported, PLUGIN_NAME, legacy, v10, v12};
+use super::{Exported, PLUGIN_NAME, legacy, plugin};
 
 #[unsafe(no_mangle)]
 pub static ncclNetPlugin_v9: Exported<ncclNet_v9_t> = Exported(ncclNet_v9_t {
     name: PLUGIN_NAME.as_ptr(),
-    init: Some(init),
-    devices: Some(v12::devices),
-    getProperties: Some(v10::get_properties),
+    init: Some(legacy::init),
+    devices: Some(plugin::devices),
+    getProperties: Some(legacy::get_properties_v9),
     listen: Some(legacy::listen),
     connect: Some(legacy::connect),
-    accept: Some(v12::accept),
-    regMr: Some(v12::reg_mr),
-    regMrDmaBuf: Some(v12::reg_mr_dma_buf),
-    deregMr: Some(v12::dereg_mr),
+    accept: Some(plugin::accept),
+    regMr: Some(plugin::reg_mr),
+    regMrDmaBuf: Some(plugin::reg_mr_dma_buf),
+    deregMr: Some(plugin::dereg_mr),
     isend: Some(legacy::isend_v9),
     irecv: Some(legacy::irecv_v9),
-    iflush: Some(v12::iflush),
-    test: Some(v12::test),
-    closeSend: Some(v12::close_send),
-    closeRecv: Some(v12::close_recv),
-    closeListen: Some(v12::close_listen),
+    iflush: Some(plugin::iflush),
+    test: Some(plugin::test),
+    closeSend: Some(plugin::close_send),
+    closeRecv: Some(plugin::close_recv),
+    closeListen: Some(plugin::close_listen),
     getDeviceMr: None,
     irecvConsumed: None,
     makeVDevice: None,
 });
-
-pub(super) unsafe extern "C" fn init(logger: ncclDebugLogger_t) -> ncclResult_t {
-    legacy::init(logger)
-}

@@ -17,7 +17,8 @@ use super::proto::{
     FIFO_WORDS, Fault, Post, RECV_SEND_QUEUE, RecvCore, SIZE_WORDS, SendCore, Words,
 };
 use crate::error::{Error, Result};
-use crate::verbs::{self, Completion, Cq, Mr, Qp, RegisteredBuf, SendWr};
+use crate::verbs::{self, Cq, Mr, Qp, RegisteredBuf};
+use crate::wr::{Completion, SendWr};
 
 pub use super::proto::{Buf, FLUSH_BASE, MAX_RECVS, Params, Path, SEND_QUEUE, SLOTS};
 

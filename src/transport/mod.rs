@@ -1,7 +1,10 @@
 //! NCCL semantics on top of `verbs`: which devices exist, what NCCL is told about them, and the
 //! lifetime of the plugin's shared state across communicators.
 //!
-//! No `unsafe` here: raw pointers stay in `ffi` (above) and `verbs` (below).
+//! No `unsafe` here, and the compiler holds to it: raw pointers stay in `ffi` (above), `verbs`
+//! (below) and `os`.
+
+#![forbid(unsafe_code)]
 
 pub mod comm;
 pub mod device;

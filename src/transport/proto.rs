@@ -2,7 +2,8 @@
 //! receive slot tables, the CTS FIFO, tag matching, the multi-QP split and round-robin, the
 //! `wr_id`/immediate encoding and the completion accounting. `comm` owns the verbs objects,
 //! feeds completions in and posts what the core asks for through [`Post`]; the tests below
-//! drive both ends against a simulated network, with no verbs at all.
+//! drive both ends against a simulated network, with no verbs at all. Of ferroce it imports only
+//! `wr` (the work requests it asks for, the completions it is fed) and `error`: no verbs, no FFI.
 //!
 //! The protocol, receiver-driven:
 //! 1. `irecv` posts a buffer-less receive WQE on each lane (it absorbs the sender's
@@ -39,7 +40,7 @@
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::verbs::{Completion, MAX_CHAIN, Op, SendWr};
+use crate::wr::{Completion, MAX_CHAIN, Op, SendWr, status_name};
 
 /// Outstanding (multi-)receives per comm: NCCL's `NCCL_NET_MAX_REQUESTS`.
 pub const SLOTS: usize = 32;
@@ -429,7 +430,7 @@ impl Health {
                 "completion error with {}{}: {} (status {}, vendor_err {:#x}, wr {:#x}) on {}: {}",
                 self.path.peer,
                 if probe { " (liveness probe of a quiet peer)" } else { "" },
-                crate::verbs::status_str(c.status),
+                status_name(c.status),
                 c.status,
                 c.vendor_err,
                 c.wr_id,

@@ -7,6 +7,7 @@ use rdma_sys as sys;
 
 use super::device::{Context, errno};
 use crate::error::{Error, Result};
+use crate::wr::Completion;
 
 pub struct Cq {
     raw: *mut sys::ibv_cq,
@@ -17,20 +18,6 @@ pub struct Cq {
 unsafe impl Send for Cq {}
 // SAFETY: as above (the provider serialises concurrent polls).
 unsafe impl Sync for Cq {}
-
-/// One work completion, reduced to what callers use.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Completion {
-    pub wr_id: u64,
-    /// `ibv_wc_status`: 0 is success.
-    pub status: u32,
-    pub opcode: u32,
-    pub vendor_err: u32,
-    pub byte_len: u32,
-    /// The immediate data, in host order, when the completion carries one.
-    pub imm: Option<u32>,
-    pub qp_num: u32,
-}
 
 /// `IBV_WC_RECV_RDMA_WITH_IMM`.
 pub const WC_RECV_RDMA_WITH_IMM: u32 = 129;
@@ -95,13 +82,17 @@ impl Drop for Cq {
     }
 }
 
-/// A readable name for an `ibv_wc_status`.
-pub fn status_str(status: u32) -> String {
-    // SAFETY: ibv_wc_status_str returns a static string for any value.
-    let p = unsafe { sys::ibv_wc_status_str(status) };
-    if p.is_null() {
-        return format!("status {status}");
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_names_are_the_ones_libibverbs_prints() {
+        // Past the last status too, where both say "unknown".
+        for status in 0..=40 {
+            // SAFETY: ibv_wc_status_str returns a static NUL-terminated string for any value.
+            let theirs = unsafe { std::ffi::CStr::from_ptr(sys::ibv_wc_status_str(status)) };
+            assert_eq!(crate::wr::status_name(status), theirs.to_str().unwrap(), "status {status}");
+        }
     }
-    // SAFETY: non-NULL static NUL-terminated string.
-    unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }

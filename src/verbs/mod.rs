@@ -7,6 +7,8 @@
 //!
 //! Callers: `transport` only.
 
+#![allow(unsafe_code)]
+
 mod buf;
 mod cq;
 mod device;
@@ -17,12 +19,12 @@ mod sym;
 pub mod sysfs;
 
 pub use buf::RegisteredBuf;
-pub use cq::{Completion, Cq, WC_RECV_RDMA_WITH_IMM, status_str};
+pub use cq::{Cq, WC_RECV_RDMA_WITH_IMM};
 pub use device::{Context, DeviceAttr, LinkLayer, PortAttr, PortState, open_all};
 pub use events::{AsyncEvent, wait_async};
 pub use pd::{
     ACCESS_LOCAL_WRITE, ACCESS_RELAXED_ORDERING, ACCESS_REMOTE_READ, ACCESS_REMOTE_WRITE,
     DmabufProbe, Mr, Pd,
 };
-pub use qp::{MAX_CHAIN, Op, Qp, QpCaps, RtrAttr, RtsAttr, SendWr};
+pub use qp::{Qp, QpCaps, RtrAttr, RtsAttr};
 pub use sym::SYMBOLS;

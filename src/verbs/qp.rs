@@ -11,6 +11,7 @@ use super::cq::Cq;
 use super::device::errno;
 use super::pd::Pd;
 use crate::error::{Error, Result};
+use crate::wr::{MAX_CHAIN, Op, SendWr};
 
 pub struct Qp {
     raw: *mut sys::ibv_qp,
@@ -54,32 +55,6 @@ pub struct RtsAttr {
     pub retry_cnt: u8,
     pub rnr_retry: u8,
 }
-
-/// The operation of one send work request.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Op {
-    #[default]
-    Write,
-    /// RDMA write that also consumes a receive at the peer and delivers `imm` (host order).
-    WriteImm(u32),
-    Read,
-}
-
-/// One send work request; `local` is `(addr, len, lkey)`, absent for a zero-byte operation.
-/// `inline`: the provider copies the bytes at post time (at most the QP's `max_inline`).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct SendWr {
-    pub wr_id: u64,
-    pub op: Op,
-    pub signaled: bool,
-    pub local: Option<(u64, u32, u32)>,
-    pub remote_addr: u64,
-    pub rkey: u32,
-    pub inline: bool,
-}
-
-/// The most work requests [`Qp::post_send`] chains into one call.
-pub const MAX_CHAIN: usize = 16;
 
 fn modify(qp: *mut sys::ibv_qp, attr: &mut sys::ibv_qp_attr, mask: u32, what: &str) -> Result<()> {
     // SAFETY: qp is live and attr is a fully initialised ibv_qp_attr.

@@ -1,14 +1,14 @@
-//! Shared helpers of the integration tests: find the built plugin and load it as NCCL would.
+//! Helpers only the integration tests need: find the built plugin and `ferroce` tool, load the
+//! plugin by path, and look at the process and the RDMA devices from outside. Everything that
+//! drives the plugin (loader, driver, handle codec, child processes, waits) is the
+//! `ferroce_tools` library, which the `ferroce` tool uses too.
 #![allow(dead_code)] // each test target uses a different subset
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Mutex, OnceLock};
 
-#[path = "../../src/harness/mod.rs"]
-pub mod harness;
-
-use harness::loader::Library;
+use ferroce_tools::loader::Library;
 
 /// Serialises tests that change the process environment or the plugin's global state.
 pub static SERIAL: Mutex<()> = Mutex::new(());
@@ -35,23 +35,7 @@ pub fn plugin_dir() -> PathBuf {
             assert!(dir.join("libnccl-net-ferroce.so").exists(), "no plugin in {}", dir.display());
             return dir;
         }
-        let out = Command::new(env!("CARGO"))
-            .args(["build", "--lib", "--message-format=json"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .output()
-            .expect("run cargo build --lib");
-        assert!(
-            out.status.success(),
-            "cargo build --lib: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let built = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter(|l| l.contains("\"compiler-artifact\"") && l.contains("libferroce.so"))
-            .flat_map(|l| l.split('"'))
-            .find(|s| s.ends_with("/libferroce.so"))
-            .map(PathBuf::from)
-            .expect("cargo reported no libferroce.so");
+        let built = cargo_build(&["--lib"], "libferroce.so");
         let dir = target_dir().join("nccl-plugin");
         std::fs::create_dir_all(&dir).expect("mkdir nccl-plugin");
         let tmp = dir.join(format!(".copy-{}", std::process::id()));
@@ -62,6 +46,41 @@ pub fn plugin_dir() -> PathBuf {
     .clone()
 }
 
+/// The `ferroce` tool. `FERROCE_PLUGIN_DIR` names the prebuilt one (the VM tests: `ci/build.sh`
+/// puts it beside the plugin). Otherwise it is built here (a no-op when fresh): it belongs to
+/// the `ferroce-tools` package, whose binaries cargo does not build for this package's tests.
+pub fn ferroce_exe() -> PathBuf {
+    static EXE: OnceLock<PathBuf> = OnceLock::new();
+    EXE.get_or_init(|| {
+        if let Some(dir) = std::env::var_os("FERROCE_PLUGIN_DIR") {
+            let exe = Path::new(&dir).join("ferroce");
+            assert!(exe.exists(), "no ferroce tool in {}", Path::new(&dir).display());
+            return exe;
+        }
+        cargo_build(&["-p", "ferroce-tools", "--bin", "ferroce"], "ferroce")
+    })
+    .clone()
+}
+
+/// Runs `cargo build ARGS` in this workspace and returns the artifact named `file`.
+fn cargo_build(args: &[&str], file: &str) -> PathBuf {
+    let out = Command::new(env!("CARGO"))
+        .arg("build")
+        .args(args)
+        .arg("--message-format=json")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run cargo build");
+    assert!(out.status.success(), "cargo build {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains("\"compiler-artifact\""))
+        .flat_map(|l| l.split('"'))
+        .find(|s| s.ends_with(&format!("/{file}")))
+        .map(PathBuf::from)
+        .unwrap_or_else(|| panic!("cargo build {args:?} reported no {file}"))
+}
+
 /// The plugin, opened by path (in-process tests cannot change `LD_LIBRARY_PATH`).
 pub fn open_plugin() -> Library {
     let path = plugin_dir().join("libnccl-net-ferroce.so");
@@ -70,7 +89,7 @@ pub fn open_plugin() -> Library {
 
 use std::time::Duration;
 
-use harness::driver::{Close, Driver, Ptr};
+use ferroce_tools::driver::{Close, Driver, Ptr};
 
 /// Connects a send comm on `sdev` to a receive comm on `rdev`, driving both ends from this
 /// thread (connect and accept never block).
@@ -83,7 +102,7 @@ pub fn pair(drv: &Driver, ctx: Ptr, rdev: i32, sdev: i32) -> Result<(Ptr, Ptr), 
 
 /// The WARN lines the plugin logged since the last look (the capture is emptied).
 pub fn warnings() -> Vec<String> {
-    harness::loader::take_captured().into_iter().filter(|l| l.0 == 2).map(|l| l.2).collect()
+    ferroce_tools::loader::take_captured().into_iter().filter(|l| l.0 == 2).map(|l| l.2).collect()
 }
 
 /// Runs a system command that must succeed (ip, tc, ...).
@@ -94,7 +113,7 @@ pub fn run(cmd: &str, args: &[&str]) {
 
 /// Polls `f` until it yields, for at most 30 s.
 pub fn until<T>(what: &str, f: impl FnMut() -> Result<Option<T>, String>) -> Result<T, String> {
-    harness::driver::until(what, Duration::from_secs(30), f)
+    ferroce_tools::wait::until(what, Duration::from_secs(30), f)
 }
 
 /// Fails loudly unless this runs inside the test VM.
@@ -371,94 +390,5 @@ pub fn num_arg<T: std::str::FromStr>(args: &[String], name: &str, default: T) ->
             .get(i + 1)
             .and_then(|v| v.parse().ok())
             .ok_or_else(|| format!("{name} needs a number")),
-    }
-}
-
-/// A child process of a test program (usually the program itself in another role): lines to
-/// its stdin (when the command pipes it), its stdout lines as events; killed when dropped.
-pub struct Proc {
-    pub name: String,
-    pub child: std::process::Child,
-    stdin: Option<std::process::ChildStdin>,
-    pub events: std::sync::mpsc::Receiver<String>,
-}
-
-impl Proc {
-    /// This test program, run again with `args`.
-    pub fn me(args: &[&str]) -> Command {
-        let mut c = Command::new(std::env::current_exe().expect("current_exe"));
-        c.args(args);
-        c
-    }
-
-    /// Starts `cmd` with its stdout read line by line (its stdin as the command sets it).
-    pub fn spawn(name: &str, mut cmd: Command) -> Result<Proc, String> {
-        use std::io::BufRead;
-        let mut child =
-            cmd.stdout(std::process::Stdio::piped()).spawn().map_err(|e| format!("{name}: {e}"))?;
-        let out = child.stdout.take().ok_or("no stdout")?;
-        let (tx, events) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Proc { name: name.into(), stdin: child.stdin.take(), child, events })
-    }
-
-    pub fn tell(&mut self, line: &str) -> Result<(), String> {
-        use std::io::Write;
-        let stdin = self.stdin.as_mut().ok_or_else(|| format!("{}: no stdin", self.name))?;
-        writeln!(stdin, "{line}").map_err(|e| format!("{}: {e}", self.name))
-    }
-
-    /// Closes its stdin (end of its commands).
-    pub fn hang_up(&mut self) {
-        self.stdin = None;
-    }
-
-    /// The next line, within `limit`.
-    pub fn next(&self, limit: Duration) -> Result<String, String> {
-        self.events
-            .recv_timeout(limit)
-            .map_err(|_| format!("{}: no output within {limit:?} (it failed or hung)", self.name))
-    }
-
-    /// The next line, which must start with `want`, within `limit`.
-    pub fn expect(&self, want: &str, limit: Duration) -> Result<String, String> {
-        match self.events.recv_timeout(limit) {
-            Ok(l) if l.starts_with(want) => Ok(l),
-            Ok(l) => Err(format!("{}: expected {want:?}, got {l:?}", self.name)),
-            Err(_) => {
-                Err(format!("{}: no {want:?} within {limit:?} (it failed or hung)", self.name))
-            }
-        }
-    }
-
-    /// Waits up to `limit` for it to exit, which must be with status 0.
-    pub fn exits_ok(&mut self, limit: Duration) -> Result<(), String> {
-        let until = std::time::Instant::now() + limit;
-        loop {
-            if let Some(st) = self.child.try_wait().map_err(|e| e.to_string())? {
-                return if st.success() {
-                    Ok(())
-                } else {
-                    Err(format!("{} exited with {st}", self.name))
-                };
-            }
-            if std::time::Instant::now() > until {
-                return Err(format!("{} did not exit within {limit:?}", self.name));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }

@@ -19,33 +19,19 @@
 
 use std::collections::VecDeque;
 use std::ffi::c_int;
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::Ordering;
+use std::sync::mpsc::TryRecvError;
 use std::time::{Duration, Instant};
 
-use crate::harness::driver::{Close, Driver, Ptr};
-use crate::harness::loader::{ECHO, Library};
-use crate::perf::{flush_log, hex, resolve, unhex};
-
-pub const USAGE: &str = "usage: ferroce collective allreduce|allgather|reducescatter [OPTIONS]
-  without --rank: starts all ranks on this host, rank i on device i (NCCL_IB_HCA), and prints
-  rank 0's table; with --rank: runs one rank of a cluster whose ranks share --rendezvous
-  --nranks N        ranks (default: the devices in FERROCE_VM_DEVS, else 2)
-  --devs D0,D1,..   launcher: each rank's device (default: FERROCE_VM_DEVS, else indices 0..N-1)
-  --rank R          run rank R only (needs --rendezvous, a directory all ranks share)
-  --rendezvous DIR  where ranks publish their handles (launcher: a fresh temporary directory)
-  --dev D           --rank: this rank's device, a name or index (default: the first offered)
-  -b, --minbytes    smallest size (default 8; K, M, G suffixes)
-  -e, --maxbytes    largest size (default 64M)
-  -f, --stepfactor  size multiplier (default 2)
-  -n, --iters       timed iterations per size (default 20)
-  -w, --warmup_iters untimed iterations per size (default 5)
-  -c, --check       0: skip the data check after each size (default 1)
-  --channels C      channels, each a send and a receive comm (default 2)
-  --plugin          the plugin as NCCL_NET_PLUGIN names it, or a path (default: \
-libnccl-net-ferroce.so next to this program, else `ferroce`)";
+use ferroce_tools::driver::{Close, Driver, Ptr};
+use ferroce_tools::handle::{from_hex, to_hex};
+use ferroce_tools::loader::{ECHO, Library, flush_log};
+use ferroce_tools::out::Table;
+use ferroce_tools::proc::Proc;
+use ferroce_tools::wait::Stall;
 
 /// Bytes per slice, NCCL's simple-protocol step (a 4 MiB buffer in 8 steps).
 const SLICE: usize = 512 << 10;
@@ -63,10 +49,13 @@ const GRACE: Duration = Duration::from_secs(30);
 /// NCCL passes the same communicator id to every rank's `init`.
 const COMM_ID: u64 = 0xc011_ec71;
 
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, clap::ValueEnum)]
 enum Coll {
+    #[value(name = "allreduce")]
     AllReduce,
+    #[value(name = "allgather")]
     AllGather,
+    #[value(name = "reducescatter")]
     ReduceScatter,
 }
 
@@ -99,22 +88,55 @@ impl Coll {
     }
 }
 
-#[derive(Debug)]
-struct Opts {
+/// Ring collectives over N ranks, with nccl-tests' table and option letters
+///
+/// Without --rank: starts all ranks on this host, rank i on device i (NCCL_IB_HCA), and prints
+/// rank 0's table. With --rank: runs one rank of a cluster whose ranks share --rendezvous.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The collective
+    #[arg(value_enum)]
     coll: Coll,
+    /// Ranks [default: the devices in FERROCE_VM_DEVS, else 2]
+    #[arg(long, value_name = "N")]
     nranks: Option<usize>,
+    /// Launcher: each rank's device [default: FERROCE_VM_DEVS, else indices 0..N-1]
+    #[arg(long, value_name = "D0,D1,..", value_delimiter = ',')]
     devs: Option<Vec<String>>,
+    /// Run rank R only (needs --rendezvous, a directory all ranks share)
+    #[arg(long, value_name = "R")]
     rank: Option<usize>,
+    /// Where ranks publish their handles [launcher: a fresh temporary directory]
+    #[arg(long, value_name = "DIR")]
     rendezvous: Option<PathBuf>,
+    /// --rank: this rank's device, a name or index [default: the first offered]
+    #[arg(long, value_name = "D", default_value = "0")]
     dev: String,
+    /// Smallest size (K, M, G suffixes)
+    #[arg(short = 'b', long = "minbytes", value_name = "BYTES", default_value = "8", value_parser = size)]
     min: usize,
+    /// Largest size
+    #[arg(short = 'e', long = "maxbytes", value_name = "BYTES", default_value = "64M", value_parser = size)]
     max: usize,
+    /// Size multiplier
+    #[arg(short = 'f', long = "stepfactor", value_name = "F", default_value_t = 2)]
     factor: usize,
+    /// Timed iterations per size
+    #[arg(short = 'n', long = "iters", value_name = "N", default_value_t = 20)]
     iters: usize,
+    /// Untimed iterations per size
+    #[arg(short = 'w', long = "warmup_iters", value_name = "N", default_value_t = 5)]
     warmup: usize,
-    check: bool,
+    /// 0: skip the data check after each size
+    #[arg(short = 'c', long = "check", value_name = "0|1", default_value_t = 1)]
+    check: usize,
+    /// Channels, each a send and a receive comm
+    #[arg(long, value_name = "C", default_value_t = 2)]
     channels: usize,
-    plugin: String,
+    /// The plugin as NCCL_NET_PLUGIN names it, or a path [default: libnccl-net-ferroce.so next
+    /// to this program, else `ferroce`]
+    #[arg(long, value_name = "NAME_OR_PATH")]
+    plugin: Option<String>,
 }
 
 /// A byte count with an optional K, M or G suffix (powers of 1024), as nccl-tests takes them.
@@ -128,95 +150,51 @@ fn bytes(s: &str) -> Option<usize> {
     num.parse::<usize>().ok()?.checked_mul(mul)
 }
 
-fn parse(args: &[String]) -> Result<Opts, String> {
-    let usage = |e: String| format!("{e}\n{USAGE}");
-    let coll = match args.first().map(String::as_str) {
-        Some("allreduce") => Coll::AllReduce,
-        Some("allgather") => Coll::AllGather,
-        Some("reducescatter") => Coll::ReduceScatter,
-        Some(c) => return Err(usage(format!("unknown collective {c:?}"))),
-        None => return Err(usage("no collective given".into())),
-    };
-    let beside = std::env::current_exe()
-        .ok()
-        .and_then(|e| e.parent().map(|d| d.join("libnccl-net-ferroce.so")))
-        .filter(|p| p.exists());
-    let mut o = Opts {
-        coll,
-        nranks: None,
-        devs: None,
-        rank: None,
-        rendezvous: None,
-        dev: "0".into(),
-        min: 8,
-        max: 64 << 20,
-        factor: 2,
-        iters: 20,
-        warmup: 5,
-        check: true,
-        channels: 2,
-        plugin: beside.map_or("ferroce".into(), |p| p.to_string_lossy().into_owned()),
-    };
-    let mut it = args[1..].iter();
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or_else(|| usage(format!("{flag} needs a value")));
-        let number = |v: &String| {
-            v.parse::<usize>().map_err(|_| usage(format!("{flag} {v:?}: not a number")))
-        };
-        match flag.as_str() {
-            "--nranks" => o.nranks = Some(number(value()?)?),
-            "--devs" => o.devs = Some(value()?.split(',').map(str::to_string).collect()),
-            "--rank" => o.rank = Some(number(value()?)?),
-            "--rendezvous" => o.rendezvous = Some(value()?.into()),
-            "--dev" => o.dev = value()?.clone(),
-            "-b" | "--minbytes" | "-e" | "--maxbytes" => {
-                let v = value()?;
-                let b = bytes(v).ok_or_else(|| usage(format!("{flag} {v:?}: not a size")))?;
-                if flag.starts_with("-b") || flag == "--minbytes" { o.min = b } else { o.max = b }
-            }
-            "-f" | "--stepfactor" => o.factor = number(value()?)?,
-            "-n" | "--iters" => o.iters = number(value()?)?,
-            "-w" | "--warmup_iters" => o.warmup = number(value()?)?,
-            "-c" | "--check" => o.check = number(value()?)? != 0,
-            "--channels" => o.channels = number(value()?)?,
-            "--plugin" => o.plugin = value()?.clone(),
-            f => return Err(usage(format!("unknown option {f:?}"))),
-        }
-    }
-    if o.factor < 2
-        || o.min == 0
-        || o.min > o.max
-        || o.iters == 0
-        || !(1..=32).contains(&o.channels)
-    {
-        return Err(usage("need -f >= 2, 0 < -b <= -e, -n >= 1 and --channels 1..=32".into()));
-    }
-    if o.max > 1 << 30 {
-        return Err(usage("-e is at most 1G".into()));
-    }
-    if let Some(n) = o.nranks
-        && !(2..=64).contains(&n)
-    {
-        return Err(usage(format!("--nranks {n}: need 2..=64")));
-    }
-    match (o.rank, &o.rendezvous, o.nranks) {
-        (Some(r), Some(_), Some(n)) if r < n => {}
-        (Some(_), _, _) => {
-            return Err(usage("--rank needs --nranks N > R and --rendezvous".into()));
-        }
-        (None, _, _) => {}
-    }
-    if o.rank.is_some() && o.devs.is_some() {
-        return Err(usage("--devs is for the launcher; a rank takes --dev".into()));
-    }
-    Ok(o)
+/// [`bytes`] for clap.
+fn size(s: &str) -> Result<usize, String> {
+    bytes(s).ok_or_else(|| "not a size (a number with an optional K, M or G)".into())
 }
 
-pub fn collective(args: &[String]) -> Result<(), String> {
-    let o = parse(args)?;
+impl Args {
+    /// The rules across options that clap does not check.
+    pub fn check(&self) -> Result<(), String> {
+        let o = self;
+        if o.factor < 2
+            || o.min == 0
+            || o.min > o.max
+            || o.iters == 0
+            || !(1..=32).contains(&o.channels)
+        {
+            return Err("need -f >= 2, 0 < -b <= -e, -n >= 1 and --channels 1..=32".into());
+        }
+        if o.max > 1 << 30 {
+            return Err("-e is at most 1G".into());
+        }
+        if let Some(n) = o.nranks
+            && !(2..=64).contains(&n)
+        {
+            return Err(format!("--nranks {n}: need 2..=64"));
+        }
+        match (o.rank, &o.rendezvous, o.nranks) {
+            (Some(r), Some(_), Some(n)) if r < n => {}
+            (Some(_), _, _) => return Err("--rank needs --nranks N > R and --rendezvous".into()),
+            (None, _, _) => {}
+        }
+        if o.rank.is_some() && o.devs.is_some() {
+            return Err("--devs is for the launcher; a rank takes --dev".into());
+        }
+        Ok(())
+    }
+
+    fn plugin(&self) -> String {
+        self.plugin.clone().unwrap_or_else(crate::default_plugin)
+    }
+}
+
+pub fn collective(o: &Args) -> Result<(), String> {
     match o.rank {
-        Some(rank) => run_rank(&o, rank),
-        None => launch(&o),
+        Some(rank) => run_rank(o, rank),
+        None => launch(o),
     }
 }
 
@@ -224,107 +202,20 @@ pub fn collective(args: &[String]) -> Result<(), String> {
 // The launcher.
 
 /// Starts every rank as a child process on this host and relays their output.
-fn launch(o: &Opts) -> Result<(), String> {
-    let vm_devs: Vec<String> = std::env::var("FERROCE_VM_DEVS")
-        .unwrap_or_default()
-        .split_whitespace()
-        .map(str::to_string)
-        .collect();
-    let devs = match (&o.devs, o.nranks) {
-        (Some(d), None) => d.clone(),
-        (Some(d), Some(n)) if d.len() == n => d.clone(),
-        (Some(d), Some(n)) => {
-            return Err(format!("--devs names {} devices for {n} ranks", d.len()));
-        }
-        (None, Some(n)) if vm_devs.len() >= n => vm_devs[..n].to_vec(),
-        (None, Some(n)) => (0..n).map(|i| i.to_string()).collect(),
-        (None, None) if vm_devs.len() >= 2 => vm_devs,
-        (None, None) => vec!["0".into(), "1".into()],
-    };
+fn launch(o: &Args) -> Result<(), String> {
+    let devs = launch_devs(o)?;
     let n = devs.len();
     let dir = std::env::temp_dir().join(format!("ferroce-collective-{}", std::process::id()));
     std::fs::create_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let _cleanup = RemoveDir(dir.clone());
-    let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
-    let (tx, rx) = std::sync::mpsc::channel::<(usize, Option<String>)>();
-    let mut children: Vec<Child> = Vec::new();
-    let kill_all = KillAll(&mut children);
-    for (rank, dev) in devs.iter().enumerate() {
-        let mut cmd = Command::new(&exe);
-        cmd.args(["collective", o.coll.name(), "--rank", &rank.to_string()]);
-        cmd.args(["--nranks", &n.to_string(), "--rendezvous", &dir.to_string_lossy()]);
-        for (flag, v) in [
-            ("-b", o.min),
-            ("-e", o.max),
-            ("-f", o.factor),
-            ("-n", o.iters),
-            ("-w", o.warmup),
-            ("-c", usize::from(o.check)),
-            ("--channels", o.channels),
-        ] {
-            cmd.args([flag, &v.to_string()]);
-        }
-        cmd.args(["--plugin", &o.plugin]);
-        // Bound to its device the way a user binds an NCCL rank: NCCL_IB_HCA. A name is matched
-        // exactly; an index needs every device visible.
-        if dev.parse::<usize>().is_ok() {
-            cmd.args(["--dev", dev]);
-        } else {
-            cmd.env("NCCL_IB_HCA", format!("={dev}")).args(["--dev", "0"]);
-        }
-        let mut child =
-            cmd.stdout(Stdio::piped()).spawn().map_err(|e| format!("starting rank {rank}: {e}"))?;
-        let out = child.stdout.take().ok_or("no pipe")?;
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send((rank, Some(line)));
-            }
-            let _ = tx.send((rank, None));
-        });
-        kill_all.0.push(child);
-    }
-    drop(tx);
+    // Each Proc kills its rank when dropped: an early return leaves none running.
+    let mut ranks = (0..n)
+        .map(|rank| Proc::spawn(&format!("rank {rank}"), rank_cmd(o, rank, n, &dir, &devs[rank])))
+        .collect::<Result<Vec<_>, _>>()?;
     let t0 = Instant::now();
-    let mut open = n;
-    let mut connect_ms: Vec<f64> = Vec::new();
-    let mut failed: Option<Instant> = None;
-    let mut result = Ok(());
-    while open > 0 {
-        // Ranks bound their own waits; after one fails, the rest get a grace period to fail on
-        // their own (naming their dead peers) before they are killed.
-        if failed.is_some_and(|t| t.elapsed() > GRACE) {
-            let first = result.err().unwrap_or_default();
-            result = Err(format!("{first}; the ranks still running {GRACE:?} later were killed"));
-            break;
-        }
-        match rx.recv_timeout(Duration::from_millis(200)) {
-            Ok((rank, Some(line))) => {
-                if let Some(ms) =
-                    line.strip_prefix("# connected in ").and_then(|s| s.split(' ').next())
-                {
-                    connect_ms.extend(ms.parse::<f64>().ok());
-                }
-                if rank == 0 && !line.starts_with("# connected in ") {
-                    println!("{line}");
-                }
-            }
-            Ok((_, None)) => open -= 1,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
-        }
-        for (rank, c) in kill_all.0.iter_mut().enumerate() {
-            if let Ok(Some(st)) = c.try_wait()
-                && !st.success()
-                && failed.is_none()
-            {
-                failed = Some(Instant::now());
-                result = Err(format!("rank {rank} failed ({st}); see its message above"));
-            }
-        }
-    }
-    for (rank, c) in kill_all.0.iter_mut().enumerate() {
-        let st = wait_for(c, Duration::from_secs(10));
+    let (connect_ms, mut result) = watch(&mut ranks);
+    for (rank, p) in ranks.iter_mut().enumerate() {
+        let st = p.finish(Duration::from_secs(10));
         if result.is_ok() && !st.is_some_and(|s| s.success()) {
             result = Err(format!("rank {rank} failed ({st:?}); see its message above"));
         }
@@ -340,32 +231,100 @@ fn launch(o: &Opts) -> Result<(), String> {
     result
 }
 
-/// Waits up to `limit` for a child, then kills it.
-fn wait_for(c: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
-    let t = Instant::now();
-    while t.elapsed() < limit {
-        if let Ok(Some(st)) = c.try_wait() {
-            return Some(st);
+/// Each rank's device: `--devs`, else the VM's devices (`FERROCE_VM_DEVS`), else indices.
+fn launch_devs(o: &Args) -> Result<Vec<String>, String> {
+    let vm_devs: Vec<String> = std::env::var("FERROCE_VM_DEVS")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
+    Ok(match (&o.devs, o.nranks) {
+        (Some(d), None) => d.clone(),
+        (Some(d), Some(n)) if d.len() == n => d.clone(),
+        (Some(d), Some(n)) => {
+            return Err(format!("--devs names {} devices for {n} ranks", d.len()));
         }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = c.kill();
-    let _ = c.wait();
-    None
+        (None, Some(n)) if vm_devs.len() >= n => vm_devs[..n].to_vec(),
+        (None, Some(n)) => (0..n).map(|i| i.to_string()).collect(),
+        (None, None) if vm_devs.len() >= 2 => vm_devs,
+        (None, None) => vec!["0".into(), "1".into()],
+    })
 }
 
-/// Kills the ranks still running when the launcher returns early.
-struct KillAll<'a>(&'a mut Vec<Child>);
+/// `ferroce collective ... --rank R` for rank `rank` of `n` on `dev`, with the launcher's
+/// options.
+fn rank_cmd(o: &Args, rank: usize, n: usize, dir: &Path, dev: &str) -> Command {
+    let mut cmd = Proc::me(&["collective", o.coll.name(), "--rank", &rank.to_string()]);
+    cmd.args(["--nranks", &n.to_string(), "--rendezvous", &dir.to_string_lossy()]);
+    for (flag, v) in [
+        ("-b", o.min),
+        ("-e", o.max),
+        ("-f", o.factor),
+        ("-n", o.iters),
+        ("-w", o.warmup),
+        ("-c", o.check),
+        ("--channels", o.channels),
+    ] {
+        cmd.args([flag, &v.to_string()]);
+    }
+    cmd.args(["--plugin", &o.plugin()]);
+    // Bound to its device the way a user binds an NCCL rank: NCCL_IB_HCA. A name is matched
+    // exactly; an index needs every device visible.
+    if dev.parse::<usize>().is_ok() {
+        cmd.args(["--dev", dev]);
+    } else {
+        cmd.env("NCCL_IB_HCA", format!("={dev}")).args(["--dev", "0"]);
+    }
+    cmd
+}
 
-impl Drop for KillAll<'_> {
-    fn drop(&mut self) {
-        for c in self.0.iter_mut() {
-            if let Ok(None) = c.try_wait() {
-                let _ = c.kill();
-                let _ = c.wait();
+/// Relays rank 0's lines and collects every rank's connect time until all output has ended.
+/// Ranks bound their own waits; after one fails, the rest get [`GRACE`] to fail on their own
+/// (naming their dead peers) before the launcher gives up on them.
+fn watch(ranks: &mut [Proc]) -> (Vec<f64>, Result<(), String>) {
+    let mut open = vec![true; ranks.len()];
+    let mut connect_ms = Vec::new();
+    let mut failed: Option<Instant> = None;
+    let mut result = Ok(());
+    while open.contains(&true) {
+        if failed.is_some_and(|t| t.elapsed() > GRACE) {
+            let first = result.err().unwrap_or_default();
+            let why = format!("{first}; the ranks still running {GRACE:?} later were killed");
+            return (connect_ms, Err(why));
+        }
+        let mut moved = false;
+        for (rank, p) in ranks.iter_mut().enumerate() {
+            loop {
+                match p.lines.try_recv() {
+                    Ok(line) => {
+                        moved = true;
+                        match line.strip_prefix("# connected in ") {
+                            Some(t) => connect_ms
+                                .extend(t.split(' ').next().and_then(|ms| ms.parse::<f64>().ok())),
+                            None if rank == 0 => println!("{line}"),
+                            None => {}
+                        }
+                    }
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        open[rank] = false;
+                        break;
+                    }
+                }
+            }
+            if let Ok(Some(st)) = p.try_wait()
+                && !st.success()
+                && failed.is_none()
+            {
+                failed = Some(Instant::now());
+                result = Err(format!("rank {rank} failed ({st}); see its message above"));
             }
         }
+        if !moved {
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
+    (connect_ms, result)
 }
 
 struct RemoveDir(PathBuf);
@@ -406,24 +365,24 @@ fn lookup(dir: &Path, rank: usize, ch: usize) -> Result<Option<([u8; 128], Strin
         Err(e) => return Err(format!("{}: {e}", path.display())),
     };
     let (h, who) = text.trim().split_once(' ').unwrap_or((text.trim(), "?"));
-    let h = unhex(h).map_err(|e| format!("{}: {e}", path.display()))?;
+    let h = from_hex(h).map_err(|e| format!("{}: {e}", path.display()))?;
     Ok(Some((h, format!("rank {rank} ({who})"))))
 }
 
-fn run_rank(o: &Opts, rank: usize) -> Result<(), String> {
+fn run_rank(o: &Args, rank: usize) -> Result<(), String> {
     let r = rank_inner(o, rank);
     flush_log();
     r.map_err(|e| format!("rank {rank}: {e}"))
 }
 
-fn rank_inner(o: &Opts, rank: usize) -> Result<(), String> {
+fn rank_inner(o: &Args, rank: usize) -> Result<(), String> {
     let n = o.nranks.ok_or("no --nranks")?;
     let dir = o.rendezvous.as_deref().ok_or("no --rendezvous")?;
     ECHO.store(false, Ordering::Relaxed);
-    let lib = Library::open_like_nccl(&o.plugin)?;
+    let lib = Library::open_like_nccl(&o.plugin())?;
     let drv = Driver::new(&lib, 12)?;
     let ctx = drv.init(COMM_ID)?;
-    let (dev, name) = resolve(&lib, &drv, &o.dev)?;
+    let (dev, name) = drv.resolve(&o.dev)?;
     let t0 = Instant::now();
     let mut listens = Vec::new();
     for ch in 0..o.channels {
@@ -435,7 +394,7 @@ fn rank_inner(o: &Opts, rank: usize) -> Result<(), String> {
         if path.exists() {
             return Err(format!("{} exists: use a fresh --rendezvous directory", path.display()));
         }
-        publish(&path, &format!("{} {}, {name}\n", hex(&handle), addr.ip()))?;
+        publish(&path, &format!("{} {}, {name}\n", to_hex(&handle), addr.ip()))?;
         listens.push(listen);
     }
     let chans = connect_ring(&drv, ctx, dev, dir, rank, n, &listens)?;
@@ -692,9 +651,13 @@ impl Drop for Buffers<'_, '_> {
     }
 }
 
+/// nccl-tests' columns: the mark and the size, count, type, redop, root, time, algbw, busbw,
+/// #wrong.
+const TABLE: Table = Table { widths: &[13, 12, 8, 6, 6, 10, 9, 9, 6], gap: 1 };
+
 /// Every size of the collective, with the table on rank 0.
 fn sizes(
-    o: &Opts,
+    o: &Args,
     drv: &Driver,
     chans: &[Channel],
     rank: usize,
@@ -703,86 +666,42 @@ fn sizes(
 ) -> Result<(), String> {
     let coll = o.coll;
     let mut b = Buffers::new(drv, chans, coll.counts(o.max, n).0.max(1))?;
-    let b = &mut b;
     if rank == 0 {
-        println!(
-            "# ferroce collective {}: {n} ranks, {} channels, rank 0 on {dev}",
-            coll.name(),
-            chans.len()
-        );
-        println!(
-            "# slices of {} KiB, up to {STEPS} in flight per channel; {} warm-up and {} timed iterations per size",
-            SLICE >> 10,
-            o.warmup,
-            o.iters
-        );
-        println!("#");
-        println!(
-            "#{:>12} {:>12} {:>8} {:>6} {:>6} {:>10} {:>9} {:>9} {:>6}",
-            "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong"
-        );
-        println!(
-            "#{:>12} {:>12} {:>8} {:>6} {:>6} {:>10} {:>9} {:>9} {:>6}",
-            "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", ""
-        );
+        print_header(o, n, chans.len(), dev);
     }
-    let mut wrong_total = 0usize;
-    let mut busbw_sum = 0.0;
-    let mut rows = 0usize;
+    let (mut wrong_total, mut busbw_sum, mut rows) = (0usize, 0.0, 0usize);
     let mut size = o.min;
     while size <= o.max {
         let (count, shown) = coll.counts(size, n);
-        if shown == 0 {
-            size = size.saturating_mul(o.factor);
-            continue;
+        if shown > 0 {
+            let (us, wrong) = one_size(o, drv, chans, &mut b, rank, n, count)?;
+            wrong_total += wrong;
+            let bytes = count * 4;
+            let algbw = bytes as f64 / us / 1e3;
+            let busbw = algbw * coll.bus_factor(n);
+            busbw_sum += busbw;
+            rows += 1;
+            if rank == 0 {
+                let wrong = if o.check != 0 { wrong.to_string() } else { "N/A".into() };
+                let redop = if coll == Coll::AllGather { "none" } else { "sum" };
+                let cells = [
+                    bytes.to_string(),
+                    shown.to_string(),
+                    "float".into(),
+                    redop.into(),
+                    "-1".into(),
+                    format!("{us:.1}"),
+                    format!("{algbw:.4}"),
+                    format!("{busbw:.4}"),
+                    wrong,
+                ];
+                println!("{}", TABLE.line(' ', &cells));
+            } else if wrong > 0 {
+                eprintln!("rank {rank}: size {bytes}: {wrong} wrong elements");
+            }
+            std::io::stdout().flush().map_err(|e| e.to_string())?;
+            flush_log();
         }
-        let plans: Vec<Plan> =
-            (0..chans.len()).map(|ch| plan(coll, count, n, rank, ch, chans.len())).collect();
-        let fill = |d: &mut [f32]| {
-            d.iter_mut().enumerate().for_each(|(i, x)| *x = input(coll, count, n, rank, i))
-        };
-        fill(&mut b.data[..count]);
-        for _ in 0..o.warmup {
-            once(drv, chans, &plans, b)?;
-        }
-        let t = Instant::now();
-        for _ in 0..o.iters {
-            once(drv, chans, &plans, b)?;
-        }
-        let us = t.elapsed().as_secs_f64() * 1e6 / o.iters as f64;
-        let mut wrong = 0;
-        if o.check {
-            fill(&mut b.data[..count]);
-            once(drv, chans, &plans, b)?;
-            wrong = (0..count)
-                .filter(|&i| expected(coll, count, n, rank, i).is_some_and(|e| b.data[i] != e))
-                .count();
-        }
-        wrong_total += wrong;
-        let bytes = count * 4;
-        let algbw = bytes as f64 / us / 1e3;
-        let busbw = algbw * coll.bus_factor(n);
-        busbw_sum += busbw;
-        rows += 1;
-        let wrong_col = if o.check { wrong.to_string() } else { "N/A".into() };
-        if rank == 0 {
-            println!(
-                " {:>12} {:>12} {:>8} {:>6} {:>6} {:>10.1} {:>9.4} {:>9.4} {:>6}",
-                bytes,
-                shown,
-                "float",
-                if coll == Coll::AllGather { "none" } else { "sum" },
-                -1,
-                us,
-                algbw,
-                busbw,
-                wrong_col
-            );
-        } else if wrong > 0 {
-            eprintln!("rank {rank}: size {bytes}: {wrong} wrong elements");
-        }
-        std::io::stdout().flush().map_err(|e| e.to_string())?;
-        flush_log();
         size = size.saturating_mul(o.factor);
     }
     if rank == 0 {
@@ -798,6 +717,62 @@ fn sizes(
     Ok(())
 }
 
+/// Rank 0's lines above the table, as nccl-tests prints them.
+fn print_header(o: &Args, n: usize, chans: usize, dev: &str) {
+    println!(
+        "# ferroce collective {}: {n} ranks, {chans} channels, rank 0 on {dev}",
+        o.coll.name()
+    );
+    println!(
+        "# slices of {} KiB, up to {STEPS} in flight per channel; {} warm-up and {} timed iterations per size",
+        SLICE >> 10,
+        o.warmup,
+        o.iters
+    );
+    println!("#");
+    let head = ["size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong"];
+    println!("{}", TABLE.line('#', &head));
+    let units = ["(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", ""];
+    println!("{}", TABLE.line('#', &units));
+}
+
+/// One size of `count` elements: the warm-up, the timed iterations and (with `-c`) one more,
+/// checked. Returns the time per iteration in us and the number of wrong elements.
+fn one_size(
+    o: &Args,
+    drv: &Driver,
+    chans: &[Channel],
+    b: &mut Buffers,
+    rank: usize,
+    n: usize,
+    count: usize,
+) -> Result<(f64, usize), String> {
+    let coll = o.coll;
+    let plans: Vec<Plan> =
+        (0..chans.len()).map(|ch| plan(coll, count, n, rank, ch, chans.len())).collect();
+    let fill = |d: &mut [f32]| {
+        d.iter_mut().enumerate().for_each(|(i, x)| *x = input(coll, count, n, rank, i))
+    };
+    fill(&mut b.data[..count]);
+    for _ in 0..o.warmup {
+        once(drv, chans, &plans, b)?;
+    }
+    let t = Instant::now();
+    for _ in 0..o.iters {
+        once(drv, chans, &plans, b)?;
+    }
+    let us = t.elapsed().as_secs_f64() * 1e6 / o.iters as f64;
+    if o.check == 0 {
+        return Ok((us, 0));
+    }
+    fill(&mut b.data[..count]);
+    once(drv, chans, &plans, b)?;
+    let wrong = (0..count)
+        .filter(|&i| expected(coll, count, n, rank, i).is_some_and(|e| b.data[i] != e))
+        .count();
+    Ok((us, wrong))
+}
+
 /// One collective on every channel, driven from this thread until all of it is done.
 fn once(drv: &Driver, chans: &[Channel], plans: &[Plan], b: &mut Buffers) -> Result<(), String> {
     let mut runs: Vec<Run> = plans
@@ -811,126 +786,140 @@ fn once(drv: &Driver, chans: &[Channel], plans: &[Plan], b: &mut Buffers) -> Res
             free: (0..STEPS).rev().collect(),
         })
         .collect();
-    let data = b.data.as_mut_ptr();
-    let mut last = Instant::now();
-    let mut spins = 0u32;
+    let mut stall = Stall::default();
     loop {
         let mut moved = false;
         let mut done = true;
         for (ch, (run, c)) in runs.iter_mut().zip(chans).enumerate() {
-            let (smh, rmh, slots) = (&b.mhs[ch].0, &b.mhs[ch].1, &b.mhs[ch].2);
-            let stage = b.staging[ch].as_mut_ptr();
-            let p = run.plan;
-            let fail_recv = |e: String| format!("channel {ch}: receiving from {}: {e}", c.prev);
-            let fail_send = |e: String| format!("channel {ch}: sending to {}: {e}", c.next);
-            // Receives: posted in order, up to STEPS ahead; a reduce needs a staging slot.
-            while run.posted < p.recvs.len() && run.recvs.len() < STEPS {
-                let (s, reduce) = p.recvs[run.posted];
-                let (ptr, mh, slot) = if reduce {
-                    let Some(&slot) = run.free.last() else { break };
-                    (stage.wrapping_add(slot * SLICE / 4).cast::<u8>(), slots[slot], slot)
-                } else {
-                    // In place. An earlier step's send of this range may not have reported its
-                    // completion yet, but its data has left: what lands here was reduced from it
-                    // by the ranks after us.
-                    (data.wrapping_add(s.off).cast::<u8>(), *rmh, usize::MAX)
-                };
-                match drv
-                    .irecv(c.recv, &[ptr], &[s.len * 4], &[0], &[mh], false)
-                    .map_err(fail_recv)?
-                {
-                    Some(q) => {
-                        if reduce {
-                            run.free.pop();
-                        }
-                        run.recvs.push_back((q, slot));
-                        run.posted += 1;
-                        moved = true;
-                    }
-                    None => break,
-                }
-            }
-            // Completed receives, in order: a reduce adds its slot into the buffer.
-            while let Some(&(q, slot)) = run.recvs.front() {
-                let Some(got) = drv.test(q).map_err(fail_recv)? else { break };
-                let (s, reduce) = p.recvs[run.recv_done()];
-                if got[0] as usize != s.len * 4 {
-                    return Err(fail_recv(format!(
-                        "received {} bytes, expected {}",
-                        got[0],
-                        s.len * 4
-                    )));
-                }
-                if reduce {
-                    // SAFETY: the slot holds the completed receive of `s.len` floats and the
-                    // range of `data` lies inside the buffer. No request uses either: a slot is
-                    // reused only after this, and this range of `data` is sent on only by a
-                    // later step, whose send waits for this receive.
-                    unsafe {
-                        let src = std::slice::from_raw_parts(stage.add(slot * SLICE / 4), s.len);
-                        let dst = std::slice::from_raw_parts_mut(data.add(s.off), s.len);
-                        dst.iter_mut().zip(src).for_each(|(d, x)| *d += x);
-                    }
-                    run.free.push(slot);
-                }
-                run.recvs.pop_front();
-                moved = true;
-            }
-            // Sends: in order, up to STEPS in flight, each once the slice it forwards is here.
-            while run.sent < p.sends.len() && run.sends.len() < STEPS {
-                let (s, dep) = p.sends[run.sent];
-                if dep.is_some_and(|d| d >= run.recv_done()) {
-                    break;
-                }
-                let ptr = data.wrapping_add(s.off).cast::<u8>();
-                match drv.isend(c.send, ptr, s.len * 4, 0, *smh).map_err(fail_send)? {
-                    Some(q) => {
-                        run.sends.push_back(q);
-                        run.sent += 1;
-                        moved = true;
-                    }
-                    None => break,
-                }
-            }
-            while let Some(&q) = run.sends.front() {
-                if drv.test(q).map_err(fail_send)?.is_none() {
-                    break;
-                }
-                run.sends.pop_front();
-                moved = true;
-            }
-            done &= run.send_done() == p.sends.len() && run.recv_done() == p.recvs.len();
+            moved |= run.receive(drv, c, ch, b)?;
+            moved |= run.send(drv, c, ch, b)?;
+            done &=
+                run.send_done() == run.plan.sends.len() && run.recv_done() == run.plan.recvs.len();
         }
         if done {
             return Ok(());
         }
         if moved {
-            spins = 0;
-            last = Instant::now();
-        } else {
-            // Yield as NCCL's proxy does after an idle pass: the ranks and Soft-RoCE share cores.
-            std::thread::yield_now();
-            spins += 1;
-            if spins.is_multiple_of(1024) && last.elapsed() > STALL {
-                let pending: Vec<String> = runs
-                    .iter()
-                    .zip(chans)
-                    .enumerate()
-                    .map(|(ch, (r, c))| {
-                        format!(
-                            "channel {ch}: {}/{} sends to {}, {}/{} receives from {}",
-                            r.send_done(),
-                            r.plan.sends.len(),
-                            c.next,
-                            r.recv_done(),
-                            r.plan.recvs.len(),
-                            c.prev
-                        )
-                    })
-                    .collect();
-                return Err(format!("no progress for {STALL:?}: {}", pending.join("; ")));
-            }
+            stall.moved();
+        } else if stall.idle(STALL) {
+            let pending: Vec<String> = runs
+                .iter()
+                .zip(chans)
+                .enumerate()
+                .map(|(ch, (r, c))| {
+                    format!(
+                        "channel {ch}: {}/{} sends to {}, {}/{} receives from {}",
+                        r.send_done(),
+                        r.plan.sends.len(),
+                        c.next,
+                        r.recv_done(),
+                        r.plan.recvs.len(),
+                        c.prev
+                    )
+                })
+                .collect();
+            return Err(format!("no progress for {STALL:?}: {}", pending.join("; ")));
         }
+    }
+}
+
+impl Run<'_> {
+    /// Posts receives in order, up to [`STEPS`] ahead (a reduce needs a free staging slot),
+    /// and completes the finished ones in order, a reduce adding its slot into the buffer.
+    /// True if anything moved.
+    fn receive(
+        &mut self,
+        drv: &Driver,
+        c: &Channel,
+        ch: usize,
+        b: &mut Buffers,
+    ) -> Result<bool, String> {
+        let data = b.data.as_mut_ptr();
+        let stage = b.staging[ch].as_mut_ptr();
+        let (rmh, slots) = (b.mhs[ch].1, &b.mhs[ch].2);
+        let p = self.plan;
+        let fail = |e: String| format!("channel {ch}: receiving from {}: {e}", c.prev);
+        let mut moved = false;
+        while self.posted < p.recvs.len() && self.recvs.len() < STEPS {
+            let (s, reduce) = p.recvs[self.posted];
+            let (ptr, mh, slot) = if reduce {
+                let Some(&slot) = self.free.last() else { break };
+                (stage.wrapping_add(slot * SLICE / 4).cast::<u8>(), slots[slot], slot)
+            } else {
+                // In place. An earlier step's send of this range may not have reported its
+                // completion yet, but its data has left: what lands here was reduced from it
+                // by the ranks after us.
+                (data.wrapping_add(s.off).cast::<u8>(), rmh, usize::MAX)
+            };
+            let Some(q) =
+                drv.irecv(c.recv, &[ptr], &[s.len * 4], &[0], &[mh], false).map_err(fail)?
+            else {
+                break;
+            };
+            if reduce {
+                self.free.pop();
+            }
+            self.recvs.push_back((q, slot));
+            self.posted += 1;
+            moved = true;
+        }
+        while let Some(&(q, slot)) = self.recvs.front() {
+            let Some(got) = drv.test(q).map_err(fail)? else { break };
+            let (s, reduce) = p.recvs[self.recv_done()];
+            if got[0] as usize != s.len * 4 {
+                return Err(fail(format!("received {} bytes, expected {}", got[0], s.len * 4)));
+            }
+            if reduce {
+                // SAFETY: the slot holds the completed receive of `s.len` floats and the
+                // range of `data` lies inside the buffer. No request uses either: a slot is
+                // reused only after this, and this range of `data` is sent on only by a
+                // later step, whose send waits for this receive.
+                unsafe {
+                    let src = std::slice::from_raw_parts(stage.add(slot * SLICE / 4), s.len);
+                    let dst = std::slice::from_raw_parts_mut(data.add(s.off), s.len);
+                    dst.iter_mut().zip(src).for_each(|(d, x)| *d += x);
+                }
+                self.free.push(slot);
+            }
+            self.recvs.pop_front();
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    /// Posts sends in order, up to [`STEPS`] in flight, each once the slice it forwards is
+    /// here, and completes the finished ones. True if anything moved.
+    fn send(
+        &mut self,
+        drv: &Driver,
+        c: &Channel,
+        ch: usize,
+        b: &mut Buffers,
+    ) -> Result<bool, String> {
+        let data = b.data.as_mut_ptr();
+        let smh = b.mhs[ch].0;
+        let p = self.plan;
+        let fail = |e: String| format!("channel {ch}: sending to {}: {e}", c.next);
+        let mut moved = false;
+        while self.sent < p.sends.len() && self.sends.len() < STEPS {
+            let (s, dep) = p.sends[self.sent];
+            if dep.is_some_and(|d| d >= self.recv_done()) {
+                break;
+            }
+            let ptr = data.wrapping_add(s.off).cast::<u8>();
+            let Some(q) = drv.isend(c.send, ptr, s.len * 4, 0, smh).map_err(fail)? else { break };
+            self.sends.push_back(q);
+            self.sent += 1;
+            moved = true;
+        }
+        while let Some(&q) = self.sends.front() {
+            if drv.test(q).map_err(fail)?.is_none() {
+                break;
+            }
+            self.sends.pop_front();
+            moved = true;
+        }
+        Ok(moved)
     }
 }
 
@@ -1041,12 +1030,28 @@ mod tests {
 
     #[test]
     fn options() {
-        let a = |s: &str| parse(&s.split_whitespace().map(str::to_string).collect::<Vec<_>>());
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: Args,
+        }
+        let a = |s: &str| {
+            let words = std::iter::once("collective").chain(s.split_whitespace());
+            let a = Cli::try_parse_from(words).map_err(|e| e.to_string())?.a;
+            a.check().map(|()| a)
+        };
         let o = a("allreduce -b 8 -e 64M -f 4 -n 3 -w 1 --channels 1").unwrap();
         assert_eq!(
             (o.min, o.max, o.factor, o.iters, o.warmup, o.channels),
             (8, 64 << 20, 4, 3, 1, 1)
         );
+        let o = a(
+            "allgather --minbytes 1K --maxbytes 2K --stepfactor 2 --iters 1 --warmup_iters 0 -c 0",
+        )
+        .unwrap();
+        assert_eq!((o.coll, o.min, o.max, o.check), (Coll::AllGather, 1024, 2048, 0));
+        assert_eq!(a("reducescatter --devs rxe0,rxe1").unwrap().devs.unwrap(), ["rxe0", "rxe1"]);
         assert!(a("allreduce --rank 1 --nranks 2 --rendezvous /tmp/x").is_ok());
         for bad in [
             "",

@@ -1,5 +1,5 @@
 //! Drives a loaded plugin through any ABI version (v6–v12) the way NCCL's proxy thread does,
-//! behind one interface. Used by the benchmark and the tests; the plugin never calls it.
+//! behind one interface. Used by the `ferroce` tool and the tests; the plugin never calls it.
 //!
 //! Sizes are `size_t` here; for v6–v8 they are narrowed to `int` exactly as NCCL's own shims do,
 //! so a test through v6 exercises the plugin's `int` entry points.
@@ -10,10 +10,12 @@
 //! NCCL's proxy loop; the lint below says so.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
-use std::ffi::{CString, c_int, c_void};
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::ptr::null_mut;
+use std::time::Duration;
 
-use super::loader::{Library, capture_logger};
+use crate::loader::{Library, capture_logger};
+use crate::wait::until;
 use ferroce::ffi::abi::*;
 
 /// The table of one version, borrowed from the library.
@@ -188,7 +190,7 @@ impl<'a> Driver<'a> {
         dev: c_int,
         handle: &mut [u8; 128],
         listen: Ptr,
-        limit: std::time::Duration,
+        limit: Duration,
     ) -> Result<(Ptr, Ptr), String> {
         let (mut send, mut recv) = (None, None);
         until("connect and accept", limit, || {
@@ -285,28 +287,74 @@ impl<'a> Driver<'a> {
         Ok(mh)
     }
 
-    /// The `ptrSupport` of device `dev`, from this version's `getProperties`.
-    pub fn ptr_support(&self, dev: c_int) -> Result<c_int, String> {
+    /// What `getProperties` of this version says about device `dev`; the fields a version
+    /// lacks are `None`.
+    pub fn properties(&self, dev: c_int) -> Result<Properties, String> {
         macro_rules! get {
-            ($t:expr, $ty:ty) => {{
-                let mut p = <$ty>::default();
-                ok("getProperties", call!($t.getProperties)(dev, &mut p))?;
-                p.ptrSupport
+            ($t:expr, $ty:ty, |$p:ident| $newer:expr) => {{
+                let mut $p = <$ty>::default();
+                ok("getProperties", call!($t.getProperties)(dev, &mut $p))?;
+                let (max_p2p_bytes, rail_plane) = $newer;
+                Properties {
+                    // SAFETY: the plugin's strings are NUL-terminated and live as long as the
+                    // library (or are NULL).
+                    name: cstr($p.name).ok_or("getProperties gave no name")?,
+                    pci_path: cstr($p.pciPath),
+                    guid: $p.guid,
+                    ptr_support: $p.ptrSupport,
+                    speed: $p.speed,
+                    port: $p.port,
+                    latency: $p.latency,
+                    max_comms: $p.maxComms,
+                    max_recvs: $p.maxRecvs,
+                    max_p2p_bytes,
+                    rail_plane,
+                }
             }};
         }
         // SAFETY: valid out-pointers of each version's properties type.
-        let v = unsafe {
+        let p = unsafe {
             match self.table {
-                Table::V6(t) => get!(t, ncclNetProperties_v6_t),
-                Table::V7(t) => get!(t, ncclNetProperties_v7_t),
-                Table::V8(t) => get!(t, ncclNetProperties_v8_t),
-                Table::V9(t) => get!(t, ncclNetProperties_v9_t),
-                Table::V10(t) => get!(t, ncclNetProperties_v9_t),
-                Table::V11(t) => get!(t, ncclNetProperties_v11_t),
-                Table::V12(t) => get!(t, ncclNetProperties_v12_t),
+                Table::V6(t) => get!(t, ncclNetProperties_v6_t, |p| (None, None)),
+                Table::V7(t) => get!(t, ncclNetProperties_v7_t, |p| (None, None)),
+                Table::V8(t) => get!(t, ncclNetProperties_v8_t, |p| (None, None)),
+                Table::V9(t) => get!(t, ncclNetProperties_v9_t, |p| (Some(p.maxP2pBytes), None)),
+                Table::V10(t) => get!(t, ncclNetProperties_v9_t, |p| (Some(p.maxP2pBytes), None)),
+                Table::V11(t) => get!(t, ncclNetProperties_v11_t, |p| (Some(p.maxP2pBytes), None)),
+                Table::V12(t) => get!(t, ncclNetProperties_v12_t, |p| {
+                    (Some(p.maxP2pBytes), Some((p.railId, p.planeId)))
+                }),
             }
         };
-        Ok(v)
+        Ok(p)
+    }
+
+    /// The device `want` names: its name as the plugin reports it (`rxe0`, or `mlx5_0:1` where
+    /// one device has several ports; the part before `:` is enough when unique), or its index
+    /// among the devices the plugin offers after `NCCL_IB_HCA`. Returns the index and name.
+    pub fn resolve(&self, want: &str) -> Result<(c_int, String), String> {
+        let n = self.devices()?;
+        let names =
+            (0..n).map(|d| Ok(self.properties(d)?.name)).collect::<Result<Vec<_>, String>>()?;
+        let found: Vec<usize> = match want.parse::<usize>() {
+            Ok(i) if i < names.len() => vec![i],
+            Ok(_) => vec![],
+            Err(_) => {
+                let exact: Vec<usize> = (0..names.len()).filter(|&i| names[i] == want).collect();
+                if exact.is_empty() {
+                    (0..names.len()).filter(|&i| names[i].split(':').next() == Some(want)).collect()
+                } else {
+                    exact
+                }
+            }
+        };
+        match found[..] {
+            [i] => Ok((i as c_int, names[i].clone())),
+            _ => Err(format!(
+                "device {want:?} is not one device the plugin offers: {names:?} (NCCL_IB_HCA={})",
+                std::env::var("NCCL_IB_HCA").unwrap_or_else(|_| "unset".into())
+            )),
+        }
     }
 
     pub fn dereg_mr(&self, comm: Ptr, mh: Ptr) -> Result<(), String> {
@@ -478,26 +526,33 @@ impl<'a> Driver<'a> {
     }
 }
 
-/// Calls `f` until it yields a value, for at most `limit`: the bounded "call again" loop every
-/// caller of a non-blocking ncclNet call needs.
-pub fn until<T>(
-    what: &str,
-    limit: std::time::Duration,
-    mut f: impl FnMut() -> Result<Option<T>, String>,
-) -> Result<T, String> {
-    let deadline = std::time::Instant::now() + limit;
-    // The clock is read every 1024 calls: in an emulated VM a precise read costs microseconds,
-    // which would be measured as the plugin's.
-    for spin in 0u64.. {
-        if let Some(v) = f()? {
-            return Ok(v);
-        }
-        if spin % 1024 == 1023 && std::time::Instant::now() > deadline {
-            return Err(format!("{what}: no progress within {limit:?}"));
-        }
-        std::hint::spin_loop();
-    }
-    unreachable!("the loop above only ends by returning")
+/// A device as `getProperties` describes it, in any version.
+#[derive(Clone, Debug)]
+pub struct Properties {
+    /// The plugin's name for it (`rxe0`, `mlx5_0:1`).
+    pub name: String,
+    pub pci_path: Option<String>,
+    pub guid: u64,
+    pub ptr_support: c_int,
+    /// Mb/s.
+    pub speed: c_int,
+    pub port: c_int,
+    pub latency: f32,
+    pub max_comms: c_int,
+    pub max_recvs: c_int,
+    /// v9 and later.
+    pub max_p2p_bytes: Option<usize>,
+    /// `railId` and `planeId`: v12.
+    pub rail_plane: Option<(i16, i16)>,
+}
+
+/// A string the plugin returned.
+///
+/// # Safety
+/// `p` is NULL or NUL-terminated and valid while the result is built.
+unsafe fn cstr(p: *const c_char) -> Option<String> {
+    // SAFETY: per the contract above.
+    (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
 }
 
 #[derive(Clone, Copy, Debug)]

@@ -1,6 +1,9 @@
 //! The client side of the ABI: open the plugin the way NCCL does and call it through its
-//! exported tables. Used by the tools in `src/bin` and by the tests; the plugin itself never
-//! calls this.
+//! exported tables, and capture what it logs through the logger NCCL would hand it. Used by the
+//! `ferroce` tool and the tests (through [`crate::driver`]); the plugin itself never calls this.
+//!
+//! The capture is process-wide, as NCCL's logger is: [`CAPTURED`] collects every line of every
+//! plugin opened in this process, and [`ECHO`] says whether they also go to stderr.
 
 use std::ffi::{CStr, CString, c_char, c_int, c_ulong, c_void};
 use std::sync::Mutex;
@@ -90,11 +93,11 @@ extern "C" fn capture(
     fmt: *const c_char,
     arg: *const c_char,
 ) {
-    // SAFETY: the plugin passes NUL-terminated strings (or NULL, handled).
     let text = |p: *const c_char| {
         if p.is_null() {
             String::from("(null)")
         } else {
+            // SAFETY: the plugin passes NUL-terminated strings (or NULL, handled above).
             unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
         }
     };
@@ -139,4 +142,19 @@ pub fn capture_logger() -> ncclDebugLogger_t {
 /// Takes the captured lines, leaving the buffer empty.
 pub fn take_captured() -> Vec<(i32, u64, String)> {
     std::mem::take(&mut *CAPTURED.lock().unwrap_or_else(|p| p.into_inner()))
+}
+
+/// Shows what the plugin warned about (and its INFO lines when `NCCL_DEBUG` is `INFO` or
+/// `TRACE`, as NCCL would) on stderr, and keeps the capture from growing: for the tools' long
+/// runs, whose ranks do not echo every line as it comes.
+pub fn flush_log() {
+    let info = std::env::var("NCCL_DEBUG")
+        .is_ok_and(|v| v.eq_ignore_ascii_case("INFO") || v.eq_ignore_ascii_case("TRACE"));
+    for (level, _, line) in take_captured() {
+        match level {
+            ..=2 => eprintln!("plugin {}: {line}", if level == 2 { "WARN" } else { "ERROR" }),
+            3 if info => eprintln!("plugin INFO: {line}"),
+            _ => {}
+        }
+    }
 }

@@ -1,4 +1,4 @@
-//! `ferroce core-bench [MESSAGES]`: the cost per message of the data path's protocol core on
+//! `ferroce core-bench [MESSAGES] [normal|optional]`: the cost per message of the data path's protocol core on
 //! this host, with no NIC: a send core and a receive core wired back to back through an
 //! in-memory loopback that carries the CTS rows and the immediates (data bytes are not
 //! copied). One message is an irecv, an isend, the completions and both tests: what the
@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use ferroce::transport::proto::{
     Buf, FIFO_WORDS, Params, Path, Post, RecvCore, SIZE_WORDS, SendCore, Words,
 };
-use ferroce::verbs::{Completion, Op, SendWr};
+use ferroce::wr::{Completion, Op, SendWr};
 
 /// Regions, told apart by the top bits of their fake addresses.
 const FIFO: u64 = 1 << 40;
@@ -143,21 +143,34 @@ fn run(n: usize, size: u64, inline: u32, optional: bool) -> Result<Duration, Str
     Ok(t.elapsed())
 }
 
-/// `ferroce core-bench [MESSAGES] [normal|optional]`: every configuration, or only 8-byte
-/// messages with normal or optional receives (one instruction count each under callgrind).
-pub fn core_bench(args: &[String]) -> Result<(), String> {
-    const USAGE: &str = "usage: ferroce core-bench [MESSAGES] [normal|optional]";
-    let n: usize = match args.first() {
-        None => 1_000_000,
-        Some(a) => a.parse().map_err(|_| format!("{USAGE}, not {a:?}"))?,
-    };
+/// The protocol core's cost per message on this host, with no NIC
+///
+/// Every configuration, or only 8-byte messages with normal or optional receives (one
+/// instruction count each under callgrind).
+#[derive(clap::Args)]
+pub struct Args {
+    /// Messages per configuration
+    #[arg(default_value_t = 1_000_000)]
+    messages: usize,
+    /// Only 8-byte messages with this kind of receive
+    #[arg(value_enum)]
+    only: Option<Only>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Only {
+    Normal,
+    Optional,
+}
+
+pub fn core_bench(a: &Args) -> Result<(), String> {
+    let n = a.messages;
     let all =
         [(8, 512, false), (8, 512, true), (8, 0, false), (4096, 512, false), (1 << 20, 512, false)];
-    let configs = match args.get(1).map(String::as_str) {
+    let configs = match a.only {
         None => &all[..],
-        Some("normal") => &all[..1],
-        Some("optional") => &all[1..2],
-        Some(other) => return Err(format!("{USAGE}, not {other:?}")),
+        Some(Only::Normal) => &all[..1],
+        Some(Only::Optional) => &all[1..2],
     };
     println!(
         "protocol core, one message = irecv + isend + completions + both tests ({n} messages)"

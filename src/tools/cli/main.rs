@@ -1,0 +1,161 @@
+//! `ferroce`: user-facing checks of the plugin, run through its C ABI exactly as NCCL uses it.
+//!
+//! - `ferroce load [NAME]`: opens the plugin the way `NCCL_NET_PLUGIN=NAME` does (default
+//!   `ferroce`, so `libnccl-net-ferroce.so` on `LD_LIBRARY_PATH`) and checks every exported
+//!   table `ncclNetPlugin_v6` … `_v12`.
+//! - `ferroce info [NAME]`: also initialises it and describes each device NCCL would see.
+//! - `ferroce perf`: the benchmark, on one host or between two ([`perf`]).
+//! - `ferroce doctor`: this host's RoCE set-up explained, with what blocks NCCL ([`doctor`]).
+//! - `ferroce collective allreduce|allgather|reducescatter`: ring collectives over N ranks with
+//!   nccl-tests' table ([`collective`]).
+//! - `ferroce core-bench`: the protocol core's cost per message on this host ([`corebench`]).
+//! - `ferroce completions SHELL`: a completion script for bash, zsh, fish, elvish or PowerShell.
+//!
+//! The command line is parsed by clap, so every subcommand has `--help` and its errors look
+//! alike. Exit status 0 on success, 1 on any failure, a bad command line included (with the
+//! reason on stderr): scripts and tests tell success from failure by that alone.
+
+use std::ffi::{CStr, CString};
+use std::io::Write;
+use std::process::ExitCode;
+
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser, Subcommand};
+use ferroce_tools::loader::Library;
+
+mod collective;
+mod corebench;
+mod doctor;
+mod info;
+mod perf;
+
+#[derive(Parser)]
+#[command(
+    name = "ferroce",
+    version,
+    about = "Checks, benchmarks and diagnoses the ferroce NCCL \
+network plugin through its C ABI, as NCCL uses it"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Open the plugin as NCCL_NET_PLUGIN=NAME does and check ncclNetPlugin_v6..v12
+    Load {
+        /// The plugin as NCCL_NET_PLUGIN names it, or a path
+        #[arg(default_value = "ferroce")]
+        name: String,
+    },
+    /// Also initialise the plugin and describe each device NCCL would see
+    Info {
+        /// The plugin as NCCL_NET_PLUGIN names it, or a path
+        #[arg(default_value = "ferroce")]
+        name: String,
+    },
+    Perf(perf::Args),
+    /// One rank of `ferroce perf`, driven over its stdin and stdout (not run by hand)
+    #[command(hide = true)]
+    PerfRank(perf::RankArgs),
+    Doctor(doctor::Args),
+    Collective(collective::Args),
+    CoreBench(corebench::Args),
+    /// Print a completion script for SHELL on stdout
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => return usage(e),
+    };
+    let result = match cli.cmd {
+        Cmd::Load { name } => load(&name).map(drop),
+        Cmd::Info { name } => load(&name).and_then(|lib| info::info(&lib)),
+        Cmd::Perf(a) => match a.opts() {
+            Ok(o) => perf::perf(&o, doctor::port_facts),
+            Err(e) => return usage(invalid("perf", e)),
+        },
+        Cmd::PerfRank(a) => perf::rank(&a, doctor::port_facts),
+        Cmd::Doctor(a) => doctor::doctor(&a),
+        Cmd::Collective(a) => match a.check() {
+            Ok(()) => collective::collective(&a),
+            Err(e) => return usage(invalid("collective", e)),
+        },
+        Cmd::CoreBench(a) => corebench::core_bench(&a),
+        Cmd::Completions { shell } => {
+            // Written whole, so that a closed pipe is an error here, not a panic in clap.
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "ferroce", &mut script);
+            std::io::stdout().write_all(&script).map_err(|e| format!("completions: {e}"))
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ferroce: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Prints clap's message: help and version on stdout with status 0, a bad command line on
+/// stderr with status 1 (not clap's 2: every failure of `ferroce` is 1).
+fn usage(e: clap::Error) -> ExitCode {
+    let _ = e.print();
+    if e.use_stderr() { ExitCode::FAILURE } else { ExitCode::SUCCESS }
+}
+
+/// A rule of `sub`'s options that clap's own checks do not express, as clap reports its own:
+/// the reason, then the subcommand's usage.
+fn invalid(sub: &str, why: String) -> clap::Error {
+    let mut cmd = Cli::command();
+    cmd.build();
+    match cmd.find_subcommand_mut(sub) {
+        Some(sub) => sub.error(ErrorKind::ArgumentConflict, why),
+        None => cmd.error(ErrorKind::ArgumentConflict, why),
+    }
+}
+
+/// The plugin a subcommand loads when `--plugin` is not given: `libnccl-net-ferroce.so` beside
+/// this program (where `ci/build.sh` puts both), else `ferroce` as NCCL would look it up.
+fn default_plugin() -> String {
+    std::env::current_exe()
+        .ok()
+        .and_then(|e| Some(e.parent()?.join("libnccl-net-ferroce.so")))
+        .filter(|p| p.exists())
+        .map_or("ferroce".into(), |p| p.to_string_lossy().into_owned())
+}
+
+fn load(name: &str) -> Result<Library, String> {
+    let lib = Library::open_like_nccl(name)?;
+    println!("loaded {name:?} as {}", lib.opened_as);
+    for v in (6..=12).rev() {
+        let sym = CString::new(format!("ncclNetPlugin_v{v}")).expect("no NUL");
+        // SAFETY: every version's table starts with `const char* name`; only that is read.
+        let table = unsafe { lib.table::<*const std::ffi::c_char>(&sym) }
+            .ok_or_else(|| format!("{} lacks {}", lib.opened_as, sym.to_string_lossy()))?;
+        // SAFETY: the name member points to a static NUL-terminated string.
+        let n = unsafe { CStr::from_ptr(*table) }.to_string_lossy();
+        if n != "ferroce" {
+            return Err(format!("{} has name {n:?}", sym.to_string_lossy()));
+        }
+        println!("  {} name={n:?}", sym.to_string_lossy());
+    }
+    Ok(lib)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+}
