@@ -15,10 +15,13 @@
 //! naming the peer and the step.
 //!
 //! The listener serves any connection until it proves itself with a hello carrying this
-//! listener's nonce. It holds at most [`MAX_PENDING`] unproven ones (a newcomer pushes out the
-//! oldest), gives each [`HELLO_TIMEOUT`] to send its hello, and drops one that fails (wrong
-//! magic, version, length or nonce, a truncated message, silence) alone, with a WARN for the
-//! first [`REJECT_WARNS`] and a count for the rest. Nothing a stranger does moves the
+//! listener's nonce. Each `accept` call first reads the hellos already waiting, then takes new
+//! connections. It holds at most [`MAX_PENDING`] unproven ones, the process at most
+//! [`MAX_UNPROVEN`] over all listeners; a newcomer beyond either is read once and refused
+//! unless its hello was in, and nobody is pushed out for it. Each gets [`HELLO_TIMEOUT`] to
+//! send its hello, and one that fails (wrong magic, version, length or nonce, more QPs than
+//! `NCCL_IB_QPS_PER_CONNECTION`, a truncated message, silence) is dropped alone, with a WARN
+//! for the first [`REJECT_WARNS`] and a count for the rest. Nothing a stranger does moves the
 //! listener's own deadline: the rightful peer must prove itself within
 //! `FERROCE_SETUP_TIMEOUT_MS` of the first `accept` call. `accept(2)` errors that concern one
 //! connection are skipped, running out of fds backs off, and only a broken listening socket
@@ -50,8 +53,13 @@ use super::handshake::{Handle, MAX_QPS, MSG_LEN, Msg};
 use super::net::{CommContext, Net};
 use crate::error::{Error, Result};
 use crate::verbs::{self, RegisteredBuf, RtrAttr, RtsAttr};
-pub use machine::{ACCEPT_BACKOFF, HELLO_TIMEOUT, MAX_PENDING, REJECT_SUMMARY_EVERY, REJECT_WARNS};
-use machine::{AcceptErr, Cmd, ConnId, Dial, Input, Listen, Local, Policy, QpPlan, ours};
+pub use machine::{
+    ACCEPT_BACKOFF, HELLO_TIMEOUT, MAX_PENDING, MAX_UNPROVEN, REJECT_SUMMARY_EVERY, REJECT_WARNS,
+};
+use machine::{AcceptErr, Cmd, ConnId, Dial, Input, Listen, Local, Policy, QpPlan, Unproven, ours};
+
+/// The connections to this process's listeners that have not proven themselves.
+static UNPROVEN: Lazy<Arc<Unproven>> = Lazy::new(|| Arc::new(Unproven::new(MAX_UNPROVEN)));
 
 /// Makes an accepted or connecting socket fit for the handshake: non-blocking, and no Nagle
 /// delay on its small messages.
@@ -163,8 +171,8 @@ fn connect_qps(net: &Net, dev: usize, qps: &[verbs::Qp], plan: &QpPlan) -> Resul
     Ok(())
 }
 
-/// What to show when this connection fails, and its INFO line.
-fn path(net: &Net, dev: usize, peer: SocketAddr, remote: &Msg, p: &Policy, tc: u8) -> Path {
+/// What to show when this connection fails, and its INFO line; `peer` names the peer.
+fn path(net: &Net, dev: usize, peer: String, remote: &Msg, p: &Policy, tc: u8) -> Path {
     let d = &net.devices[dev];
     let c = &net.config;
     let local =
@@ -179,7 +187,7 @@ fn path(net: &Net, dev: usize, peer: SocketAddr, remote: &Msg, p: &Policy, tc: u
         c.ib_retry_cnt,
         c.retry_bound().as_secs_f64()
     );
-    Path { peer: peer.to_string(), describe, sports: p.sports[..p.nqps].to_vec() }
+    Path { peer, describe, sports: p.sports[..p.nqps].to_vec() }
 }
 
 fn log_connection(role: &str, path: &Path, p: &Policy) {
@@ -300,7 +308,8 @@ impl Listener {
         })?;
         let handle = Handle { addr, nonce };
         let describe = format!("listener {addr} (device {})", d.name);
-        let core = Listen::new(handle, describe, net.config.setup_timeout);
+        let c = &net.config;
+        let core = Listen::new(handle, describe, c.setup_timeout, c.qps_per_conn, UNPROVEN.clone());
         Ok(Listener { listener, handle, net, dev, core, conns: HashMap::new() })
     }
 
@@ -327,11 +336,14 @@ impl Listener {
     }
 
     fn accept_at(&mut self, now: Instant) -> Result<Option<Box<RecvComm>>> {
-        if self.core.begin(now) {
-            self.take_new(now)?;
+        let take = self.core.begin(now);
+        // The hellos already waiting first: nothing taken in now can get ahead of them.
+        if let Some(comm) = self.serve_all(self.core.ids(), now)? {
+            return Ok(Some(comm));
         }
-        for id in self.core.ids() {
-            if let Some(comm) = self.serve(id, now)? {
+        if take {
+            let new = self.take_new(now)?;
+            if let Some(comm) = self.serve_all(new, now)? {
                 return Ok(Some(comm));
             }
         }
@@ -339,18 +351,27 @@ impl Listener {
         Ok(None)
     }
 
+    fn serve_all(&mut self, ids: Vec<ConnId>, now: Instant) -> Result<Option<Box<RecvComm>>> {
+        for id in ids {
+            if let Some(comm) = self.serve(id, now)? {
+                return Ok(Some(comm));
+            }
+        }
+        Ok(None)
+    }
+
     /// Takes the connections waiting in the kernel, at most [`MAX_PENDING`] per call, so a
-    /// flood cannot keep the listener from serving those it has.
-    fn take_new(&mut self, now: Instant) -> Result<()> {
+    /// flood cannot keep the listener from serving those it has; their ids, to be served in
+    /// this call (one beyond a cap is refused at its first wait).
+    fn take_new(&mut self, now: Instant) -> Result<Vec<ConnId>> {
+        let mut ids = Vec::new();
         for _ in 0..MAX_PENDING {
             match self.listener.accept() {
                 Ok((stream, peer)) => match prepare(&stream) {
                     Ok(()) => {
-                        let (id, out) = self.core.admit(peer, now);
+                        let id = self.core.admit(peer, now);
                         self.conns.insert(id, Conn { stream, peer, accepted: None });
-                        if let Some(out) = out {
-                            self.conns.remove(&out);
-                        }
+                        ids.push(id);
                     }
                     Err(e) => self.core.refuse(&peer, &format!("setsockopt: {e}"), now),
                 },
@@ -364,7 +385,7 @@ impl Listener {
                 },
             }
         }
-        Ok(())
+        Ok(ids)
     }
 
     /// Advances connection `id` as far as it goes without blocking.
@@ -416,7 +437,9 @@ impl Listener {
         let acc = conn.accepted.expect("queue pairs before done");
         let remote_fifo = (hello.buf_addr, hello.buf_rkey);
         let policy = Policy::of(hello);
-        let path = path(&self.net, self.dev, conn.peer, hello, &policy, policy.fifo_tc);
+        // The peer's RoCE address: the TCP one is our own when both ends share a host.
+        let peer = format!("{} (tcp {})", gid::ip_of(&hello.gid), conn.peer);
+        let path = path(&self.net, self.dev, peer, hello, &policy, policy.fifo_tc);
         log_connection("accepted from", &path, &policy);
         RecvComm::new(
             acc.parts,
@@ -560,7 +583,7 @@ impl Connector {
         let parts = self.parts.take().expect("parts until connected");
         let max_msg = u64::from(self.net.devices[self.dev].max_msg_sz.min(reply.max_msg));
         let p = &self.policy;
-        let path = path(&self.net, self.dev, self.handle.addr, reply, p, p.tc);
+        let path = path(&self.net, self.dev, self.handle.addr.to_string(), reply, p, p.tc);
         log_connection("connected to", &path, p);
         SendComm::new(
             parts,

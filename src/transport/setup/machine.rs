@@ -1,7 +1,8 @@
 //! Connection setup with no I/O inside (in the style of quinn-proto): the connector's exchange
 //! ([`Dial`]) and the listener's ([`Listen`]). Here live the framing of the fixed-size
-//! messages, the stages and their deadlines, who is a stranger and who is the peer, the cap on
-//! pending connections and the rate limit of the rejection WARNs.
+//! messages, the stages and their deadlines, who is a stranger and who is the peer, the caps on
+//! unproven connections (per listener and per process) and the rate limit of the rejection
+//! WARNs.
 //!
 //! The shell (`setup`) owns the sockets, the clock and the verbs objects. It calls `advance`
 //! with `now` and what its last command produced (an [`Input`]) and does what the returned
@@ -18,7 +19,13 @@
 //!   whatever it does drops it alone; after, its failures fail `accept`.
 //! - The acceptor moves its queue pairs to RTS before its reply goes out, the connector before
 //!   its ready: no CTS is ever written before the sender's QP can take it.
-//! - A listener holds at most [`MAX_PENDING`] connections; proven ones are never pushed out.
+//! - No connection is ever pushed out to make room for another. A listener holds at most
+//!   [`MAX_PENDING`] connections that have not proven themselves, the process at most
+//!   [`MAX_UNPROVEN`] over all its listeners; a newcomer beyond either cap is read once (its
+//!   hello may already be in) and, unless that proved it, refused. So strangers that arrive
+//!   after the rightful peer cannot knock it off, and what they cost is bounded.
+//! - A hello is served only if its QP count is within this side's own configured count
+//!   (`NCCL_IB_QPS_PER_CONNECTION`), whatever the wire says.
 //!
 //! Error classes: what the peer or the network caused (closed, garbled, late, wrong nonce) is
 //! `Error::Remote`; a failure of our own side that the shell reports ([`Input::Local`]: queue
@@ -27,14 +34,24 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::error::Error;
 use crate::transport::handshake::{Handle, Kind, MAX_QPS, MSG_LEN, Msg, Reject, header_len};
 
-/// The most connections a listener serves before they prove themselves; when another
-/// arrives, the oldest unproven one is dropped.
+/// The most connections a listener holds before they prove themselves. A newcomer beyond it is
+/// refused rather than any of them pushed out: one that arrived first, as the rightful peer's
+/// connection may have, keeps its place however many come after it.
 pub const MAX_PENDING: usize = 64;
+/// The most connections that have not proven themselves in the whole process, over all its
+/// listeners. Each holds an fd for up to [`HELLO_TIMEOUT`], and NCCL keeps a listener per
+/// connection being set up, so a per-listener cap alone would let enough listeners exhaust the
+/// process's fds. 256 is a quarter of the usual soft open-files limit (1024) and four full
+/// listeners; a rightful peer needs one place, and only while its hello is on its way. Not a
+/// knob: a job that needs more is under attack, and more would only cost more fds.
+pub const MAX_UNPROVEN: usize = 256;
 /// How long a connection may take to prove itself with its hello (never longer than
 /// `FERROCE_SETUP_TIMEOUT_MS`). A stranger holds a slot at most this long. The rightful peer
 /// sends its hello on NCCL's next `connect` call after its TCP connection completes, so this
@@ -47,6 +64,44 @@ pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 pub const REJECT_WARNS: u64 = 8;
 /// At most this often a count of the unlogged ones, while they keep coming.
 pub const REJECT_SUMMARY_EVERY: Duration = Duration::from_secs(60);
+
+/// The count of connections that have not proven themselves, shared by the listeners of a
+/// process (the shell has one for the process; a test makes its own).
+#[derive(Debug)]
+pub struct Unproven {
+    cap: usize,
+    held: AtomicUsize,
+}
+
+impl Unproven {
+    pub const fn new(cap: usize) -> Unproven {
+        Unproven { cap, held: AtomicUsize::new(0) }
+    }
+
+    /// How many are held now.
+    #[cfg(test)]
+    fn held(&self) -> usize {
+        self.held.load(Ordering::Acquire)
+    }
+
+    /// A place for one more, unless `cap` are held.
+    fn take(self: &Arc<Self>) -> Option<Place> {
+        let more = |n: usize| (n < self.cap).then_some(n + 1);
+        self.held.fetch_update(Ordering::AcqRel, Ordering::Acquire, more).ok()?;
+        Some(Place(self.clone()))
+    }
+}
+
+/// One unproven connection's place in the process's count: given back when the connection
+/// proves itself or goes, whichever way it goes (dropped, the listener closed).
+#[derive(Debug)]
+struct Place(Arc<Unproven>);
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.0.held.fetch_sub(1, Ordering::AcqRel);
+    }
+}
 
 /// How a connection uses its queue pairs: chosen by the connector, followed by the acceptor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -478,6 +533,16 @@ impl Dial {
 
 // ---------------------------------------------------------------------------------------------
 
+/// What a listener holds every connection to.
+#[derive(Clone, Copy, Debug)]
+struct Terms {
+    nonce: u64,
+    /// The listener's own deadline for each step of a proven peer.
+    timeout: Duration,
+    /// The most QPs a hello may ask for: this side's `NCCL_IB_QPS_PER_CONNECTION`.
+    max_qps: usize,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum AnswerStage {
     AwaitHello,
@@ -533,11 +598,12 @@ impl Answer {
         }
     }
 
-    fn step(&mut self, now: Instant, input: Input<'_>, nonce: u64, timeout: Duration) -> Next {
+    fn step(&mut self, now: Instant, input: Input<'_>, terms: &Terms) -> Next {
         use AnswerStage as S;
+        let (nonce, timeout) = (terms.nonce, terms.timeout);
         match (self.stage, input) {
             (_, Input::Poll) => Next::Go,
-            (S::AwaitHello, Input::Received(bytes)) => self.take_hello(bytes, nonce),
+            (S::AwaitHello, Input::Received(bytes)) => self.take_hello(bytes, terms),
             (S::AwaitHello, Input::Closed) => Next::Stranger(self.frame.closed().to_string()),
             (S::AwaitHello, Input::Failed(e)) => Next::Stranger(e),
             (S::AwaitHello, Input::Blocked) if now > self.deadline => Next::Stranger(format!(
@@ -581,13 +647,20 @@ impl Answer {
         }
     }
 
-    fn take_hello(&mut self, bytes: &[u8], nonce: u64) -> Next {
+    fn take_hello(&mut self, bytes: &[u8], terms: &Terms) -> Next {
         let bytes = match self.frame.received(bytes) {
             Ok(Some(b)) => b,
             Ok(None) => return Next::Go,
             Err(bad) => return Next::Stranger(bad.to_string()),
         };
-        match Msg::decode(&bytes, Kind::Hello, nonce) {
+        match Msg::decode(&bytes, Kind::Hello, terms.nonce) {
+            // The wire's count would be taken as given up to 128 QPs (and their memory): it is
+            // bounded by our own. NCCL's ranks share one setting, so a rightful peer is within.
+            Ok(hello) if usize::from(hello.nqps) > terms.max_qps => Next::Stranger(format!(
+                "its hello asks for {} QPs, more than NCCL_IB_QPS_PER_CONNECTION={} here (set \
+                 it alike on every rank)",
+                hello.nqps, terms.max_qps
+            )),
             Ok(hello) => {
                 // The peer proved itself: from here on, failures are errors, each of the class
                 // of whoever caused it.
@@ -620,21 +693,6 @@ impl Answer {
         self.deadline = deadline;
         Next::Go
     }
-}
-
-/// Appends `new` to `q`, which holds at most `cap`. When full, the oldest item `evictable`
-/// allows is taken out to make room; if none may go, `new` is refused. Returns the item that
-/// did not stay, if any.
-fn admit<T>(q: &mut VecDeque<T>, new: T, cap: usize, evictable: impl Fn(&T) -> bool) -> Option<T> {
-    let mut out = None;
-    if q.len() >= cap {
-        match q.iter().position(evictable) {
-            Some(i) => out = q.remove(i),
-            None => return Some(new),
-        }
-    }
-    q.push_back(new);
-    out
 }
 
 /// What an `accept(2)` error means for the listener.
@@ -725,20 +783,29 @@ pub type ConnId = u64;
 struct Pending {
     id: ConnId,
     answer: Answer,
+    /// Its place in the process's count while it has not proven itself; `None` for one
+    /// admitted beyond a cap (it is read once and, unless that proves it, refused) and for a
+    /// proven one.
+    place: Option<Place>,
 }
 
 /// The listener's exchange: the connections it serves until one proves itself and connects.
 ///
-/// One `accept` call is [`Listen::begin`], the connections the kernel hands over
-/// ([`Listen::admit`], [`Listen::accept_failed`]), [`Listen::advance`] on each of
-/// [`Listen::ids`] until it waits, and [`Listen::end`]. WARN lines collect in
+/// One `accept` call is [`Listen::begin`]; [`Listen::advance`] on each of [`Listen::ids`]
+/// until it waits, so the hellos already in are read before anything new is taken; then, if
+/// `begin` allowed, the connections the kernel hands over ([`Listen::admit`],
+/// [`Listen::accept_failed`]), each advanced in the same call (one admitted beyond a cap is
+/// refused at its first wait); and [`Listen::end`]. WARN lines collect in
 /// [`Listen::take_warnings`].
 pub struct Listen {
     handle: Handle,
     /// "listener ADDR (device NAME)", in front of every WARN.
     describe: String,
-    timeout: Duration,
-    /// Connections being served, oldest first; at most [`MAX_PENDING`].
+    terms: Terms,
+    /// The process's count of unproven connections.
+    unproven: Arc<Unproven>,
+    /// Connections being served, oldest first: at most [`MAX_PENDING`] unproven ones with a
+    /// place, plus those admitted in this call beyond a cap, plus proven ones.
     pending: VecDeque<Pending>,
     /// When the wait for the rightful peer ends: `timeout` after the first `accept` call of
     /// this wait. Nothing a stranger does moves it.
@@ -752,11 +819,20 @@ pub struct Listen {
 }
 
 impl Listen {
-    pub fn new(handle: Handle, describe: String, timeout: Duration) -> Listen {
+    /// A listener that serves hellos of at most `max_qps` QPs, its unproven connections
+    /// counted in `unproven`.
+    pub fn new(
+        handle: Handle,
+        describe: String,
+        timeout: Duration,
+        max_qps: usize,
+        unproven: Arc<Unproven>,
+    ) -> Listen {
         Listen {
             handle,
             describe,
-            timeout,
+            terms: Terms { nonce: handle.nonce, timeout, max_qps },
+            unproven,
             pending: VecDeque::new(),
             deadline: None,
             paused_until: None,
@@ -779,7 +855,7 @@ impl Listen {
     /// Starts an `accept` call: the first of a wait sets its deadline. Whether to take new
     /// connections now (not while backing off after running out of fds or memory).
     pub fn begin(&mut self, now: Instant) -> bool {
-        self.deadline.get_or_insert(now + self.timeout);
+        self.deadline.get_or_insert(now + self.terms.timeout);
         if self.paused_until.is_some_and(|t| now < t) {
             return false;
         }
@@ -787,20 +863,35 @@ impl Listen {
         true
     }
 
-    /// A connection the kernel handed over, from `peer`: its id, and the connection to close to
-    /// make room (the oldest unproven one; the newcomer itself when all are proven).
-    pub fn admit(&mut self, peer: SocketAddr, now: Instant) -> (ConnId, Option<ConnId>) {
+    /// A connection the kernel handed over, from `peer`: its id. Nothing is pushed out for
+    /// it. Beyond a cap it has no place: the shell advances it in this same call, and at its
+    /// first wait it is refused unless it proved itself (its hello was already in) or a place
+    /// came free.
+    pub fn admit(&mut self, peer: SocketAddr, now: Instant) -> ConnId {
         let id = self.next_id;
         self.next_id += 1;
-        let p = Pending { id, answer: Answer::new(peer, now + HELLO_TIMEOUT.min(self.timeout)) };
-        let Some(out) = admit(&mut self.pending, p, MAX_PENDING, |p| !p.answer.proven()) else {
-            return (id, None);
-        };
-        let why = format!(
-            "{MAX_PENDING} connections pending; dropped the oldest that had not proven itself"
-        );
-        self.reject(&out.answer.peer, &why, now);
-        (id, Some(out.id))
+        let answer = Answer::new(peer, now + HELLO_TIMEOUT.min(self.terms.timeout));
+        let place = self.place().ok();
+        self.pending.push_back(Pending { id, answer, place });
+        id
+    }
+
+    /// A place for one more unproven connection, or why there is none.
+    fn place(&self) -> Result<Place, String> {
+        let held = self.pending.iter().filter(|p| p.place.is_some()).count();
+        if held >= MAX_PENDING {
+            return Err(format!(
+                "refused: {MAX_PENDING} connections to this listener have yet to prove \
+                 themselves (none is pushed out for a newcomer)"
+            ));
+        }
+        self.unproven.take().ok_or_else(|| {
+            format!(
+                "refused: {} connections to this process's listeners have yet to prove \
+                 themselves (none is pushed out for a newcomer)",
+                self.unproven.cap
+            )
+        })
     }
 
     /// A connection turned away before it was admitted (the shell could not set it up).
@@ -851,10 +942,15 @@ impl Listen {
             let e = format!("{}: no pending connection {id}", self.describe);
             return Cmd::Fail(Error::Internal(e));
         };
-        let (nonce, timeout) = (self.handle.nonce, self.timeout);
-        match self.pending[i].answer.step(now, input, nonce, timeout) {
+        let p = &mut self.pending[i];
+        let next = p.answer.step(now, input, &self.terms);
+        if p.answer.proven() {
+            // Proven: out of the count of strangers, and served to its end.
+            p.place = None;
+        }
+        match next {
             Next::Go => self.pending[i].answer.command(),
-            Next::Wait => Cmd::Wait,
+            Next::Wait => self.wait(i, now),
             Next::Stranger(why) => {
                 let p = self.pending.remove(i).expect("found above");
                 self.reject(&p.answer.peer, &why, now);
@@ -874,6 +970,25 @@ impl Listen {
         }
     }
 
+    /// Connection `i` waits: it keeps its place, or gets one now, or is refused.
+    fn wait(&mut self, i: usize, now: Instant) -> Cmd<'_> {
+        let p = &self.pending[i];
+        if p.place.is_some() || p.answer.proven() {
+            return Cmd::Wait;
+        }
+        match self.place() {
+            Ok(place) => {
+                self.pending[i].place = Some(place);
+                Cmd::Wait
+            }
+            Err(why) => {
+                let p = self.pending.remove(i).expect("found by the caller");
+                self.reject(&p.answer.peer, &why, now);
+                Cmd::Close
+            }
+        }
+    }
+
     /// Ends an `accept` call that connected nothing: the periodic count of rejections, and
     /// the listener's deadline when no connection has proven itself.
     pub fn end(&mut self, now: Instant) -> Result<(), Error> {
@@ -884,7 +999,7 @@ impl Listen {
                 "accept on {}: no peer connected within {} ms (step: wait for connection; \
                  FERROCE_SETUP_TIMEOUT_MS; {} other connection(s) rejected meanwhile)",
                 self.handle.addr,
-                self.timeout.as_millis(),
+                self.terms.timeout.as_millis(),
                 self.rejects.total
             )));
         }

@@ -8,16 +8,31 @@
 //! after it, and both ends move their queue pairs towards each other before the message that
 //! lets the other side send; a stranger is dropped alone, with its reason, within
 //! [`HELLO_TIMEOUT`]; a deadline fires just after it passes on a silent end and never on a slow
-//! live one; the pending cap evicts the oldest unproven connection and never a proven one; every
+//! live one; nobody is pushed out for a newcomer, so hundreds of strangers between the peer's
+//! connect and its hello never knock it off, while the caps hold per listener and across a
+//! process's listeners; a hello never gets more queue pairs than this side's own count; every
 //! failure has the class of whoever caused it.
 //!
 //! Mutants of `machine.rs` these tests kill (each applied by hand, seen failing, reverted):
 //! - the connector's deadline check with `>=` for `>`:
 //!   `a_silent_listener_fails_the_connector_just_after_its_deadline`;
 //! - the connector's deadline not moved at a new stage: `a_slow_peer_at_every_step_is_not_late`;
-//! - `admit` with `q.len() > cap` (one too many): `the_cap_is_exactly_max_pending`,
-//!   `a_flood_evicts_the_oldest_stranger_and_the_peer_still_connects`;
-//! - `admit` pushing out proven connections too: `a_flood_never_pushes_out_a_proven_peer`;
+//! - the listener's cap with `held > MAX_PENDING` (one too many):
+//!   `the_cap_is_exactly_max_pending`;
+//! - the process's cap unchecked: `the_process_cap_spans_listeners`;
+//! - a proven peer keeping its place in the process's count:
+//!   `a_proven_peer_gives_its_place_back`;
+//! - `Place` not given back when dropped: `the_cap_is_exactly_max_pending`,
+//!   `the_process_cap_spans_listeners`;
+//! - a newcomer beyond the cap refused even though its waiting hello proved it:
+//!   `a_full_listener_still_reads_a_newcomers_waiting_hello`;
+//! - the oldest unproven connection pushed out for a newcomer (the admission before issue 18):
+//!   `a_flood_between_the_peers_connect_and_its_hello_does_not_knock_it_off`,
+//!   `a_flood_between_connect_and_hello_never_knocks_the_peer_off` (the old code itself
+//!   fails the first in 4 of its 6 cases: "send hello: Broken pipe");
+//! - the hello's QP count unbounded, or bounded with `>=`:
+//!   `a_hello_for_more_qps_than_ours_is_refused`, `no_hello_gets_more_qps_than_ours`
+//!   (unbounded also `each_kind_of_stranger_is_dropped_with_its_reason`);
 //! - no header check before the whole message is in:
 //!   `each_kind_of_stranger_is_dropped_with_its_reason`;
 //! - the hello deadline never checked, or `FERROCE_SETUP_TIMEOUT_MS` instead of
@@ -78,6 +93,18 @@ fn local(side: u32, nqps: usize) -> Local {
 
 fn hello(nqps: usize) -> [u8; MSG_LEN] {
     message(Kind::Hello, NONCE, &policy(nqps), &local(1, nqps)).encode()
+}
+
+/// The listener's `NCCL_IB_QPS_PER_CONNECTION` in a `World`: above every count the tests dial
+/// with, below what a hello may carry.
+const MAX_QPS_HERE: usize = 8;
+
+fn unproven() -> Arc<Unproven> {
+    Arc::new(Unproven::new(MAX_UNPROVEN))
+}
+
+fn listen(describe: &str, max_qps: usize, unproven: &Arc<Unproven>) -> Listen {
+    Listen::new(handle(), describe.into(), TIMEOUT, max_qps, unproven.clone())
 }
 
 fn verbs_error(what: &str) -> Error {
@@ -227,7 +254,7 @@ impl World {
             socks: Vec::new(),
             dialer: None,
             acceptor: Acceptor {
-                core: Listen::new(handle(), describe, TIMEOUT),
+                core: listen(&describe, MAX_QPS_HERE, &unproven()),
                 local: local(2, nqps),
                 conns: HashMap::new(),
                 plans: Vec::new(),
@@ -366,13 +393,12 @@ impl World {
     /// One `accept` call.
     fn accept_call(&mut self) {
         let now = self.at(self.now);
-        if self.acceptor.core.begin(now) {
-            self.take_new(now);
-        }
-        for id in self.acceptor.core.ids() {
-            if self.serve(id, now) {
-                break;
-            }
+        let take = self.acceptor.core.begin(now);
+        // The hellos already in first, then the newcomers, each served in this call.
+        let ids = self.acceptor.core.ids();
+        if !self.serve_all(ids, now) && take {
+            let new = self.take_new(now);
+            self.serve_all(new, now);
         }
         let a = &mut self.acceptor;
         if a.outcome.is_none()
@@ -383,23 +409,26 @@ impl World {
         a.warnings.extend(a.core.take_warnings());
     }
 
-    fn take_new(&mut self, now: Instant) {
+    /// `true` once `accept` has its answer.
+    fn serve_all(&mut self, ids: Vec<ConnId>, now: Instant) -> bool {
+        ids.into_iter().any(|id| self.serve(id, now))
+    }
+
+    fn take_new(&mut self, now: Instant) -> Vec<ConnId> {
         let mut ready: Vec<usize> = (0..self.socks.len())
             .filter(|&i| {
                 !self.socks[i].taken && self.socks[i].arrive.is_some_and(|a| a <= self.now)
             })
             .collect();
         ready.sort_by_key(|&i| (self.socks[i].arrive, i));
+        let mut ids = Vec::new();
         for s in ready.into_iter().take(MAX_PENDING) {
             self.socks[s].taken = true;
-            let (id, out) = self.acceptor.core.admit(self.socks[s].peer, now);
+            let id = self.acceptor.core.admit(self.socks[s].peer, now);
             self.acceptor.conns.insert(id, s);
-            if let Some(out) = out {
-                let gone = self.acceptor.conns.remove(&out).expect("admitted");
-                self.acceptor.rejected += 1;
-                self.drop_sock(gone);
-            }
+            ids.push(id);
         }
+        ids
     }
 
     fn drop_sock(&mut self, s: usize) {
@@ -550,6 +579,8 @@ enum Stray {
     Reply,
     /// A hello with the right nonce and a QP count of 0.
     NoQps,
+    /// A hello with the right nonce and more QPs than the listener's own count.
+    TooManyQps(usize),
 }
 
 impl Stray {
@@ -572,6 +603,9 @@ impl Stray {
                 b[32] = 0;
                 (b.to_vec(), false)
             }
+            Stray::TooManyQps(n) => {
+                (message(Kind::Hello, NONCE, &policy(*n), &local(1, *n)).encode().to_vec(), false)
+            }
         }
     }
 }
@@ -587,6 +621,7 @@ fn stray() -> impl Strategy<Value = Stray> {
         Just(Stray::WrongNonce),
         Just(Stray::Reply),
         Just(Stray::NoQps),
+        (MAX_QPS_HERE + 1..=MAX_QPS).prop_map(Stray::TooManyQps),
     ]
 }
 
@@ -745,6 +780,13 @@ fn each_kind_of_stranger_is_dropped_with_its_reason() {
         ),
         (Stray::Reply, "unexpected message kind 2".into(), 0),
         (Stray::NoQps, "invalid field nqps, split or sl".into(), 0),
+        (
+            Stray::TooManyQps(9),
+            "its hello asks for 9 QPs, more than NCCL_IB_QPS_PER_CONNECTION=8 here (set it alike \
+             on every rank)"
+                .into(),
+            0,
+        ),
         (Stray::Silent, "no hello within 5000 ms".into(), 5100),
         (Stray::Stalled(40), "no hello within 5000 ms".into(), 5100),
     ];
@@ -766,10 +808,9 @@ fn each_kind_of_stranger_is_dropped_with_its_reason() {
 #[test]
 fn a_silent_stranger_is_dropped_just_after_the_hello_timeout() {
     let t0 = Instant::now();
-    let mut l = Listen::new(handle(), "l".into(), TIMEOUT);
+    let mut l = listen("l", MAX_QPS_HERE, &unproven());
     assert!(l.begin(t0));
-    let (id, out) = l.admit("10.0.0.9:1".parse().unwrap(), t0);
-    assert_eq!(out, None);
+    let id = l.admit("10.0.0.9:1".parse().unwrap(), t0);
     for after in [0, 5000] {
         let now = t0 + Duration::from_millis(after);
         assert!(matches!(l.advance(id, now, Input::Poll), Cmd::Recv(MSG_LEN)));
@@ -903,42 +944,6 @@ fn a_slow_reader_of_the_reply_gets_its_timeout_for_each_step() {
 }
 
 #[test]
-fn the_cap_is_exactly_max_pending() {
-    let t0 = Instant::now();
-    let mut l = Listen::new(handle(), "l".into(), TIMEOUT);
-    l.begin(t0);
-    for i in 0..MAX_PENDING {
-        let peer = SocketAddr::new([10, 0, 2, 1].into(), i as u16 + 1);
-        assert_eq!(l.admit(peer, t0), (i as u64, None));
-    }
-    let (id, out) = l.admit("10.0.2.2:1".parse().unwrap(), t0);
-    assert_eq!((id, out), (MAX_PENDING as u64, Some(0)), "the oldest goes");
-    assert_eq!(l.ids().len(), MAX_PENDING);
-    let w = l.take_warnings();
-    assert_eq!(w.len(), 1);
-    assert!(
-        w[0].contains(
-            "from 10.0.2.1:1: 64 connections pending; dropped the oldest that had not proven itself"
-        ),
-        "{w:?}"
-    );
-}
-
-#[test]
-fn a_flood_evicts_the_oldest_stranger_and_the_peer_still_connects() {
-    let mut w = World::new(2, 50);
-    let silent: Vec<usize> = (0..MAX_PENDING).map(|i| w.stranger(i as u64, &[], false)).collect();
-    w.dial(2, 100, Some(100), 50);
-    w.run(1000);
-    w.assert_connected(2);
-    // Only the oldest made room; the rest went when the peer connected.
-    let d = &w.acceptor.dropped_at;
-    assert_eq!(d[&silent[0]], 100);
-    assert!(silent[1..].iter().all(|s| d[s] > 100), "{d:?}");
-    assert_eq!(w.rejections(), 1);
-}
-
-#[test]
 fn a_flood_never_pushes_out_a_proven_peer() {
     let mut w = World::new(2, 50);
     w.dial(2, 0, Some(0), 50);
@@ -950,7 +955,8 @@ fn a_flood_never_pushes_out_a_proven_peer() {
     }
     w.run(10_000);
     w.assert_connected(2);
-    assert_eq!(w.rejections(), MAX_PENDING as u64 + 1);
+    // The peer holds no place once proven: 64 strangers get one, the other 64 are refused.
+    assert_eq!(w.rejections(), MAX_PENDING as u64);
 }
 
 #[test]
@@ -977,7 +983,7 @@ fn rejections_are_logged_eight_times_then_counted() {
 #[test]
 fn accept_errors_skip_one_connection_or_back_off() {
     let t0 = Instant::now();
-    let mut l = Listen::new(handle(), "l".into(), TIMEOUT);
+    let mut l = listen("l", MAX_QPS_HERE, &unproven());
     assert!(l.begin(t0));
     assert_eq!(l.accept_failed(Some(libc::ECONNABORTED), &"aborted", t0), AcceptErr::Transient);
     assert_eq!(l.accept_failed(Some(libc::EMFILE), &"too many", t0), AcceptErr::Exhausted);
@@ -1055,31 +1061,11 @@ fn a_machine_that_ended_or_gets_the_wrong_input_fails_without_panicking() {
     let mut d = Dial::new(handle(), policy(1), TIMEOUT, t0);
     assert!(matches!(d.advance(t0, Input::QpsReady), Cmd::Fail(Error::Internal(_))));
     assert!(matches!(d.advance(t0, Input::Poll), Cmd::Fail(Error::Internal(_))));
-    let mut l = Listen::new(handle(), "l".into(), TIMEOUT);
+    let mut l = listen("l", MAX_QPS_HERE, &unproven());
     assert!(matches!(l.advance(7, t0, Input::Poll), Cmd::Fail(Error::Internal(_))));
 }
 
 // --- the edges, unchanged from before the split ------------------------------------------------
-
-#[test]
-fn admit_drops_the_oldest_evictable_when_full() {
-    let mut q: VecDeque<u32> = VecDeque::new();
-    for i in 0..4 {
-        assert_eq!(admit(&mut q, i, 4, |_| true), None);
-    }
-    // Full: the oldest goes, arrival order stays.
-    assert_eq!(admit(&mut q, 4, 4, |_| true), Some(0));
-    assert_eq!(q, [1, 2, 3, 4]);
-    // Odd numbers stand for proven connections: never pushed out.
-    assert_eq!(admit(&mut q, 5, 4, |x| x % 2 == 0), Some(2));
-    assert_eq!(q, [1, 3, 4, 5]);
-    assert_eq!(admit(&mut q, 6, 4, |x| x % 2 == 0), Some(4));
-    assert_eq!(q, [1, 3, 5, 6]);
-    // Nothing may go but the newcomer's predecessor 6; then nothing: the newcomer is refused.
-    assert_eq!(admit(&mut q, 7, 4, |x| x % 2 == 0), Some(6));
-    assert_eq!(admit(&mut q, 8, 4, |x| x % 2 == 0), Some(8));
-    assert_eq!(q, [1, 3, 5, 7]);
-}
 
 #[test]
 fn accept_errors_are_classified_as_accept_2_says() {
@@ -1149,4 +1135,236 @@ fn local_failures_keep_their_class_and_peer_failures_are_remote() {
     assert!(matches!(r, Error::Remote(ref t) if t.contains("nonce")), "{r}");
     let closed = theirs("connect to 10.0.0.1:7: wait for reply", Bad::Closed(10));
     assert!(matches!(closed, Error::Remote(ref t) if t.contains("truncated")), "{closed}");
+}
+
+// --- admission: a flood between the peer's connect and its hello ------------------------------
+
+/// The rightful peer's TCP connection arrives at 0 and its hello at `hello_at` ms; `strangers`
+/// silent connections from `sources` addresses arrive in between, spread evenly; the listener
+/// is called every `accept_every` ms from `first_accept`.
+fn flood_between_connect_and_hello(
+    strangers: usize,
+    sources: usize,
+    hello_at: u64,
+    accept_every: u64,
+    first_accept: u64,
+) -> World {
+    let mut w = World::new(2, accept_every);
+    w.acceptor.next = first_accept;
+    w.dial(2, 0, Some(0), 50);
+    w.dialer.as_mut().unwrap().next = hello_at;
+    for i in 0..strangers {
+        let at = 1 + i as u64 * hello_at.saturating_sub(2) / strangers as u64;
+        let s = w.stranger(at, &[], false);
+        let ip = [10, 0, 3 + (i % sources / 250) as u8, (i % sources % 250) as u8 + 1];
+        w.socks[s].peer = SocketAddr::new(ip.into(), 40_000 + i as u16);
+    }
+    w.run(60_000);
+    w
+}
+
+#[test]
+fn a_flood_between_the_peers_connect_and_its_hello_does_not_knock_it_off() {
+    // From one source and from many; the listener takes the peer's connection before the
+    // flood (called every 10 ms) or with it (first called after the hello).
+    for sources in [1, 300] {
+        for (every, first) in [(10, 0), (10, 1500), (1, 0)] {
+            let w = flood_between_connect_and_hello(300, sources, 1000, every, first);
+            w.assert_connected(2);
+        }
+    }
+}
+
+#[test]
+fn a_full_listener_still_reads_a_newcomers_waiting_hello() {
+    // 64 silent strangers hold every place; the peer's hello is in before the listener takes
+    // its connection: read once, it proves the peer, which connects. Nobody was pushed out.
+    let mut w = World::new(2, 50);
+    let silent: Vec<usize> = (0..MAX_PENDING).map(|i| w.stranger(i as u64, &[], false)).collect();
+    w.dial(2, 100, Some(100), 50);
+    w.run(1000);
+    w.assert_connected(2);
+    assert_eq!(w.rejections(), 0);
+    assert!(silent.iter().all(|s| w.acceptor.dropped_at[s] > 100), "{:?}", w.acceptor.dropped_at);
+}
+
+#[test]
+fn a_newcomer_beyond_the_cap_without_its_hello_is_refused() {
+    // The same, but the peer's hello comes 400 ms after its connection: the listener is full,
+    // so the newcomer is refused, not one of those that came first pushed out. (The case the
+    // caps cannot save: a flood that fills them before the peer arrives.)
+    let mut w = World::new(2, 50);
+    for i in 0..MAX_PENDING {
+        w.stranger(i as u64, &[], false);
+    }
+    let s = w.dial(2, 100, Some(100), 50);
+    w.dialer.as_mut().unwrap().next = 500;
+    w.run(1000);
+    remote(dialer_error(&w), "connect to 10.0.0.1:4000: send hello: Broken pipe");
+    assert_eq!(w.acceptor.dropped_at[&s], 100);
+    let line = format!(
+        "listener {LISTENER} (device sim0): rejected connection from {}: refused: 64 \
+         connections to this listener have yet to prove themselves (none is pushed out for a \
+         newcomer); still waiting for the peer",
+        w.socks[s].peer
+    );
+    assert_eq!(w.acceptor.warnings, [line]);
+    assert_eq!(w.acceptor.core.pending.iter().filter(|p| p.place.is_some()).count(), MAX_PENDING);
+}
+
+/// Admits a silent connection to `l` and serves it once: whether it was kept.
+fn admit_silent(l: &mut Listen, port: u16, now: Instant) -> bool {
+    let id = l.admit(SocketAddr::new([10, 0, 2, 1].into(), port), now);
+    assert!(matches!(l.advance(id, now, Input::Poll), Cmd::Recv(MSG_LEN)));
+    match l.advance(id, now, Input::Blocked) {
+        Cmd::Wait => true,
+        Cmd::Close => false,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn the_cap_is_exactly_max_pending() {
+    let t0 = Instant::now();
+    let count = unproven();
+    let mut l = listen("l", MAX_QPS_HERE, &count);
+    l.begin(t0);
+    for i in 0..MAX_PENDING {
+        assert!(admit_silent(&mut l, i as u16 + 1, t0), "connection {i} refused");
+    }
+    assert!(!admit_silent(&mut l, 999, t0), "one too many kept");
+    assert_eq!((l.ids().len(), count.held()), (MAX_PENDING, MAX_PENDING));
+    assert_eq!(l.ids(), (0..MAX_PENDING as u64).collect::<Vec<_>>(), "the first ones stay");
+    let w = l.take_warnings();
+    assert_eq!(w.len(), 1);
+    assert!(
+        w[0].contains(
+            "from 10.0.2.1:999: refused: 64 connections to this listener have yet to prove \
+             themselves (none is pushed out for a newcomer)"
+        ),
+        "{w:?}"
+    );
+    // They expire at the hello deadline; then there is room again, and the count is given back.
+    let late = t0 + HELLO_TIMEOUT + Duration::from_millis(1);
+    for id in l.ids() {
+        assert!(matches!(l.advance(id, late, Input::Blocked), Cmd::Close));
+    }
+    assert_eq!(count.held(), 0);
+    assert!(admit_silent(&mut l, 1000, late));
+    drop(l);
+    assert_eq!(count.held(), 0, "a closed listener gives its places back");
+}
+
+#[test]
+fn the_process_cap_spans_listeners() {
+    let t0 = Instant::now();
+    // Two listeners share a count of 96: the first takes 64, the second only 32.
+    let count = Arc::new(Unproven::new(96));
+    let (mut a, mut b) = (listen("a", 2, &count), listen("b", 2, &count));
+    for i in 0..MAX_PENDING {
+        assert!(admit_silent(&mut a, i as u16, t0));
+    }
+    for i in 0..32 {
+        assert!(admit_silent(&mut b, i, t0), "b's connection {i} refused");
+    }
+    assert!(!admit_silent(&mut b, 32, t0));
+    assert!(!admit_silent(&mut a, 99, t0), "a is full anyway");
+    let w = b.take_warnings();
+    assert!(
+        w[0].contains(
+            "refused: 96 connections to this process's listeners have yet to prove themselves"
+        ),
+        "{w:?}"
+    );
+    assert_eq!(count.held(), 96);
+    // A closes: its places go to b.
+    drop(a);
+    assert_eq!(count.held(), 32);
+    assert!(admit_silent(&mut b, 33, t0));
+    // With the process's own cap, four full listeners leave none for a fifth.
+    let count = unproven();
+    let mut full: Vec<Listen> = (0..4).map(|_| listen("l", 2, &count)).collect();
+    for l in &mut full {
+        for i in 0..MAX_PENDING {
+            assert!(admit_silent(l, i as u16, t0));
+        }
+    }
+    assert_eq!(count.held(), MAX_UNPROVEN);
+    assert!(!admit_silent(&mut listen("fifth", 2, &count), 1, t0));
+}
+
+#[test]
+fn a_proven_peer_gives_its_place_back() {
+    // The count of unproven connections is shared: a peer that proved itself, and waits for
+    // its ready, must not hold a stranger's place.
+    let mut w = World::new(2, 50);
+    let count = Arc::new(Unproven::new(1));
+    w.acceptor.core = listen("listener", MAX_QPS_HERE, &count);
+    w.dial(2, 0, Some(0), 50);
+    w.run(10);
+    w.dialer.as_mut().unwrap().next = 3000;
+    assert_eq!(count.held(), 0, "the proven peer still counts");
+    let s = w.stranger(100, &[], false);
+    w.run(200);
+    assert_eq!(count.held(), 1);
+    assert!(!w.acceptor.dropped_at.contains_key(&s), "the stranger found no place");
+    w.run(10_000);
+    w.assert_connected(2);
+    assert_eq!(count.held(), 0);
+}
+
+#[test]
+fn a_hello_for_more_qps_than_ours_is_refused() {
+    for (asked, ours) in [(5, 4), (MAX_QPS, 1), (4, 4), (1, 1)] {
+        let mut w = World::new(asked, 50);
+        w.acceptor.core = listen("listener", ours, &unproven());
+        let s = w.dial(asked, 0, Some(0), 50);
+        w.run(30_000);
+        if asked <= ours {
+            w.assert_connected(asked);
+            continue;
+        }
+        // Dropped as a stranger, with its reason, before any queue pair was made for it.
+        assert!(w.acceptor.plans.is_empty());
+        assert_eq!(w.acceptor.dropped_at.get(&s), Some(&0));
+        let why = format!(
+            "rejected connection from {}: its hello asks for {asked} QPs, more than \
+             NCCL_IB_QPS_PER_CONNECTION={ours} here (set it alike on every rank)",
+            w.socks[s].peer
+        );
+        assert!(w.acceptor.warnings[0].contains(&why), "{:?}", w.acceptor.warnings);
+        remote(dialer_error(&w), "connect to 10.0.0.1:4000: wait for reply: connection closed");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    /// Hundreds of silent strangers between the peer's connect and its hello, from one source
+    /// or many, whenever the listener is called: the peer connects every time.
+    #[test]
+    fn a_flood_between_connect_and_hello_never_knocks_the_peer_off(
+        strangers in 100usize..500,
+        sources in prop_oneof![Just(1usize), 2usize..500],
+        hello_at in 2u64..4900,
+        accept_every in 1u64..300,
+        first_accept in 0u64..300,
+    ) {
+        let w = flood_between_connect_and_hello(
+            strangers, sources, hello_at, accept_every, first_accept,
+        );
+        w.assert_connected(2);
+    }
+
+    /// Whatever QP count a hello asks for and whatever ours is, no queue pairs are made beyond
+    /// ours, and the peer connects exactly when it asks for no more.
+    #[test]
+    fn no_hello_gets_more_qps_than_ours(asked in 1..=MAX_QPS, ours in 1..=MAX_QPS) {
+        let mut w = World::new(asked, 50);
+        w.acceptor.core = listen("listener", ours, &unproven());
+        w.dial(asked, 0, Some(0), 50);
+        w.run(30_000);
+        prop_assert!(w.acceptor.plans.iter().all(|p| p.1.nqps <= ours));
+        prop_assert_eq!(connected(&w.dialer().outcome)?, asked <= ours);
+    }
 }
