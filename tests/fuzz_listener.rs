@@ -3,7 +3,7 @@
 //! This process listens on rxe1 through the plugin's C ABI and keeps calling `accept`, while a
 //! child process (the same program, `clients` mode) hits the listen port from 16 threads:
 //! - first a burst of 2 × `MAX_PENDING` silent connections, which the listener must bound (the
-//!   oldest unproven ones go, the rest at the hello deadline);
+//!   newcomers beyond the cap are refused, the rest go at the hello deadline);
 //! - then `--streams N` random and mutated handshake streams: random bytes, a valid header
 //!   with a garbage body, valid hellos truncated, with a wrong nonce, a wrong version, one
 //!   invalid field (with the right nonce), random byte edits, connect-and-close, connect-and-
@@ -14,17 +14,30 @@
 //! through the plugin on rxe0 with the real handle) connects before, in the middle of and after
 //! the flood, and a 64 KiB transfer is verified each time; this process's fd count and RSS are
 //! sampled and must stay within explicit bounds; the listener logs at most 8 rejections by
-//! themselves and counts the rest. Last, the error classes of a proven peer's failure: a wrong
-//! nonce in its `Ready` is `ncclRemoteError`; a failure to move our own queue pair to RTR (an
-//! unreachable GID) is `ncclSystemError`.
+//! themselves and counts the rest.
+//!
+//! Then the crowd: hundreds of silent strangers arrive between the rightful peer's TCP connect
+//! and its hello (a peer played here on the wire, so that the strangers can come in between),
+//! from one source address (the peer's own) and from many (127.0.0.x and 198.18.0.1), while
+//! the listener takes each connection as it comes, or while it is busy elsewhere and they
+//! wait in its backlog. The peer must connect every round ([`CROWD_ROUNDS`] of each kind).
+//! The admission before issue 18 pushed out the oldest unproven connection for a newcomer,
+//! and failed this.
+//!
+//! Last, the error classes of a proven peer's failure: a wrong nonce in its `Ready` is
+//! `ncclRemoteError`; a failure to move our own queue pair to RTR (an unreachable GID) is
+//! `ncclSystemError`.
 //!
 //! Built with its own `main` (`harness = false`) and run by `ci/vm-tests.sh` in the VM with
-//! the default stream count, 10⁵ (`--streams N` for another). Outside the VM it fails.
+//! the default stream count, 10⁵ (`--streams N` for another; `--crowd-only` runs the crowd
+//! alone). Outside the VM it fails. It sets `NCCL_IB_QPS_PER_CONNECTION=4`, so that the valid
+//! hellos it plays (1 to 4 QPs) are within the listener's own count.
 
 mod common;
 
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::net::{Ipv4Addr, Shutdown, SocketAddr, SocketAddrV4, TcpStream};
+use std::os::fd::FromRawFd;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -53,6 +66,17 @@ const SETUP_TIMEOUT_MS: &str = "3600000";
 const FD_SLACK: usize = 16;
 const RSS_BOUND_KIB: u64 = 16 << 10;
 const TRANSFER: usize = 64 << 10;
+/// Strangers between the peer's connect and its hello while the listener takes connections as
+/// they come: hundreds, several times the listener's cap.
+const CROWD: usize = 400;
+/// The same while the listener is busy elsewhere: they wait in its backlog, which `listen(2)`
+/// in Rust's std makes 128 long, with the peer's connection first.
+const CROWD_BACKLOG: usize = 120;
+/// Rounds of each kind (one source or many, taken as they come or waiting in the backlog).
+const CROWD_ROUNDS: usize = 3;
+/// The listener's own QP count (`NCCL_IB_QPS_PER_CONNECTION`): at least what `valid_hello`
+/// asks for.
+const QPS: &str = "4";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -123,11 +147,31 @@ fn listener(args: &[String]) -> Result<(), String> {
     require_vm();
     let streams: u64 = common::num_arg(args, "--streams", DEFAULT_STREAMS)?;
     let nclients: usize = common::num_arg(args, "--clients", CLIENTS)?;
-    common::set_env(&[("FERROCE_SETUP_TIMEOUT_MS", Some(SETUP_TIMEOUT_MS))]);
+    common::set_env(&[
+        ("FERROCE_SETUP_TIMEOUT_MS", Some(SETUP_TIMEOUT_MS)),
+        ("NCCL_IB_QPS_PER_CONNECTION", Some(QPS)),
+    ]);
     ferroce_tools::loader::ECHO.store(true, Ordering::Relaxed);
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12)?;
     let ctx = drv.init(1)?;
+    if args.iter().any(|a| a == "--crowd-only") {
+        crowd(&drv, ctx).map_err(|e| format!("crowd: {e}"))?;
+        drv.finalize(ctx)?;
+        println!("fuzz_listener: passed (the crowd only)");
+        return Ok(());
+    }
+    flood(&drv, ctx, streams, nclients)?;
+    crowd(&drv, ctx).map_err(|e| format!("crowd: {e}"))?;
+    error_classes(&drv, ctx).map_err(|e| format!("error classes: {e}"))?;
+    drv.finalize(ctx)?;
+    println!("fuzz_listener: passed");
+    Ok(())
+}
+
+/// The flood of `streams` streams from `nclients` threads on one listener, with the rightful
+/// peer before, in the middle of and after it.
+fn flood(drv: &Driver, ctx: Ptr, streams: u64, nclients: usize) -> Result<(), String> {
     let (handle, listen) = drv.listen(ctx, 1)?;
     let h = Handle::decode(&handle).map_err(|r| format!("own handle: {r}"))?;
     eprintln!(
@@ -136,7 +180,7 @@ fn listener(args: &[String]) -> Result<(), String> {
     );
 
     // Warm up (the allocator, the device's first comm), then take the baseline.
-    rightful(&drv, ctx, &handle, listen, "before the flood")?;
+    rightful(drv, ctx, &handle, listen, "before the flood")?;
     let mut warns = common::warnings();
     let (fds0, _) = usage();
 
@@ -186,7 +230,7 @@ fn listener(args: &[String]) -> Result<(), String> {
                 let progress = l.strip_prefix("PROGRESS ").and_then(|n| n.parse::<u64>().ok());
                 if !middle_done && progress.is_some_and(|n| n >= streams / 2) {
                     middle_done = true;
-                    rightful(&drv, ctx, &handle, listen, "in the middle of the flood")?;
+                    rightful(drv, ctx, &handle, listen, "in the middle of the flood")?;
                     warns.extend(common::warnings());
                 }
                 if l.starts_with("DONE") {
@@ -219,7 +263,7 @@ fn listener(args: &[String]) -> Result<(), String> {
     if !middle_done && streams > 0 {
         return Err("the rightful peer never connected in the middle of the flood".into());
     }
-    rightful(&drv, ctx, &handle, listen, "after the flood")?;
+    rightful(drv, ctx, &handle, listen, "after the flood")?;
     warns.extend(common::warnings());
     let (fds_end, rss_end) = usage();
 
@@ -259,13 +303,186 @@ fn listener(args: &[String]) -> Result<(), String> {
         bad.push("a log line with a bad format".into());
     }
     drv.close(Close::Listen, listen)?;
-
-    error_classes(&drv, ctx).map_err(|e| format!("error classes: {e}"))?;
-    drv.finalize(ctx)?;
     if !bad.is_empty() {
         return Err(bad.join("; "));
     }
-    println!("fuzz_listener: passed");
+    Ok(())
+}
+
+// --- the crowd: strangers between the rightful peer's connect and its hello --------------------
+
+/// rxe0's address, and its GID (`::ffff:198.18.0.1`): the peer played here comes from there.
+const RXE0: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 1);
+
+fn rxe0_gid() -> [u8; 16] {
+    RXE0.to_ipv6_mapped().octets()
+}
+
+fn sockaddr_in(a: SocketAddrV4) -> libc::sockaddr_in {
+    libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: a.port().to_be(),
+        sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) },
+        sin_zero: [0; 8],
+    }
+}
+
+/// A blocking TCP connection to `to` from the address `from` (any port): strangers from
+/// sources of their own.
+fn connect_from(from: Ipv4Addr, to: SocketAddrV4) -> Result<TcpStream, String> {
+    let what = |call: &str| format!("{call} {from} -> {to}: {}", std::io::Error::last_os_error());
+    // SAFETY: plain socket(2).
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(what("socket"));
+    }
+    // SAFETY: `fd` is a fresh socket that nothing else owns; the stream closes it.
+    let s = unsafe { TcpStream::from_raw_fd(fd) };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    let src = sockaddr_in(SocketAddrV4::new(from, 0));
+    // SAFETY: a valid sockaddr_in of `len` bytes.
+    if unsafe { libc::bind(fd, (&raw const src).cast(), len) } != 0 {
+        return Err(what("bind"));
+    }
+    let dst = sockaddr_in(to);
+    // SAFETY: a valid sockaddr_in of `len` bytes.
+    if unsafe { libc::connect(fd, (&raw const dst).cast(), len) } != 0 {
+        return Err(what("connect"));
+    }
+    Ok(s)
+}
+
+/// Where stranger `i` comes from: the peer's own address, or one of many (loopback addresses
+/// reach the listener's too: one network namespace).
+fn source(many: bool, i: usize) -> Ipv4Addr {
+    if !many || i.is_multiple_of(8) {
+        RXE0
+    } else {
+        Ipv4Addr::new(127, 0, (i / 250) as u8, 2 + (i % 250) as u8)
+    }
+}
+
+/// The rightful peer, played on the wire: its TCP connect (then it says so on `connected`),
+/// its hello once `go` says, the listener's reply, its ready; then it waits for the listener to
+/// close the setup socket.
+fn wire_peer(h: Handle, go: mpsc::Receiver<()>, connected: mpsc::Sender<()>) -> Result<(), String> {
+    let SocketAddr::V4(to) = h.addr else { return Err(format!("{}: not IPv4", h.addr)) };
+    let mut s = connect_from(RXE0, to)?;
+    connected.send(()).map_err(|e| e.to_string())?;
+    go.recv().map_err(|e| e.to_string())?;
+    let mut hello = valid_hello(&mut Rng(11), h.nonce);
+    hello.gid = rxe0_gid();
+    s.write_all(&hello.encode()).map_err(|e| format!("hello: {e}"))?;
+    s.set_read_timeout(Some(SLACK)).map_err(|e| e.to_string())?;
+    let mut reply = [0u8; MSG_LEN];
+    s.read_exact(&mut reply).map_err(|e| format!("wait for reply: {e} (knocked off)"))?;
+    Msg::decode(&reply, Kind::Reply, h.nonce).map_err(|r| format!("reply: {r}"))?;
+    s.write_all(&Msg { kind: Kind::Ready, ..hello }.encode()).map_err(|e| format!("ready: {e}"))?;
+    let _ = s.read(&mut [0u8; 1]);
+    Ok(())
+}
+
+/// Calls `accept` until `stop` says so (`Ok(None)`) or it returns a comm, which it must not
+/// before the peer's ready.
+fn keep_accepting(drv: &Driver, listen: Ptr, mut stop: impl FnMut() -> bool) -> Result<(), String> {
+    while !stop() {
+        match drv.accept(listen) {
+            Ok(None) => std::thread::yield_now(),
+            Ok(Some(_)) => return Err("accept returned a comm before the peer's ready".into()),
+            Err(e) => return Err(format!("accept failed: {e}: {}", last_warn())),
+        }
+    }
+    Ok(())
+}
+
+/// One round on a fresh listener: the peer connects; `n` silent strangers from `many` sources
+/// or from the peer's own connect while the listener takes them as they come (or, unless
+/// `as_they_come`, while it is busy elsewhere); then the peer sends its hello and must connect.
+fn crowd_round(drv: &Driver, ctx: Ptr, many: bool, as_they_come: bool) -> Result<usize, String> {
+    let n = if as_they_come { CROWD } else { CROWD_BACKLOG };
+    let (handle, listen) = drv.listen(ctx, 1)?;
+    let h = Handle::decode(&handle).map_err(|r| r.to_string())?;
+    let SocketAddr::V4(to) = h.addr else { return Err(format!("{}: not IPv4", h.addr)) };
+    let ((go, go_rx), (connected_tx, connected)) = (mpsc::channel(), mpsc::channel());
+    let peer = std::thread::spawn(move || wire_peer(h, go_rx, connected_tx));
+    let r = (|| {
+        connected.recv_timeout(SLACK).map_err(|_| "the peer did not connect")?;
+        if as_they_come {
+            // The listener takes the peer's connection before the crowd comes.
+            let t = Instant::now();
+            keep_accepting(drv, listen, || t.elapsed() > Duration::from_millis(100))?;
+        }
+        let crowd = std::thread::spawn(move || -> Result<Vec<TcpStream>, String> {
+            (0..n).map(|i| connect_from(source(many, i), to)).collect()
+        });
+        if as_they_come {
+            keep_accepting(drv, listen, || crowd.is_finished())?;
+        }
+        let crowd = crowd.join().map_err(|_| "the crowd panicked")??;
+        go.send(()).map_err(|e| e.to_string())?;
+        if !as_they_come {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let t = Instant::now();
+        let comm = loop {
+            if let Some(c) =
+                drv.accept(listen).map_err(|e| format!("accept: {e}: {}", last_warn()))?
+            {
+                break c;
+            }
+            if peer.is_finished() || t.elapsed() > SLACK {
+                return Err(format!("the peer did not connect: {}", last_warn()));
+            }
+            std::thread::yield_now();
+        };
+        drv.close(Close::Recv, comm)?;
+        Ok(crowd.len())
+    })();
+    drv.close(Close::Listen, listen)?;
+    drop(go);
+    match (r, peer.join().map_err(|_| "the peer thread panicked")?) {
+        (Ok(n), Ok(())) => Ok(n),
+        (r, peer) => Err(format!(
+            "{}; the peer: {}",
+            r.err().unwrap_or_else(|| "accept connected".into()),
+            peer.err().unwrap_or_else(|| "connected".into())
+        )),
+    }
+}
+
+/// Every kind of crowd round, [`CROWD_ROUNDS`] times: the peer must connect in each.
+fn crowd(drv: &Driver, ctx: Ptr) -> Result<(), String> {
+    let t = Instant::now();
+    let mut fds0 = None;
+    for round in 0..CROWD_ROUNDS {
+        for (many, as_they_come) in [(false, true), (true, true), (false, false), (true, false)] {
+            let what = format!(
+                "round {round}: strangers from {}, {}",
+                if many { "many sources" } else { "the peer's own address" },
+                if as_they_come { "taken as they come" } else { "waiting in the backlog" }
+            );
+            let r = Instant::now();
+            let n =
+                crowd_round(drv, ctx, many, as_they_come).map_err(|e| format!("{what}: {e}"))?;
+            let refused = common::warnings().iter().filter(|l| l.contains("refused:")).count();
+            eprintln!(
+                "fuzz_listener: crowd {what}: {n} strangers between the peer's connect and its \
+                 hello; the peer connected in {:.2} s ({refused} refusal line(s))",
+                r.elapsed().as_secs_f64()
+            );
+        }
+        // Each round leaves nothing open behind it (the first one warms up).
+        let fds = usage().0;
+        let base = *fds0.get_or_insert(fds);
+        if fds > base + FD_SLACK {
+            return Err(format!("fds {fds} after round {round}, {base} after the first"));
+        }
+    }
+    eprintln!(
+        "fuzz_listener: crowd: {} rounds, the peer connected in each, in {:.1} s",
+        4 * CROWD_ROUNDS,
+        t.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 
@@ -273,13 +490,7 @@ fn listener(args: &[String]) -> Result<(), String> {
 /// is the peer's fault (`ncclRemoteError`); an unreachable GID, which our own queue pair cannot
 /// be moved to RTR towards, is ours (`ncclSystemError`).
 fn error_classes(drv: &Driver, ctx: Ptr) -> Result<(), String> {
-    let rxe0_gid = {
-        let mut g = [0u8; 16];
-        g[10] = 0xff;
-        g[11] = 0xff;
-        g[12..].copy_from_slice(&[198, 18, 0, 1]);
-        g
-    };
+    let rxe0_gid = rxe0_gid();
     let mut unreachable = rxe0_gid;
     unreachable[15] = 99;
     for (gid, bad_ready, want, what) in [
@@ -355,9 +566,20 @@ fn random_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
 
 /// One invalid field of a hello that carries the right nonce: decoding reaches the field checks
 /// and must refuse it.
+/// A hello for `n` QPs (5..=128), valid in every field but beyond the listener's own count
+/// ([`QPS`]).
+fn more_qps_than_ours(b: &mut [u8; MSG_LEN], n: usize) {
+    b[32] = n as u8;
+    for i in 0..n {
+        b[96 + 4 * i..100 + 4 * i].copy_from_slice(&(0x100 + i as u32).to_le_bytes());
+        let sport = 96 + 4 * MAX_QPS + 2 * i;
+        b[sport..sport + 2].copy_from_slice(&(0xc000 + i as u16).to_le_bytes());
+    }
+}
+
 fn break_one_field(rng: &mut Rng, b: &mut [u8; MSG_LEN]) {
     let r = rng.next() as u8;
-    match rng.below(13) {
+    match rng.below(14) {
         0 => b[32] = 0,                                                              // nqps
         1 => b[32] = MAX_QPS as u8 + 1 + r % 127,                                    // nqps > 128
         2 => b[33] = 2 + r % 200,                                                    // split
@@ -370,6 +592,7 @@ fn break_one_field(rng: &mut Rng, b: &mut [u8; MSG_LEN]) {
         9 => b[56..64].fill(0),  // buffer address
         10 => b[68..72].fill(0), // max_msg
         11 => b[12..16].copy_from_slice(&(2 + u32::from(r % 3)).to_le_bytes()), // kind
+        12 => more_qps_than_ours(b, 5 + usize::from(r % 124)),
         _ => b[16..20].copy_from_slice(&(MSG_LEN as u32 + 1 + u32::from(r)).to_le_bytes()), // length
     }
 }
