@@ -35,9 +35,10 @@ pub(super) unsafe extern "C" fn init(
     guard("init", || {
         // SAFETY: NCCL passes NULL or a valid config for the duration of the call.
         let tc = unsafe { config.as_ref() }.map_or(-1, |c| c.trafficClass);
-        let c = transport::net::init(comm_id, tc)?;
-        // SAFETY: checked non-NULL by `out`; valid for writes per the ABI.
-        *unsafe { out(ctx, "ctx") }? = handles::into_raw(c);
+        // SAFETY: checked non-NULL by `out`; valid for writes per the ABI. Checked before the
+        // context exists, so a context is never made that NCCL cannot finalize.
+        let slot = unsafe { out(ctx, "ctx") }?;
+        *slot = handles::into_raw(transport::net::init(comm_id, tc)?);
         Ok(())
     })
 }
@@ -227,7 +228,8 @@ pub(super) unsafe fn connect_with(
         let h = handshake::Handle::decode(bytes)
             .map_err(|r| Error::Internal(format!("connect: invalid handle: {r}")))?;
         // Abandoned connects go first (dropped once the table is unlocked).
-        drop(connects().expire(Instant::now()));
+        let expired = connects().expire(Instant::now());
+        drop(expired);
         let (id, mut p) = if id != 0 {
             // The published part, decoded afresh on every call: a parked connect is taken only
             // for the same listener.
