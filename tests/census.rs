@@ -24,9 +24,19 @@
 //!
 //! After a warm-up, the baseline is taken; after all cycles, this process's fds
 //! (`/proc/self/fd`), threads (`/proc/self/task`) and QPs/CQs/MRs/PDs (`rdma resource show`)
-//! must equal it, and its anonymous RSS (`RssAnon`, after `malloc_trim`) may have grown by less than 2 MiB. After
-//! `finalize` and `dlclose`, the fds and threads are those from before the plugin was loaded,
-//! and it holds no device resources at all.
+//! must equal it, and its anonymous RSS (`RssAnon`, after `malloc_trim`) may have grown by less
+//! than 2 MiB.
+//!
+//! Then what `ncclCommAbort` during setup leaves behind: connects and accepts started and never
+//! finished (their listeners closed, or one left open), registrations never deregistered, a
+//! pair never closed with a receive posted. The last `finalize` must end all of it: it WARNs
+//! how many registrations it deregistered and how many listeners and comms it closed; right
+//! after it the threads are those from before the plugin was loaded and no device resource is
+//! left; every later call on what it ended (`connect` on an abandoned handle, `test`, `isend`,
+//! `accept`, `deregMr`, the closes) is an error, not a crash. `init` then starts cleanly on the
+//! same load (one cycle, `finalize`), and after `dlclose` the fds and threads are those from
+//! before the plugin was loaded, with no device resources at all; a reload, `init`, one cycle,
+//! `finalize` and `dlclose` end the same way.
 //!
 //! `census [--cycles N] [--warmup W]` (default 1000, what CI runs, and 16). It sets
 //! `FERROCE_SETUP_TIMEOUT_MS=10000` (the one silent stranger is dropped at the listener's 5 s
@@ -39,6 +49,7 @@ use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Ipv4Addr, Shutdown, TcpStream};
 use std::process::Stdio;
+use std::ptr::null_mut;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -146,7 +157,22 @@ fn reset(s: TcpStream) {
     drop(s);
 }
 
-impl Census<'_> {
+impl<'a> Census<'a> {
+    fn new(drv: &'a Driver<'a>, ctx: Ptr) -> Census<'a> {
+        Census {
+            drv,
+            ctx,
+            // Written once, so their pages are resident before the baseline.
+            src: vec![0x11u8; BUF],
+            dst: vec![0x22u8; BUF + GUARD],
+            rng: Rng(0x00c3_7505),
+            outcomes: BTreeMap::new(),
+            seen: Vec::new(),
+            bytes: 0,
+            time: BTreeMap::new(),
+        }
+    }
+
     fn count(&mut self, what: impl Into<String>) {
         *self.outcomes.entry(what.into()).or_default() += 1;
     }
@@ -436,6 +462,169 @@ impl Census<'_> {
     }
 }
 
+// --- abandoned setups and the last finalize ----------------------------------------------------
+
+/// How many setups of each kind the abandon phase leaves behind.
+const ABANDONED: usize = 4;
+
+/// What the abandon phase left open, for the calls after `finalize`.
+struct Left {
+    /// Handle buffers of connects left in progress (their state bytes name the parked connect).
+    connects: Vec<[u8; 128]>,
+    /// A listener never closed, with an accept in progress.
+    listen: Ptr,
+    /// A pair never closed, an MR on each end, and a receive still posted.
+    send: Ptr,
+    recv: Ptr,
+    mrs: Vec<(Ptr, Ptr)>,
+    request: Ptr,
+}
+
+impl Census<'_> {
+    /// Leaves what `ncclCommAbort` during setup leaves: connects and accepts started and never
+    /// finished (the listener closed, the connector still parked), a listener never closed with
+    /// an accept under way, registrations never deregistered (on closed comms and on a pair
+    /// never closed), and a receive never completed.
+    fn abandon(&mut self) -> Result<Left, String> {
+        let drv = self.drv;
+        let mut connects = Vec::new();
+        for i in 0..ABANDONED {
+            let (mut h, listen) = self.listen()?;
+            // One call each, in either order: neither end can finish (the acceptor waits for
+            // the connector's ready, the connector for the reply it has not read).
+            if i % 2 == 0 {
+                self.one_step(listen, &mut h)?;
+            } else {
+                if drv.accept(listen)?.is_some() {
+                    return Err("abandon: accepted before any connect".into());
+                }
+                if drv.connect(self.ctx, SEND_DEV, &mut h)?.is_some() {
+                    return Err("abandon: connected in one call".into());
+                }
+            }
+            drv.close(Close::Listen, listen)?;
+            connects.push(h);
+        }
+        let (mut h, listen) = self.listen()?;
+        self.one_step(listen, &mut h)?;
+        connects.push(h);
+        // Registrations on a pair that is then closed.
+        let (s, r) = common::pair(drv, self.ctx, RECV_DEV, SEND_DEV)?;
+        drv.reg_mr(s, self.src.as_mut_ptr(), BUF)?;
+        drv.reg_mr(r, self.dst.as_mut_ptr(), BUF)?;
+        drv.close(Close::Send, s)?;
+        drv.close(Close::Recv, r)?;
+        // A pair never closed, with registrations and a receive posted.
+        let (send, recv) = common::pair(drv, self.ctx, RECV_DEV, SEND_DEV)?;
+        let smh = drv.reg_mr(send, self.src.as_mut_ptr(), BUF)?;
+        let rmh = drv.reg_mr(recv, self.dst.as_mut_ptr(), BUF)?;
+        let d = self.dst.as_mut_ptr();
+        let request = until("irecv", BOUND, || drv.irecv(recv, &[d], &[BUF], &[7], &[rmh], false))?;
+        let mrs = vec![(send, smh), (recv, rmh)];
+        eprintln!(
+            "census: abandoned {} connects, {ABANDONED} accepts, a listener, a pair with a \
+             posted receive, and 4 registrations; finalize",
+            connects.len()
+        );
+        Ok(Left { connects, listen, send, recv, mrs, request })
+    }
+
+    /// One `connect` call and one `accept` call, neither of which can finish.
+    fn one_step(&self, listen: Ptr, h: &mut [u8; 128]) -> Result<(), String> {
+        if self.drv.connect(self.ctx, SEND_DEV, h)?.is_some() {
+            return Err("abandon: connected in one call".into());
+        }
+        if self.drv.accept(listen)?.is_some() {
+            return Err("abandon: accepted in one call".into());
+        }
+        Ok(())
+    }
+}
+
+/// The last finalize names what it ended: the 4 registrations, the listener and the 2 comms.
+fn finalize_warnings(left: &Left) -> Vec<String> {
+    let warns = common::warnings();
+    let want = [
+        format!("deregistered {} memory registration(s)", 2 + left.mrs.len()),
+        "closed 1 listener(s) and 2 comm(s)".to_string(),
+    ];
+    let missing: Vec<&String> =
+        want.iter().filter(|w| !warns.iter().any(|l| l.contains(*w))).collect();
+    if missing.is_empty() {
+        eprintln!("census: finalize said: {warns:?}");
+        return Vec::new();
+    }
+    vec![format!("finalize did not WARN {missing:?}; it said {warns:?}")]
+}
+
+/// This process's threads (and, once the plugin is unloaded, its fds) are back to `base`
+/// (from before the plugin was loaded), and it holds no device resources. While the plugin is
+/// loaded, the libraries it pulled in may keep an fd of their own, so fds are only reported.
+fn back_to(
+    pid: u32,
+    base: (usize, usize),
+    when: &str,
+    unloaded: bool,
+) -> Result<Vec<String>, String> {
+    let (fds, threads) = settle(&base, Duration::from_secs(5), fds_threads);
+    let res = settle(&Ok(RdmaCounts::default()), Duration::from_secs(10), || rdma_counts(pid))?;
+    let now = format!(
+        "{when}: fds {} -> {fds}, threads {} -> {threads}, device resources {res}",
+        base.0, base.1
+    );
+    eprintln!("census: {now}");
+    let fds_ok = !unloaded || fds == base.0;
+    Ok(if fds_ok && threads == base.1 && res == RdmaCounts::default() {
+        Vec::new()
+    } else {
+        vec![now]
+    })
+}
+
+/// Every call on what outlived the last finalize is an error (and none crashes); the closes
+/// free what is left of them.
+fn stale_calls(drv: &Driver, left: &Left) -> Vec<String> {
+    let mut bad = Vec::new();
+    let mut expect_err = |what: &str, r: Result<(), String>| {
+        if r.is_ok() {
+            bad.push(format!("after finalize, {what} succeeded"));
+        }
+    };
+    for h in &left.connects {
+        let mut h = *h;
+        expect_err(
+            "connect on an abandoned connect",
+            drv.connect(null_mut(), SEND_DEV, &mut h).map(drop),
+        );
+    }
+    expect_err("test of a receive", drv.test(left.request).map(drop));
+    let mut b = [0u8; 8];
+    expect_err("isend", drv.isend(left.send, b.as_mut_ptr(), 8, 0, left.mrs[0].1).map(drop));
+    expect_err("accept", drv.accept(left.listen).map(drop));
+    for &(comm, mh) in &left.mrs {
+        expect_err("deregMr", drv.dereg_mr(comm, mh));
+    }
+    expect_err("closeSend", drv.close(Close::Send, left.send));
+    expect_err("closeRecv", drv.close(Close::Recv, left.recv));
+    expect_err("closeListen", drv.close(Close::Listen, left.listen));
+    common::warnings();
+    if bad.is_empty() {
+        eprintln!("census: every call on what outlived finalize was an error");
+    }
+    bad
+}
+
+/// `init` after the last finalize starts cleanly: a fresh context, one cycle, finalize.
+fn again(drv: &Driver, comm_id: u64) -> Result<(), String> {
+    let ctx = drv.init(comm_id)?;
+    let mut c = Census::new(drv, ctx);
+    c.cycle(0).map_err(|e| format!("a cycle after init again: {e}"))?;
+    drop(c);
+    drv.finalize(ctx)?;
+    common::warnings();
+    Ok(())
+}
+
 /// The child of a `killed` cycle: starts connecting, says `SENT` once its hello is out, and
 /// waits to be killed.
 fn child_connect(hexh: Option<&String>) -> Result<(), String> {
@@ -489,18 +678,7 @@ fn census(args: &[String]) -> Result<(), String> {
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12)?;
     let ctx = drv.init(1)?;
-    let mut c = Census {
-        drv: &drv,
-        ctx,
-        // Written once, so their pages are resident before the baseline.
-        src: vec![0x11u8; BUF],
-        dst: vec![0x22u8; BUF + GUARD],
-        rng: Rng(0x00c3_7505),
-        outcomes: BTreeMap::new(),
-        seen: Vec::new(),
-        bytes: 0,
-        time: BTreeMap::new(),
-    };
+    let mut c = Census::new(&drv, ctx);
     let t = Instant::now();
     for i in 0..warmup {
         c.cycle(i).map_err(|e| format!("warm-up cycle {i} ({:?}): {e}", kind_of(i)))?;
@@ -590,21 +768,31 @@ fn census(args: &[String]) -> Result<(), String> {
         bad.push(format!("RSS grew by {} KiB", (rss - base.rss) >> 10));
     }
 
+    // What ncclCommAbort leaves, then the last finalize: nothing may survive it.
+    let left = c.abandon()?;
     drop(c);
+    common::warnings();
     drv.finalize(ctx)?;
-    drop(lib);
-    let (fds1, threads1) = settle(&(fds0, threads0), Duration::from_secs(5), fds_threads);
-    let res1 = settle(&Ok(RdmaCounts::default()), Duration::from_secs(10), || rdma_counts(pid))?;
-    eprintln!(
-        "census: after finalize and dlclose: fds {fds0} -> {fds1}, threads {threads0} -> \
-         {threads1}, device resources {res1}"
-    );
-    if (fds1, threads1) != (fds0, threads0) || res1 != RdmaCounts::default() {
-        bad.push(format!(
-            "after finalize: fds {fds0} -> {fds1}, threads {threads0} -> {threads1}, device \
-             resources {res1}"
-        ));
+    bad.extend(finalize_warnings(&left));
+    bad.extend(back_to(pid, (fds0, threads0), "after the last finalize (before dlclose)", false)?);
+    bad.extend(stale_calls(&drv, &left));
+    if !bad.is_empty() {
+        // Unloading now, with the event thread perhaps still running, could crash the report.
+        return Err(bad.join("; "));
     }
+    // init afterwards starts cleanly, on the same load and after a reload.
+    again(&drv, 3)?;
+    drop(lib);
+    bad.extend(back_to(pid, (fds0, threads0), "after finalize and dlclose", true)?);
+    let lib = open_plugin();
+    again(&Driver::new(&lib, 12)?, 4)?;
+    drop(lib);
+    bad.extend(back_to(
+        pid,
+        (fds0, threads0),
+        "after dlopen, a cycle, finalize and dlclose",
+        true,
+    )?);
     if !bad.is_empty() {
         return Err(bad.join("; "));
     }

@@ -172,13 +172,11 @@ fn calls_before_init_and_null_pointers_are_errors_not_crashes() {
         assert_eq!(net.getProperties.unwrap()(0, &mut p), ncclResult_t::ncclInternalError);
         assert_eq!(net.getProperties.unwrap()(0, null_mut()), ncclResult_t::ncclInternalError);
         assert_eq!(net.finalize.unwrap()(null_mut()), ncclResult_t::ncclInternalError);
+        // A NULL ctx slot is refused before any device is opened (so no context is made that
+        // NCCL could never finalize).
         assert_eq!(
             net.init.unwrap()(null_mut(), 1, null_mut(), capture_logger(), None),
-            if has_rdma_devices() {
-                ncclResult_t::ncclInternalError
-            } else {
-                ncclResult_t::ncclInvalidUsage
-            }
+            ncclResult_t::ncclInternalError
         );
     }
     take_captured();
@@ -212,4 +210,92 @@ fn unimplemented_calls_report_an_error_and_clear_their_outputs() {
     // SAFETY: name is a static C string.
     assert_eq!(unsafe { CStr::from_ptr(net.name) }, c"ferroce");
     take_captured();
+}
+
+/// Installs the capturing logger (`init` does that first, even when it then fails: here on a
+/// NULL ctx slot) and empties the capture.
+fn install_logger(net: &ncclNet_v12_t) {
+    // SAFETY: init with a NULL ctx slot fails cleanly after installing the logger.
+    let r = unsafe { net.init.unwrap()(null_mut(), 1, null_mut(), capture_logger(), None) };
+    assert_ne!(r, ncclResult_t::ncclSuccess);
+    take_captured();
+}
+
+#[test]
+fn pointers_the_plugin_never_handed_out_are_errors_that_touch_nothing() {
+    let _g = serial();
+    let lib = open_plugin();
+    // SAFETY: the symbol is an ncclNet_v12_t.
+    let net = unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.unwrap();
+    // Memory the plugin must neither read as an object nor free.
+    let mut foreign = [0x5au8; 256];
+    let p: *mut c_void = foreign.as_mut_ptr().cast();
+    install_logger(net);
+    // SAFETY: deliberately misused; the register refuses pointers it does not hold.
+    unsafe {
+        assert_eq!(net.closeSend.unwrap()(p), ncclResult_t::ncclInternalError);
+        assert_eq!(net.closeRecv.unwrap()(p), ncclResult_t::ncclInternalError);
+        assert_eq!(net.closeListen.unwrap()(p), ncclResult_t::ncclInternalError);
+        assert_eq!(net.deregMr.unwrap()(null_mut(), p), ncclResult_t::ncclInternalError);
+        assert_eq!(net.closeSend.unwrap()(null_mut()), ncclResult_t::ncclInternalError);
+    }
+    assert!(foreign.iter().all(|&b| b == 0x5a), "the plugin wrote to memory it does not own");
+    let w = warns(&take_captured());
+    assert_eq!(w.len(), 5, "{w:?}");
+    assert!(w[..4].iter().all(|l| l.contains("not open")), "{w:?}");
+}
+
+#[test]
+fn a_connect_id_the_plugin_does_not_know_is_an_error_not_a_new_connect() {
+    let _g = serial();
+    let lib = open_plugin();
+    // SAFETY: the symbol is an ncclNet_v12_t.
+    let net = unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.unwrap();
+    // A well-formed handle whose state bytes name a connect that does not exist (finished,
+    // expired, pushed out or ended by finalize, as far as the plugin can tell).
+    let h = ferroce::transport::handshake::Handle {
+        addr: "127.0.0.1:9".parse().unwrap(),
+        nonce: 0x1234_5678,
+    };
+    let mut handle = [0u8; 128];
+    h.encode(&mut handle);
+    let state = ferroce::transport::handshake::HANDLE_STATE_OFFSET;
+    handle[state..state + 8].copy_from_slice(&0x0bad_c0de_u64.to_le_bytes());
+    let mut comm = std::ptr::dangling_mut::<c_void>();
+    install_logger(net);
+    // SAFETY: valid pointers; ctx is NULL, which a new connect would have to use (and fail on).
+    let r = unsafe {
+        net.connect.unwrap()(null_mut(), 0, handle.as_mut_ptr().cast(), &mut comm, null_mut())
+    };
+    assert_eq!(r, ncclResult_t::ncclInternalError);
+    assert!(comm.is_null());
+    assert!(handle[state..].iter().all(|&b| b == 0), "the stale id is cleared");
+    let w = warns(&take_captured());
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(w[0].contains("no connect in progress under id 0x000000000badc0de"), "{}", w[0]);
+}
+
+#[test]
+fn after_a_failed_init_finalize_and_every_call_are_clean_errors_and_init_can_be_retried() {
+    let _g = serial();
+    let lib = open_plugin();
+    // SAFETY: the symbol is an ncclNet_v12_t.
+    let net = unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.unwrap();
+    for _ in 0..2 {
+        // SAFETY: tests touching the environment hold the SERIAL lock.
+        unsafe { std::env::set_var("NCCL_IB_HCA", "rxe0:notaport") };
+        let mut ctx: *mut c_void = std::ptr::dangling_mut::<c_void>();
+        let mut n: c_int = -5;
+        // SAFETY: valid pointers per the ABI; finalize and devices with no context alive.
+        unsafe {
+            let r = net.init.unwrap()(&mut ctx, 1, null_mut(), capture_logger(), None);
+            std::env::remove_var("NCCL_IB_HCA");
+            assert_eq!(r, ncclResult_t::ncclInvalidUsage);
+            assert!(ctx.is_null());
+            assert_eq!(net.finalize.unwrap()(ctx), ncclResult_t::ncclInternalError);
+            assert_eq!(net.devices.unwrap()(&mut n), ncclResult_t::ncclInternalError);
+        }
+        assert_eq!(n, -5);
+        take_captured();
+    }
 }

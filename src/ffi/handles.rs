@@ -1,14 +1,36 @@
-//! Typed conversions between NCCL's raw pointers and ferroce objects. Every NULL check lives
-//! here, so the entry points stay three lines of plumbing.
+//! Typed conversions between NCCL's raw pointers and ferroce objects, and the register of
+//! every object NCCL holds. Every NULL check lives here, so the entry points stay three lines
+//! of plumbing.
+//!
+//! What NCCL holds, and how a call reaches it:
+//! - a listener, a send or receive comm: a boxed [`Owned`]. A call takes it through its gate
+//!   (one atomic swap, no lock, no allocation), so two `&mut` to one object never exist: a
+//!   second thread in at the same time gets an error, not an alias.
+//! - an `mhandle`: a boxed [`MrSlot`], read through `&` by the data path of any comm.
+//! - a request: the address of a [`Req`] in its comm's fixed array, naming the comm.
+//! - a context: a boxed `CommContext`, only ever read through `&`.
+//!
+//! Every listener, comm and `mhandle` is entered in one register ([`LIVE`]) when it is handed
+//! out and leaves it when NCCL closes or deregisters it. The last `finalize` ends whatever is
+//! still there ([`end_all`]): the objects are dropped (so their queue pairs, sockets and
+//! registrations go, and with them every reference to the device state), while the small box
+//! NCCL points at stays, marked ended. A later call on it is an error; closing or
+//! deregistering it frees the box and reports the error. Closing a pointer the register does
+//! not know (closed twice, never ours) is an error that touches nothing.
 
 use std::cell::UnsafeCell;
+use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
-use std::sync::Arc;
+use once_cell::sync::Lazy;
 
 use crate::error::{Error, Result};
-use crate::transport::comm::{RecvComm, ReqHeader, SendComm};
+use crate::transport::comm::{RecvComm, ReqKind, SendComm};
 use crate::transport::reg::MrHandle;
+use crate::transport::setup::Listener;
 use crate::transport::{CommContext, Net};
 
 /// An out-pointer NCCL must supply.
@@ -31,12 +53,13 @@ pub unsafe fn clear(p: *mut *mut c_void) {
     }
 }
 
-/// Hands ownership of `value` to NCCL.
+/// Hands ownership of a context to NCCL (contexts are not in the register: NCCL finalizes each
+/// one itself).
 pub fn into_raw<T>(value: T) -> *mut c_void {
     Box::into_raw(Box::new(value)).cast()
 }
 
-/// Takes back ownership from NCCL.
+/// Takes back a context from NCCL.
 ///
 /// # Safety
 /// `p` must be NULL or a pointer produced by [`into_raw`] for a `T`, not yet taken back.
@@ -48,15 +71,165 @@ pub unsafe fn take<T>(p: *mut c_void, what: &str) -> Result<T> {
     Ok(*unsafe { Box::from_raw(p.cast::<T>()) })
 }
 
-/// An object ferroce handed to NCCL as `void*`, borrowed for one call.
+/// The communicator context of a v11+ call.
 ///
 /// # Safety
-/// `p` must be NULL or a pointer produced by [`into_raw`] for a `T` that is still alive, and
-/// not borrowed elsewhere for the duration of the call (NCCL uses each comm from one thread).
-pub unsafe fn borrow<'a, T>(p: *mut c_void, what: &str) -> Result<&'a mut T> {
-    // SAFETY: per the contract, a non-NULL p points to a live, unaliased T made by into_raw.
-    unsafe { p.cast::<T>().as_mut() }.ok_or_else(|| Error::Internal(format!("NULL {what}")))
+/// `p` must be NULL or a context made by [`into_raw`] and not yet finalized. Contexts are only
+/// read, so any number of threads may hold one.
+pub unsafe fn ctx<'a>(p: *mut c_void) -> Result<&'a CommContext> {
+    // SAFETY: per the contract; only shared references are ever made.
+    unsafe { p.cast::<CommContext>().as_ref() }.ok_or_else(|| Error::Internal("NULL ctx".into()))
 }
+
+// --- the register ------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Listen,
+    Comm,
+    Mr,
+}
+
+/// The address of every listener, comm and `mhandle` NCCL holds, by kind.
+static LIVE: Lazy<Mutex<HashMap<usize, Kind>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+fn live() -> MutexGuard<'static, HashMap<usize, Kind>> {
+    // Every update is one insert or remove: a panic cannot leave it half done.
+    LIVE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn enter<T>(b: Box<T>, kind: Kind) -> *mut c_void {
+    let p = Box::into_raw(b);
+    live().insert(p as usize, kind);
+    p.cast()
+}
+
+/// Takes back a registered box, if the register knows `p` as `kind`; otherwise touches
+/// nothing.
+fn leave<T>(p: *mut c_void, kind: Kind, what: &str) -> Result<Box<T>> {
+    if p.is_null() {
+        return Err(Error::Internal(format!("NULL {what}")));
+    }
+    let mut live = live();
+    if live.get(&(p as usize)) != Some(&kind) {
+        return Err(Error::Internal(format!(
+            "{what} {p:p} is not open (closed already, or never one of ours)"
+        )));
+    }
+    live.remove(&(p as usize));
+    // SAFETY: the register holds exactly the addresses made by Box::into_raw::<T> in `enter`
+    // for this kind and not yet taken back; it was just removed, so this happens once.
+    Ok(unsafe { Box::from_raw(p.cast::<T>()) })
+}
+
+fn ended(what: &str) -> Error {
+    Error::Internal(format!("{what} outlived the last finalize, which closed it"))
+}
+
+// --- exclusive objects: listeners and comms ----------------------------------------------------
+
+/// An object one call at a time may use, and that the last `finalize` may end.
+pub struct Owned<T> {
+    /// Held by the call inside (or by `finalize` ending it).
+    gate: AtomicBool,
+    /// `None` once ended. Reached only through the gate.
+    value: UnsafeCell<Option<T>>,
+}
+
+// SAFETY: the value is only reached by the one thread holding the gate (`Gate`, `end`), so
+// sharing an `Owned` hands the value from thread to thread, which `T: Send` allows.
+unsafe impl<T: Send> Sync for Owned<T> {}
+
+impl<T> Owned<T> {
+    fn new(value: T) -> Owned<T> {
+        Owned { gate: AtomicBool::new(false), value: UnsafeCell::new(Some(value)) }
+    }
+
+    fn try_lock(&self) -> bool {
+        self.gate.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_ok()
+    }
+
+    /// The value, for one call: an error if another thread is inside or finalize ended it.
+    pub fn enter(&self, what: &str) -> Result<Gate<'_, T>> {
+        if !self.try_lock() {
+            return Err(Error::Internal(format!("{what} used by two threads at once")));
+        }
+        let g = Gate(self);
+        // SAFETY: the gate is held, so this is the only reference to the value.
+        if unsafe { &*self.value.get() }.is_none() {
+            return Err(ended(what));
+        }
+        Ok(g)
+    }
+
+    /// Takes the value out, waiting up to `patience` for a call inside to leave; `Err(())` if
+    /// one did not.
+    fn end(&self, patience: Duration) -> std::result::Result<Option<T>, ()> {
+        let start = Instant::now();
+        while !self.try_lock() {
+            if start.elapsed() > patience {
+                return Err(());
+            }
+            std::thread::yield_now();
+        }
+        let _g = Gate(self);
+        // SAFETY: the gate is held, so this is the only reference to the value.
+        Ok(unsafe { &mut *self.value.get() }.take())
+    }
+
+    /// The value when NCCL closes it: `None` if finalize ended it first.
+    fn into_inner(self) -> Option<T> {
+        self.value.into_inner()
+    }
+}
+
+/// One call's exclusive use of an [`Owned`] value; releases the gate when dropped.
+pub struct Gate<'a, T>(&'a Owned<T>);
+
+impl<T> std::ops::Deref for Gate<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        // SAFETY: the gate is held (see `DerefMut`); `enter` checked the value is present and
+        // only `end`, which needs the gate, removes it.
+        unsafe { &*self.0.value.get() }.as_ref().expect("checked by enter")
+    }
+}
+
+impl<T> std::ops::DerefMut for Gate<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        // SAFETY: this thread holds the gate, so no other reference to the value exists.
+        unsafe { &mut *self.0.value.get() }.as_mut().expect("checked by enter")
+    }
+}
+
+impl<T> Drop for Gate<'_, T> {
+    fn drop(&mut self) {
+        self.0.gate.store(false, Ordering::Release);
+    }
+}
+
+/// Hands a listener to NCCL.
+pub fn listener_into_raw(l: Listener) -> *mut c_void {
+    enter(Box::new(Owned::new(l)), Kind::Listen)
+}
+
+/// The listener behind `p`.
+///
+/// # Safety
+/// `p` must be NULL or a pointer from [`listener_into_raw`] that NCCL has not closed.
+pub unsafe fn listener<'a>(p: *mut c_void) -> Result<&'a Owned<Listener>> {
+    // SAFETY: per the contract the box is alive; only `&` is made (the gate guards the rest).
+    unsafe { p.cast::<Owned<Listener>>().as_ref() }
+        .ok_or_else(|| Error::Internal("NULL listenComm".into()))
+}
+
+/// Takes back a listener NCCL closes.
+pub fn close_listener(p: *mut c_void) -> Result<()> {
+    let b: Box<Owned<Listener>> = leave(p, Kind::Listen, "listenComm")?;
+    b.into_inner().map(drop).ok_or_else(|| ended("listenComm"))
+}
+
+// --- comms and their requests ------------------------------------------------------------------
 
 /// A send or receive comm.
 pub enum AnyComm {
@@ -64,83 +237,236 @@ pub enum AnyComm {
     Recv(Box<RecvComm>),
 }
 
+/// What NCCL's request pointer points at: an entry of its comm's fixed array, written once
+/// when the comm is handed out and only read afterwards.
+#[repr(C)]
+pub struct Req {
+    /// The address of the comm's box.
+    owner: usize,
+    pub kind: ReqKind,
+    pub index: u16,
+}
+
 /// What NCCL holds as a send or receive comm. Which calls may run at once, per the ncclNet
 /// contract: NCCL's proxy thread drives a comm's data path (`isend`, `irecv`, `iflush`,
 /// `test`, close) from one thread, while `regMr`/`regMrDmaBuf`/`deregMr` may come from another
-/// thread at the same time. So registration only reads the immutable part (`net`, `dev`)
-/// through `&`, and the comm itself sits in an `UnsafeCell` that only the data-path calls
-/// reach (through [`comm_mut`]): no two `&mut` to one comm ever exist.
+/// thread at the same time. So the data path goes through the comm's gate, and registration
+/// only reads the device state through a lock of its own.
 pub struct CommHandle {
-    pub net: Arc<Net>,
+    /// The device state, for registration; `None` once finalize ended the comm.
+    net: Mutex<Option<Arc<Net>>>,
     pub dev: usize,
-    comm: UnsafeCell<AnyComm>,
+    comm: Owned<AnyComm>,
+    reqs: Box<[Req]>,
+}
+
+/// Hands a comm to NCCL: its request array names it.
+pub fn comm_into_raw(comm: AnyComm) -> *mut c_void {
+    let (net, dev, reqs): (_, _, Box<[Req]>) = match &comm {
+        AnyComm::Send(c) => (c.net.clone(), c.dev, reqs_of(&c.headers)),
+        AnyComm::Recv(c) => (c.net.clone(), c.dev, reqs_of(&c.headers)),
+    };
+    let mut b =
+        Box::new(CommHandle { net: Mutex::new(Some(net)), dev, comm: Owned::new(comm), reqs });
+    let owner = &*b as *const CommHandle as usize;
+    b.reqs.iter_mut().for_each(|r| r.owner = owner);
+    enter(b, Kind::Comm)
+}
+
+fn reqs_of(headers: &[crate::transport::comm::ReqHeader]) -> Box<[Req]> {
+    let req =
+        |h: &crate::transport::comm::ReqHeader| Req { owner: 0, kind: h.kind, index: h.index };
+    headers.iter().map(req).collect()
 }
 
 impl CommHandle {
-    pub fn new(comm: AnyComm) -> CommHandle {
-        let (net, dev) = match &comm {
-            AnyComm::Send(c) => (c.net.clone(), c.dev),
-            AnyComm::Recv(c) => (c.net.clone(), c.dev),
-        };
-        CommHandle { net, dev, comm: UnsafeCell::new(comm) }
+    /// The device state, for registration.
+    pub fn net(&self) -> Result<Arc<Net>> {
+        let net = self.net.lock().unwrap_or_else(|p| p.into_inner());
+        net.clone().ok_or_else(|| ended("comm"))
+    }
+
+    /// The comm, for one data-path call.
+    pub fn enter(&self) -> Result<Gate<'_, AnyComm>> {
+        self.comm.enter("comm")
+    }
+
+    /// NCCL's request pointer for request `id` of this comm.
+    pub fn request(&self, id: usize) -> *mut c_void {
+        (&raw const self.reqs[id]).cast_mut().cast()
     }
 }
 
-/// The shared, immutable part of a comm, for registration.
+/// The comm behind `p`.
 ///
 /// # Safety
-/// `p` must be NULL or a live pointer made by [`into_raw`] from a [`CommHandle`].
-pub unsafe fn comm_shared<'a>(p: *mut c_void) -> Result<&'a CommHandle> {
-    // SAFETY: per the contract; `&` is sound next to a data-path call, which only touches the
-    // UnsafeCell.
+/// `p` must be NULL or a pointer from [`comm_into_raw`] that NCCL has not closed.
+pub unsafe fn comm<'a>(p: *mut c_void) -> Result<&'a CommHandle> {
+    // SAFETY: per the contract the box is alive; only `&` is made (the gate and the lock
+    // guard what changes).
     unsafe { p.cast::<CommHandle>().as_ref() }.ok_or_else(|| Error::Internal("NULL comm".into()))
 }
 
-/// The comm, for a data-path call.
+/// A request and the comm it belongs to.
 ///
 /// # Safety
-/// As for [`comm_shared`], and the caller is the one thread NCCL drives this comm's data path
-/// from, so this is the only `&mut` to it.
-pub unsafe fn comm_mut<'a>(p: *mut c_void) -> Result<&'a mut AnyComm> {
-    // SAFETY: forwarded contract; the UnsafeCell permits mutation behind the shared handle.
-    Ok(unsafe { &mut *comm_shared(p)?.comm.get() })
+/// `p` must be NULL or a request pointer ferroce returned, whose comm NCCL has not closed.
+pub unsafe fn request<'a>(p: *mut c_void) -> Result<(&'a Req, &'a CommHandle)> {
+    // SAFETY: per the contract p is an entry of a live comm's request array.
+    let r = unsafe { p.cast::<Req>().as_ref() }
+        .ok_or_else(|| Error::Internal("NULL request".into()))?;
+    // SAFETY: `owner` was set to the comm's own box, alive while its requests are.
+    Ok((r, unsafe { &*(r.owner as *const CommHandle) }))
 }
 
-/// The communicator context of a v11+ call.
-///
-/// # Safety
-/// As for [`borrow`].
-pub unsafe fn ctx<'a>(p: *mut c_void) -> Result<&'a CommContext> {
-    // SAFETY: forwarded contract.
-    unsafe { borrow::<CommContext>(p, "ctx") }.map(|c| &*c)
+/// Takes back a comm NCCL closes.
+pub fn close_comm(p: *mut c_void, what: &str) -> Result<()> {
+    let b: Box<CommHandle> = leave(p, Kind::Comm, what)?;
+    b.comm.into_inner().map(drop).ok_or_else(|| ended(what))
+}
+
+// --- registrations -----------------------------------------------------------------------------
+
+/// What NCCL holds as an `mhandle`.
+pub struct MrSlot(UnsafeCell<Option<MrHandle>>);
+
+// SAFETY: the data path reads the registration through `&` from any comm's thread; only
+// `end_all` (after it has ended every comm, so no data-path call is inside) and `close_mr`
+// (NCCL deregisters a handle no call is using, per the ncclNet contract) change it, both under
+// the register's lock.
+unsafe impl Sync for MrSlot {}
+
+/// Hands a registration to NCCL.
+pub fn mr_into_raw(h: MrHandle) -> *mut c_void {
+    enter(Box::new(MrSlot(UnsafeCell::new(Some(h)))), Kind::Mr)
 }
 
 /// The registration behind an `mhandle`.
 ///
 /// # Safety
-/// As for [`borrow`], for an `MrHandle` from `regMr`.
+/// `p` must be NULL or a pointer from [`mr_into_raw`] that NCCL has not deregistered, and the
+/// caller holds the gate of a comm (see [`MrSlot`]).
 pub unsafe fn mr<'a>(p: *mut c_void) -> Result<&'a MrHandle> {
-    // SAFETY: forwarded contract.
-    unsafe { borrow::<MrHandle>(p, "mhandle") }.map(|m| &*m)
+    // SAFETY: per the contract the box is alive and nothing changes it during the call.
+    let slot = unsafe { p.cast::<MrSlot>().as_ref() }
+        .ok_or_else(|| Error::Internal("NULL mhandle".into()))?;
+    // SAFETY: as above: only shared references exist while a comm's gate is held.
+    unsafe { &*slot.0.get() }.as_ref().ok_or_else(|| ended("mhandle"))
 }
 
-/// The `ReqHeader` behind a request pointer, copied out.
-///
-/// # Safety
-/// `p` must be NULL or a request pointer ferroce returned and NCCL has not seen complete.
-pub unsafe fn request(p: *mut c_void) -> Result<ReqHeader> {
-    // SAFETY: per the contract p points into a live comm's header array.
-    unsafe { p.cast::<ReqHeader>().as_ref() }
-        .copied()
-        .ok_or_else(|| Error::Internal("NULL request".into()))
+/// Takes back a registration NCCL deregisters.
+pub fn close_mr(p: *mut c_void) -> Result<MrHandle> {
+    let b: Box<MrSlot> = leave(p, Kind::Mr, "mhandle")?;
+    b.0.into_inner().ok_or_else(|| ended("mhandle"))
 }
 
-/// The comm that owns a request.
-///
-/// # Safety
-/// `h` must come from [`request`] on a live request, and `T` must be the comm type its kind
-/// names.
-pub unsafe fn owner<'a, T>(h: &ReqHeader) -> &'a mut T {
-    // SAFETY: owner is the address of the boxed comm, alive while its requests are.
-    unsafe { &mut *(h.owner as *mut T) }
+// --- the last finalize -------------------------------------------------------------------------
+
+/// How long the last `finalize` waits for a call still inside a comm or listener.
+const PATIENCE: Duration = Duration::from_secs(1);
+
+/// What [`end_all`] found still open.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Ended {
+    pub listeners: usize,
+    pub comms: usize,
+    pub mrs: usize,
+    /// Objects a call was still inside of (they, and the registrations, were left alone).
+    pub busy: usize,
+}
+
+/// Ends every listener, comm and registration NCCL still holds, for the last `finalize`:
+/// first the listeners and comms (waiting briefly for a call inside), then, once no comm's
+/// data path can be reading one, the registrations, each returned to its device's cache.
+pub fn end_all() -> Ended {
+    let live = live();
+    let mut e = Ended::default();
+    for (&addr, &kind) in live.iter() {
+        let r = match kind {
+            // SAFETY: the register holds live boxes of the kind it records.
+            Kind::Listen => unsafe { &*(addr as *const Owned<Listener>) }.end(PATIENCE).map(|v| {
+                e.listeners += usize::from(v.is_some());
+            }),
+            Kind::Comm => {
+                // SAFETY: as above.
+                let h = unsafe { &*(addr as *const CommHandle) };
+                h.comm.end(PATIENCE).map(|v| {
+                    e.comms += usize::from(v.is_some());
+                    h.net.lock().unwrap_or_else(|p| p.into_inner()).take();
+                })
+            }
+            Kind::Mr => Ok(()),
+        };
+        e.busy += usize::from(r.is_err());
+    }
+    if e.busy > 0 {
+        return e;
+    }
+    for (&addr, _) in live.iter().filter(|(_, k)| **k == Kind::Mr) {
+        // SAFETY: a live MrSlot box; every comm is ended, so no data-path call reads it, and
+        // deregMr waits for the register's lock held here.
+        let slot = unsafe { &mut *(*(addr as *const MrSlot)).0.get() };
+        if let Some(h) = slot.take() {
+            crate::transport::reg::deregister(h);
+            e.mrs += 1;
+        }
+    }
+    e
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_thread_at_a_time_gets_the_value() {
+        let o = Owned::new(5u32);
+        let mut g = o.enter("x").expect("free");
+        *g += 1;
+        let again = o.enter("x").err().expect("held");
+        assert!(again.to_string().contains("two threads"), "{again}");
+        std::thread::scope(|s| {
+            let other = s.spawn(|| o.enter("x").map(|_| ()));
+            assert!(other.join().unwrap().is_err(), "another thread is refused, not aliased");
+        });
+        drop(g);
+        assert_eq!(*o.enter("x").expect("released"), 6);
+    }
+
+    #[test]
+    fn an_ended_value_is_an_error_for_every_later_call() {
+        let o = Owned::new(String::from("comm"));
+        assert_eq!(o.end(PATIENCE), Ok(Some("comm".into())));
+        let e = o.enter("sendComm").err().expect("ended");
+        assert!(e.to_string().contains("outlived the last finalize"), "{e}");
+        assert_eq!(o.end(PATIENCE), Ok(None), "ending twice finds nothing");
+        assert_eq!(o.into_inner(), None, "closing it finds nothing to drop");
+    }
+
+    #[test]
+    fn end_waits_for_a_call_inside_and_gives_up_on_one_that_stays() {
+        let o = Owned::new(1u8);
+        let g = o.enter("x").unwrap();
+        assert_eq!(o.end(Duration::from_millis(20)), Err(()), "a call stays inside");
+        std::thread::scope(|s| {
+            let ender = s.spawn(|| o.end(Duration::from_secs(10)));
+            std::thread::sleep(Duration::from_millis(20));
+            drop(g);
+            assert_eq!(ender.join().unwrap(), Ok(Some(1)), "ends once the call leaves");
+        });
+    }
+
+    #[test]
+    fn the_register_hands_back_only_what_it_handed_out_and_only_once() {
+        let p = enter(Box::new(Owned::new(7u64)), Kind::Listen);
+        assert!(leave::<Owned<u64>>(p, Kind::Comm, "sendComm").is_err(), "wrong kind");
+        let b = leave::<Owned<u64>>(p, Kind::Listen, "listenComm").expect("registered");
+        assert_eq!(b.into_inner(), Some(7));
+        let twice = leave::<Owned<u64>>(p, Kind::Listen, "listenComm").err().expect("gone");
+        assert!(twice.to_string().contains("not open"), "{twice}");
+        let mut local = 0u64;
+        let foreign: *mut c_void = (&raw mut local).cast();
+        assert!(leave::<Owned<u64>>(foreign, Kind::Listen, "listenComm").is_err());
+        assert!(leave::<Owned<u64>>(std::ptr::null_mut(), Kind::Mr, "mhandle").is_err());
+    }
 }

@@ -6,20 +6,19 @@
 //! Every function is plumbing around a safe call: clear the "not ready" outputs, run the body in
 //! [`guard`], write outputs only on success.
 
-use std::collections::HashMap;
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::sync::Mutex;
-
-use once_cell::sync::Lazy;
+use std::time::Instant;
 
 use super::abi::*;
-use super::handles::{self, AnyComm, CommHandle, clear, out};
+use super::connects::{MAX_CONNECTS, Pending, connects, fresh_id};
+use super::handles::{self, AnyComm, clear, out};
 use super::{guard, log};
 use crate::error::{Error, Result};
-use crate::transport::comm::{Buf, FLUSH_BASE, MAX_RECVS, RecvComm, ReqKind, SendComm};
+use crate::transport::comm::{Buf, FLUSH_BASE, MAX_RECVS, ReqKind};
 use crate::transport::handshake::{self, HANDLE_SIZE};
 use crate::transport::mr_cache::MemKind;
-use crate::transport::reg::{self, MrHandle};
+use crate::transport::reg;
 use crate::transport::setup::{Connector, Listener};
 use crate::transport::{self, CommContext, NetDevice};
 
@@ -36,9 +35,10 @@ pub(super) unsafe extern "C" fn init(
     guard("init", || {
         // SAFETY: NCCL passes NULL or a valid config for the duration of the call.
         let tc = unsafe { config.as_ref() }.map_or(-1, |c| c.trafficClass);
-        let c = transport::net::init(comm_id, tc)?;
-        // SAFETY: checked non-NULL by `out`; valid for writes per the ABI.
-        *unsafe { out(ctx, "ctx") }? = handles::into_raw(c);
+        // SAFETY: checked non-NULL by `out`; valid for writes per the ABI. Checked before the
+        // context exists, so a context is never made that NCCL cannot finalize.
+        let slot = unsafe { out(ctx, "ctx") }?;
+        *slot = handles::into_raw(transport::net::init(comm_id, tc)?);
         Ok(())
     })
 }
@@ -46,9 +46,44 @@ pub(super) unsafe extern "C" fn init(
 pub(super) unsafe extern "C" fn finalize(ctx: *mut c_void) -> ncclResult_t {
     guard("finalize", || {
         // SAFETY: ctx is what init returned, and NCCL finalizes it exactly once.
-        transport::net::finalize(unsafe { handles::take::<CommContext>(ctx, "ctx") }?);
+        let ctx = unsafe { handles::take::<CommContext>(ctx, "ctx") }?;
+        transport::net::finalize(ctx, end_everything);
         Ok(())
     })
+}
+
+/// The last `finalize`, before the device state goes: ends every connect in progress and
+/// every listener, comm and registration NCCL still holds, so nothing holds the device state
+/// any more and the library can be unloaded.
+fn end_everything() {
+    let purged = connects().purge();
+    if !purged.is_empty() {
+        ::log::info!("finalize: ended {} connect(s) NCCL left unfinished", purged.len());
+    }
+    drop(purged);
+    let e = handles::end_all();
+    if e.listeners + e.comms > 0 {
+        ::log::warn!(
+            "finalize: closed {} listener(s) and {} comm(s) NCCL never closed; calls on them \
+             are errors from now on",
+            e.listeners,
+            e.comms
+        );
+    }
+    if e.mrs > 0 {
+        ::log::warn!(
+            "finalize: deregistered {} memory registration(s) NCCL never deregistered; deregMr \
+             on them is an error from now on",
+            e.mrs
+        );
+    }
+    if e.busy > 0 {
+        ::log::warn!(
+            "finalize: {} listener(s) or comm(s) were still inside a call on another thread; \
+             they, the registrations and the device state stay alive",
+            e.busy
+        );
+    }
 }
 
 pub(super) unsafe extern "C" fn devices(ndev: *mut c_int) -> ncclResult_t {
@@ -135,73 +170,6 @@ fn intern(s: &str) -> *mut c_char {
 /// Where a connect in progress keeps its id in NCCL's handle buffer between `connect` calls
 /// (the bytes `listen` leaves zero and never sends).
 const STATE: usize = handshake::HANDLE_STATE_OFFSET;
-/// The most connects in progress at once. NCCL may abandon a connect (an error elsewhere, a
-/// job torn down); beyond this many, the one advanced least recently is dropped.
-const MAX_CONNECTS: usize = 4096;
-
-/// Connects in progress, keyed by a random id kept in the handle's state bytes: those bytes are
-/// only ever looked up, never taken for a pointer, so a garbled or foreign handle is simply not
-/// found. An entry leaves when its connect finishes or fails, or when it is pushed out.
-static CONNECTS: Lazy<Mutex<Parked<Box<Connector>>>> =
-    Lazy::new(|| Mutex::new(Parked::new(MAX_CONNECTS)));
-
-fn connects() -> std::sync::MutexGuard<'static, Parked<Box<Connector>>> {
-    CONNECTS.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A bounded table of values parked between calls under 64-bit ids; when full, parking pushes
-/// out the value parked longest ago.
-struct Parked<T> {
-    cap: usize,
-    /// Park order: each park takes the next number.
-    seq: u64,
-    map: HashMap<u64, (u64, T)>,
-}
-
-impl<T> Parked<T> {
-    fn new(cap: usize) -> Self {
-        Parked { cap, seq: 0, map: HashMap::new() }
-    }
-
-    /// Parks `v` under `id` (a new id, or one just taken); returns what was pushed out.
-    fn park(&mut self, id: u64, v: T) -> Option<(u64, T)> {
-        let mut out = None;
-        if self.map.len() >= self.cap && !self.map.contains_key(&id) {
-            let oldest = self.map.iter().min_by_key(|(_, (seq, _))| *seq).map(|(k, _)| *k);
-            out = oldest.and_then(|k| self.map.remove(&k).map(|(_, v)| (k, v)));
-        }
-        self.seq += 1;
-        self.map.insert(id, (self.seq, v));
-        out
-    }
-
-    /// Takes the value under `id` if there is one and `belongs` accepts it.
-    fn take(&mut self, id: u64, belongs: impl FnOnce(&T) -> bool) -> Option<T> {
-        let (_, v) = self.map.get(&id)?;
-        if !belongs(v) {
-            return None;
-        }
-        self.map.remove(&id).map(|(_, v)| v)
-    }
-
-    fn contains(&self, id: u64) -> bool {
-        self.map.contains_key(&id)
-    }
-}
-
-/// A fresh id for a connect in progress: random, non-zero (zero means "none"), unused.
-fn fresh_id() -> Result<u64> {
-    loop {
-        let id = crate::os::random_u64().map_err(|err| Error::Os {
-            call: "getrandom",
-            err,
-            context: "connect id".into(),
-        })?;
-        if id != 0 && !connects().contains(id) {
-            return Ok(id);
-        }
-    }
-}
 
 fn handle_bytes<'a>(handle: *mut c_void) -> Result<&'a mut [u8; HANDLE_SIZE]> {
     // SAFETY: NCCL's handle buffer is NCCL_NET_HANDLE_MAXSIZE (128) bytes, valid for the call.
@@ -222,7 +190,7 @@ pub(super) unsafe extern "C" fn listen(
         let l = Listener::new(unsafe { handles::ctx(ctx) }?, dev)?;
         l.handle().encode(handle_bytes(handle)?);
         // SAFETY: valid slot per the ABI (NULL rejected).
-        *unsafe { out(listen_comm, "listenComm") }? = handles::into_raw(l);
+        *unsafe { out(listen_comm, "listenComm") }? = handles::listener_into_raw(l);
         Ok(())
     })
 }
@@ -257,38 +225,37 @@ pub(super) unsafe fn connect_with(
         // Cleared until this call parks the connect again: after an error, nothing points at
         // a connect that no longer exists.
         bytes[STATE..HANDLE_SIZE].fill(0);
-        // The published part, decoded afresh on every call: a parked connect is taken only for
-        // the same listener, and without one a connect starts.
-        let decoded = handshake::Handle::decode(bytes)
-            .map_err(|r| Error::Internal(format!("connect: invalid handle: {r}")));
-        let parked = match (&decoded, id) {
-            (Ok(h), id) if id != 0 => connects().take(id, |c| c.handle() == *h),
-            _ => None,
-        };
-        let (id, mut connector) = match parked {
-            Some(c) => (id, c),
-            None => {
-                let h = decoded?;
-                // SAFETY: ctx is what init returned (or the legacy context).
-                let c = unsafe { handles::ctx(ctx) }?;
-                let tc = tc.and_then(|t| u8::try_from(t).ok()).or(c.traffic_class);
-                (fresh_id()?, Box::new(Connector::start(c, dev, h, tc)?))
-            }
+        let h = handshake::Handle::decode(bytes)
+            .map_err(|r| Error::Internal(format!("connect: invalid handle: {r}")))?;
+        // Abandoned connects go first (dropped once the table is unlocked).
+        let expired = connects().expire(Instant::now());
+        drop(expired);
+        let (id, mut p) = if id != 0 {
+            // The published part, decoded afresh on every call: a parked connect is taken only
+            // for the same listener.
+            let p = connects().take(id, |p| p.connector.handle() == h).map_err(|m| m.error(id))?;
+            (id, p)
+        } else {
+            // SAFETY: ctx is what init returned (or the legacy context).
+            let c = unsafe { handles::ctx(ctx) }?;
+            let tc = tc.and_then(|t| u8::try_from(t).ok()).or(c.traffic_class);
+            let connector = Box::new(Connector::start(c, dev, h, tc)?);
+            (fresh_id()?, Pending { connector, timeout: c.net.config.setup_timeout })
         };
         // On error the connector is dropped here, closing everything it built.
-        if let Some(comm) = connector.progress()? {
+        if let Some(comm) = p.connector.progress()? {
             // SAFETY: valid slot per the ABI (NULL rejected).
-            *unsafe { out(send_comm, "sendComm") }? =
-                handles::into_raw(CommHandle::new(AnyComm::Send(comm)));
+            *unsafe { out(send_comm, "sendComm") }? = handles::comm_into_raw(AnyComm::Send(comm));
             return Ok(());
         }
-        let pushed_out = connects().park(id, connector);
+        let deadline = Instant::now() + p.timeout;
+        let pushed_out = connects().park(id, p, deadline);
         bytes[STATE..STATE + 8].copy_from_slice(&id.to_le_bytes());
         if let Some((_, old)) = pushed_out {
             ::log::warn!(
                 "connect: {MAX_CONNECTS} connects in progress; dropped the one to {} advanced \
-                 least recently (NCCL stopped calling connect for it)",
-                old.handle().addr
+                 least recently (NCCL's next connect call for it fails)",
+                old.connector.handle().addr
             );
         }
         Ok(())
@@ -303,12 +270,11 @@ pub(super) unsafe extern "C" fn accept(
     // SAFETY: NCCL passes NULL or a valid slot.
     unsafe { clear(recv_comm) };
     guard("accept", || {
-        // SAFETY: listen_comm came from listen and is used by this thread only.
-        let l = unsafe { handles::borrow::<Listener>(listen_comm, "listenComm") }?;
+        // SAFETY: listen_comm came from listen and is not closed.
+        let mut l = unsafe { handles::listener(listen_comm) }?.enter("listenComm")?;
         if let Some(comm) = l.accept()? {
             // SAFETY: valid slot per the ABI (NULL rejected).
-            *unsafe { out(recv_comm, "recvComm") }? =
-                handles::into_raw(CommHandle::new(AnyComm::Recv(comm)));
+            *unsafe { out(recv_comm, "recvComm") }? = handles::comm_into_raw(AnyComm::Recv(comm));
         }
         Ok(())
     })
@@ -333,12 +299,11 @@ pub(super) unsafe extern "C" fn reg_mr(
                 )));
             }
         };
-        // SAFETY: comm came from connect/accept.
-        let c = unsafe { handles::comm_shared(comm) }?;
-        let (net, dev) = (&c.net, c.dev);
-        let h = reg::register(net, dev, kind, data as u64, size as u64)?;
+        // SAFETY: comm came from connect/accept and is not closed.
+        let c = unsafe { handles::comm(comm) }?;
+        let h = reg::register(&c.net()?, c.dev, kind, data as u64, size as u64)?;
         // SAFETY: valid slot per the ABI (NULL rejected).
-        *unsafe { out(mhandle, "mhandle") }? = handles::into_raw(h);
+        *unsafe { out(mhandle, "mhandle") }? = handles::mr_into_raw(h);
         Ok(())
     })
 }
@@ -358,12 +323,11 @@ pub(super) unsafe extern "C" fn reg_mr_dma_buf(
     // SAFETY: NCCL passes NULL or a valid slot.
     unsafe { clear(mhandle) };
     guard("regMrDmaBuf", || {
-        // SAFETY: comm came from connect/accept.
-        let c = unsafe { handles::comm_shared(comm) }?;
-        let (net, dev) = (&c.net, c.dev);
-        let h = reg::register_dmabuf(net, dev, data as u64, size as u64, offset, fd)?;
+        // SAFETY: comm came from connect/accept and is not closed.
+        let c = unsafe { handles::comm(comm) }?;
+        let h = reg::register_dmabuf(&c.net()?, c.dev, data as u64, size as u64, offset, fd)?;
         // SAFETY: valid slot per the ABI (NULL rejected).
-        *unsafe { out(mhandle, "mhandle") }? = handles::into_raw(h);
+        *unsafe { out(mhandle, "mhandle") }? = handles::mr_into_raw(h);
         Ok(())
     })
 }
@@ -371,14 +335,14 @@ pub(super) unsafe extern "C" fn reg_mr_dma_buf(
 pub(super) unsafe extern "C" fn dereg_mr(_comm: *mut c_void, mhandle: *mut c_void) -> ncclResult_t {
     guard("deregMr", || {
         if !mhandle.is_null() {
-            // SAFETY: mhandle came from regMr and is deregistered once.
-            reg::deregister(unsafe { handles::take::<MrHandle>(mhandle, "mhandle") }?);
+            reg::deregister(handles::close_mr(mhandle)?);
         }
         Ok(())
     })
 }
 
-/// The registered buffer `[data, data + size)` under `mhandle`.
+/// The registered buffer `[data, data + size)` under `mhandle`, for a call holding a comm's
+/// gate.
 fn buf(data: *mut c_void, size: u64, mhandle: *mut c_void) -> Result<Buf> {
     if mhandle.is_null() {
         if size == 0 {
@@ -386,7 +350,8 @@ fn buf(data: *mut c_void, size: u64, mhandle: *mut c_void) -> Result<Buf> {
         }
         return Err(Error::Internal("NULL mhandle for a non-empty buffer".into()));
     }
-    // SAFETY: mhandle came from regMr and is alive until deregMr.
+    // SAFETY: mhandle came from regMr and is alive until deregMr; the caller holds a comm's
+    // gate.
     let h = unsafe { handles::mr(mhandle) }?;
     Buf::within(&h.mr, h.kind, data as u64, size)
 }
@@ -403,13 +368,14 @@ pub(super) unsafe extern "C" fn isend(
     // SAFETY: NCCL passes NULL or a valid slot.
     unsafe { clear(request) };
     guard("isend", || {
-        // SAFETY: send_comm came from connect and is used by this thread only.
-        let AnyComm::Send(c) = unsafe { handles::comm_mut(send_comm) }? else {
+        // SAFETY: send_comm came from connect and is not closed.
+        let h = unsafe { handles::comm(send_comm) }?;
+        let AnyComm::Send(c) = &mut *h.enter()? else {
             return Err(Error::Internal("isend on a receive comm".into()));
         };
         if let Some(id) = c.isend(buf(data, size as u64, mhandle)?, tag)? {
             // SAFETY: valid slot per the ABI (NULL rejected).
-            *unsafe { out(request, "request") }? = (&raw mut c.headers[id]).cast();
+            *unsafe { out(request, "request") }? = h.request(id);
         }
         Ok(())
     })
@@ -434,8 +400,9 @@ pub(super) unsafe extern "C" fn irecv(
     // SAFETY: as above.
     unsafe { clear(request) };
     guard("irecv", || {
-        // SAFETY: recv_comm came from accept and is used by this thread only.
-        let AnyComm::Recv(c) = unsafe { handles::comm_mut(recv_comm) }? else {
+        // SAFETY: recv_comm came from accept and is not closed.
+        let h = unsafe { handles::comm(recv_comm) }?;
+        let AnyComm::Recv(c) = &mut *h.enter()? else {
             return Err(Error::Internal("irecv on a send comm".into()));
         };
         let count = usize::try_from(n).ok().filter(|k| (1..=MAX_RECVS).contains(k));
@@ -453,7 +420,7 @@ pub(super) unsafe extern "C" fn irecv(
         }
         if let Some(id) = c.irecv(&bufs[..count], optional)? {
             // SAFETY: valid slot per the ABI (NULL rejected).
-            *unsafe { out(request, "request") }? = (&raw mut c.headers[id]).cast();
+            *unsafe { out(request, "request") }? = h.request(id);
         }
         Ok(())
     })
@@ -470,8 +437,9 @@ pub(super) unsafe extern "C" fn iflush(
     // SAFETY: NCCL passes NULL or a valid slot.
     unsafe { clear(request) };
     guard("iflush", || {
-        // SAFETY: recv_comm came from accept and is used by this thread only.
-        let AnyComm::Recv(c) = unsafe { handles::comm_mut(recv_comm) }? else {
+        // SAFETY: recv_comm came from accept and is not closed.
+        let h = unsafe { handles::comm(recv_comm) }?;
+        let AnyComm::Recv(c) = &mut *h.enter()? else {
             return Err(Error::Internal("iflush on a send comm".into()));
         };
         let count = usize::try_from(n).unwrap_or(0).min(MAX_RECVS);
@@ -493,7 +461,7 @@ pub(super) unsafe extern "C" fn iflush(
         }
         if let Some(id) = c.iflush(&bufs[..k])? {
             // SAFETY: valid slot per the ABI (NULL rejected).
-            *unsafe { out(request, "request") }? = (&raw mut c.headers[id]).cast();
+            *unsafe { out(request, "request") }? = h.request(id);
         }
         Ok(())
     })
@@ -505,17 +473,16 @@ pub(super) unsafe extern "C" fn test(
     sizes: *mut c_int,
 ) -> ncclResult_t {
     guard("test", || {
-        // SAFETY: request is a live request pointer returned by isend/irecv/iflush.
-        let h = unsafe { handles::request(request) }?;
+        // SAFETY: request is a request pointer returned by isend/irecv/iflush, of a comm NCCL
+        // has not closed.
+        let (r, h) = unsafe { handles::request(request) }?;
         // SAFETY: NCCL passes a valid int (NULL rejected).
         let done = unsafe { out(done, "done") }?;
         *done = 0;
         let clamp = |v: u64| c_int::try_from(v).unwrap_or(c_int::MAX);
-        match h.kind {
-            ReqKind::Send => {
-                // SAFETY: a send request's owner is a live SendComm.
-                let c = unsafe { handles::owner::<SendComm>(&h) };
-                if let Some(size) = c.test(h.index.into())? {
+        match (&mut *h.enter()?, r.kind) {
+            (AnyComm::Send(c), ReqKind::Send) => {
+                if let Some(size) = c.test(r.index.into())? {
                     // SAFETY: sizes is NULL or has room for one int.
                     if let Some(s) = unsafe { sizes.as_mut() } {
                         *s = clamp(size);
@@ -523,14 +490,11 @@ pub(super) unsafe extern "C" fn test(
                     *done = 1;
                 }
             }
-            ReqKind::Recv | ReqKind::Flush => {
-                // SAFETY: a receive or flush request's owner is a live RecvComm.
-                let c = unsafe { handles::owner::<RecvComm>(&h) };
-                let id =
-                    usize::from(h.index) + if h.kind == ReqKind::Flush { FLUSH_BASE } else { 0 };
+            (AnyComm::Recv(c), kind @ (ReqKind::Recv | ReqKind::Flush)) => {
+                let id = usize::from(r.index) + if kind == ReqKind::Flush { FLUSH_BASE } else { 0 };
                 let mut got = [0u64; MAX_RECVS];
                 if let Some(n) = c.test(id, &mut got)? {
-                    if !sizes.is_null() && h.kind == ReqKind::Recv {
+                    if !sizes.is_null() && kind == ReqKind::Recv {
                         for (i, &g) in got.iter().enumerate().take(n) {
                             // SAFETY: NCCL passes room for the n sizes of this receive.
                             unsafe { *sizes.add(i) = clamp(g) };
@@ -539,65 +503,20 @@ pub(super) unsafe extern "C" fn test(
                     *done = 1;
                 }
             }
+            _ => return Err(Error::Internal("a request of the wrong kind for its comm".into())),
         }
         Ok(())
     })
 }
 
 pub(super) unsafe extern "C" fn close_send(send_comm: *mut c_void) -> ncclResult_t {
-    guard("closeSend", || {
-        // SAFETY: send_comm came from connect and is closed once.
-        drop(unsafe { handles::take::<CommHandle>(send_comm, "sendComm") }?);
-        Ok(())
-    })
+    guard("closeSend", || handles::close_comm(send_comm, "sendComm"))
 }
 
 pub(super) unsafe extern "C" fn close_recv(recv_comm: *mut c_void) -> ncclResult_t {
-    guard("closeRecv", || {
-        // SAFETY: recv_comm came from accept and is closed once.
-        drop(unsafe { handles::take::<CommHandle>(recv_comm, "recvComm") }?);
-        Ok(())
-    })
+    guard("closeRecv", || handles::close_comm(recv_comm, "recvComm"))
 }
 
 pub(super) unsafe extern "C" fn close_listen(listen_comm: *mut c_void) -> ncclResult_t {
-    guard("closeListen", || {
-        // SAFETY: listen_comm came from listen and is closed once.
-        drop(unsafe { handles::take::<Listener>(listen_comm, "listenComm") }?);
-        Ok(())
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parked_values_are_found_by_id_only_and_leave_when_taken() {
-        let mut t = Parked::new(3);
-        assert_eq!(t.park(10, "a"), None);
-        assert_eq!(t.park(20, "b"), None);
-        assert_eq!(t.take(99, |_| true), None, "an unknown id is not found");
-        assert_eq!(t.take(10, |v| *v == "other"), None, "another listener's entry stays");
-        assert!(t.contains(10));
-        assert_eq!(t.take(10, |v| *v == "a"), Some("a"));
-        assert_eq!(t.take(10, |_| true), None, "taken once");
-    }
-
-    #[test]
-    fn a_full_table_pushes_out_the_value_advanced_least_recently() {
-        let mut t = Parked::new(3);
-        for (id, v) in [(1, 'a'), (2, 'b'), (3, 'c')] {
-            assert_eq!(t.park(id, v), None);
-        }
-        // 1 is advanced again (taken and parked): 2 is now the stalest.
-        let a = t.take(1, |_| true).unwrap();
-        assert_eq!(t.park(1, a), None);
-        assert_eq!(t.park(4, 'd'), Some((2, 'b')));
-        assert_eq!(t.park(5, 'e'), Some((3, 'c')));
-        assert_eq!(t.map.len(), 3);
-        // Re-parking a present id never pushes anything out.
-        assert_eq!(t.park(5, 'f'), None);
-        assert_eq!(t.map.len(), 3);
-    }
+    guard("closeListen", || handles::close_listener(listen_comm))
 }

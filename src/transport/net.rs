@@ -3,8 +3,12 @@
 //! NCCL ≥ 2.28 calls `init` once per communicator and `finalize` once per successful `init`,
 //! and may `dlclose` the library after the last `finalize`. So the device state ([`Net`]) is
 //! created by the first `init`, shared by every [`CommContext`], and released when the last
-//! context is finalized: nothing outlives the last `finalize` except what comms still hold.
-//! A later `init` discovers the devices afresh (same order, so device indices are stable).
+//! context is finalized. Nothing outlives the last `finalize`: before the state is released,
+//! `ffi` ends whatever NCCL left open (connects in progress, listeners, comms, registrations;
+//! the `on_last` of [`finalize`]), which drops every other reference to it; the event thread
+//! is stopped and joined whatever references remain, and the device contexts close with the
+//! last reference. A later `init` discovers the devices afresh (same order, so device indices
+//! are stable).
 //!
 //! Older ABIs (v6–v10) call `init` once per load and never `finalize`; `ffi` keeps one context
 //! for them for the life of the library.
@@ -23,15 +27,24 @@ use crate::verbs;
 pub struct Net {
     pub config: Config,
     pub devices: Vec<NetDevice>,
-    /// Stopped and joined when the last user lets go, so the library can be unloaded.
-    events: Option<EventThread>,
+    /// Stopped and joined at the last `finalize` (or when the state drops), so the library
+    /// can be unloaded.
+    events: Mutex<Option<EventThread>>,
+}
+
+impl Net {
+    /// Stops and joins the event thread, if it runs.
+    fn stop_events(&self) {
+        let t = self.events.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(t) = t {
+            t.stop();
+        }
+    }
 }
 
 impl Drop for Net {
     fn drop(&mut self) {
-        if let Some(t) = self.events.take() {
-            t.stop();
-        }
+        self.stop_events();
     }
 }
 
@@ -218,7 +231,7 @@ impl Net {
                 log::warn!("device {i}: {}: {w}", d.name);
             }
         }
-        let events = Some(EventThread::start(&devices)?);
+        let events = Mutex::new(Some(EventThread::start(&devices)?));
         Ok(Net { config, devices, events })
     }
 
@@ -262,13 +275,32 @@ pub fn init(comm_id: u64, traffic_class: i32) -> Result<CommContext> {
     Ok(CommContext { net, comm_id, traffic_class })
 }
 
-/// Ends a communicator context; the last one releases the shared device state.
-pub fn finalize(ctx: CommContext) {
+/// Ends a communicator context. The last one runs `on_last` (which ends what still holds the
+/// device state) and releases the state, all under the registry's lock, so a concurrent
+/// `init` waits for the old state to be gone before it opens a new one.
+pub fn finalize(ctx: CommContext, on_last: impl FnOnce()) {
     drop(ctx);
     let mut reg = registry();
     reg.contexts = reg.contexts.saturating_sub(1);
-    if reg.contexts == 0 {
-        reg.net = None;
+    if reg.contexts > 0 {
+        return;
+    }
+    on_last();
+    if let Some(net) = reg.net.take() {
+        release(net);
+    }
+}
+
+/// Lets go of the device state: the event thread stops now, and the devices close with the
+/// last reference, which, once `ffi` has ended everything, is this one.
+fn release(net: Arc<Net>) {
+    net.stop_events();
+    let others = Arc::strong_count(&net) - 1;
+    if others > 0 {
+        log::warn!(
+            "finalize: {others} reference(s) to the device state remain (see the WARN above); \
+             its devices stay open until they go"
+        );
     }
 }
 
