@@ -616,11 +616,17 @@ fn pd_cost() {
     let _warm = Pd::new(&ctx).unwrap();
     const N: usize = 1000;
     let pid = std::process::id();
-    let (rss0, pds0) = (rss_bytes(), rdma_counts(pid).unwrap().pd);
+    // The kernel's side of a PD is slab memory: the VM's total, quiet but for this test.
+    let slab = || {
+        let m = std::fs::read_to_string("/proc/meminfo").unwrap();
+        let kib = m.lines().find_map(|l| l.strip_prefix("Slab:")).unwrap();
+        kib.split_whitespace().next().unwrap().parse::<i64>().unwrap() << 10
+    };
+    let (rss0, slab0, pds0) = (rss_bytes(), slab(), rdma_counts(pid).unwrap().pd);
     let t = Instant::now();
     let pds: Vec<_> = (0..N).map(|_| Pd::new(&ctx).unwrap()).collect();
     let alloc = t.elapsed();
-    let (rss1, pds1) = (rss_bytes(), rdma_counts(pid).unwrap().pd);
+    let (rss1, slab1, pds1) = (rss_bytes(), slab(), rdma_counts(pid).unwrap().pd);
     let t = Instant::now();
     drop(pds);
     let dealloc = t.elapsed();
@@ -648,13 +654,14 @@ fn pd_cost() {
     let bytes_each = rss1.saturating_sub(rss0) as f64 / N as f64;
     eprintln!(
         "pd_cost on rxe0: {N} PDs: ibv_alloc_pd {:.1} us each, ibv_dealloc_pd {:.1} us each, \
-         RssAnon +{:.0} bytes each (+{} KiB for {N}), kernel PD objects +{}; ibv_reg_mr of a \
-         4 MiB buffer {reg4:.2} ms, of 64 MiB {reg64:.2} ms (what each extra PD repeats per \
-         buffer)",
+         RssAnon +{:.0} bytes each (+{} KiB for {N}), kernel slab {:+.0} bytes each, kernel \
+         PD objects +{}; ibv_reg_mr of a 4 MiB buffer {reg4:.2} ms, of 64 MiB {reg64:.2} ms \
+         (what each extra PD repeats per buffer)",
         us(alloc),
         us(dealloc),
         bytes_each,
         rss1.saturating_sub(rss0) >> 10,
+        (slab1 - slab0) as f64 / N as f64,
         pds1 - pds0
     );
     for v in [us(alloc), us(dealloc), reg4, reg64] {

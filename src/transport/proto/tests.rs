@@ -706,13 +706,20 @@ fn poll(wire: &RefCell<Wire>, side: usize, mut f: impl FnMut(&Completion)) {
     }
 }
 
+/// `full`, or `miri` under Miri, which runs these tests some hundred times slower: fewer and
+/// shorter programs, each still longer than the slot ring.
+fn miri_or<T>(full: T, miri: T) -> T {
+    if cfg!(miri) { miri } else { full }
+}
+
 #[test]
 fn random_interleavings_complete_every_request_once_with_its_bytes() {
     let mut rng = Rng(0x0f0f_1234_5678_9abc);
-    for seed in 0..150u64 {
-        let run = random_run(&mut rng, 200, [0, 100, 4096, CAP][seed as usize % 4]);
+    let groups = miri_or(200, 40);
+    for seed in 0..miri_or(150u64, 4) {
+        let run = random_run(&mut rng, groups, [0, 100, 4096, CAP][seed as usize % 4]);
         let o = drive(&run, seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        assert_eq!((o.recvs_done, o.sends_done), (200, 200), "seed {seed}");
+        assert_eq!((o.recvs_done, o.sends_done), (groups, groups), "seed {seed}");
     }
 }
 
@@ -721,12 +728,12 @@ fn every_mode_and_qp_count_is_covered() {
     let mut rng = Rng(77);
     for nqps in 1..=8 {
         for split in [false, true] {
-            let mut run = random_run(&mut rng, 120, CAP);
+            let mut run = random_run(&mut rng, miri_or(120, 12), CAP);
             run.nqps = nqps;
             run.split = split;
             run.max_msg = 1000; // large buffers need several work requests per lane
             let o = drive(&run, (nqps as u64) << 8 | split as u64);
-            assert_eq!(o.recvs_done, 120, "nqps {nqps} split {split}");
+            assert_eq!(o.recvs_done, run.groups.len(), "nqps {nqps} split {split}");
         }
     }
 }
@@ -734,22 +741,23 @@ fn every_mode_and_qp_count_is_covered() {
 #[test]
 fn the_fifo_and_every_sequence_wrap_over_a_hundred_thousand_messages() {
     let mut rng = Rng(5);
-    let mut run = random_run(&mut rng, 100_000, 16);
+    let n = miri_or(100_000, 300);
+    let mut run = random_run(&mut rng, n, 16);
     run.nqps = 2;
     run.max_inline = 64;
     let o = drive(&run, 99);
-    assert_eq!(o.recvs_done, 100_000);
+    assert_eq!(o.recvs_done, n);
 }
 
-/// Runs 100 random programs with a fault injected by `fault` at a random step; returns how
+/// Runs 100 random programs (4 under Miri) with a fault injected by `fault` at a random step; returns how
 /// many requests failed. Whatever completed before the fault was checked byte for byte; whatever
 /// was outstanding failed instead of hanging (the loop ends only when nothing is left).
 fn with_fault(seed: u64, fault: impl Fn(&mut Run, u64)) -> usize {
     let mut rng = Rng(seed);
     let mut failed = 0;
-    for s in 0..100u64 {
-        let mut run = random_run(&mut rng, 150, 4096);
-        fault(&mut run, 100 + rng.below(3000));
+    for s in 0..miri_or(100u64, 4) {
+        let mut run = random_run(&mut rng, miri_or(150, 40), 4096);
+        fault(&mut run, 100 + rng.below(miri_or(3000, 300)));
         let o = drive(&run, s + 1);
         failed += o.errors[0] + o.errors[1];
     }
