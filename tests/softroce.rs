@@ -599,3 +599,72 @@ fn a_thousand_connect_transfer_close_cycles_leak_nothing() {
     drv.finalize(ctx).unwrap();
     take_captured();
 }
+
+/// What a protection domain per comm would cost, for the README's choice of one per device:
+/// the time to allocate and free a PD, the memory a held PD takes in this process, and the
+/// registration every extra comm would repeat for each buffer it could no longer share (an MR
+/// belongs to one PD, and NCCL registers a buffer once for every comm on the device:
+/// `regIsGlobal`). Prints one line with the numbers.
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn pd_cost() {
+    use ferroce::verbs::{self, ForeignMem, Mr, Pd};
+    require_vm();
+    let _g = serial();
+    let (_, mut ctxs) = verbs::open_all(|n| n == "rxe0").unwrap();
+    let ctx = std::sync::Arc::new(ctxs.remove(0).unwrap());
+    let _warm = Pd::new(&ctx).unwrap();
+    const N: usize = 1000;
+    let pid = std::process::id();
+    // The kernel's side of a PD is slab memory: the VM's total, quiet but for this test.
+    let slab = || {
+        let m = std::fs::read_to_string("/proc/meminfo").unwrap();
+        let kib = m.lines().find_map(|l| l.strip_prefix("Slab:")).unwrap();
+        kib.split_whitespace().next().unwrap().parse::<i64>().unwrap() << 10
+    };
+    let (rss0, slab0, pds0) = (rss_bytes(), slab(), rdma_counts(pid).unwrap().pd);
+    let t = Instant::now();
+    let pds: Vec<_> = (0..N).map(|_| Pd::new(&ctx).unwrap()).collect();
+    let alloc = t.elapsed();
+    let (rss1, slab1, pds1) = (rss_bytes(), slab(), rdma_counts(pid).unwrap().pd);
+    let t = Instant::now();
+    drop(pds);
+    let dealloc = t.elapsed();
+    let pds2 = rdma_counts(pid).unwrap().pd;
+    assert_eq!((pds1 - pds0, pds2), (N, pds0), "the kernel saw each PD come and go");
+
+    // One registration of a buffer the size of NCCL's (4 MiB: NCCL_BUFFSIZE) and a larger one,
+    // each in its own PD, pages already touched as NCCL's pinned buffers are.
+    let reg_ms = |len: usize| {
+        let pd = Pd::new(&ctx).unwrap();
+        let mut buf = vec![1u8; len];
+        let access = verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_WRITE;
+        // SAFETY: nothing reads or writes `buf` while the MR lives, and no QP can reach it.
+        let mem = unsafe { ForeignMem::new(buf.as_mut_ptr() as u64, len as u64) };
+        let t = Instant::now();
+        let mr = Mr::register_host(&pd, mem, access).unwrap();
+        let took = t.elapsed();
+        drop(mr);
+        drop(buf);
+        took.as_secs_f64() * 1e3
+    };
+    let (reg4, reg64) = (reg_ms(4 << 20), reg_ms(64 << 20));
+
+    let us = |d: Duration| d.as_secs_f64() * 1e6 / N as f64;
+    let bytes_each = rss1.saturating_sub(rss0) as f64 / N as f64;
+    eprintln!(
+        "pd_cost on rxe0: {N} PDs: ibv_alloc_pd {:.1} us each, ibv_dealloc_pd {:.1} us each, \
+         RssAnon +{:.0} bytes each (+{} KiB for {N}), kernel slab {:+.0} bytes each, kernel \
+         PD objects +{}; ibv_reg_mr of a 4 MiB buffer {reg4:.2} ms, of 64 MiB {reg64:.2} ms \
+         (what each extra PD repeats per buffer)",
+        us(alloc),
+        us(dealloc),
+        bytes_each,
+        rss1.saturating_sub(rss0) >> 10,
+        (slab1 - slab0) as f64 / N as f64,
+        pds1 - pds0
+    );
+    for v in [us(alloc), us(dealloc), reg4, reg64] {
+        assert!(v.is_finite() && v > 0.0, "{v}");
+    }
+}

@@ -123,7 +123,7 @@ pub(super) fn properties(dev: c_int) -> Result<ncclNetProperties_v12_t> {
         speed: d.speed_mbps,
         port: d.nccl_port,
         latency: 0.0,
-        maxComms: d.max_qp,
+        maxComms: d.max_comms(net.config.qps_per_conn),
         maxRecvs: MAX_RECVS as c_int,
         netDeviceType: ncclNetDeviceType::NCCL_NET_DEVICE_HOST,
         netDeviceVersion: NCCL_NET_DEVICE_INVALID_VERSION as c_int,
@@ -301,7 +301,13 @@ pub(super) unsafe extern "C" fn reg_mr(
         };
         // SAFETY: comm came from connect/accept and is not closed.
         let c = unsafe { handles::comm(comm) }?;
-        let h = reg::register(&c.net()?, c.dev, kind, data as u64, size as u64)?;
+        // SAFETY: the buffer is NCCL's, lent to the network until deregMr (the ncclNet
+        // contract for regMr): no Rust object lives in it. The rest of its pages (the cache
+        // registers whole pages, as NCCL's own transport does) is NCCL's page-granular
+        // allocation too; a buffer that shares a page with other memory has it written only
+        // by a peer writing outside the buffers it was offered.
+        let mem = unsafe { crate::verbs::ForeignMem::new(data as u64, size as u64) };
+        let h = reg::register(&c.net()?, c.dev, kind, mem)?;
         // SAFETY: valid slot per the ABI (NULL rejected).
         *unsafe { out(mhandle, "mhandle") }? = handles::mr_into_raw(h);
         Ok(())

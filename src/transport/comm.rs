@@ -6,6 +6,11 @@
 //!
 //! NCCL's request pointer is the address of a [`ReqHeader`] in a fixed per-comm array (no
 //! allocation per request) whose `owner` is the address of the boxed comm.
+//!
+//! Least privilege: each queue pair grants the peer only what its role needs ([`qp_access`],
+//! from the core's [`Grant`]s), and each control buffer is registered with only the access its
+//! role needs ([`CONTROL_IN`], [`STAGE`], [`FLUSH_TARGET`]). Nothing here grants remote read
+//! except the flush QP, which only its own RDMA read reaches.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,13 +19,36 @@ use super::device::{NetDevice, Queue, Watch};
 use super::mr_cache::MemKind;
 use super::net::Net;
 use super::proto::{
-    FIFO_WORDS, Fault, Post, RECV_SEND_QUEUE, RecvCore, SIZE_WORDS, SendCore, Words,
+    FIFO_WORDS, Fault, Grant, Post, RECV_SEND_QUEUE, RecvCore, SIZE_WORDS, SendCore, Words,
+    recv_grant, send_grant,
 };
 use crate::error::{Error, Result};
 use crate::verbs::{self, Cq, Mr, Qp, RegisteredBuf};
 use crate::wr::{Completion, SendWr};
 
 pub use super::proto::{Buf, FLUSH_BASE, MAX_RECVS, Params, Path, SEND_QUEUE, SLOTS};
+
+/// The `qp_access_flags` of a QP that grants `g`. `IBV_ACCESS_LOCAL_WRITE` is never asked:
+/// on a QP it means nothing (the local NIC's own operations are checked against the memory
+/// regions' access, not the QP's).
+pub fn qp_access(g: Grant) -> u32 {
+    match g {
+        Grant::Nothing => 0,
+        Grant::Write => verbs::ACCESS_REMOTE_WRITE,
+        Grant::Read => verbs::ACCESS_REMOTE_READ,
+    }
+}
+
+/// A control buffer the peer's NIC writes: the sender's CTS FIFO, the receiver's size records
+/// and ack word. Verbs requires local write with remote write. No remote read: the peer never
+/// reads them. Never relaxed ordering: readers take an entry as valid once its last word has
+/// landed, which is only sound if the peer's write lands in order.
+pub const CONTROL_IN: u32 = verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_WRITE;
+/// A staging buffer the local NIC only reads (the source of CTS and size-record writes): no
+/// access flag at all, local read being always allowed.
+pub const STAGE: u32 = 0;
+/// The flush's scratch word, which the flush QP's RDMA read writes into: local write only.
+pub const FLUSH_TARGET: u32 = verbs::ACCESS_LOCAL_WRITE;
 
 /// Inline payload asked of every QP: a whole CTS row (8 entries of 64 bytes), and small sends.
 const INLINE: u32 = 512;
@@ -157,18 +185,19 @@ fn progress(
     }
 }
 
-/// `nqps` RC queue pairs on device `d`, sharing `cq`, moved to INIT with `access`.
+/// `nqps` RC queue pairs on device `d`, sharing `cq`, moved to INIT granting QP `q`
+/// `grant(q)`.
 fn create_qps(
     d: &NetDevice,
     cq: &Arc<Cq>,
     nqps: usize,
     caps: verbs::QpCaps,
-    access: u32,
+    grant: impl Fn(usize) -> Grant,
 ) -> Result<Vec<Qp>> {
     (0..nqps)
-        .map(|_| {
+        .map(|q| {
             let qp = Qp::create_rc(&d.pd, cq, caps)?;
-            qp.to_init(d.port, access)?;
+            qp.to_init(d.port, qp_access(grant(q)))?;
             Ok(qp)
         })
         .collect()
@@ -265,17 +294,12 @@ impl SendParts {
         let cq = Cq::new(&d.ctx, (nqps * SEND_QUEUE + 64).min(32767) as i32)?;
         let caps =
             verbs::QpCaps { max_send_wr: SEND_QUEUE as u32, max_recv_wr: 1, max_inline: INLINE };
-        let qps =
-            create_qps(d, &cq, nqps, caps, verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_WRITE)?;
+        let qps = create_qps(d, &cq, nqps, caps, send_grant)?;
         // The CTS FIFO is registered without IBV_ACCESS_RELAXED_ORDERING, always: isend reads an
         // entry as valid once its last word (idx) has landed, which is only sound if the
         // receiver's RDMA write lands in order. Relaxed ordering is for NCCL's buffers only.
-        let fifo = RegisteredBuf::new(
-            &d.pd,
-            FIFO_WORDS * 8,
-            verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_WRITE,
-        )?;
-        let sizes_stage = RegisteredBuf::new(&d.pd, SIZE_WORDS * 8, verbs::ACCESS_LOCAL_WRITE)?;
+        let fifo = RegisteredBuf::new(&d.pd, FIFO_WORDS * 8, CONTROL_IN)?;
+        let sizes_stage = RegisteredBuf::new(&d.pd, SIZE_WORDS * 8, STAGE)?;
         Ok(SendParts { qps, cq, fifo, sizes_stage })
     }
 }
@@ -364,6 +388,11 @@ impl Drop for SendComm {
 
 /// A loopback queue pair for the GPUDirect flush: an RDMA read of the last received buffer
 /// completes only after the NIC's earlier writes into that memory are visible.
+///
+/// It keeps remote read ([`Flusher::ACCESS`]) because it is the responder of its own read: the
+/// read arrives on the flush QP, so the flush QP, not the data QPs, must allow it (and so must
+/// the MR of NCCL's buffer, see `reg`). It grants nothing else, and only this comm's own QP
+/// reaches it: it is connected to itself.
 pub struct Flusher {
     pub qp: Qp,
     pub target: RegisteredBuf,
@@ -396,6 +425,11 @@ pub struct RecvParts {
     pub sizes: RegisteredBuf,
 }
 
+impl Flusher {
+    /// The flush QP's `qp_access_flags` (the flush QP is index `nqps` of [`recv_grant`]).
+    pub const ACCESS: u32 = verbs::ACCESS_REMOTE_READ;
+}
+
 impl RecvParts {
     pub fn new(net: &Arc<Net>, dev: usize, nqps: usize) -> Result<RecvParts> {
         let d = &net.devices[dev];
@@ -405,15 +439,9 @@ impl RecvParts {
             max_recv_wr: (2 * SLOTS) as u32,
             max_inline: INLINE,
         };
-        let access =
-            verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_WRITE | verbs::ACCESS_REMOTE_READ;
-        let qps = create_qps(d, &cq, nqps, caps, access)?;
-        let cts_stage = RegisteredBuf::new(&d.pd, FIFO_WORDS * 8, verbs::ACCESS_LOCAL_WRITE)?;
-        let sizes = RegisteredBuf::new(
-            &d.pd,
-            SIZE_WORDS * 8,
-            verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_WRITE,
-        )?;
+        let qps = create_qps(d, &cq, nqps, caps, |q| recv_grant(q, nqps))?;
+        let cts_stage = RegisteredBuf::new(&d.pd, FIFO_WORDS * 8, STAGE)?;
+        let sizes = RegisteredBuf::new(&d.pd, SIZE_WORDS * 8, CONTROL_IN)?;
         Ok(RecvParts { qps, cq, cts_stage, sizes })
     }
 }
@@ -517,5 +545,24 @@ impl Drop for RecvComm {
         let what = format!("receive comm from {} closed", self.path.peer);
         let dev = &self.net.devices[self.dev];
         log::info!("{}", self.life.line(&what, self.core.traffic(), &self.path, dev));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The verbs flags of each role: QPs never ask for local write (meaningless there), only
+    /// the flush QP allows remote read, and no buffer of ours allows it at all.
+    #[test]
+    fn access_flags_by_role() {
+        assert_eq!(qp_access(Grant::Nothing), 0);
+        assert_eq!(qp_access(Grant::Write), verbs::ACCESS_REMOTE_WRITE);
+        assert_eq!(qp_access(recv_grant(4, 4)), Flusher::ACCESS);
+        assert_eq!(Flusher::ACCESS, verbs::ACCESS_REMOTE_READ);
+        for flags in [CONTROL_IN, STAGE, FLUSH_TARGET] {
+            assert_eq!(flags & (verbs::ACCESS_REMOTE_READ | verbs::ACCESS_RELAXED_ORDERING), 0);
+        }
+        assert_eq!(STAGE, 0, "a staging buffer is only read by the local NIC");
     }
 }

@@ -136,7 +136,26 @@ impl DeviceFlags {
     }
 }
 
+/// The queue pairs one comm uses with `qps_per_conn` per connection
+/// (`NCCL_IB_QPS_PER_CONNECTION`): a send comm has that many, a receive comm as many plus the
+/// loopback flush QP on a device that flushes. Counted as the larger, so that any mix of send
+/// and receive comms fits.
+pub fn qps_per_comm(qps_per_conn: usize, flush: bool) -> usize {
+    qps_per_conn.max(1) + usize::from(flush)
+}
+
+/// `maxComms` for NCCL: how many comms the device's `max_qp` holds at [`qps_per_comm`] each.
+pub fn max_comms(max_qp: i32, qps_per_conn: usize, flush: bool) -> i32 {
+    let per = i32::try_from(qps_per_comm(qps_per_conn, flush)).unwrap_or(i32::MAX);
+    max_qp.max(0) / per
+}
+
 impl NetDevice {
+    /// What NCCL is told as this device's `maxComms` (see [`max_comms`]).
+    pub fn max_comms(&self, qps_per_conn: usize) -> i32 {
+        max_comms(self.max_qp, qps_per_conn, self.gdr.flush)
+    }
+
     /// The GID for a new connection, re-chosen first if the table changed.
     pub fn gid(&self, config: &Config) -> Result<GidChoice> {
         let mut gid = self.gid.lock().unwrap_or_else(|p| p.into_inner());
@@ -513,6 +532,21 @@ pub fn mtu_bytes(mtu: u32) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `maxComms` counts every QP a comm uses, not one: a receive comm with 4 QPs per
+    /// connection and the flush QP takes 5 of the device's `max_qp`.
+    #[test]
+    fn max_comms_counts_every_queue_pair_of_a_comm() {
+        assert_eq!(qps_per_comm(1, false), 1);
+        assert_eq!(qps_per_comm(1, true), 2);
+        assert_eq!(qps_per_comm(4, true), 5);
+        assert_eq!(max_comms(131_072, 1, false), 131_072);
+        assert_eq!(max_comms(131_072, 1, true), 65_536);
+        assert_eq!(max_comms(131_072, 4, true), 26_214);
+        assert_eq!(max_comms(100, 128, true), 0, "not even one comm fits");
+        assert_eq!(max_comms(-1, 2, false), 0);
+        assert_eq!(max_comms(i32::MAX, 0, false), i32::MAX, "a QP count below 1 counts as 1");
+    }
 
     fn port(dev: &str, port: u8, active: bool) -> PortInfo {
         PortInfo {

@@ -104,6 +104,33 @@ fn imm_for(slot: usize, sizes: &[u64]) -> (u32, bool) {
     }
 }
 
+/// What the peer may do through one of a comm's queue pairs: its `qp_access_flags`, which gate
+/// only the remote side's operations (the local NIC's own writes, reads and receives need no
+/// flag). Each QP grants what its role needs and nothing more; the tests' simulated network
+/// refuses any operation its target QP does not grant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Grant {
+    Nothing,
+    /// RDMA writes, zero-length ones (probes) included: a zero-length write checks no memory
+    /// key, but the responder's QP must still allow remote writes.
+    Write,
+    /// RDMA reads.
+    Read,
+}
+
+/// What the sender's QP `q` grants: the receiver writes its CTS rows into the FIFO and probes
+/// on QP 0 only, so the other QPs grant nothing.
+pub fn send_grant(q: usize) -> Grant {
+    if q == 0 { Grant::Write } else { Grant::Nothing }
+}
+
+/// What the receiver's QP `q` of `nqps` grants: each takes the sender's data, size records,
+/// ack word and probes. Index `nqps` is the loopback flush QP, the responder of its own RDMA
+/// read of NCCL's receive buffer: read only. No QP a peer reaches grants remote reads.
+pub fn recv_grant(q: usize, nqps: usize) -> Grant {
+    if q == nqps { Grant::Read } else { Grant::Write }
+}
+
 /// Registered memory the core reads or writes by u64 word: the FIFO and size records the peer's
 /// NIC writes, the staging areas the local NIC reads.
 pub trait Words {
@@ -952,6 +979,8 @@ impl SendCore {
 struct RecvSlot {
     state: State,
     n: usize,
+    /// The sizes the buffers were posted with: a size the peer reports must not exceed them.
+    posted: [u64; MAX_RECVS],
     /// The `idx` of an optional receive: the slot is reused once the ack word reaches it.
     ack_for: u64,
     /// Immediates still expected (one per lane).
@@ -1071,11 +1100,12 @@ impl RecvCore {
             sizes[0] = bufs[0].0.size;
             self.health.traffic.messages += 1;
             self.optional_idx = idx;
-            RecvSlot { state: State::Done, n, ack_for: idx, imms: 0, sizes }
+            RecvSlot { state: State::Done, n, posted: sizes, ack_for: idx, imms: 0, sizes }
         } else {
             let imms = lanes.len() as u16;
             self.waiting += 1;
-            RecvSlot { state: State::Pending, n, ack_for: 0, imms, sizes: [0; MAX_RECVS] }
+            let posted = std::array::from_fn(|r| bufs.get(r).map_or(0, |b| b.0.size));
+            RecvSlot { state: State::Pending, n, posted, ack_for: 0, imms, sizes: [0; MAX_RECVS] }
         };
         self.head += 1;
         Ok(Some(slot))
@@ -1127,7 +1157,6 @@ impl RecvCore {
                 if s.imms > 0 {
                     return;
                 }
-                self.waiting -= 1;
                 let imm = c.imm.unwrap_or(0);
                 if imm & IMM_SIZES == 0 {
                     s.sizes[0] = u64::from(imm);
@@ -1136,6 +1165,20 @@ impl RecvCore {
                         s.sizes[r] = sizes.load(i * MAX_RECVS + r);
                     }
                 }
+                // The sizes come from the peer: an honest sender truncates a send to the
+                // receive's size, so a larger one is a broken or hostile peer, and NCCL must
+                // never see it (it would read past its buffer). The receive stays pending and
+                // fails with the comm.
+                if let Some(r) = (0..s.n).find(|&r| s.sizes[r] > s.posted[r]) {
+                    let msg = format!(
+                        "{} reported {} bytes for buffer {r} of a receive posted with {} bytes: \
+                         the sender is broken or hostile",
+                        self.health.path.peer, s.sizes[r], s.posted[r]
+                    );
+                    self.health.fail(Fault::Remote(msg));
+                    return;
+                }
+                self.waiting -= 1;
                 s.state = State::Done;
                 let (split, nqps) = (self.p.split, self.p.nqps);
                 let t = &mut self.health.traffic;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use super::mr_cache::MemKind;
 use super::net::Net;
 use crate::error::{Error, Result};
-use crate::verbs::{self, Mr};
+use crate::verbs::{self, ForeignMem, Mr};
 
 /// What `regMr` hands NCCL as `mhandle`.
 pub struct MrHandle {
@@ -21,12 +21,17 @@ pub struct MrHandle {
     dev: usize,
 }
 
-/// Local and remote access, plus relaxed ordering where the device takes it. Only NCCL's
-/// buffers get relaxed ordering: ferroce's own control structures (the CTS FIFO, the size
+/// What NCCL's buffers allow. `regMr` does not say whether a buffer will send or receive, so
+/// every one takes the peer's RDMA writes (with local write, as verbs requires). Remote read
+/// only on a device with a flush QP: the flush reads the last received buffer through its own
+/// loopback QP, the only QP that grants remote read. Relaxed ordering where the device takes
+/// it; only NCCL's buffers get it: ferroce's own control structures (the CTS FIFO, the size
 /// records) are registered elsewhere with strict ordering.
 fn access(net: &Net, dev: usize) -> u32 {
-    let ro = if net.devices[dev].gdr.relaxed_ordering { verbs::ACCESS_RELAXED_ORDERING } else { 0 };
-    verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_WRITE | verbs::ACCESS_REMOTE_READ | ro
+    let g = &net.devices[dev].gdr;
+    let ro = if g.relaxed_ordering { verbs::ACCESS_RELAXED_ORDERING } else { 0 };
+    let read = if g.flush { verbs::ACCESS_REMOTE_READ } else { 0 };
+    verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_WRITE | read | ro
 }
 
 /// Refuses a memory kind the device's `ptrSupport` does not list.
@@ -48,22 +53,17 @@ fn check_supported(net: &Net, dev: usize, kind: MemKind) -> Result<()> {
     )))
 }
 
-/// Registers `[addr, addr + len)` of host or peer-memory GPU memory on device `dev`, reusing a
-/// cached registration of the same kind.
-pub fn register(
-    net: &Arc<Net>,
-    dev: usize,
-    kind: MemKind,
-    addr: u64,
-    len: u64,
-) -> Result<MrHandle> {
+/// Registers `mem` (host or peer-memory GPU memory) on device `dev`, reusing a cached
+/// registration of the same kind.
+pub fn register(net: &Arc<Net>, dev: usize, kind: MemKind, mem: ForeignMem) -> Result<MrHandle> {
     check_supported(net, dev, kind)?;
     let d = &net.devices[dev];
     let access = access(net, dev);
     let mut cache = d.mrs.lock().unwrap_or_else(|p| p.into_inner());
-    let lease = cache.acquire(kind, addr, len, |start, len| {
-        // NCCL keeps the memory mapped until deregMr, as the ABI requires.
-        Mr::register_host(&d.pd, start, size(len)?, access).map(Arc::new)
+    let lease = cache.acquire(kind, mem.addr(), mem.len(), |start, len| {
+        // The cache rounds out to whole pages, which `mem`'s contract covers.
+        let pages = mem.widen(start, len, crate::os::page_size())?;
+        Mr::register_host(&d.pd, pages, access).map(Arc::new)
     })?;
     Ok(handle(net, dev, lease))
 }

@@ -478,8 +478,8 @@ fn flusher(net: &Arc<Net>, dev: usize, parts: &RecvParts) -> Result<Flusher> {
         &cq,
         verbs::QpCaps { max_send_wr: 64, max_recv_wr: 1, max_inline: 0 },
     )?;
-    qp.to_init(d.port, verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_READ)?;
-    let target = RegisteredBuf::new(&d.pd, 8, verbs::ACCESS_LOCAL_WRITE)?;
+    qp.to_init(d.port, Flusher::ACCESS)?;
+    let target = RegisteredBuf::new(&d.pd, 8, super::comm::FLUSH_TARGET)?;
     let me = endpoint(net, dev, std::slice::from_ref(&qp), &target)?;
     let loopback = QpPlan {
         nqps: 1,

@@ -2,12 +2,14 @@
 //! NIC reads and writes behind the CPU's back (the sender's FIFO, the receiver's size records,
 //! staging areas, the flush target).
 //!
-//! Every access is volatile, with a fence, so the compiler neither caches nor reorders reads of
-//! memory a NIC may write at any time. Offsets are bounds-checked.
+//! Every access is an atomic load (acquire) or store (release) of an aligned `u64`, so the
+//! compiler neither caches nor reorders reads of memory a NIC may write at any time, and two
+//! threads that share a buffer (it is `Sync`) never race. Offsets are bounds-checked. The only
+//! references into the memory are `&AtomicU64`s, whose value may change under them.
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::sync::Arc;
-use std::sync::atomic::{Ordering, fence};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::pd::{Mr, Pd};
 use crate::error::{Error, Result};
@@ -18,10 +20,10 @@ pub struct RegisteredBuf {
     mr: Option<Mr>,
 }
 
-// SAFETY: the buffer is owned memory accessed only through volatile, bounds-checked methods;
-// the comm that owns it is used by one thread at a time.
+// SAFETY: the buffer is owned memory; nothing in it is tied to the thread that allocated it.
 unsafe impl Send for RegisteredBuf {}
-// SAFETY: as above.
+// SAFETY: shared access only reads the fields set in `new` and reads or writes the memory
+// through atomics (`load_u64`, `store_u64`): concurrent calls cannot race.
 unsafe impl Sync for RegisteredBuf {}
 
 impl RegisteredBuf {
@@ -35,7 +37,8 @@ impl RegisteredBuf {
             return Err(Error::Internal(format!("out of memory for a {len}-byte buffer")));
         }
         let mut buf = RegisteredBuf { ptr, layout, mr: None };
-        // SAFETY: the allocation lives until Drop, which drops the MR first.
+        // SAFETY: the allocation lives until Drop, which drops the MR first; Rust reaches it
+        // only through atomics, which a NIC's writes cannot invalidate.
         buf.mr = Some(unsafe { Mr::register(pd, ptr.cast(), layout.size(), access) }?);
         Ok(buf)
     }
@@ -66,21 +69,24 @@ impl RegisteredBuf {
         self.ptr as u64 + off as u64
     }
 
-    /// Reads the `u64` at `off` (8-byte aligned), as the NIC last wrote it.
-    pub fn load_u64(&self, off: usize) -> u64 {
+    /// The word at `off` (8-byte aligned) as an atomic.
+    fn word(&self, off: usize) -> &AtomicU64 {
         assert!(off.is_multiple_of(8) && off + 8 <= self.len(), "bad u64 offset {off}");
-        // SAFETY: in bounds and aligned (page-aligned base, off.is_multiple_of(8)).
-        let v = unsafe { std::ptr::read_volatile(self.ptr.add(off).cast::<u64>()) };
-        fence(Ordering::Acquire);
-        v
+        // SAFETY: in bounds and aligned (page-aligned base, off.is_multiple_of(8)); the memory
+        // lives as long as `self`, and Rust only ever accesses it atomically (the NIC's DMA is
+        // not a Rust access).
+        unsafe { AtomicU64::from_ptr(self.ptr.add(off).cast::<u64>()) }
     }
 
-    /// Writes `v` at `off` (8-byte aligned) before the NIC is told to read it.
+    /// Reads the `u64` at `off` (8-byte aligned), as the NIC last wrote it.
+    pub fn load_u64(&self, off: usize) -> u64 {
+        self.word(off).load(Ordering::Acquire)
+    }
+
+    /// Writes `v` at `off` (8-byte aligned) before the NIC is told to read it (the provider
+    /// fences before it rings the doorbell).
     pub fn store_u64(&self, off: usize, v: u64) {
-        assert!(off.is_multiple_of(8) && off + 8 <= self.len(), "bad u64 offset {off}");
-        // SAFETY: in bounds and aligned; the buffer is only shared with the NIC.
-        unsafe { std::ptr::write_volatile(self.ptr.add(off).cast::<u64>(), v) };
-        fence(Ordering::Release);
+        self.word(off).store(v, Ordering::Release)
     }
 }
 

@@ -121,7 +121,9 @@ impl Mr {
     /// Registers `[addr, addr + len)`.
     ///
     /// # Safety
-    /// The range must stay mapped for the life of the returned `Mr`: the NIC reads and writes it.
+    /// No Rust reference may point into the range for the life of the returned `Mr`: the NIC
+    /// reads and writes it behind the compiler's back (whatever `access` allows). It should stay
+    /// mapped as long, or the NIC reaches pages the process no longer sees.
     /// An optional access flag (relaxed ordering) goes through `ibv_reg_mr_iova2`, or is dropped
     /// when libibverbs lacks it.
     pub unsafe fn register(pd: &Arc<Pd>, addr: *mut c_void, len: usize, access: u32) -> Result<Mr> {
@@ -186,17 +188,74 @@ impl Mr {
     }
 }
 
+/// Memory that no Rust object owns or borrows (NCCL's buffers), vouched for by whoever makes
+/// one: the only memory [`Mr::register_host`] registers. Making one is the unsafe step; the
+/// registration itself is then safe.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ForeignMem {
+    addr: u64,
+    len: u64,
+}
+
+impl ForeignMem {
+    /// # Safety
+    /// For as long as any memory region registered over `[addr, addr + len)` exists, no Rust
+    /// reference may point into that range or into the rest of the pages that hold it: a NIC
+    /// may write it at any time, behind the compiler's back (the peer's RDMA writes, which the
+    /// registration allows). A range that is not mapped is harmless: the kernel refuses it.
+    pub unsafe fn new(addr: u64, len: u64) -> ForeignMem {
+        ForeignMem { addr, len }
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// `[start, start + len)` if it covers this memory and lies in the pages of `page` bytes
+    /// (a power of two) that hold it, which the contract of [`ForeignMem::new`] covers too:
+    /// the registration cache registers whole pages, as the kernel pins them anyway.
+    pub fn widen(&self, start: u64, len: u64, page: u64) -> Result<ForeignMem> {
+        let end = start.checked_add(len);
+        let mine = self.addr.checked_add(self.len);
+        let first = self.addr & !page.wrapping_sub(1);
+        let last = mine.and_then(|m| m.checked_next_multiple_of(page.max(1)));
+        match (end, mine, last) {
+            (Some(end), Some(mine), Some(last))
+                if page.is_power_of_two()
+                    && first <= start
+                    && start <= self.addr
+                    && mine <= end
+                    && end <= last =>
+            {
+                Ok(ForeignMem { addr: start, len })
+            }
+            _ => Err(Error::Internal(format!(
+                "{start:#x}+{len} is not within the {page}-byte pages of {:#x}+{}",
+                self.addr, self.len
+            ))),
+        }
+    }
+}
+
 impl Mr {
-    /// Registers memory the caller (NCCL) owns and promises to keep mapped while registered:
-    /// host memory, or GPU memory through peer memory.
-    ///
-    /// This is the registration `regMr` does on NCCL's behalf: the ncclNet contract, not Rust,
-    /// guarantees the range stays mapped until the matching `deregMr`. An unmapped range is
-    /// refused by the kernel (`EFAULT`).
-    pub fn register_host(pd: &Arc<Pd>, addr: u64, len: usize, access: u32) -> Result<Mr> {
-        // SAFETY: the kernel pins and validates the pages; NCCL keeps them mapped until
-        // deregistration (the ncclNet ABI contract for regMr/deregMr).
-        unsafe { Mr::register(pd, addr as *mut c_void, len, access) }
+    /// Registers memory nothing in Rust owns (NCCL's buffers: host memory, or GPU memory through
+    /// peer memory); [`ForeignMem::new`] carries the contract. NCCL keeps the range mapped until
+    /// the matching `deregMr` (the ncclNet ABI); an unmapped range is refused by the kernel
+    /// (`EFAULT`), and pages unmapped later stay pinned by the MR until it goes.
+    pub fn register_host(pd: &Arc<Pd>, mem: ForeignMem, access: u32) -> Result<Mr> {
+        let len = usize::try_from(mem.len)
+            .map_err(|_| Error::Internal(format!("region of {} bytes", mem.len)))?;
+        // SAFETY: the maker of `mem` vouched that no Rust object lives in it for as long as
+        // the MR exists; the kernel pins and validates the pages.
+        unsafe { Mr::register(pd, mem.addr as *mut c_void, len, access) }
     }
 }
 
@@ -207,5 +266,28 @@ impl Drop for Mr {
         if rc != 0 {
             log::warn!("ibv_dereg_mr({}) failed: errno {rc}", self.pd.ctx.name());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn foreign_memory_widens_only_to_its_own_pages() {
+        // SAFETY: never registered: only the range arithmetic is tested.
+        let mem = unsafe { ForeignMem::new(0x1_0100, 0x200) };
+        let ok = |start, len| mem.widen(start, len, 0x1000).map(|m| (m.addr(), m.len())).ok();
+        assert_eq!(ok(0x1_0000, 0x1000), Some((0x1_0000, 0x1000)), "its page");
+        assert_eq!(ok(0x1_0100, 0x200), Some((0x1_0100, 0x200)), "itself");
+        assert_eq!(ok(0x1_0000, 0x1001), None, "into the next page");
+        assert_eq!(ok(0x0_ff00, 0x1100), None, "into the page before");
+        assert_eq!(ok(0x1_0200, 0x100), None, "less than itself");
+        assert_eq!(ok(u64::MAX, 2), None, "wrapping");
+        assert!(mem.widen(0x1_0000, 0x1000, 3000).is_err(), "a page that is no power of two");
+        assert!(mem.widen(0x1_0000, 0x1000, 0).is_err());
+        // SAFETY: as above.
+        let end = unsafe { ForeignMem::new(u64::MAX - 8, 8) };
+        assert!(end.widen(u64::MAX - 8, 8, 0x1000).is_err(), "its last page wraps");
     }
 }

@@ -3,7 +3,18 @@
 //! split and round-robin modes, multi-receives of 1–8 tagged buffers, sizes from 0 up, inline
 //! and not, FIFO wrap-around over 10⁵ messages, and error completions. Every request must
 //! complete exactly once, with its size and its bytes, in NCCL's order rules (receives match
-//! sends in posting order; tags pick the buffer inside a multi-receive).
+//! sends in posting order; tags pick the buffer inside a multi-receive). Every operation must
+//! meet what its target queue pair grants ([`Grant`]); a sender that lies about sizes must fail
+//! the receiver.
+//!
+//! Mutants of `proto.rs` these tests kill (each applied by hand, seen failing, reverted):
+//! - no check of the reported sizes against the posted ones:
+//!   `a_size_beyond_the_posted_one_fails_the_receiver`;
+//! - the check with `>=` for `>` (a send truncated to exactly the receive's size fails):
+//!   `random_interleavings_complete_every_request_once_with_its_bytes`;
+//! - the sender's QPs granting nothing (QP 0 too): every test that moves data;
+//! - the sender's QPs 1 and up granting remote write, or a receive QP remote read:
+//!   `each_queue_pair_grants_only_what_its_role_needs`.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -121,6 +132,9 @@ struct Wire {
     broken: bool,
     /// Every post fails (as `ibv_post_send` does with ENOMEM or a QP in a bad state).
     posts_fail: bool,
+    /// The sender's side lies: every size it reports from now on (in an immediate or a size
+    /// record) exceeds any posted size, as a broken or hostile peer's could.
+    lying: bool,
 }
 
 impl Wire {
@@ -134,6 +148,7 @@ impl Wire {
             held: [vec![(0, 0); nqps + 1], vec![(0, 0); nqps + 1]],
             broken: false,
             posts_fail: false,
+            lying: false,
         }
     }
 
@@ -141,8 +156,22 @@ impl Wire {
     fn step(&mut self, mem: &Mem, side: usize, q: usize) {
         let Some(Queued { wr, inline }) = self.sq[side][q].pop_front() else { return };
         let peer = 1 - side;
+        // The responding QP must grant the operation: the peer's QP `q`, or for the loopback
+        // flush QP (the receiver's QP `nqps`) itself.
+        let nqps = self.sq[side].len() - 1;
+        let (rside, rq) = if side == 1 && q == nqps { (1, q) } else { (peer, q) };
+        let grant = if rside == 0 { send_grant(rq) } else { recv_grant(rq, nqps) };
+        let needed = if wr.op == Op::Read { Grant::Read } else { Grant::Write };
+        assert_eq!(grant, needed, "side {side} QP {q}: {:?} on a QP that grants {grant:?}", wr.op);
         if let Some((addr, len, _)) = wr.local {
-            let bytes = inline.unwrap_or_else(|| mem.read(addr, len as usize));
+            let mut bytes = inline.unwrap_or_else(|| mem.read(addr, len as usize));
+            let records = RECV_SIZES..RECV_SIZES + 8 * ACK_WORD as u64;
+            if self.lying && side == 0 && records.contains(&wr.remote_addr) {
+                for w in bytes.chunks_exact_mut(8) {
+                    let v = u64::from_le_bytes((&*w).try_into().unwrap()) + CAP + 1;
+                    w.copy_from_slice(&v.to_le_bytes());
+                }
+            }
             match wr.op {
                 Op::Read => {}
                 _ => mem.with(wr.remote_addr, len as usize, Some(wr.rkey), |b| {
@@ -150,7 +179,10 @@ impl Wire {
                 }),
             }
         }
-        if let Op::WriteImm(imm) = wr.op {
+        if let Op::WriteImm(mut imm) = wr.op {
+            if self.lying && side == 0 && imm & IMM_SIZES == 0 {
+                imm += CAP as u32 + 1;
+            }
             let r = self.rq[peer][q]
                 .pop_front()
                 .expect("receiver not ready: a write-with-immediate found no receive posted");
@@ -194,7 +226,7 @@ impl Wire {
 
     /// The link is broken or nothing can be posted: requests may fail.
     fn failing(&self) -> bool {
-        self.broken || self.posts_fail
+        self.broken || self.posts_fail || self.lying
     }
 
     fn busy(&self) -> Vec<(usize, usize)> {
@@ -326,9 +358,12 @@ struct Run {
     break_at: Option<u64>,
     /// Make every post fail after this many scheduler steps.
     posts_fail_at: Option<u64>,
+    /// The sender starts lying about sizes after this many scheduler steps.
+    lie_at: Option<u64>,
 }
 
 fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
+    let max_size = miri_or(max_size, max_size.min(300));
     let nqps = 1 + rng.below(8) as usize;
     let groups: Vec<Vec<Item>> = (0..ngroups)
         .map(|_| {
@@ -367,6 +402,7 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         groups,
         break_at: None,
         posts_fail_at: None,
+        lie_at: None,
     }
 }
 
@@ -432,6 +468,14 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         if run.posts_fail_at == Some(steps) {
             wire.borrow_mut().posts_fail = true;
         }
+        if run.lie_at == Some(steps) {
+            wire.borrow_mut().lying = true;
+        }
+        // A lie fails the receiving comm: once NCCL has seen every receive fail or complete,
+        // it gives up on the connection (the sender, still healthy, is closed with it).
+        if wire.borrow().lying && receiver.check().is_err() && recv_out.is_empty() {
+            break;
+        }
         if wire.borrow().failing()
             && recv_out.is_empty()
             && send_out.is_empty()
@@ -475,6 +519,11 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                     Err(e) if wire.borrow().posts_fail => {
                         assert!(matches!(e, Error::Local(_)), "a failed post is local: {e}");
                         next_recv = n; // NCCL stops posting on a failed comm
+                        continue;
+                    }
+                    Err(e) if wire.borrow().lying => {
+                        assert!(matches!(e, Error::Remote(_)), "a lie is the peer's: {e}");
+                        next_recv = n;
                         continue;
                     }
                     other => other.unwrap(),
@@ -561,8 +610,13 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                         out.recvs_done += 1;
                         idle = 0;
                     }
-                    Err(_) => {
+                    Err(e) => {
                         assert!(wire.borrow().failing(), "receive error on a healthy link");
+                        if wire.borrow().lying && !wire.borrow().broken {
+                            let m = e.to_string();
+                            assert!(matches!(e, Error::Remote(_)), "a lie is the peer's: {m}");
+                            assert!(m.contains("posted with") && m.contains("hostile"), "{m}");
+                        }
                         recv_out.swap_remove(i);
                         out.errors[1] += 1;
                         idle = 0;
@@ -653,13 +707,21 @@ fn poll(wire: &RefCell<Wire>, side: usize, mut f: impl FnMut(&Completion)) {
     }
 }
 
+/// `full`, or `miri` under Miri, which runs these tests some hundred times slower: fewer and
+/// shorter programs of messages of at most 300 bytes (so one data write per lane: the chains
+/// of many writes are left to the native run), each still longer than the slot ring.
+fn miri_or<T>(full: T, miri: T) -> T {
+    if cfg!(miri) { miri } else { full }
+}
+
 #[test]
 fn random_interleavings_complete_every_request_once_with_its_bytes() {
     let mut rng = Rng(0x0f0f_1234_5678_9abc);
-    for seed in 0..150u64 {
-        let run = random_run(&mut rng, 200, [0, 100, 4096, CAP][seed as usize % 4]);
+    let groups = miri_or(200, 40);
+    for seed in 0..miri_or(150u64, 4) {
+        let run = random_run(&mut rng, groups, [0, 100, 4096, CAP][seed as usize % 4]);
         let o = drive(&run, seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        assert_eq!((o.recvs_done, o.sends_done), (200, 200), "seed {seed}");
+        assert_eq!((o.recvs_done, o.sends_done), (groups, groups), "seed {seed}");
     }
 }
 
@@ -668,12 +730,12 @@ fn every_mode_and_qp_count_is_covered() {
     let mut rng = Rng(77);
     for nqps in 1..=8 {
         for split in [false, true] {
-            let mut run = random_run(&mut rng, 120, CAP);
+            let mut run = random_run(&mut rng, miri_or(120, 12), CAP);
             run.nqps = nqps;
             run.split = split;
             run.max_msg = 1000; // large buffers need several work requests per lane
             let o = drive(&run, (nqps as u64) << 8 | split as u64);
-            assert_eq!(o.recvs_done, 120, "nqps {nqps} split {split}");
+            assert_eq!(o.recvs_done, run.groups.len(), "nqps {nqps} split {split}");
         }
     }
 }
@@ -681,22 +743,23 @@ fn every_mode_and_qp_count_is_covered() {
 #[test]
 fn the_fifo_and_every_sequence_wrap_over_a_hundred_thousand_messages() {
     let mut rng = Rng(5);
-    let mut run = random_run(&mut rng, 100_000, 16);
+    let n = miri_or(100_000, 300);
+    let mut run = random_run(&mut rng, n, 16);
     run.nqps = 2;
     run.max_inline = 64;
     let o = drive(&run, 99);
-    assert_eq!(o.recvs_done, 100_000);
+    assert_eq!(o.recvs_done, n);
 }
 
-/// Runs 100 random programs with a fault injected by `fault` at a random step; returns how
+/// Runs 100 random programs (4 under Miri) with a fault injected by `fault` at a random step; returns how
 /// many requests failed. Whatever completed before the fault was checked byte for byte; whatever
 /// was outstanding failed instead of hanging (the loop ends only when nothing is left).
 fn with_fault(seed: u64, fault: impl Fn(&mut Run, u64)) -> usize {
     let mut rng = Rng(seed);
     let mut failed = 0;
-    for s in 0..100u64 {
-        let mut run = random_run(&mut rng, 150, 4096);
-        fault(&mut run, 100 + rng.below(3000));
+    for s in 0..miri_or(100u64, 4) {
+        let mut run = random_run(&mut rng, miri_or(150, 40), 4096);
+        fault(&mut run, 100 + rng.below(miri_or(3000, 300)));
         let o = drive(&run, s + 1);
         failed += o.errors[0] + o.errors[1];
     }
@@ -715,6 +778,33 @@ fn a_broken_link_fails_every_outstanding_request_and_nothing_else() {
 fn a_failed_post_fails_the_comm_and_every_pending_request() {
     let failed = with_fault(0x005e_ed0f_fa11, |run, at| run.posts_fail_at = Some(at));
     assert!(failed > 0, "no run had work outstanding when posts began to fail");
+}
+
+/// A size the peer reports beyond what the buffer was posted with never reaches NCCL: it fails
+/// the receiving comm with a remote error naming both sizes, and every receive still pending
+/// fails with it. Sizes up to the posted one (truncated sends) stay fine: the random programs
+/// above send one in ten larger than its receive.
+#[test]
+fn a_size_beyond_the_posted_one_fails_the_receiver() {
+    let failed = with_fault(0x0b16_5123, |run, at| run.lie_at = Some(at));
+    assert!(failed > 0, "no run had a receive outstanding when the sender began to lie");
+}
+
+/// Least privilege, by role: only the sender's QP 0 takes the receiver's writes (CTS rows and
+/// probes), every receiver QP takes the sender's writes, and only the loopback flush QP allows
+/// a read. The simulated network checks that each operation meets its grant; this checks that
+/// no QP grants more.
+#[test]
+fn each_queue_pair_grants_only_what_its_role_needs() {
+    for nqps in 1..=8 {
+        let send: Vec<Grant> = (0..nqps).map(send_grant).collect();
+        let recv: Vec<Grant> = (0..=nqps).map(|q| recv_grant(q, nqps)).collect();
+        let mut want_send = vec![Grant::Nothing; nqps];
+        want_send[0] = Grant::Write;
+        let mut want_recv = vec![Grant::Write; nqps];
+        want_recv.push(Grant::Read);
+        assert_eq!((send, recv), (want_send, want_recv), "{nqps} QPs");
+    }
 }
 
 #[test]
