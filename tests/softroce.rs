@@ -615,7 +615,10 @@ fn pd_cost() {
     let ctx = std::sync::Arc::new(ctxs.remove(0).unwrap());
     let _warm = Pd::new(&ctx).unwrap();
     const N: usize = 1000;
-    let pid = std::process::id();
+    // The kernel files each PD under the thread that made it (libtest runs this test on a
+    // thread of its own), and `rdma resource show` calls that id the pid.
+    // SAFETY: gettid has no preconditions.
+    let pid = unsafe { libc::gettid() } as u32;
     // The kernel's side of a PD is slab memory: the VM's total, quiet but for this test.
     let slab = || {
         let m = std::fs::read_to_string("/proc/meminfo").unwrap();
