@@ -46,11 +46,14 @@ use crate::transport::handshake::{Handle, Kind, MAX_QPS, MSG_LEN, Msg, Reject, h
 /// connection may have, keeps its place however many come after it.
 pub const MAX_PENDING: usize = 64;
 /// The most connections that have not proven themselves in the whole process, over all its
-/// listeners. Each holds an fd for up to [`HELLO_TIMEOUT`], and NCCL keeps a listener per
-/// connection being set up, so a per-listener cap alone would let enough listeners exhaust the
-/// process's fds. 256 is a quarter of the usual soft open-files limit (1024) and four full
-/// listeners; a rightful peer needs one place, and only while its hello is on its way. Not a
-/// knob: a job that needs more is under attack, and more would only cost more fds.
+/// listeners, beyond each listener's first. Each holds an fd for up to [`HELLO_TIMEOUT`], and
+/// NCCL keeps a listener per connection being set up, so a per-listener cap alone would let
+/// enough listeners exhaust the process's fds. A listener's first unproven connection is not
+/// counted: it may be the rightful peer's, taken before its hello arrived, and a large job has
+/// hundreds of those in flight at once (NCCL connects up to 128 peers per round, over several
+/// channels), none of which a count of strangers may refuse. So the fds are bounded by the
+/// listeners NCCL opened plus 256 (a quarter of the usual soft open-files limit). Not a knob:
+/// a job that needs more is under attack, and more would only cost more fds.
 pub const MAX_UNPROVEN: usize = 256;
 /// How long a connection may take to prove itself with its hello (never longer than
 /// `FERROCE_SETUP_TIMEOUT_MS`). A stranger holds a slot at most this long. The rightful peer
@@ -88,18 +91,21 @@ impl Unproven {
     fn take(self: &Arc<Self>) -> Option<Place> {
         let more = |n: usize| (n < self.cap).then_some(n + 1);
         self.held.fetch_update(Ordering::AcqRel, Ordering::Acquire, more).ok()?;
-        Some(Place(self.clone()))
+        Some(Place(Some(self.clone())))
     }
 }
 
-/// One unproven connection's place in the process's count: given back when the connection
-/// proves itself or goes, whichever way it goes (dropped, the listener closed).
+/// One unproven connection's place: in the process's count (given back when the connection
+/// proves itself or goes, whichever way it goes: dropped, the listener closed), or, for a
+/// listener's first, outside it (`None`).
 #[derive(Debug)]
-struct Place(Arc<Unproven>);
+struct Place(Option<Arc<Unproven>>);
 
 impl Drop for Place {
     fn drop(&mut self) {
-        self.0.held.fetch_sub(1, Ordering::AcqRel);
+        if let Some(count) = &self.0 {
+            count.held.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -879,6 +885,9 @@ impl Listen {
     /// A place for one more unproven connection, or why there is none.
     fn place(&self) -> Result<Place, String> {
         let held = self.pending.iter().filter(|p| p.place.is_some()).count();
+        if held == 0 {
+            return Ok(Place(None));
+        }
         if held >= MAX_PENDING {
             return Err(format!(
                 "refused: {MAX_PENDING} connections to this listener have yet to prove \

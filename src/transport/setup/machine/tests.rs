@@ -20,6 +20,10 @@
 //! - the listener's cap with `held > MAX_PENDING` (one too many):
 //!   `the_cap_is_exactly_max_pending`;
 //! - the process's cap unchecked: `the_process_cap_spans_listeners`;
+//! - a listener's first unproven connection counted against the process's cap (so a large
+//!   job's rightful peers, hundreds in flight at once, could be refused):
+//!   `the_process_cap_spans_listeners`, `the_cap_is_exactly_max_pending`,
+//!   `a_proven_peer_gives_its_place_back`;
 //! - a proven peer keeping its place in the process's count:
 //!   `a_proven_peer_gives_its_place_back`;
 //! - `Place` not given back when dropped: `the_cap_is_exactly_max_pending`,
@@ -1233,7 +1237,8 @@ fn the_cap_is_exactly_max_pending() {
         assert!(admit_silent(&mut l, i as u16 + 1, t0), "connection {i} refused");
     }
     assert!(!admit_silent(&mut l, 999, t0), "one too many kept");
-    assert_eq!((l.ids().len(), count.held()), (MAX_PENDING, MAX_PENDING));
+    // The listener's first is outside the process's count.
+    assert_eq!((l.ids().len(), count.held()), (MAX_PENDING, MAX_PENDING - 1));
     assert_eq!(l.ids(), (0..MAX_PENDING as u64).collect::<Vec<_>>(), "the first ones stay");
     let w = l.take_warnings();
     assert_eq!(w.len(), 1);
@@ -1258,16 +1263,18 @@ fn the_cap_is_exactly_max_pending() {
 #[test]
 fn the_process_cap_spans_listeners() {
     let t0 = Instant::now();
-    // Two listeners share a count of 96: the first takes 64, the second only 32.
+    // Two listeners share a count of 96; each one's first connection is outside it. The first
+    // takes 64 (63 counted), the second only 34 (33 counted).
     let count = Arc::new(Unproven::new(96));
     let (mut a, mut b) = (listen("a", 2, &count), listen("b", 2, &count));
     for i in 0..MAX_PENDING {
         assert!(admit_silent(&mut a, i as u16, t0));
     }
-    for i in 0..32 {
+    assert_eq!(count.held(), MAX_PENDING - 1);
+    for i in 0..34 {
         assert!(admit_silent(&mut b, i, t0), "b's connection {i} refused");
     }
-    assert!(!admit_silent(&mut b, 32, t0));
+    assert!(!admit_silent(&mut b, 34, t0));
     assert!(!admit_silent(&mut a, 99, t0), "a is full anyway");
     let w = b.take_warnings();
     assert!(
@@ -1279,18 +1286,23 @@ fn the_process_cap_spans_listeners() {
     assert_eq!(count.held(), 96);
     // A closes: its places go to b.
     drop(a);
-    assert_eq!(count.held(), 32);
-    assert!(admit_silent(&mut b, 33, t0));
-    // With the process's own cap, four full listeners leave none for a fifth.
+    assert_eq!(count.held(), 33);
+    assert!(admit_silent(&mut b, 35, t0));
+    // With the process's own cap: once strangers hold all of it, a listener still takes its
+    // first connection (it may be the rightful peer's), and only that one.
     let count = unproven();
-    let mut full: Vec<Listen> = (0..4).map(|_| listen("l", 2, &count)).collect();
+    let mut full: Vec<Listen> = (0..5).map(|_| listen("l", 2, &count)).collect();
+    let mut taken = 0;
     for l in &mut full {
         for i in 0..MAX_PENDING {
-            assert!(admit_silent(l, i as u16, t0));
+            taken += usize::from(admit_silent(l, i as u16, t0));
         }
     }
     assert_eq!(count.held(), MAX_UNPROVEN);
-    assert!(!admit_silent(&mut listen("fifth", 2, &count), 1, t0));
+    assert_eq!(taken, MAX_UNPROVEN + 5, "each listener's first is outside the count");
+    let mut next = listen("next", 2, &count);
+    assert!(admit_silent(&mut next, 1, t0), "a listener's first connection was refused");
+    assert!(!admit_silent(&mut next, 2, t0));
 }
 
 #[test]
@@ -1304,10 +1316,13 @@ fn a_proven_peer_gives_its_place_back() {
     w.run(10);
     w.dialer.as_mut().unwrap().next = 3000;
     assert_eq!(count.held(), 0, "the proven peer still counts");
-    let s = w.stranger(100, &[], false);
+    // Two strangers: one in the listener's first place (outside the count), one counted.
+    let s = [w.stranger(100, &[], false), w.stranger(110, &[], false)];
     w.run(200);
     assert_eq!(count.held(), 1);
-    assert!(!w.acceptor.dropped_at.contains_key(&s), "the stranger found no place");
+    for s in s {
+        assert!(!w.acceptor.dropped_at.contains_key(&s), "a stranger found no place");
+    }
     w.run(10_000);
     w.assert_connected(2);
     assert_eq!(count.held(), 0);
