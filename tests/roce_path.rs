@@ -336,8 +336,7 @@ fn a_deleted_peer_device_fails_the_sender_within_the_progress_deadline() {
     ]);
     // The rank connects back to us as well (each rank has a send and a receive comm).
     let (ours, listen) = drv.listen(ctx, 0).unwrap();
-    let ours: String = ours.iter().map(|b| format!("{b:02x}")).collect();
-    writeln!(to_peer, "PEER {ours}").unwrap();
+    writeln!(to_peer, "PEER {}", ferroce_tools::handle::to_hex(&ours)).unwrap();
     let (send, back) =
         drv.connect_both(ctx, 0, &mut handle, listen, Duration::from_secs(60)).unwrap();
     drv.close(Close::Listen, listen).unwrap();

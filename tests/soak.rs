@@ -680,19 +680,13 @@ impl Drop for Netem {
 
 /// Every hw counter of both rxe devices.
 fn counters() -> BTreeMap<String, u64> {
-    let mut m = BTreeMap::new();
-    for dev in ["rxe0", "rxe1"] {
-        let dir = format!("/sys/class/infiniband/{dev}/ports/1/hw_counters");
-        let Ok(rd) = std::fs::read_dir(&dir) else { continue };
-        for e in rd.flatten() {
-            if let Some(v) =
-                std::fs::read_to_string(e.path()).ok().and_then(|s| s.trim().parse().ok())
-            {
-                m.insert(format!("{dev}.{}", e.file_name().to_string_lossy()), v);
-            }
-        }
-    }
-    m
+    ["rxe0", "rxe1"]
+        .into_iter()
+        .flat_map(|dev| {
+            let all = ferroce::verbs::sysfs::hw_counters(dev, 1);
+            all.into_iter().map(move |(k, v)| (format!("{dev}.{k}"), v))
+        })
+        .collect()
 }
 
 fn mib(b: u64) -> f64 {

@@ -162,12 +162,11 @@ impl<T> Owned<T> {
         Ok(g)
     }
 
-    /// Takes the value out, waiting up to `patience` for a call inside to leave; `Err(())` if
+    /// Takes the value out, waiting until `deadline` for a call inside to leave; `Err(())` if
     /// one did not.
-    fn end(&self, patience: Duration) -> std::result::Result<Option<T>, ()> {
-        let start = Instant::now();
+    fn end(&self, deadline: Instant) -> std::result::Result<Option<T>, ()> {
         while !self.try_lock() {
-            if start.elapsed() > patience {
+            if Instant::now() > deadline {
                 return Err(());
             }
             std::thread::yield_now();
@@ -263,8 +262,8 @@ pub struct CommHandle {
 /// Hands a comm to NCCL: its request array names it.
 pub fn comm_into_raw(comm: AnyComm) -> *mut c_void {
     let (net, dev, reqs): (_, _, Box<[Req]>) = match &comm {
-        AnyComm::Send(c) => (c.net.clone(), c.dev, reqs_of(&c.headers)),
-        AnyComm::Recv(c) => (c.net.clone(), c.dev, reqs_of(&c.headers)),
+        AnyComm::Send(c) => (c.net.clone(), c.dev, reqs_of(SendComm::requests())),
+        AnyComm::Recv(c) => (c.net.clone(), c.dev, reqs_of(RecvComm::requests())),
     };
     let mut b =
         Box::new(CommHandle { net: Mutex::new(Some(net)), dev, comm: Owned::new(comm), reqs });
@@ -273,10 +272,8 @@ pub fn comm_into_raw(comm: AnyComm) -> *mut c_void {
     enter(b, Kind::Comm)
 }
 
-fn reqs_of(headers: &[crate::transport::comm::ReqHeader]) -> Box<[Req]> {
-    let req =
-        |h: &crate::transport::comm::ReqHeader| Req { owner: 0, kind: h.kind, index: h.index };
-    headers.iter().map(req).collect()
+fn reqs_of(ids: impl Iterator<Item = (ReqKind, u16)>) -> Box<[Req]> {
+    ids.map(|(kind, index)| Req { owner: 0, kind, index }).collect()
 }
 
 impl CommHandle {
@@ -362,7 +359,8 @@ pub fn close_mr(p: *mut c_void) -> Result<MrHandle> {
 
 // --- the last finalize -------------------------------------------------------------------------
 
-/// How long the last `finalize` waits for a call still inside a comm or listener.
+/// How long the last `finalize` waits, for all of them together, for calls still inside comms
+/// or listeners (the register's lock is held meanwhile).
 const PATIENCE: Duration = Duration::from_secs(1);
 
 /// What [`end_all`] found still open.
@@ -381,16 +379,17 @@ pub struct Ended {
 pub fn end_all() -> Ended {
     let live = live();
     let mut e = Ended::default();
+    let deadline = Instant::now() + PATIENCE;
     for (&addr, &kind) in live.iter() {
         let r = match kind {
             // SAFETY: the register holds live boxes of the kind it records.
-            Kind::Listen => unsafe { &*(addr as *const Owned<Listener>) }.end(PATIENCE).map(|v| {
+            Kind::Listen => unsafe { &*(addr as *const Owned<Listener>) }.end(deadline).map(|v| {
                 e.listeners += usize::from(v.is_some());
             }),
             Kind::Comm => {
                 // SAFETY: as above.
                 let h = unsafe { &*(addr as *const CommHandle) };
-                h.comm.end(PATIENCE).map(|v| {
+                h.comm.end(deadline).map(|v| {
                     e.comms += usize::from(v.is_some());
                     h.net.lock().unwrap_or_else(|p| p.into_inner()).take();
                 })
@@ -436,10 +435,11 @@ mod tests {
     #[test]
     fn an_ended_value_is_an_error_for_every_later_call() {
         let o = Owned::new(String::from("comm"));
-        assert_eq!(o.end(PATIENCE), Ok(Some("comm".into())));
+        let soon = Instant::now() + PATIENCE;
+        assert_eq!(o.end(soon), Ok(Some("comm".into())));
         let e = o.enter("sendComm").err().expect("ended");
         assert!(e.to_string().contains("outlived the last finalize"), "{e}");
-        assert_eq!(o.end(PATIENCE), Ok(None), "ending twice finds nothing");
+        assert_eq!(o.end(soon), Ok(None), "ending twice finds nothing");
         assert_eq!(o.into_inner(), None, "closing it finds nothing to drop");
     }
 
@@ -447,9 +447,10 @@ mod tests {
     fn end_waits_for_a_call_inside_and_gives_up_on_one_that_stays() {
         let o = Owned::new(1u8);
         let g = o.enter("x").unwrap();
-        assert_eq!(o.end(Duration::from_millis(20)), Err(()), "a call stays inside");
+        let after = |d| Instant::now() + Duration::from_millis(d);
+        assert_eq!(o.end(after(20)), Err(()), "a call stays inside");
         std::thread::scope(|s| {
-            let ender = s.spawn(|| o.end(Duration::from_secs(10)));
+            let ender = s.spawn(|| o.end(after(10_000)));
             std::thread::sleep(Duration::from_millis(20));
             drop(g);
             assert_eq!(ender.join().unwrap(), Ok(Some(1)), "ends once the call leaves");

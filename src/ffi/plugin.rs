@@ -452,16 +452,15 @@ pub(super) unsafe extern "C" fn iflush(
         if count > 0 && (data.is_null() || sizes.is_null() || mhandles.is_null()) {
             return Err(Error::Internal("iflush: NULL array".into()));
         }
-        // The non-empty buffers and where they live; the comm picks the one to read.
-        let mut bufs = [(Buf::default(), MemKind::Host); MAX_RECVS];
+        // The non-empty buffers (each knows whether it is host memory); the comm picks the one
+        // to read.
+        let mut bufs = [Buf::default(); MAX_RECVS];
         let mut k = 0;
         for i in 0..count {
             // SAFETY: NCCL passes n valid entries in each array.
             let (d, s, m) = unsafe { (*data.add(i), *sizes.add(i), *mhandles.add(i)) };
             if s > 0 && !m.is_null() {
-                // SAFETY: m came from regMr/regMrDmaBuf and is alive until deregMr.
-                let kind = unsafe { handles::mr(m) }?.kind;
-                bufs[k] = (buf(d, 1, m)?, kind);
+                bufs[k] = buf(d, 1, m)?;
                 k += 1;
             }
         }

@@ -4,8 +4,9 @@
 //! buffers the NICs read and write ([`Words`] over [`RegisteredBuf`]), and feeds the CQ's
 //! completions back through one progress loop ([`progress`]) shared by both ends.
 //!
-//! NCCL's request pointer is the address of a [`ReqHeader`] in a fixed per-comm array (no
-//! allocation per request) whose `owner` is the address of the boxed comm.
+//! Each comm names its requests by ([`ReqKind`], slot) through `requests`, in the order of
+//! the ids its calls return; `ffi` turns them into NCCL's request pointers (no allocation per
+//! request).
 //!
 //! Least privilege: each queue pair grants the peer only what its role needs ([`qp_access`],
 //! from the core's [`Grant`]s), and each control buffer is registered with only the access its
@@ -52,16 +53,6 @@ pub const FLUSH_TARGET: u32 = verbs::ACCESS_LOCAL_WRITE;
 
 /// Inline payload asked of every QP: a whole CTS row (8 entries of 64 bytes), and small sends.
 const INLINE: u32 = 512;
-
-/// What NCCL's request pointer points at.
-#[derive(Clone, Copy, Debug, Default)]
-#[repr(C)]
-pub struct ReqHeader {
-    /// Address of the boxed comm that owns this request (set once the comm is boxed).
-    pub owner: usize,
-    pub kind: ReqKind,
-    pub index: u16,
-}
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(u8)]
@@ -265,7 +256,6 @@ fn params(net: &Net, qps: &[Qp], split: bool, max_msg: u64, path: &Path) -> Para
 
 /// The sending end of a connection.
 pub struct SendComm {
-    pub headers: [ReqHeader; SLOTS * MAX_RECVS],
     core: SendCore,
     /// Written by the receiver's NIC: the CTS entries.
     fifo: RegisteredBuf,
@@ -315,15 +305,10 @@ impl SendComm {
         remote_sizes: (u64, u32),
         max_msg: u64,
     ) -> Box<SendComm> {
-        let mut headers = [ReqHeader::default(); SLOTS * MAX_RECVS];
-        for (i, h) in headers.iter_mut().enumerate() {
-            *h = ReqHeader { owner: 0, kind: ReqKind::Send, index: i as u16 };
-        }
         let core = SendCore::new(params(&net, &parts.qps, split, max_msg, &path), remote_sizes);
         let qps: Vec<&Qp> = parts.qps.iter().collect();
         let watch = watch(&net, dev, format!("send comm to {}", path.peer), &qps, &parts.cq);
-        let mut c = Box::new(SendComm {
-            headers,
+        Box::new(SendComm {
             core,
             fifo: parts.fifo,
             sizes_stage: parts.sizes_stage,
@@ -334,10 +319,12 @@ impl SendComm {
             life: Life::start(&net, dev),
             net,
             dev,
-        });
-        let owner = &*c as *const SendComm as usize;
-        c.headers.iter_mut().for_each(|h| h.owner = owner);
-        c
+        })
+    }
+
+    /// Its requests, in the order of the ids `isend` returns: one per (slot, buffer).
+    pub fn requests() -> impl Iterator<Item = (ReqKind, u16)> {
+        (0..SLOTS * MAX_RECVS).map(|i| (ReqKind::Send, i as u16))
     }
 
     /// Matches a send against the receiver's posted buffers. `Ok(None)`: not yet.
@@ -400,8 +387,6 @@ pub struct Flusher {
 
 /// The receiving end of a connection.
 pub struct RecvComm {
-    /// `SLOTS` receive requests, then `SLOTS` flush requests.
-    pub headers: [ReqHeader; 2 * SLOTS],
     core: RecvCore,
     /// Source of the CTS writes.
     cts_stage: RegisteredBuf,
@@ -456,18 +441,12 @@ impl RecvComm {
         split: bool,
         remote_fifo: (u64, u32),
     ) -> Box<RecvComm> {
-        let mut headers = [ReqHeader::default(); 2 * SLOTS];
-        for (i, h) in headers.iter_mut().enumerate() {
-            let kind = if i < SLOTS { ReqKind::Recv } else { ReqKind::Flush };
-            *h = ReqHeader { owner: 0, kind, index: (i % SLOTS) as u16 };
-        }
         // The receiver only sends CTS rows and probes, on QP 0; all its QPs are created alike.
         let core = RecvCore::new(params(&net, &parts.qps, split, 0, &path), remote_fifo);
         let qps: Vec<&Qp> = parts.qps.iter().chain(flusher.as_ref().map(|f| &f.qp)).collect();
         let name = format!("receive comm from {}", path.peer);
         let watch = watch(&net, dev, name, &qps, &parts.cq);
-        let mut c = Box::new(RecvComm {
-            headers,
+        Box::new(RecvComm {
             core,
             cts_stage: parts.cts_stage,
             sizes: parts.sizes,
@@ -479,10 +458,14 @@ impl RecvComm {
             life: Life::start(&net, dev),
             net,
             dev,
-        });
-        let owner = &*c as *const RecvComm as usize;
-        c.headers.iter_mut().for_each(|h| h.owner = owner);
-        c
+        })
+    }
+
+    /// Its requests, in the order of the ids `irecv` and `iflush` return: `SLOTS` receives,
+    /// then `SLOTS` flushes.
+    pub fn requests() -> impl Iterator<Item = (ReqKind, u16)> {
+        let kind = |i| if i < SLOTS { ReqKind::Recv } else { ReqKind::Flush };
+        (0..2 * SLOTS).map(move |i| (kind(i), (i % SLOTS) as u16))
     }
 
     /// Posts `bufs` (with their tags) as one multi-receive; `optional`: NCCL needs no
@@ -505,11 +488,11 @@ impl RecvComm {
     /// Issues the flush read for a completed receive whose non-empty buffers are `bufs`: one
     /// RDMA read of the last one in GPU memory (of the last one, with `FERROCE_FORCE_FLUSH=1`).
     /// `Ok(None)`: nothing to flush (host memory, or no flush QP on this device).
-    pub fn iflush(&mut self, bufs: &[(Buf, MemKind)]) -> Result<Option<usize>> {
+    pub fn iflush(&mut self, bufs: &[Buf]) -> Result<Option<usize>> {
         self.core.check()?;
         let force = self.net.config.force_flush;
-        let target = bufs.iter().rev().find(|(b, k)| b.size > 0 && (force || k.is_gpu()));
-        let (Some(f), Some(&(b, _))) = (&self.flusher, target) else { return Ok(None) };
+        let target = bufs.iter().rev().find(|b| b.size > 0 && (force || !b.host));
+        let (Some(f), Some(&b)) = (&self.flusher, target) else { return Ok(None) };
         let mut io = Qps { qps: &self.qps, flush: Some(&f.qp) };
         let scratch = (f.target.addr(0), f.target.lkey());
         self.core.iflush(&mut io, b, scratch).map(Some)
