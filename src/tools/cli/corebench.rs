@@ -1,9 +1,11 @@
-//! `ferroce core-bench [MESSAGES] [normal|optional]`: the cost per message of the data path's protocol core on
-//! this host, with no NIC: a send core and a receive core wired back to back through an
-//! in-memory loopback that carries the CTS rows and the immediates (data bytes are not
-//! copied). One message is an irecv, an isend, the completions and both tests: what the
-//! plugin does per message besides the verbs calls themselves. Prints ns per message; run it
-//! under `valgrind --tool=callgrind` for instructions per message, which do not depend on the
+//! `ferroce core-bench [MESSAGES] [normal|optional] [--depth N]`: the cost per message of the
+//! data path's protocol core on this host, with no NIC: a send core and a receive core wired
+//! back to back through an in-memory loopback that carries the CTS rows and the immediates
+//! (data bytes are not copied). One message is an irecv, an isend, the completions and both
+//! tests, with receives posted ahead as NCCL posts them: what the plugin does per message
+//! besides the verbs calls themselves. Prints ns, doorbells (posts to a send queue, each a
+//! system call on Soft-RoCE) and CTS writes per message; run it under
+//! `valgrind --tool=callgrind` for instructions per message, which do not depend on the
 //! machine's load.
 
 use std::cell::{Cell, RefCell};
@@ -49,12 +51,15 @@ impl Words for Region {
 }
 
 /// Executes work requests as they are posted: CTS rows land in the FIFO, size records and
-/// acks in the size records, immediates become the receiver's completions.
+/// acks in the size records, immediates become the receiver's completions. Counts what the
+/// NIC would see: each `send` call is one doorbell; a write into the FIFO is a CTS write.
 struct Loopback<'a> {
     regions: [&'a Region; 4],
     cq: &'a RefCell<[VecDeque<Completion>; 2]>,
     rq: &'a RefCell<VecDeque<u64>>,
     side: usize,
+    doorbells: u64,
+    cts_writes: u64,
 }
 
 impl Loopback<'_> {
@@ -71,10 +76,12 @@ impl Loopback<'_> {
 
 impl Post for Loopback<'_> {
     fn send(&mut self, _qp: usize, wrs: &[SendWr]) -> ferroce::error::Result<()> {
+        self.doorbells += 1;
         let mut cq = self.cq.borrow_mut();
         for w in wrs {
             if let Some((addr, len, _)) = w.local {
                 self.copy(addr, w.remote_addr, len);
+                self.cts_writes += u64::from(w.remote_addr >> 40 == FIFO >> 40);
             }
             if let Op::WriteImm(imm) = w.op {
                 let wr_id = self.rq.borrow_mut().pop_front().expect("a receive is posted");
@@ -96,9 +103,20 @@ impl Post for Loopback<'_> {
     }
 }
 
-/// Runs `n` messages of `size` bytes (as optional receives: no immediate, no receive WQE, no
-/// receiver completion); returns the time they took.
-fn run(n: usize, size: u64, inline: u32, optional: bool) -> Result<Duration, String> {
+/// What `n` messages cost: the time, and per message the doorbells (send-queue posts) of
+/// both ends and the CTS writes.
+struct Cost {
+    time: Duration,
+    doorbells: f64,
+    cts: f64,
+}
+
+/// Runs `n` messages of `size` bytes the way NCCL's proxy drives a channel: `depth` receives
+/// posted ahead, and per message an isend, the completions of both ends (each followed by the
+/// progress step a comm runs after draining its CQ), both tests, and the irecv that refills
+/// the window. `optional`: the receives are optional (no immediate, no receive WQE, no
+/// receiver completion).
+fn run(n: usize, size: u64, inline: u32, optional: bool, depth: usize) -> Result<Cost, String> {
     let fifo = Region::new(FIFO, FIFO_WORDS);
     let rstage = Region::new(RECV_STAGE, FIFO_WORDS);
     let sstage = Region::new(SEND_STAGE, SIZE_WORDS);
@@ -118,29 +136,44 @@ fn run(n: usize, size: u64, inline: u32, optional: bool) -> Result<Duration, Str
     };
     let mut send = SendCore::new(params.clone(), (SIZES, 1));
     let mut recv = RecvCore::new(params, (FIFO, 1));
-    let mut sio = Loopback { regions, cq: &cq, rq: &rq, side: 0 };
-    let mut rio = Loopback { regions, cq: &cq, rq: &rq, side: 1 };
+    let lo = |side| Loopback { regions, cq: &cq, rq: &rq, side, doorbells: 0, cts_writes: 0 };
+    let (mut sio, mut rio) = (lo(0), lo(1));
     let e = |e: ferroce::error::Error| e.to_string();
     let buf = Buf { addr: DATA, size, lkey: 1, rkey: 1, host: true };
     let mut got = [0u64; 8];
+    let mut posted = VecDeque::with_capacity(depth);
     let t = Instant::now();
-    for i in 0..n {
-        let r = recv.irecv(&rstage, &sizes, &mut rio, &[(buf, 0)], optional).map_err(e)?;
-        let r = r.ok_or(format!("irecv {i} found no free slot"))?;
+    for i in 0..n + depth {
+        if i < n {
+            let r = recv.irecv(&rstage, &sizes, &mut rio, &[(buf, 0)], optional).map_err(e)?;
+            posted.push_back(r.ok_or(format!("irecv {i} found no free slot"))?);
+        }
+        if i < depth {
+            continue;
+        }
+        let m = i - depth;
         let s = send.isend(&fifo, &sstage, &mut sio, buf, 0).map_err(e)?;
-        let s = s.ok_or(format!("isend {i} found no CTS"))?;
+        let s = s.ok_or(format!("isend {m} found no CTS"))?;
         while let Some(c) = cq.borrow_mut()[0].pop_front() {
             send.complete(&c);
         }
+        send.idle(Duration::ZERO, None, &mut sio).map_err(e)?;
         while let Some(c) = cq.borrow_mut()[1].pop_front() {
             recv.complete(&c, &sizes);
         }
+        recv.idle(Duration::ZERO, None, &mut rio, &sizes).map_err(e)?;
+        let r = posted.pop_front().ok_or("no receive posted")?;
         let done = send.test(s).map_err(e)?.zip(recv.test(r, &mut got).map_err(e)?);
         if done.is_none() || got[0] != size {
-            return Err(format!("message {i} did not complete ({done:?}, size {})", got[0]));
+            return Err(format!("message {m} did not complete ({done:?}, size {})", got[0]));
         }
     }
-    Ok(t.elapsed())
+    let per = |x: u64| x as f64 / n as f64;
+    Ok(Cost {
+        time: t.elapsed(),
+        doorbells: per(sio.doorbells + rio.doorbells),
+        cts: per(rio.cts_writes),
+    })
 }
 
 /// The protocol core's cost per message on this host, with no NIC
@@ -155,6 +188,9 @@ pub struct Args {
     /// Only 8-byte messages with this kind of receive
     #[arg(value_enum)]
     only: Option<Only>,
+    /// Receives posted ahead (NCCL's proxy: 8 steps per channel)
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=32))]
+    depth: u16,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -172,15 +208,20 @@ pub fn core_bench(a: &Args) -> Result<(), String> {
         Some(Only::Normal) => &all[..1],
         Some(Only::Optional) => &all[1..2],
     };
+    let depth = usize::from(a.depth);
     println!(
-        "protocol core, one message = irecv + isend + completions + both tests ({n} messages)"
+        "protocol core, one message = irecv + isend + completions + both tests, {depth} receives \
+         posted ahead ({n} messages)"
     );
     for &(size, inline, optional) in configs {
-        let t = run(n, size, inline, optional)?;
+        let c = run(n, size, inline, optional, depth)?;
         let kind = if optional { "optional" } else { "normal" };
         println!(
-            "  {size:>8} B, inline {inline:>3}, {kind:>8} receive: {:>6.1} ns/message",
-            t.as_nanos() as f64 / n as f64
+            "  {size:>8} B, inline {inline:>3}, {kind:>8} receive: {:>6.1} ns/message, \
+             {:.3} doorbells/message, {:.3} CTS writes/message",
+            c.time.as_nanos() as f64 / n as f64,
+            c.doorbells,
+            c.cts
         );
     }
     Ok(())
