@@ -51,7 +51,8 @@ pub const STAGE: u32 = 0;
 /// The flush's scratch word, which the flush QP's RDMA read writes into: local write only.
 pub const FLUSH_TARGET: u32 = verbs::ACCESS_LOCAL_WRITE;
 
-/// Inline payload asked of every QP: a whole CTS row (8 entries of 64 bytes), and small sends.
+/// Inline payload asked of every QP: a whole CTS batch (8 head entries of 32 bytes, or the
+/// other 7 entries of a multi-receive), and small sends.
 const INLINE: u32 = 512;
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -131,9 +132,11 @@ impl Drain for SendCore {
     }
 }
 
-/// The receiver's core with the size records the sender's NIC writes.
+/// The receiver's core with the size records the sender's NIC writes, and the staging area
+/// of its CTS rows.
 struct RecvDrain<'a> {
     core: &'a mut RecvCore,
+    stage: &'a RegisteredBuf,
     sizes: &'a RegisteredBuf,
 }
 
@@ -142,7 +145,7 @@ impl Drain for RecvDrain<'_> {
         self.core.complete(c, self.sizes)
     }
     fn idle(&mut self, now: Duration, elsewhere: Option<Fault>, io: &mut Qps) -> Result<()> {
-        self.core.idle(now, elsewhere, io, self.sizes)
+        self.core.idle(now, elsewhere, io, self.stage, self.sizes)
     }
 }
 
@@ -499,7 +502,8 @@ impl RecvComm {
     }
 
     pub fn progress(&mut self) -> Result<()> {
-        let mut side = RecvDrain { core: &mut self.core, sizes: &self.sizes };
+        let mut side =
+            RecvDrain { core: &mut self.core, stage: &self.cts_stage, sizes: &self.sizes };
         let mut io = Qps { qps: &self.qps, flush: None };
         let dev = &self.net.devices[self.dev];
         let r = progress(&self.cq, dev, &self.watch, &mut side, &mut io);

@@ -7,8 +7,12 @@
 //!
 //! The protocol, receiver-driven:
 //! 1. `irecv` posts a buffer-less receive WQE on each lane (it absorbs the sender's
-//!    write-with-immediate), then RDMA-writes the `n` buffer descriptors ([`Cts`] entries) into
-//!    row `head % SLOTS` of the sender's FIFO.
+//!    write-with-immediate), then stages the `n` buffer descriptors ([`Cts`] entries) of row
+//!    `head % SLOTS`. Staged rows reach the sender's FIFO in batches, one RDMA write of the
+//!    dense head entries per batch (plus one per multi-receive for its other entries), posted
+//!    with one doorbell: at once while the sender holds at most two rows it has not consumed,
+//!    else when 8 rows are staged or a poll finds the sender down to one row. NCCL posts up to
+//!    8 receives ahead per channel, so most messages cost the data write's doorbell alone.
 //! 2. `isend` finds the row in its FIFO, matches by tag, and once all `n` sends of the row are
 //!    matched, posts one chain per lane: RDMA writes of the data, then (for `n > 1`, or sizes
 //!    that do not fit the immediate) a write of the sizes into the receiver's size records,
@@ -18,10 +22,12 @@
 //!
 //! Optional receive completions: NCCL marks LL/LL128 receives (one buffer) whose arrival it
 //! detects itself through flags in the data. Their CTS says so; the sender then sends a plain
-//! RDMA write (no immediate, so the receiver posts no WQE and polls no completion), followed by
-//! a small inline write of the row's `idx` into the receiver's ack word. The receive is a
-//! valid request that tests complete at once; the ack word is what lets the receiver reuse
-//! the slot only after the sender has consumed its previous row.
+//! RDMA write (no immediate, so the receiver posts no WQE and polls no completion), followed,
+//! when the sender runs low on rows and for every 8th row, by a small inline write of the
+//! row's `idx` into the receiver's ack word. The receive is a valid request that tests
+//! complete once its row has gone out; the ack word (or a later receive that completed) is
+//! what lets the receiver reuse the slot only after the sender has consumed its previous row,
+//! and what tells it when to write the next batch.
 //!
 //! Liveness: a comm that waits (requests pending, or a send waiting for its CTS) and has seen no
 //! completion for the probe interval posts a zero-length RDMA write to its peer. A live peer's
@@ -34,9 +40,14 @@
 //! - The receive WQE is posted before the CTS that allows the matching write, so the sender
 //!   never meets receiver-not-ready.
 //! - The CTS of slot `k` is only rewritten after slot `k`'s receive completed, which proves the
-//!   sender consumed it: so CTS writes can go unsignaled (one signaled per FIFO wrap keeps the
-//!   send queue drained) and the staging row can be reused.
+//!   sender consumed it: so CTS writes can go unsignaled and the staging row can be reused.
+//! - The CTS queue pair's send queue is counted as a provider that frees entries only when a
+//!   signaled completion is polled sees it ([`SqCount`]): one request in 32 is signaled, a
+//!   batch that does not fit waits, and one entry is kept for a probe.
+//! - A staged receive never waits on the sender: once everything in flight has landed and the
+//!   receiver has polled, either its row is out or the sender holds a row it has not consumed.
 
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -47,10 +58,26 @@ pub const SLOTS: usize = 32;
 /// Buffers one `irecv` may group (`maxRecvs`).
 pub const MAX_RECVS: usize = 8;
 /// One CTS entry in bytes, and in u64 words.
-pub const ENTRY: usize = 64;
+pub const ENTRY: usize = 32;
 const ENTRY_WORDS: usize = ENTRY / 8;
-/// The FIFO (and each staging area) in u64 words: `SLOTS × MAX_RECVS` entries.
+/// The FIFO (and the receiver's staging area, which mirrors it) in u64 words: first the head
+/// entries (entry 0 of every slot, dense, so that a batch of consecutive rows is one small
+/// write), then the other entries of multi-receives, `MAX_RECVS - 1` per slot.
 pub const FIFO_WORDS: usize = SLOTS * MAX_RECVS * ENTRY_WORDS;
+/// Most rows one CTS batch carries: their head entries are one write of 256 bytes, inline.
+pub const BATCH: u64 = 8;
+/// The receiver writes its staged rows at `irecv` once the sender holds at most this many
+/// advertised rows it has not consumed (as far as the receiver knows) ...
+const LOW_AT_IRECV: u64 = 2;
+/// ... and after a poll once it holds at most this many: later than at `irecv`, so that a
+/// ping-pong writes its batch after its own send, off the round trip; never later, so that the
+/// sender always still has a row in hand or one on the way.
+const LOW_AT_POLL: u64 = 1;
+/// The sender writes the ack word for an optional row when fewer than this many later rows
+/// have landed (the receiver must learn soon that it is running low) ...
+const ACK_AHEAD: u64 = 2;
+/// ... and for every row whose `idx` is a multiple of this, so that slots are freed for reuse.
+const ACK_EVERY: u64 = 8;
 /// The size records in u64 words: one per buffer of every slot, then the ack word.
 pub const SIZE_WORDS: usize = SLOTS * MAX_RECVS + 1;
 /// The word of the size records that holds the last optional row the sender consumed.
@@ -59,8 +86,12 @@ const ACK_WORD: usize = SLOTS * MAX_RECVS;
 const CTS_OPTIONAL: u64 = 1 << 8;
 /// The sender's send-queue depth per QP; a slot whose chain does not fit waits.
 pub const SEND_QUEUE: usize = 1024;
-/// The receiver's send-queue depth per QP (CTS writes, one signaled per FIFO wrap).
+/// The receiver's send-queue depth per QP: CTS batches and probes, on QP 0 only.
 pub const RECV_SEND_QUEUE: usize = 2 * SLOTS;
+/// The receiver signals a CTS write once this many work requests went unsignaled: a provider
+/// that frees send-queue entries only when a later signaled request completes (mlx5) then
+/// always has one on the way while the queue is more than half full.
+const CTS_SIGNAL_EVERY: u64 = RECV_SEND_QUEUE as u64 / 2;
 
 /// An immediate with this bit set means "sizes are in the size records of slot `imm & 0xff`".
 const IMM_SIZES: u32 = 0x8000_0000;
@@ -176,19 +207,28 @@ pub struct Cts {
     pub idx: u64,
 }
 
+/// Where entry `r` of `slot`'s row starts in the FIFO and the staging area, in words.
+pub fn entry_word(slot: usize, r: usize) -> usize {
+    match r {
+        0 => slot * ENTRY_WORDS,
+        r => (SLOTS + slot * (MAX_RECVS - 1) + r - 1) * ENTRY_WORDS,
+    }
+}
+
 impl Cts {
-    /// The entry's words; `idx` last, as the sender checks it to see a landed entry.
-    pub fn encode(&self) -> [u64; 5] {
+    /// The entry's words; the last holds `idx` (48 bits, enough for 10^14 receives), the
+    /// buffer count and the optional flag, and lands last, as the sender checks it to see a
+    /// landed entry.
+    pub fn encode(&self) -> [u64; ENTRY_WORDS] {
         [
             self.addr,
             self.size,
             u64::from(self.rkey) | u64::from(self.tag as u32) << 32,
-            u64::from(self.nreqs) | if self.optional { CTS_OPTIONAL } else { 0 },
-            self.idx,
+            u64::from(self.nreqs) | if self.optional { CTS_OPTIONAL } else { 0 } | self.idx << 16,
         ]
     }
 
-    pub fn decode(w: [u64; 5]) -> Cts {
+    pub fn decode(w: [u64; ENTRY_WORDS]) -> Cts {
         Cts {
             addr: w[0],
             size: w[1],
@@ -196,19 +236,24 @@ impl Cts {
             tag: (w[2] >> 32) as u32 as i32,
             nreqs: w[3] as u8,
             optional: w[3] & CTS_OPTIONAL != 0,
-            idx: w[4],
+            idx: w[3] >> 16,
         }
     }
 
-    /// Reads entry `r` of `slot`: `idx` first, then the rest, so that an entry whose `idx` is
-    /// current is never paired with last wrap's fields (the peer's write lands in order, and
-    /// each load is an acquire).
+    /// The `idx` of entry `r` of `slot` as it stands in `fifo`.
+    fn idx_at(fifo: &impl Words, slot: usize, r: usize) -> u64 {
+        fifo.load(entry_word(slot, r) + ENTRY_WORDS - 1) >> 16
+    }
+
+    /// Reads entry `r` of `slot`: the word with `idx` first, then the rest, so that an entry
+    /// whose `idx` is current is never paired with last wrap's fields (the peer's write lands
+    /// in order, and each load is an acquire).
     fn read(fifo: &impl Words, slot: usize, r: usize) -> Cts {
-        let base = (slot * MAX_RECVS + r) * ENTRY_WORDS;
-        let idx = fifo.load(base + 4);
-        let mut w: [u64; 5] = std::array::from_fn(|i| if i < 4 { fifo.load(base + i) } else { 0 });
-        w[4] = idx;
-        Cts::decode(w)
+        let base = entry_word(slot, r);
+        let last = fifo.load(base + ENTRY_WORDS - 1);
+        Cts::decode(std::array::from_fn(|i| {
+            if i + 1 < ENTRY_WORDS { fifo.load(base + i) } else { last }
+        }))
     }
 }
 
@@ -470,15 +515,16 @@ impl Health {
 
     /// Posts a zero-length RDMA write to the peer on QP 0 when one is due; `target` is a
     /// region of the peer's this comm may write (a zero-length write checks no key anyway).
+    /// `Ok(true)`: a probe was posted.
     fn probe(
         &mut self,
         now: Duration,
         waiting: bool,
         io: &mut impl Post,
         target: (u64, u32),
-    ) -> Result<()> {
+    ) -> Result<bool> {
         if self.fatal.is_some() || !self.prober.due(now, waiting) {
-            return Ok(());
+            return Ok(false);
         }
         let probe = SendWr {
             wr_id: wr_id(WR_PROBE, 0, 0),
@@ -491,7 +537,7 @@ impl Health {
         self.prober.out = true;
         self.prober.quiet = None;
         self.watchdog.posted();
-        Ok(())
+        Ok(true)
     }
 
     /// After a poll found the CQ empty at `now`: the watchdog, and a failure from elsewhere
@@ -709,7 +755,7 @@ impl SendCore {
         s.matched |= 1 << r;
         s.bufs = bufs;
         if last {
-            if let Err(e) = self.post(stage, io, slot, &row[..nreqs]) {
+            if let Err(e) = self.post(fifo, stage, io, slot, &row[..nreqs]) {
                 // Never handed out; the row's earlier requests fail with the comm.
                 self.reqs[id] = SendReq::default();
                 return Err(self.health.post_failed(e));
@@ -746,6 +792,7 @@ impl SendCore {
     /// the slot, when needed), and the lane's final write-with-immediate.
     fn post(
         &mut self,
+        fifo: &impl Words,
         stage: &impl Words,
         io: &mut impl Post,
         slot: usize,
@@ -756,7 +803,7 @@ impl SendCore {
         if let ([cts], Some(b)) = (row, bufs[0])
             && cts.optional
         {
-            return self.post_optional(stage, io, slot, cts, b);
+            return self.post_optional(fifo, stage, io, slot, cts, b);
         }
         let sizes: [u64; MAX_RECVS] = std::array::from_fn(|r| bufs[r].map_or(0, |b| b.size));
         let (imm, single) = imm_for(slot, &sizes[..nreqs]);
@@ -848,11 +895,13 @@ impl SendCore {
         Ok(())
     }
 
-    /// Posts an optional receive's data as plain writes, then the ack of its row (signaled: it
-    /// completes the send). No immediate: the receiver polls nothing. Both go on QP 0, so acks
-    /// land in order and the ack word only grows; these are small LL messages.
+    /// Posts an optional receive's data as plain writes, then (when due) the ack of its row;
+    /// the last of them is signaled and completes the send. No immediate: the receiver polls
+    /// nothing. All go on QP 0, so acks land in order and the ack word only grows; these are
+    /// small LL messages.
     fn post_optional(
         &mut self,
+        fifo: &impl Words,
         stage: &impl Words,
         io: &mut impl Post,
         slot: usize,
@@ -878,21 +927,35 @@ impl SendCore {
             )?;
             done += n;
         }
-        // Staged rather than inline only where the QP takes no inline data; a later ack
-        // overwriting it before the NIC reads it only reports a later consumed row.
-        stage.store(ACK_WORD, cts.idx);
-        chain.push(
-            io,
-            SendWr {
-                wr_id: id,
-                signaled: true,
-                local: Some((stage.addr(ACK_WORD), 8, stage.lkey())),
-                remote_addr: self.remote_sizes.0 + (ACK_WORD * 8) as u64,
-                rkey: self.remote_sizes.1,
-                inline: 8 <= self.p.max_inline,
-                ..SendWr::default()
-            },
-        )?;
+        // The ack is batched like the CTS rows: written when the receiver must learn soon that
+        // the sender runs low (fewer than ACK_AHEAD later rows have landed), for every
+        // ACK_EVERY-th row (slots are reused only once acked), and for an empty message (no
+        // data write to signal).
+        let ahead = (1..=ACK_AHEAD)
+            .take_while(|&k| Cts::idx_at(fifo, (slot + k as usize) % SLOTS, 0) == cts.idx + k)
+            .count() as u64;
+        match chain.last() {
+            Some(w) if ahead == ACK_AHEAD && !cts.idx.is_multiple_of(ACK_EVERY) => {
+                w.signaled = true
+            }
+            _ => {
+                // Staged rather than inline only where the QP takes no inline data; a later
+                // ack overwriting it before the NIC reads it only reports a later consumed row.
+                stage.store(ACK_WORD, cts.idx);
+                chain.push(
+                    io,
+                    SendWr {
+                        wr_id: id,
+                        signaled: true,
+                        local: Some((stage.addr(ACK_WORD), 8, stage.lkey())),
+                        remote_addr: self.remote_sizes.0 + (ACK_WORD * 8) as u64,
+                        rkey: self.remote_sizes.1,
+                        inline: 8 <= self.p.max_inline,
+                        ..SendWr::default()
+                    },
+                )?;
+            }
+        }
         chain.flush(io)?;
         self.slot_wrs[slot * self.p.nqps + q] = chain.posted;
         self.sq_used[q] += chain.posted;
@@ -983,6 +1046,8 @@ struct RecvSlot {
     posted: [u64; MAX_RECVS],
     /// The `idx` of an optional receive: the slot is reused once the ack word reaches it.
     ack_for: u64,
+    /// The receive's `idx` (`head + 1` when posted).
+    idx: u64,
     /// Immediates still expected (one per lane).
     imms: u16,
     sizes: [u64; MAX_RECVS],
@@ -1002,7 +1067,69 @@ pub struct RecvCore {
     /// The `idx` of the last optional receive posted: until the sender's ack word reaches it,
     /// an optional receive's data may still be missing, and the receiver waits on its peer.
     optional_idx: u64,
+    /// Rows written to the sender's FIFO (`idx` up to this); rows after it up to `head` are
+    /// staged, and go out in batches (see [`RecvCore::advertise`]).
+    advertised: u64,
+    /// The highest `idx` the sender is known to have consumed: its receive completed (the
+    /// ack word tells the same of optional rows).
+    consumed: u64,
+    /// The CTS queue pair's send queue, counted exactly.
+    sq: SqCount,
+    /// Where batches are built before posting.
+    chain: Box<[SendWr; MAX_CHAIN]>,
     health: Health,
+}
+
+/// The work requests on one send queue, counted as a provider that frees entries only when a
+/// later signaled request completes sees them: every request is held until a signaled one at
+/// or after it completes. Completions of one send queue arrive in order.
+struct SqCount {
+    posted: u64,
+    /// Requests freed so far: everything up to the last signaled one that completed.
+    freed: u64,
+    /// The sequence numbers (`posted` after them) of the signaled requests not yet completed.
+    signaled: VecDeque<u64>,
+    depth: u64,
+}
+
+impl SqCount {
+    fn new(depth: usize) -> SqCount {
+        SqCount {
+            posted: 0,
+            freed: 0,
+            signaled: VecDeque::with_capacity(depth),
+            depth: depth as u64,
+        }
+    }
+
+    fn used(&self) -> u64 {
+        self.posted - self.freed
+    }
+
+    /// Whether `n` more requests fit, one entry always kept for a liveness probe.
+    fn fits(&self, n: u64) -> bool {
+        self.used() + n < self.depth
+    }
+
+    /// Whether the last of `n` requests about to be posted must be signaled.
+    fn signal_due(&self, n: u64) -> bool {
+        let last = self.signaled.back().copied().unwrap_or(self.freed);
+        self.posted + n - last >= CTS_SIGNAL_EVERY
+    }
+
+    fn posted(&mut self, n: u64, signaled: bool) {
+        self.posted += n;
+        if signaled {
+            self.signaled.push_back(self.posted);
+        }
+    }
+
+    /// A signaled request completed: it and everything before it are free.
+    fn completed(&mut self) {
+        if let Some(seq) = self.signaled.pop_front() {
+            self.freed = seq;
+        }
+    }
 }
 
 /// Request ids: receives are `0..SLOTS`, flushes `SLOTS..2 * SLOTS`.
@@ -1020,6 +1147,10 @@ impl RecvCore {
             remote_fifo,
             waiting: 0,
             optional_idx: 0,
+            advertised: 0,
+            consumed: 0,
+            sq: SqCount::new(RECV_SEND_QUEUE),
+            chain: Box::new([SendWr::default(); MAX_CHAIN]),
             health,
             p,
         }
@@ -1028,7 +1159,14 @@ impl RecvCore {
     /// Whether an optional receive (or a slot its ack word holds) still waits for the sender:
     /// NCCL watches the data itself, but the comm must still notice a sender that died.
     pub fn awaits_acks(&self, sizes: &impl Words) -> bool {
-        sizes.load(ACK_WORD) < self.optional_idx
+        self.known_consumed(sizes) < self.optional_idx
+    }
+
+    /// The highest row the sender is known to have consumed: the ack word (the sender writes
+    /// it for some optional rows only), or a later receive that completed (the sender consumes
+    /// rows in order).
+    fn known_consumed(&self, sizes: &impl Words) -> u64 {
+        self.consumed.max(sizes.load(ACK_WORD))
     }
 
     pub fn check(&self) -> Result<()> {
@@ -1059,7 +1197,7 @@ impl RecvCore {
         }
         let slot = (self.head % SLOTS as u64) as usize;
         let prev = self.slots[slot];
-        if prev.state != State::Free || sizes.load(ACK_WORD) < prev.ack_for {
+        if prev.state != State::Free || self.known_consumed(sizes) < prev.ack_for {
             return Ok(None);
         }
         let optional = optional && n == 1;
@@ -1072,43 +1210,110 @@ impl RecvCore {
             let nreqs = n as u8;
             let cts =
                 Cts { addr: b.addr, size: b.size, rkey: b.rkey, tag: *tag, nreqs, optional, idx };
-            let base = (slot * MAX_RECVS + r) * ENTRY_WORDS;
+            let base = entry_word(slot, r);
             for (i, w) in cts.encode().into_iter().enumerate() {
                 stage.store(base + i, w);
             }
         }
-        let base = slot * MAX_RECVS * ENTRY_WORDS;
-        let len = (n * ENTRY) as u32;
-        // One signaled CTS per FIFO wrap drains the send queue; errors complete regardless.
-        let signaled = slot == SLOTS - 1;
-        let cts = SendWr {
-            wr_id: wr_id(WR_CTS, 0, slot),
-            op: Op::Write,
-            signaled,
-            local: Some((stage.addr(base), len, stage.lkey())),
-            remote_addr: self.remote_fifo.0 + (base * 8) as u64,
-            rkey: self.remote_fifo.1,
-            inline: len <= self.p.max_inline,
-        };
-        io.send(0, &[cts]).map_err(|e| self.health.post_failed(e))?;
-        if signaled {
-            self.health.watchdog.posted();
-        }
+        let posted = std::array::from_fn(|r| bufs.get(r).map_or(0, |b| b.0.size));
         self.slots[slot] = if optional {
-            // Done at once: NCCL watches the data itself. The size reported is the posted one.
-            let mut sizes = [0; MAX_RECVS];
-            sizes[0] = bufs[0].0.size;
+            // Done once its row is written to the sender: NCCL watches the data itself. The
+            // size reported is the posted one.
             self.health.traffic.messages += 1;
             self.optional_idx = idx;
-            RecvSlot { state: State::Done, n, posted: sizes, ack_for: idx, imms: 0, sizes }
+            let (ack_for, sizes) = (idx, posted);
+            RecvSlot { state: State::Pending, n, posted, ack_for, idx, imms: 0, sizes }
         } else {
             let imms = lanes.len() as u16;
             self.waiting += 1;
-            let posted = std::array::from_fn(|r| bufs.get(r).map_or(0, |b| b.0.size));
-            RecvSlot { state: State::Pending, n, posted, ack_for: 0, imms, sizes: [0; MAX_RECVS] }
+            RecvSlot {
+                state: State::Pending,
+                n,
+                posted,
+                ack_for: 0,
+                idx,
+                imms,
+                sizes: [0; MAX_RECVS],
+            }
         };
         self.head += 1;
+        self.advertise(stage, sizes, io, LOW_AT_IRECV)?;
         Ok(Some(slot))
+    }
+
+    /// Writes the staged rows to the sender's FIFO, in batches of at most [`BATCH`] rows, each
+    /// one post of one doorbell: the other entries of its multi-receives, then its head entries
+    /// (one write, two where the batch wraps the FIFO). A batch goes out once it is full, or
+    /// once the sender holds at most `low` advertised rows it has not consumed as far as this
+    /// end knows (its receives complete, the ack word grows); so every posted receive's row
+    /// reaches the sender before the sender runs out, or while its last rows are on the way.
+    /// A batch that does not fit the send queue waits for a signaled completion, which
+    /// [`SqCount`] guarantees is on the way.
+    fn advertise(
+        &mut self,
+        stage: &impl Words,
+        sizes: &impl Words,
+        io: &mut impl Post,
+        low: u64,
+    ) -> Result<()> {
+        loop {
+            let staged = self.head - self.advertised;
+            if staged == 0 {
+                return Ok(());
+            }
+            let consumed = self.known_consumed(sizes);
+            let unconsumed = self.advertised - consumed.min(self.advertised);
+            if staged < BATCH && unconsumed > low {
+                return Ok(());
+            }
+            let rows = staged.min(BATCH) as usize;
+            let first = (self.advertised % SLOTS as u64) as usize;
+            let remote = |w: usize| self.remote_fifo.0 + (w * 8) as u64;
+            let write = |w: usize, entries: usize| SendWr {
+                wr_id: wr_id(WR_CTS, 0, 0),
+                op: Op::Write,
+                signaled: false,
+                local: Some((stage.addr(w), (entries * ENTRY) as u32, stage.lkey())),
+                remote_addr: remote(w),
+                rkey: self.remote_fifo.1,
+                inline: entries * ENTRY <= self.p.max_inline as usize,
+            };
+            let mut len = 0;
+            let wrs = &mut self.chain;
+            for k in 0..rows {
+                let slot = (first + k) % SLOTS;
+                let n = self.slots[slot].n;
+                if n > 1 {
+                    wrs[len] = write(entry_word(slot, 1), n - 1);
+                    len += 1;
+                }
+            }
+            let end = first + rows;
+            for (lo, hi) in [(first, end.min(SLOTS)), (0, end.saturating_sub(SLOTS))] {
+                if hi > lo {
+                    wrs[len] = write(entry_word(lo, 0), hi - lo);
+                    len += 1;
+                }
+            }
+            let n = len as u64;
+            if !self.sq.fits(n) {
+                return Ok(());
+            }
+            let signaled = self.sq.signal_due(n);
+            wrs[len - 1].signaled = signaled;
+            io.send(0, &wrs[..len]).map_err(|e| self.health.post_failed(e))?;
+            self.sq.posted(n, signaled);
+            if signaled {
+                self.health.watchdog.posted();
+            }
+            for k in 0..rows {
+                let s = &mut self.slots[(first + k) % SLOTS];
+                if s.ack_for != 0 && s.state == State::Pending {
+                    s.state = State::Done;
+                }
+            }
+            self.advertised += rows as u64;
+        }
     }
 
     /// Issues the flush read of `target` (through QP `nqps`, the loopback flush QP), with the
@@ -1143,6 +1348,10 @@ impl RecvCore {
 
     /// Takes in one completion; `sizes` are the size records the sender writes.
     pub fn complete(&mut self, c: &Completion, sizes: &impl Words) {
+        let kind = wr_kind(c.wr_id);
+        if c.status == 0 && (kind == WR_CTS || kind == WR_PROBE) {
+            self.sq.completed();
+        }
         if !self.health.completion(c) {
             return;
         }
@@ -1180,6 +1389,7 @@ impl RecvCore {
                 }
                 self.waiting -= 1;
                 s.state = State::Done;
+                self.consumed = self.consumed.max(s.idx);
                 let (split, nqps) = (self.p.split, self.p.nqps);
                 let t = &mut self.health.traffic;
                 t.messages += s.n as u64;
@@ -1197,17 +1407,24 @@ impl RecvCore {
         }
     }
 
-    /// After a poll found no more completions: as [`SendCore::idle`], waiting meaning a
-    /// receive whose data has not arrived, optional ones included (`sizes` holds their acks).
+    /// After a poll found no more completions: the staged rows go out if the sender runs low
+    /// ([`Self::advertise`]), then as [`SendCore::idle`], waiting meaning a receive whose data
+    /// has not arrived, optional ones included (`sizes` holds their acks).
     pub fn idle(
         &mut self,
         now: Duration,
         elsewhere: Option<Fault>,
         io: &mut impl Post,
+        stage: &impl Words,
         sizes: &impl Words,
     ) -> Result<()> {
+        if self.health.fatal.is_none() {
+            self.advertise(stage, sizes, io, LOW_AT_POLL)?;
+        }
         let waiting = self.waiting > 0 || self.awaits_acks(sizes);
-        self.health.probe(now, waiting, io, self.remote_fifo)?;
+        if self.health.probe(now, waiting, io, self.remote_fifo)? {
+            self.sq.posted(1, true);
+        }
         self.health.idle(now, elsewhere)
     }
 

@@ -161,7 +161,7 @@ fn run(n: usize, size: u64, inline: u32, optional: bool, depth: usize) -> Result
         while let Some(c) = cq.borrow_mut()[1].pop_front() {
             recv.complete(&c, &sizes);
         }
-        recv.idle(Duration::ZERO, None, &mut rio, &sizes).map_err(e)?;
+        recv.idle(Duration::ZERO, None, &mut rio, &rstage, &sizes).map_err(e)?;
         let r = posted.pop_front().ok_or("no receive posted")?;
         let done = send.test(s).map_err(e)?.zip(recv.test(r, &mut got).map_err(e)?);
         if done.is_none() || got[0] != size {
