@@ -5,28 +5,56 @@
 //! twice and talks to each over its stdin/stdout, one line per message. Each rank loads the
 //! plugin with `dlopen`, drives its v12 ABI through [`Driver`], listens on its device and
 //! connects to the other's handle (which the orchestrator relays), so each rank has a send comm
-//! and a receive comm. Buffers are registered once; then the ranks run the commands they get:
+//! and a receive comm. Buffers are registered once; then the ranks run the commands they get.
 //!
-//! - `BW`: rank 0 sends, rank 1 receives, `--seconds` per size. The receiver keeps up to
-//!   [`WINDOW`] receives posted ahead and the sender up to [`WINDOW`] sends in flight (at most
-//!   [`WINDOW_BYTES`], never fewer than 2), so a CTS is never what a send waits for. The
-//!   receiver's clock decides: after a warm-up it times whole messages from one completion to
-//!   the first completion `--seconds` later, then stops posting and names the number of receives
-//!   it posted (`POSTED n`); the orchestrator relays that to the sender (`STOP n`), which sends
-//!   exactly that many. Nothing stays posted, and the drain is not timed. An optional fifth
-//!   word to the receiver, `BW size window seconds warm-up MESSAGES`, ends the timing after that
-//!   many messages if the time has not ended it first (`ferroce doctor --peer --selftest`).
-//! - `LAT`: ping-pong; each side keeps [`LAT_DEPTH`] receives posted and re-posts while its own
-//!   message is in flight. Rank 0 stamps each ping; a sample is half the time between two pings
-//!   (perftest's method), so everything the application does in a round trip counts.
+//! A rank polls as NCCL's proxy thread does. The proxy keeps `NCCL_STEPS` (8) receives posted
+//! ahead per channel, one `irecv` per step (never several steps in one call); it spins over its
+//! operations, and in each pass it first posts what it may, then tests only the oldest
+//! outstanding request of each direction, once. It posts a step's receive again only when the
+//! step's buffer is free (its message was seen) and its request was tested done. It yields the
+//! CPU after a pass that moved nothing and after every 8th pass in a row that did
+//! ([`Stall::nccl`]). `--depth` (default 8) sets the receives posted ahead; the orchestrator
+//! passes it to the ranks in each command.
+//!
+//! - `BW size window seconds warm-up [MESSAGES]`: rank 0 sends, rank 1 receives, `--seconds`
+//!   per size. The receiver keeps `window` receives posted ahead and the sender `window` sends
+//!   in flight: the depth, but at most [`WINDOW_BYTES`] in flight (and never fewer than 2 for
+//!   that cap). The receiver's clock decides: after a warm-up it times whole messages from one
+//!   completion to the first completion `--seconds` later, then stops posting and names the
+//!   number of receives it posted (`POSTED n`); the orchestrator relays that to the sender
+//!   (`STOP n`), which sends exactly that many. Nothing stays posted, and the drain is not timed.
+//!   The optional `MESSAGES` ends the timing after that many messages if the time has not ended
+//!   it first (`ferroce doctor --peer --selftest`).
+//! - `LAT size iterations warm-up depth simple|ll`: ping-pong with `depth` receives posted ahead
+//!   on each side. Rank 0 stamps each ping; a sample is half the time between two pings
+//!   (perftest's method), so everything the application does in a round trip counts. Rank 0
+//!   replies with the median (p50), the mean and the fastest sample.
+//!   - `simple` (NCCL's Simple protocol): a message has arrived when its receive tests done.
+//!   - `ll` (NCCL's LL and LL128): receives are optional (`NCCL_NET_OPTIONAL_RECV_COMPLETION`),
+//!     so the plugin may call them done before the data is there; in NCCL the GPU sees the data
+//!     arrive through flags inside it. Here the sender stamps a flag that changes with every
+//!     message into the last byte of its buffer, and the receiver watches for it in its own
+//!     buffer (a volatile read per pass) while it keeps testing the oldest receive, as the proxy
+//!     keeps calling into the plugin while the GPU watches. One thread plays both parts, so the
+//!     watch also pauses while the proxy part yields.
 //!
 //! Before `PEER`, a rank also answers `PORT` with its port's facts (`doctor::port_facts`,
 //! handed in by `main`), so `ferroce doctor --peer` can compare the two ends through the same
 //! connection; [`Pair`] is the orchestrator's side that both use.
 //!
-//! Every round runs the whole ferroce set and then perftest (`ib_write_bw -D`, `ib_write_lat`,
-//! `ib_send_lat`), so drift in the VM hits both alike. The table shows the median of the rounds,
-//! the spread (min-max) and ferroce / perftest; `--json` gives every round's raw numbers.
+//! Each of `--rounds` rounds (default 5) measures size by size, and each size first through
+//! ferroce, then at once through perftest on the same two devices: `ib_write_bw` and
+//! `ib_send_bw` (and `ib_write_bw -q N` when `NCCL_IB_QPS_PER_CONNECTION` gives the ranks N
+//! lanes) beside the bandwidth, `ib_write_lat` and `ib_send_lat` beside the latency. So drift in
+//! the VM hits a size's numbers alike. The tables give each number's median over the rounds,
+//! the spread (min-max) of the main ones, and ferroce / perftest for the median (p50) and the
+//! mean latency alike; `--json` gives every round's numbers and each one's median, mean, min
+//! and max.
+//!
+//! perftest converts CPU cycles to time with the "cpu MHz" it reads, which an emulated CPU may
+//! get wrong. So once per run the orchestrator times two `ib_write_lat` runs of different
+//! lengths against the wall clock: the wall time of the extra iterations, halved, is what
+//! perftest should report for them (connection setup and teardown cancel out).
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -43,17 +71,17 @@ use ferroce_tools::handle::{from_hex, to_hex};
 use ferroce_tools::loader::{ECHO, Library, flush_log};
 use ferroce_tools::out::{self, Table, fixed};
 use ferroce_tools::proc::{Proc, lines_of};
-use ferroce_tools::wait::{Stall, until};
+use ferroce_tools::wait::{NCCL_APPENDOP_FREQ, Stall};
 use serde_json::json;
 
 const BW_SIZES: [usize; 6] = [8, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 8 << 20];
+/// Latency sizes, in both protocols: LL carries small messages.
 const LAT_SIZES: [usize; 2] = [8, 4 << 10];
 /// Latency iterations by default (`--iters`); the warm-up is a tenth as many.
 const LAT_ITERS: usize = 1000;
-/// Receives posted ahead in ping-pong: one is consumed per round trip and re-posted while the
-/// next message flies, so at least two are always posted when the peer sends.
-const LAT_DEPTH: usize = 3;
-/// Requests in flight per direction: NCCL's `NCCL_NET_MAX_REQUESTS`.
+/// Receives posted ahead by default (`--depth`): NCCL's `NCCL_STEPS`, one receive per step.
+const DEPTH: usize = 8;
+/// Requests in flight per direction at most: NCCL's `NCCL_NET_MAX_REQUESTS`.
 const WINDOW: usize = 32;
 /// Bytes in flight at most: with 32 x 8 MiB the untimed drain at Soft-RoCE speed would take
 /// longer than the measurement; 32 MiB is far above any link's bandwidth-delay product.
@@ -65,9 +93,13 @@ const STEP: Duration = Duration::from_secs(120);
 const IDLE: Duration = Duration::from_secs(1800);
 /// Any shared value: NCCL passes the same communicator id to every rank's `init`.
 const COMM_ID: u64 = 0xfe77_0ce0;
+/// The two lengths of the perftest clock check, in iterations.
+const CLOCK_ITERS: (usize, usize) = (500, 2500);
 
-fn window(size: usize) -> usize {
-    (WINDOW_BYTES / size).clamp(2, WINDOW)
+/// Bandwidth requests in flight for `size`-byte messages: the depth, unless that puts more than
+/// [`WINDOW_BYTES`] in flight (a cap that leaves at least 2).
+fn window(size: usize, depth: usize) -> usize {
+    (WINDOW_BYTES / size).max(2).min(depth)
 }
 
 fn warmup(seconds: f64) -> f64 {
@@ -106,6 +138,38 @@ impl Io {
 /// The byte at offset `i` of every message: a receive is checked against it.
 fn pattern(i: usize) -> u8 {
     (i % 251) as u8
+}
+
+/// The flag an LL message `i` carries in its last byte: never 0 (the cleared buffer) and never
+/// the flag of message `i - 1`, so the receiver cannot mistake the previous message for it.
+fn flag(i: usize) -> u8 {
+    (i % 255) as u8 + 1
+}
+
+/// NCCL's protocols as far as the network sees them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Proto {
+    /// Every receive completes through the plugin.
+    Simple,
+    /// Optional receives: the data's flags tell their arrival.
+    Ll,
+}
+
+impl Proto {
+    fn word(self) -> &'static str {
+        match self {
+            Proto::Simple => "simple",
+            Proto::Ll => "ll",
+        }
+    }
+
+    fn parse(w: Option<&str>) -> Result<Proto, String> {
+        match w {
+            Some("simple") => Ok(Proto::Simple),
+            Some("ll") => Ok(Proto::Ll),
+            w => Err(format!("LAT protocol: expected simple or ll, got {w:?}")),
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -228,21 +292,34 @@ impl Rank<'_> {
         loop {
             let line = self.io.next(IDLE)?;
             let mut w = line.split_whitespace();
-            let reply = match w.next() {
-                Some("BW") if sender => {
-                    self.bw_send(num("BW size", w.next())?, num("BW window", w.next())?)?
+            // Sizes and depths index the buffers and the plugin's 32 slots, and a --listen rank
+            // takes its commands from the network: each is checked.
+            let within = |what: &str, w: Option<&str>, max: usize| {
+                let v: usize = num(what, w)?;
+                if (1..=max).contains(&v) {
+                    Ok(v)
+                } else {
+                    Err(format!("{what} {v}: not 1..={max}"))
                 }
+            };
+            let reply = match w.next() {
+                Some("BW") if sender => self.bw_send(
+                    within("BW size", w.next(), MAX)?,
+                    within("BW window", w.next(), WINDOW)?,
+                )?,
                 Some("BW") => self.bw_recv(
-                    num("BW size", w.next())?,
-                    num("BW window", w.next())?,
+                    within("BW size", w.next(), MAX)?,
+                    within("BW window", w.next(), WINDOW)?,
                     num("BW seconds", w.next())?,
                     num("BW warm-up", w.next())?,
                     w.next().map(|m| num("BW messages", Some(m))).transpose()?,
                 )?,
                 Some("LAT") => self.lat(
-                    num("LAT size", w.next())?,
+                    within("LAT size", w.next(), MAX)?,
                     num("LAT iterations", w.next())?,
                     num("LAT warm-up", w.next())?,
+                    within("LAT depth", w.next(), WINDOW)?,
+                    Proto::parse(w.next())?,
                     sender,
                 )?,
                 Some("QUIT") => {
@@ -256,8 +333,9 @@ impl Rank<'_> {
         }
     }
 
-    fn irecv(&self, size: usize) -> Result<Option<Ptr>, String> {
-        self.drv.irecv(self.recv, &[self.rbuf], &[size], &[0], &[self.rmh], false)
+    /// One receive of `size` bytes into the receive buffer; `optional` as for NCCL's LL.
+    fn irecv(&self, size: usize, optional: bool) -> Result<Option<Ptr>, String> {
+        self.drv.irecv(self.recv, &[self.rbuf], &[size], &[0], &[self.rmh], optional)
     }
 
     fn isend(&self, size: usize) -> Result<Option<Ptr>, String> {
@@ -271,13 +349,34 @@ impl Rank<'_> {
         unsafe { std::ptr::write_bytes(self.rbuf, 0, size.min(MAX)) }
     }
 
-    /// The last message received must be the sender's pattern, byte for byte (the buffer was
-    /// zeroed before the first receive was posted, so a message that never landed fails too).
-    /// Only while no receive is posted.
-    fn verify(&self, size: usize) -> Result<(), String> {
+    /// The last byte of the first `size` of the receive buffer, read afresh from memory: the
+    /// NIC writes it behind the compiler's back. `size` is 1..=MAX.
+    fn last_received(&self, size: usize) -> u8 {
+        // SAFETY: in bounds of the MAX-byte buffer that lives as long as self; a byte is read
+        // whole, whatever the NIC writes meanwhile.
+        unsafe { std::ptr::read_volatile(self.rbuf.add(size - 1)) }
+    }
+
+    /// Writes the last byte of the first `size` of the send buffer (`size` is 1..=MAX); only
+    /// while no send is in flight.
+    fn stamp(&self, size: usize, v: u8) {
+        // SAFETY: in bounds of the MAX-byte buffer that lives as long as self; the callers hold
+        // no send in flight, so the NIC does not read it meanwhile.
+        unsafe { std::ptr::write_volatile(self.sbuf.add(size - 1), v) }
+    }
+
+    /// The last message received must be the sender's pattern, byte for byte, except that an
+    /// LL message ends with the flag `last` instead (the buffer was zeroed before the first
+    /// receive was posted, so a message that never landed fails too). Only while no receive is
+    /// posted.
+    fn verify(&self, size: usize, last: Option<u8>) -> Result<(), String> {
         // SAFETY: as in `clear`: in bounds, and nothing writes the buffer meanwhile.
         let got = unsafe { std::slice::from_raw_parts(self.rbuf, size.min(MAX)) };
-        match got.iter().enumerate().position(|(i, &b)| b != pattern(i)) {
+        let want = |i: usize| match last {
+            Some(f) if i + 1 == got.len() => f,
+            _ => pattern(i),
+        };
+        match got.iter().enumerate().position(|(i, &b)| b != want(i)) {
             None => Ok(()),
             Some(i) => Err(format!("a {size}-byte message arrived corrupted at byte {i}")),
         }
@@ -309,12 +408,12 @@ impl Rank<'_> {
         let mut q = VecDeque::with_capacity(window);
         let (mut posted, mut done) = (0u64, 0u64);
         let (mut first, mut start, mut end) = (None, None::<(Instant, u64)>, None);
-        let mut stall = Stall::default();
+        let mut stall = Stall::nccl();
         loop {
             let mut moved = false;
             if end.is_none()
                 && q.len() < window
-                && let Some(r) = self.irecv(size)?
+                && let Some(r) = self.irecv(size, false)?
             {
                 q.push_back(r);
                 posted += 1;
@@ -353,30 +452,31 @@ impl Rank<'_> {
                 ));
             }
         }
-        self.verify(size)?;
+        self.verify(size, None)?;
         let ((t0, d0), (t1, d1)) = start.zip(end).ok_or("bandwidth: not timed")?;
         Ok(format!("BW {} {:.9}", (d1 - d0) * size as u64, (t1 - t0).as_secs_f64()))
     }
 
-    /// Keeps `window` sends in flight until told how many the receiver posted.
+    /// Keeps `window` sends in flight until told how many the receiver posted. A pass posts
+    /// first and then tests the oldest send, as NCCL's proxy does.
     fn bw_send(&self, size: usize, window: usize) -> Result<String, String> {
         let mut q = VecDeque::with_capacity(window);
         let (mut sent, mut stop) = (0u64, None);
-        let mut stall = Stall::default();
+        let mut stall = Stall::nccl();
         loop {
             let mut moved = false;
-            if let Some(&r) = q.front()
-                && self.drv.test(r)?.is_some()
-            {
-                q.pop_front();
-                moved = true;
-            }
             if q.len() < window
                 && stop.is_none_or(|n| sent < n)
                 && let Some(r) = self.isend(size)?
             {
                 q.push_back(r);
                 sent += 1;
+                moved = true;
+            }
+            if let Some(&r) = q.front()
+                && self.drv.test(r)?.is_some()
+            {
+                q.pop_front();
                 moved = true;
             }
             if stop.is_none() {
@@ -409,63 +509,179 @@ impl Rank<'_> {
         }
     }
 
-    /// Polls the two requests of one ping-pong step until both are done.
-    fn wait_both(&self, send: Ptr, recv: Ptr, size: usize) -> Result<(), String> {
-        let (mut s, mut r) = (Some(send), Some(recv));
-        until("ping-pong", STEP, || {
-            if let Some(q) = s {
-                s = self.drv.test(q)?.is_none().then_some(q);
-            }
-            if let Some(q) = r
-                && let Some(got) = self.drv.test(q)?
-            {
-                Self::check(size, got)?;
-                r = None;
-            }
-            Ok((s.is_none() && r.is_none()).then_some(()))
-        })
-    }
-
-    /// Ping-pong; the leader replies `LAT median_us min_us`, the other side `LAT`.
-    fn lat(&self, size: usize, iters: usize, warm: usize, leader: bool) -> Result<String, String> {
-        // One message more than samples: a sample is the time between two pings.
+    /// Ping-pong of `warm + iters + 1` messages (one more than samples: a sample is the time
+    /// between two pings). The leader replies `LAT p50_us mean_us min_us`, the other side `LAT`.
+    fn lat(
+        &self,
+        size: usize,
+        iters: usize,
+        warm: usize,
+        depth: usize,
+        proto: Proto,
+        leader: bool,
+    ) -> Result<String, String> {
         let total = warm + iters + 1;
         self.clear(size);
-        let mut q = VecDeque::with_capacity(LAT_DEPTH);
-        while q.len() < LAT_DEPTH.min(total) {
-            q.push_back(until("irecv", STEP, || self.irecv(size))?);
-        }
-        let mut posted = q.len();
+        let mut p = PingPong::new(self, size, depth, total, proto);
         let mut stamps = Vec::with_capacity(if leader { total } else { 0 });
-        for _ in 0..total {
+        for i in 0..total {
+            // Our previous message must have left before the buffer takes the next flag.
             if leader {
+                p.wait("a ping's send", |p| p.send_idle())?;
                 stamps.push(Instant::now());
+                p.start_send(i);
+                p.wait("a pong", |p| p.arrived(i))?;
             } else {
-                let r = q.pop_front().ok_or("no receive posted")?;
-                let got = until("ping", STEP, || self.drv.test(r))?;
-                Self::check(size, got)?;
+                p.wait("a ping", |p| p.arrived(i) && p.send_idle())?;
+                p.start_send(i);
             }
-            let s = until("isend", STEP, || self.isend(size))?;
-            // Re-posting while our message flies keeps irecv off the round trip.
-            if posted < total {
-                q.push_back(until("irecv", STEP, || self.irecv(size))?);
-                posted += 1;
-            }
-            if leader {
-                let r = q.pop_front().ok_or("no receive posted")?;
-                self.wait_both(s, r, size)?;
-            } else {
-                until("pong send", STEP, || self.drv.test(s))?;
-            }
+            p.seen = i + 1;
         }
-        self.verify(size)?;
+        p.wait("the last requests", |p| p.send_idle() && p.received == total)?;
+        if proto == Proto::Ll {
+            // The next run sends the pattern again.
+            self.stamp(size, pattern(size - 1));
+        }
+        self.verify(size, (proto == Proto::Ll).then(|| flag(total - 1)))?;
         if !leader {
             return Ok("LAT".into());
         }
         let mut half: Vec<f64> =
             stamps.windows(2).skip(warm).map(|w| (w[1] - w[0]).as_secs_f64() * 1e6 / 2.0).collect();
         half.sort_by(f64::total_cmp);
-        Ok(format!("LAT {:.3} {:.3}", median(&half), half.first().copied().unwrap_or(f64::NAN)))
+        let min = half.first().copied().unwrap_or(f64::NAN);
+        Ok(format!("LAT {:.3} {:.3} {min:.3}", median(&half), mean(&half)))
+    }
+}
+
+/// One side of a ping-pong, polled as NCCL's proxy polls (see the module docs): receives
+/// posted ahead up to the depth, at most one send of ours in flight.
+struct PingPong<'r, 'a> {
+    rank: &'r Rank<'a>,
+    size: usize,
+    depth: usize,
+    /// Messages each way in the whole run: receives beyond it would stay posted.
+    total: usize,
+    proto: Proto,
+    /// Receives posted and not yet tested done, oldest first.
+    recvs: VecDeque<Ptr>,
+    posted: usize,
+    /// Receives tested done.
+    received: usize,
+    /// Messages the application has seen arrive (and is done with): the buffer of their step
+    /// is free again.
+    seen: usize,
+    /// A send wanted but not yet taken by the plugin.
+    want_send: bool,
+    /// Our send in flight, not yet tested done.
+    send: Option<Ptr>,
+    stall: Stall,
+}
+
+impl<'r, 'a> PingPong<'r, 'a> {
+    fn new(rank: &'r Rank<'a>, size: usize, depth: usize, total: usize, proto: Proto) -> Self {
+        PingPong {
+            rank,
+            size,
+            depth,
+            total,
+            proto,
+            recvs: VecDeque::with_capacity(depth),
+            posted: 0,
+            received: 0,
+            seen: 0,
+            want_send: false,
+            send: None,
+            stall: Stall::nccl(),
+        }
+    }
+
+    /// One pass of the proxy: post a receive and the wanted send, then test the oldest receive
+    /// and our send once each. True if anything moved.
+    ///
+    /// A receive is posted for a step whose buffer is free, as NCCL's proxy does: at most the
+    /// depth ahead of the messages seen, and only while fewer than the depth of requests are
+    /// outstanding (a step's request is tested done before the step is posted again). With
+    /// optional receives, which may test done at once, the first rule is the one that holds.
+    fn pass(&mut self) -> Result<bool, String> {
+        let (rank, size, ll) = (self.rank, self.size, self.proto == Proto::Ll);
+        let mut moved = false;
+        if self.recvs.len() < self.depth
+            && self.posted < (self.seen + self.depth).min(self.total)
+            && let Some(r) = rank.irecv(size, ll)?
+        {
+            self.recvs.push_back(r);
+            self.posted += 1;
+            moved = true;
+        }
+        if self.want_send
+            && let Some(s) = rank.isend(size)?
+        {
+            self.send = Some(s);
+            self.want_send = false;
+            moved = true;
+        }
+        if let Some(&r) = self.recvs.front()
+            && let Some(got) = rank.drv.test(r)?
+        {
+            // An optional receive's size is not reported: NCCL reads the flags instead.
+            if !ll {
+                Rank::check(size, got)?;
+            }
+            self.recvs.pop_front();
+            self.received += 1;
+            moved = true;
+        }
+        if let Some(s) = self.send
+            && rank.drv.test(s)?.is_some()
+        {
+            self.send = None;
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    /// Whether message `i` has arrived: its receive tested done (Simple), or its flag in the
+    /// buffer (LL; whether its request was tested done yet does not matter).
+    fn arrived(&self, i: usize) -> bool {
+        match self.proto {
+            Proto::Simple => self.received > i,
+            Proto::Ll => self.rank.last_received(self.size) == flag(i),
+        }
+    }
+
+    /// No send of ours wanted or in flight.
+    fn send_idle(&self) -> bool {
+        !self.want_send && self.send.is_none()
+    }
+
+    /// Hands message `i` to the next pass, flagged for LL. Only when [`Self::send_idle`].
+    fn start_send(&mut self, i: usize) {
+        if self.proto == Proto::Ll {
+            self.rank.stamp(self.size, flag(i));
+        }
+        self.want_send = true;
+    }
+
+    /// Passes until `done`, which is checked before each pass.
+    fn wait(&mut self, what: &str, done: impl Fn(&Self) -> bool) -> Result<(), String> {
+        loop {
+            if done(self) {
+                return Ok(());
+            }
+            if self.pass()? {
+                self.stall.moved();
+            } else if self.stall.idle(STEP) {
+                return Err(format!(
+                    "ping-pong at {} B ({}): no progress for {STEP:?} waiting for {what} \
+                     ({} of {} received)",
+                    self.size,
+                    self.proto.word(),
+                    self.received,
+                    self.total
+                ));
+            }
+        }
     }
 }
 
@@ -563,15 +779,22 @@ impl Pair {
         Ok((bytes, num("BW seconds", r.get(1).map(String::as_str))?))
     }
 
-    /// One ping-pong run: the median and the minimum half round trip, in us.
-    fn lat(&mut self, size: usize, iters: usize, warm: usize) -> Result<(f64, f64), String> {
-        let cmd = format!("LAT {size} {iters} {warm}");
+    /// One ping-pong run with `depth` receives posted ahead: the median, the mean and the
+    /// minimum half round trip, in us.
+    fn lat(
+        &mut self,
+        size: usize,
+        (iters, warm): (usize, usize),
+        depth: usize,
+        proto: Proto,
+    ) -> Result<Lat, String> {
+        let cmd = format!("LAT {size} {iters} {warm} {depth} {}", proto.word());
         self.recv.tell(&cmd)?;
         self.send.tell(&cmd)?;
         let r = self.send.answer("LAT", LIMIT, &mut self.recv)?;
         self.recv.answer("LAT", LIMIT, &mut self.send)?;
-        let med = num("LAT median", r.first().map(String::as_str))?;
-        Ok((med, num("LAT min", r.get(1).map(String::as_str))?))
+        let word = |i: usize, what: &str| num(what, r.get(i).map(String::as_str));
+        Ok(Lat { p50: word(0, "LAT p50")?, avg: word(1, "LAT mean")?, min: word(2, "LAT min")? })
     }
 
     /// Ends both ranks, each saying `BYE`.
@@ -597,9 +820,10 @@ enum Mode {
 
 /// The benchmark: two ranks through the plugin, next to perftest, on one host or between two
 ///
-/// Bandwidth per message size (up to 32 messages in flight) and ping-pong latency, each size
-/// measured in rounds with perftest's ib_write_bw, ib_write_lat and ib_send_lat between the
-/// same two devices (one host only); the table shows the median, the spread and the ratio.
+/// Bandwidth per message size and ping-pong latency (NCCL's Simple and LL protocols), polled as
+/// NCCL's proxy polls, with --depth receives posted ahead. Each size is measured in rounds, right
+/// before perftest's ib_write_bw and ib_send_bw, or ib_write_lat and ib_send_lat, between the
+/// same two devices (one host only); the tables show the medians, the spread and the ratios.
 #[derive(clap::Args)]
 #[command(
     override_usage = "ferroce perf [OPTIONS]                                 one host: two rank processes
@@ -613,7 +837,7 @@ pub struct Args {
     /// to this program, else `ferroce`]
     #[arg(long, value_name = "NAME_OR_PATH")]
     plugin: Option<String>,
-    /// Rounds of the whole set [default: 3]
+    /// Rounds of the whole set [default: 5]
     #[arg(long, value_name = "N")]
     rounds: Option<usize>,
     /// Bandwidth time per size per round [default: 2.0]
@@ -625,6 +849,13 @@ pub struct Args {
     /// Latency iterations per size, after a tenth as many for warm-up [default: 1000]
     #[arg(long, value_name = "N")]
     iters: Option<usize>,
+    /// Receives posted ahead (and bandwidth requests in flight, at most 32 MiB), 1 to 32; NCCL
+    /// keeps 8 (NCCL_STEPS) [default: 8]
+    #[arg(long, value_name = "N")]
+    depth: Option<usize>,
+    /// Skip the check of perftest's clock against the wall clock (run once when perftest runs)
+    #[arg(long)]
+    no_clock_check: bool,
     /// One JSON object with every round's numbers instead of the table
     #[arg(long)]
     json: bool,
@@ -664,6 +895,8 @@ pub struct Opts {
     port: u16,
     max_size: usize,
     iters: usize,
+    depth: usize,
+    clock_check: bool,
 }
 
 impl Args {
@@ -683,6 +916,8 @@ impl Args {
             ("--seconds", self.seconds.is_some()),
             ("--max-size", self.max_size.is_some()),
             ("--iters", self.iters.is_some()),
+            ("--depth", self.depth.is_some()),
+            ("--no-clock-check", self.no_clock_check),
         ]
         .into_iter()
         .find_map(|(flag, given)| given.then_some(flag));
@@ -710,17 +945,20 @@ impl Args {
             Mode::Listen => ("0".into(), or(&self.dev, "0")),
             Mode::Connect(_) => (or(&self.dev, "0"), "1".into()),
         };
+        let perftest = mode == Mode::Local && !self.no_perftest;
         let o = Opts {
-            perftest: mode == Mode::Local && !self.no_perftest,
+            perftest,
+            clock_check: perftest && !self.no_clock_check,
             mode,
             plugin: self.plugin.clone().unwrap_or_else(crate::default_plugin),
-            rounds: self.rounds.unwrap_or(3),
+            rounds: self.rounds.unwrap_or(5),
             seconds: self.seconds.unwrap_or(2.0),
             json: self.json,
             devs,
             port: self.port.unwrap_or(0),
             max_size: self.max_size.unwrap_or(MAX),
             iters: self.iters.unwrap_or(LAT_ITERS),
+            depth: self.depth.unwrap_or(DEPTH),
         };
         if o.rounds == 0 {
             return Err("--rounds must be at least 1".into());
@@ -730,6 +968,9 @@ impl Args {
         }
         if !(10..=1_000_000).contains(&o.iters) {
             return Err("--iters must be from 10 to 1000000".into());
+        }
+        if !(1..=WINDOW).contains(&o.depth) {
+            return Err(format!("--depth must be from 1 to {WINDOW}"));
         }
         if !(0.1..=3600.0).contains(&o.seconds) {
             return Err("--seconds must be from 0.1 to 3600".into());
@@ -816,7 +1057,8 @@ fn stop(child: &mut Child) {
 }
 
 /// One perftest pair: server on the receiving device, client on the sending one, each under
-/// `timeout` (perftest's retry count 7 means "forever" on rxe). `label` names the column read.
+/// `timeout` (perftest's retry count 7 means "forever" on rxe). `label` names a column that
+/// must be in the output, so a different layout is an error, not a wrong number.
 struct Perftest<'a> {
     tx: &'a Port,
     rx: &'a Port,
@@ -824,13 +1066,24 @@ struct Perftest<'a> {
     label: &'a str,
 }
 
+/// Columns of perftest's result rows: `#bytes #iterations BW-peak BW-average MsgRate` for
+/// bandwidth, `#bytes #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%` for latency.
+const BW_AVERAGE: usize = 3;
+const T_MIN: usize = 2;
+const T_TYPICAL: usize = 4;
+const T_AVG: usize = 5;
+
 impl Perftest<'_> {
-    /// Column `col` of the result row. A zero (nothing completed while perftest sampled: rxe
-    /// stalls now and then) gets one more try, then counts as no result.
-    fn run(&self, tool: &str, extra: &[&str], col: usize) -> Result<f64, String> {
+    /// Columns `cols` of the result row. A zero in the first (nothing completed while perftest
+    /// sampled: rxe stalls now and then) gets one more try, then counts as no result (NaN).
+    fn run(&self, tool: &str, extra: &[&str], cols: &[usize]) -> Result<Vec<f64>, String> {
         for _ in 0..2 {
-            let v = self.once(tool, extra)?.get(col).copied().unwrap_or(0.0);
-            if v > 0.0 {
+            let (row, _) = self.once(tool, extra)?;
+            let v = cols
+                .iter()
+                .map(|&c| row.get(c).copied().ok_or(format!("{tool}: no column {c} in {row:?}")))
+                .collect::<Result<Vec<f64>, String>>()?;
+            if v.first().is_some_and(|&x| x > 0.0) {
                 return Ok(v);
             }
             eprintln!(
@@ -838,11 +1091,12 @@ impl Perftest<'_> {
                 extra.join(" ")
             );
         }
-        eprintln!("# {tool} {}: no result; left out of the median", extra.join(" "));
-        Ok(f64::NAN)
+        eprintln!("# {tool} {}: no result; left out of the statistics", extra.join(" "));
+        Ok(vec![f64::NAN; cols.len()])
     }
 
-    fn once(&self, tool: &str, extra: &[&str]) -> Result<Vec<f64>, String> {
+    /// The result row, and how long the client ran by the wall clock.
+    fn once(&self, tool: &str, extra: &[&str]) -> Result<(Vec<f64>, Duration), String> {
         let (limit, rx, tx) = (self.limit.to_string(), self.rx, self.tx);
         let cmd = |p: &Port| {
             let mut c = Command::new("timeout");
@@ -872,7 +1126,9 @@ impl Perftest<'_> {
                 }
             }
         }
+        let t0 = Instant::now();
         let out = cmd(tx).arg(&rx.ip).output();
+        let wall = t0.elapsed();
         stop(&mut server);
         let out = out.map_err(|e| format!("{tool}: {e}"))?;
         let text = String::from_utf8_lossy(&out.stdout);
@@ -881,20 +1137,75 @@ impl Perftest<'_> {
             let (t, r) = (&tx.name, &rx.name);
             return Err(format!("{tool} {t} -> {r} failed ({}): {text}{err}", out.status));
         }
-        // A different layout is an error, not a wrong number.
         if !text.contains(self.label) {
             return Err(format!("{tool}: no {:?} column in its output: {text}", self.label));
         }
-        text.lines()
+        let row = text
+            .lines()
             .rev()
             .map(|l| l.split_whitespace().map_while(|w| w.parse::<f64>().ok()).collect::<Vec<_>>())
             .find(|v| v.len() >= 5)
-            .ok_or_else(|| format!("no result row from {tool}: {text}"))
+            .ok_or_else(|| format!("no result row from {tool}: {text}"))?;
+        Ok((row, wall))
     }
 }
 
+/// perftest's clock against the wall clock: what `ib_write_lat -s 8` reports for the extra
+/// iterations of a longer run, and their wall time.
+struct Clock {
+    /// The client's wall time of each run, in seconds.
+    walls: (f64, f64),
+    /// t_avg of each run, in us.
+    avgs: (f64, f64),
+    /// The extra iterations' wall time, per iteration and one way, in us.
+    wall_us: f64,
+    /// What perftest reported for them: its total for the longer run minus its total for the
+    /// shorter, per extra iteration, in us.
+    reported_us: f64,
+}
+
+/// Times [`CLOCK_ITERS`] iterations of `ib_write_lat -s 8` (see the module docs). Setup and
+/// teardown take the same time in both runs, so the difference is the extra iterations alone.
+fn clock_check(tx: &Port, rx: &Port) -> Result<Clock, String> {
+    let pt = Perftest { tx, rx, limit: 120, label: "t_avg" };
+    let run = |n: usize| -> Result<(f64, f64), String> {
+        let (row, wall) = pt.once("ib_write_lat", &["-s", "8", "-n", &n.to_string()])?;
+        let avg = row.get(T_AVG).copied().ok_or(format!("ib_write_lat: no t_avg in {row:?}"))?;
+        Ok((wall.as_secs_f64(), avg))
+    };
+    let (a, b) = CLOCK_ITERS;
+    let ((wa, ta), (wb, tb)) = (run(a)?, run(b)?);
+    let extra = (b - a) as f64;
+    Ok(Clock {
+        walls: (wa, wb),
+        avgs: (ta, tb),
+        // A client iteration is one round trip: half of it is one way, as t_avg is.
+        wall_us: (wb - wa) * 1e6 / extra / 2.0,
+        reported_us: (b as f64 * tb - a as f64 * ta) / extra,
+    })
+}
+
+impl Clock {
+    fn line(&self) -> String {
+        let (a, b) = CLOCK_ITERS;
+        // The ratio is wall / perftest: above 1, perftest's clock runs slow.
+        format!(
+            "# perftest clock check: ib_write_lat -n {b} minus -n {a}, one way per iteration: \
+             wall {} us, perftest {} us, ratio {}",
+            fixed(self.wall_us, 1),
+            fixed(self.reported_us, 1),
+            fixed(ratio(self.wall_us, self.reported_us), 3)
+        )
+    }
+}
+
+/// The finite numbers of `v`: a NaN is a round with no result.
+fn finite(v: &[f64]) -> impl Iterator<Item = f64> + Clone + '_ {
+    v.iter().copied().filter(|x| x.is_finite())
+}
+
 fn median(v: &[f64]) -> f64 {
-    let mut s: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    let mut s: Vec<f64> = finite(v).collect();
     s.sort_by(f64::total_cmp);
     match s.len() {
         0 => f64::NAN,
@@ -903,29 +1214,83 @@ fn median(v: &[f64]) -> f64 {
     }
 }
 
-fn spread(v: &[f64]) -> (f64, f64) {
-    let f = v.iter().copied().filter(|x| x.is_finite());
-    (f.clone().fold(f64::INFINITY, f64::min), f.fold(f64::NEG_INFINITY, f64::max))
+fn mean(v: &[f64]) -> f64 {
+    let n = finite(v).count();
+    if n == 0 { f64::NAN } else { finite(v).sum::<f64>() / n as f64 }
 }
 
-/// Every round's numbers of one size.
-#[derive(Default)]
-struct Row {
-    size: usize,
-    /// ferroce: Gb/s (bandwidth) or median half round trip in us (latency), per round.
-    ours: Vec<f64>,
-    /// Bandwidth: bytes and seconds timed; latency: the minimum half round trip.
-    bytes: Vec<f64>,
-    secs: Vec<f64>,
-    min: Vec<f64>,
-    /// ib_write_bw Gb/s, or ib_write_lat t_typical us, per round.
-    write: Vec<f64>,
-    /// ib_send_lat t_typical us (latency only).
-    send: Vec<f64>,
+/// The smallest and the largest number; NaN for both when there is none.
+fn spread(v: &[f64]) -> (f64, f64) {
+    let f = finite(v);
+    match f.clone().next() {
+        None => (f64::NAN, f64::NAN),
+        Some(x) => (f.clone().fold(x, f64::min), f.fold(x, f64::max)),
+    }
 }
 
 fn ratio(a: f64, b: f64) -> f64 {
     if b > 0.0 { a / b } else { f64::NAN }
+}
+
+/// One latency run's numbers, in us: the median (p50) and the mean half round trip, and the
+/// fastest. perftest's are its t_typical, t_avg and t_min.
+struct Lat {
+    p50: f64,
+    avg: f64,
+    min: f64,
+}
+
+/// One latency measurement's numbers, one per round.
+#[derive(Default)]
+struct LatSeries {
+    p50: Vec<f64>,
+    avg: Vec<f64>,
+    min: Vec<f64>,
+}
+
+impl LatSeries {
+    fn push(&mut self, l: Lat) {
+        self.p50.push(l.p50);
+        self.avg.push(l.avg);
+        self.min.push(l.min);
+    }
+}
+
+/// Every round's bandwidth numbers of one size, in Gb/s.
+#[derive(Default)]
+struct BwRow {
+    size: usize,
+    /// Requests in flight each way.
+    window: usize,
+    ours: Vec<f64>,
+    /// What the receiver timed: bytes and seconds.
+    bytes: Vec<f64>,
+    secs: Vec<f64>,
+    write: Vec<f64>,
+    send: Vec<f64>,
+    /// `ib_write_bw -q lanes`, when the ranks use more than one lane.
+    write_q: Vec<f64>,
+}
+
+/// Every round's latency numbers of one size.
+#[derive(Default)]
+struct LatRow {
+    size: usize,
+    simple: LatSeries,
+    ll: LatSeries,
+    write: LatSeries,
+    send: LatSeries,
+}
+
+/// What every measurement of a run shares.
+struct Plan<'a> {
+    o: &'a Opts,
+    /// perftest's devices, when it runs.
+    ports: Option<(&'a Port, &'a Port)>,
+    /// The ranks' lanes (`NCCL_IB_QPS_PER_CONNECTION`).
+    lanes: usize,
+    warm: f64,
+    pt_secs: u64,
 }
 
 /// `perf-rank` and perftest drive a plugin and a VM that may stall; every wait is bounded.
@@ -943,19 +1308,45 @@ pub fn perf(o: &Opts, facts: Facts) -> Result<(), String> {
     }
     pair.connect()?;
     let ports = if o.perftest { Some((port(&tx_name)?, port(&rx_name)?)) } else { None };
-
-    let pt_secs = o.seconds.round().max(1.0) as u64;
-    let warm = warmup(o.seconds);
-    let rows = |sizes: &[usize]| -> Vec<Row> {
-        let sizes = sizes.iter().filter(|&&size| size <= o.max_size);
-        sizes.map(|&size| Row { size, ..Row::default() }).collect()
+    // The rank processes inherit this environment, so they read the same lanes.
+    let lanes = ferroce::config::Config::from_env().map(|c| c.qps_per_conn).unwrap_or(1);
+    let plan = Plan {
+        o,
+        ports: ports.as_ref().map(|(tx, rx)| (tx, rx)),
+        lanes,
+        warm: warmup(o.seconds),
+        pt_secs: o.seconds.round().max(1.0) as u64,
     };
-    let (mut bw, mut lat) = (rows(&BW_SIZES), rows(&LAT_SIZES));
+
+    let clock = match plan.ports {
+        Some((tx, rx)) if o.clock_check => match clock_check(tx, rx) {
+            Ok(c) => {
+                eprintln!("{}", c.line());
+                Some(c)
+            }
+            Err(e) => {
+                eprintln!("# perftest clock check: failed: {e}");
+                None
+            }
+        },
+        _ => None,
+    };
+    let sizes = |all: &[usize]| all.iter().copied().filter(|&s| s <= o.max_size).collect();
+    let sizes: (Vec<usize>, Vec<usize>) = (sizes(&BW_SIZES), sizes(&LAT_SIZES));
+    let mut bw: Vec<BwRow> = sizes
+        .0
+        .iter()
+        .map(|&size| BwRow { size, window: window(size, o.depth), ..BwRow::default() })
+        .collect();
+    let mut lat: Vec<LatRow> =
+        sizes.1.iter().map(|&size| LatRow { size, ..LatRow::default() }).collect();
     for round in 1..=o.rounds {
         let tag = format!("# round {round}/{}", o.rounds);
-        ferroce_round(&mut pair, o, warm, &tag, &mut bw, &mut lat)?;
-        if let Some((tx, rx)) = &ports {
-            perftest_round((tx, rx), o, pt_secs, &tag, &mut bw, &mut lat)?;
+        for row in &mut bw {
+            bw_size(&mut pair, &plan, &tag, row)?;
+        }
+        for row in &mut lat {
+            lat_size(&mut pair, &plan, &tag, row)?;
         }
     }
     pair.quit()?;
@@ -969,7 +1360,7 @@ pub fn perf(o: &Opts, facts: Facts) -> Result<(), String> {
             _ => "here",
         },
     };
-    let header = Header { o, tx, rx, warm, pt_secs };
+    let header = Header { plan: &plan, tx, rx, clock };
     if o.json {
         print_json(&header, &bw, &lat)
     } else {
@@ -978,63 +1369,55 @@ pub fn perf(o: &Opts, facts: Facts) -> Result<(), String> {
     Ok(())
 }
 
-/// One round of ferroce's own measurements: every bandwidth size, then every latency size.
-fn ferroce_round(
-    pair: &mut Pair,
-    o: &Opts,
-    warm: f64,
-    tag: &str,
-    bw: &mut [Row],
-    lat: &mut [Row],
-) -> Result<(), String> {
-    for row in bw {
-        let size = row.size;
-        let (bytes, secs) = pair.bw(size, window(size), o.seconds, warm, None)?;
-        let gbps = bytes * 8.0 / secs / 1e9;
-        eprintln!(
-            "{tag}: ferroce bandwidth {size:>8} B: {gbps:.4} Gb/s ({bytes} B in {secs:.2} s)"
-        );
-        row.ours.push(gbps);
-        row.bytes.push(bytes);
-        row.secs.push(secs);
+/// One size's bandwidth in one round: ferroce, then each perftest reference.
+fn bw_size(pair: &mut Pair, plan: &Plan, tag: &str, row: &mut BwRow) -> Result<(), String> {
+    let (o, size) = (plan.o, row.size);
+    let (bytes, secs) = pair.bw(size, row.window, o.seconds, plan.warm, None)?;
+    let gbps = bytes * 8.0 / secs / 1e9;
+    eprintln!("{tag}: ferroce bandwidth {size:>8} B: {gbps:.4} Gb/s ({bytes} B in {secs:.2} s)");
+    row.ours.push(gbps);
+    row.bytes.push(bytes);
+    row.secs.push(secs);
+    let Some((tx, rx)) = plan.ports else { return Ok(()) };
+    let (s, d, q) = (size.to_string(), plan.pt_secs.to_string(), plan.lanes.to_string());
+    let args = ["-s", &s, "-D", &d, "--report_gbits"];
+    let pt = Perftest { tx, rx, limit: 60 + 4 * plan.pt_secs, label: "BW average[Gb/sec]" };
+    let qn = format!("ib_write_bw -q {q}");
+    let mut runs = vec![("ib_write_bw", "ib_write_bw", args.to_vec(), &mut row.write)];
+    runs.push(("ib_send_bw", "ib_send_bw", args.to_vec(), &mut row.send));
+    if plan.lanes > 1 {
+        runs.push(("ib_write_bw", &qn, [&args[..], &["-q", &q]].concat(), &mut row.write_q));
     }
-    for row in lat {
-        let (med, min) = pair.lat(row.size, o.iters, o.iters / 10)?;
-        eprintln!("{tag}: ferroce latency   {:>8} B: {med:.1} us (min {min:.1})", row.size);
-        row.ours.push(med);
-        row.min.push(min);
+    for (tool, name, args, into) in runs {
+        let v = pt.run(tool, &args, &[BW_AVERAGE])?[0];
+        eprintln!("{tag}: {name:<17} {size:>8} B: {v:.4} Gb/s");
+        into.push(v);
     }
     Ok(())
 }
 
-/// One round of perftest from port `tx` to port `rx`: every bandwidth size, then every latency
-/// size.
-fn perftest_round(
-    (tx, rx): (&Port, &Port),
-    o: &Opts,
-    pt_secs: u64,
-    tag: &str,
-    bw: &mut [Row],
-    lat: &mut [Row],
-) -> Result<(), String> {
-    for row in bw {
-        let (size, d) = (row.size.to_string(), pt_secs.to_string());
-        let args = ["-s", &size, "-D", &d, "--report_gbits"];
-        // Row: bytes, iterations, peak, average Gb/s, message rate.
-        let pt = Perftest { tx, rx, limit: 60 + 4 * pt_secs, label: "BW average[Gb/sec]" };
-        let v = pt.run("ib_write_bw", &args, 3)?;
-        eprintln!("{tag}: ib_write_bw       {size:>8} B: {v:.4} Gb/s");
-        row.write.push(v);
+/// One size's latency in one round: ferroce's Simple and LL, then each perftest reference.
+fn lat_size(pair: &mut Pair, plan: &Plan, tag: &str, row: &mut LatRow) -> Result<(), String> {
+    let (o, size) = (plan.o, row.size);
+    let show = |what: &str, l: &Lat| {
+        eprintln!(
+            "{tag}: {what:<17} {size:>8} B: p50 {:.1} us, mean {:.1} us, min {:.1} us",
+            l.p50, l.avg, l.min
+        )
+    };
+    for (proto, into) in [(Proto::Simple, &mut row.simple), (Proto::Ll, &mut row.ll)] {
+        let l = pair.lat(size, (o.iters, o.iters / 10), o.depth, proto)?;
+        show(&format!("ferroce {}", proto.word()), &l);
+        into.push(l);
     }
-    for row in lat {
-        let (size, n) = (row.size.to_string(), o.iters.to_string());
-        // Row: bytes, iterations, t_min, t_max, t_typical, ...
-        let pt = Perftest { tx, rx, limit: 120, label: "t_typical" };
-        let w = pt.run("ib_write_lat", &["-s", &size, "-n", &n], 4)?;
-        let s = pt.run("ib_send_lat", &["-s", &size, "-n", &n], 4)?;
-        eprintln!("{tag}: ib_write_lat / ib_send_lat {size:>8} B: {w:.1} / {s:.1} us");
-        row.write.push(w);
-        row.send.push(s);
+    let Some((tx, rx)) = plan.ports else { return Ok(()) };
+    let (s, n) = (size.to_string(), o.iters.to_string());
+    let pt = Perftest { tx, rx, limit: 120, label: "t_avg" };
+    for (tool, into) in [("ib_write_lat", &mut row.write), ("ib_send_lat", &mut row.send)] {
+        let v = pt.run(tool, &["-s", &s, "-n", &n], &[T_TYPICAL, T_AVG, T_MIN])?;
+        let l = Lat { p50: v[0], avg: v[1], min: v[2] };
+        show(tool, &l);
+        into.push(l);
     }
     Ok(())
 }
@@ -1047,11 +1430,10 @@ struct Dev<'a> {
 }
 
 struct Header<'a> {
-    o: &'a Opts,
+    plan: &'a Plan<'a>,
     tx: Dev<'a>,
     rx: Dev<'a>,
-    warm: f64,
-    pt_secs: u64,
+    clock: Option<Clock>,
 }
 
 fn range(v: &[f64], prec: usize) -> String {
@@ -1059,8 +1441,21 @@ fn range(v: &[f64], prec: usize) -> String {
     if a.is_finite() { format!("{}-{}", fixed(a, prec), fixed(b, prec)) } else { "-".into() }
 }
 
-fn print_table(h: &Header, bw: &[Row], lat: &[Row]) {
-    let o = h.o;
+/// A heading over groups of a table's columns: each `(columns, name)` spans that many columns
+/// (the gaps between them included), right-aligned.
+fn groups(t: &Table, spans: &[(usize, &str)]) -> String {
+    let mut widths = Vec::with_capacity(spans.len());
+    let mut cols = t.widths.iter();
+    for &(n, _) in spans {
+        let w: usize = cols.by_ref().take(n).sum();
+        widths.push(w + (n - 1) * t.gap);
+    }
+    let names: Vec<&str> = spans.iter().map(|&(_, name)| name).collect();
+    Table { widths: &widths, gap: t.gap }.line('#', &names)
+}
+
+fn print_table(h: &Header, bw: &[BwRow], lat: &[LatRow]) {
+    let (plan, o) = (h.plan, h.plan.o);
     let hosts = if o.mode == Mode::Local { "one host" } else { "two hosts" };
     println!("# ferroce perf: plugin {} through ncclNet v12, two processes, {hosts}", o.plugin);
     println!(
@@ -1068,112 +1463,231 @@ fn print_table(h: &Header, bw: &[Row], lat: &[Row]) {
         h.tx.name, h.tx.index, h.tx.host, h.rx.name, h.rx.index, h.rx.host
     );
     println!("#   every receive checked for its length, the last of each run byte for byte");
+    println!(
+        "#   polled as NCCL's proxy: {} receives posted ahead, one irecv each; a pass posts, \
+         then tests the",
+        o.depth
+    );
+    println!(
+        "#   oldest request of each direction once; yield after an idle pass and after every \
+         {NCCL_APPENDOP_FREQ}th busy one"
+    );
     if o.mode != Mode::Local {
         println!("#   perftest: skipped with two hosts (it needs both devices on one host)");
+    } else if !o.perftest {
+        println!("#   perftest: skipped (--no-perftest)");
+    } else {
+        println!("#   each size: ferroce, then at once perftest on the same devices (-F)");
     }
     println!(
-        "#   median of {} round(s); spread: min-max over the rounds; ratio: ferroce / perftest",
+        "#   {} round(s); a number is the median over the rounds, min-max their spread; \
+         ratio: ferroce / perftest",
         o.rounds
     );
+    println!("#   --json: every round's numbers, and each one's median, mean, min and max");
+    if let Some(c) = &h.clock {
+        println!("{}", c.line());
+    }
     println!(
-        "#   bandwidth: algbw on the receiver's clock, {} s per size after {:.2} s warm-up, up to \
-         {WINDOW} receives posted ahead and {WINDOW} sends in flight (at most {} MiB); \
-         ib_write_bw -D {} --report_gbits, BW average",
-        o.seconds,
-        h.warm,
-        WINDOW_BYTES >> 20,
-        h.pt_secs
+        "#   bandwidth: algbw on the receiver's clock, {} s per size after {:.2} s warm-up \
+         (mean: ferroce's over the rounds),",
+        o.seconds, plan.warm
     );
-    let t = Table { widths: &[12, 12, 17, 12, 17, 6], gap: 2 };
-    println!("{}", t.line('#', &["size", "ferroce", "spread", "ib_write_bw", "spread", "ratio"]));
-    println!("{}", t.line('#', &["(B)", "(Gb/s)", "(Gb/s)", "(Gb/s)", "(Gb/s)", ""]));
+    println!(
+        "#   {} receives posted ahead and as many sends in flight (fewer where that passes {} MiB: \
+         {} at 8 MiB);",
+        o.depth,
+        WINDOW_BYTES >> 20,
+        window(MAX, o.depth)
+    );
+    println!("#   perftest -D {} --report_gbits, BW average", plan.pt_secs);
+    let q = plan.lanes > 1;
+    if q {
+        println!(
+            "#   the ranks use {} lanes (NCCL_IB_QPS_PER_CONNECTION): also ib_write_bw -q {}",
+            plan.lanes, plan.lanes
+        );
+    }
+    let widths: &[usize] = &[9, 9, 9, 15, 11, 15, 10, 5, 11, 6];
+    let t = Table { widths: if q { widths } else { &widths[..8] }, gap: 2 };
+    let qn = format!("-q {}", plan.lanes);
+    println!(
+        "{}",
+        t.line(
+            '#',
+            &[
+                "size",
+                "ferroce",
+                "mean",
+                "min-max",
+                "ib_write_bw",
+                "min-max",
+                "ib_send_bw",
+                "ratio",
+                "ib_write_bw",
+                "ratio"
+            ]
+        )
+    );
+    let unit = "(Gb/s)";
+    let units = ["(B)", unit, unit, unit, unit, unit, unit, "", &format!("{qn} {unit}"), &qn];
+    println!("{}", t.line('#', &units).trim_end());
     for r in bw {
-        let (m, p) = (median(&r.ours), median(&r.write));
-        let (ours, theirs) = (range(&r.ours, 4), range(&r.write, 4));
-        let cells =
-            [r.size.to_string(), fixed(m, 4), ours, fixed(p, 4), theirs, fixed(ratio(m, p), 2)];
+        let (m, w, wq) = (median(&r.ours), median(&r.write), median(&r.write_q));
+        let cells = [
+            r.size.to_string(),
+            fixed(m, 4),
+            fixed(mean(&r.ours), 4),
+            range(&r.ours, 4),
+            fixed(w, 4),
+            range(&r.write, 4),
+            fixed(median(&r.send), 4),
+            fixed(ratio(m, w), 2),
+            fixed(wq, 4),
+            fixed(ratio(m, wq), 2),
+        ];
         println!("{}", t.line(' ', &cells));
     }
     println!();
     println!(
-        "#   latency: ping-pong, half the round trip, {} iterations after {} \
-         warm-up, {LAT_DEPTH} receives posted ahead; min: the fastest sample of all rounds; \
-         ib_write_lat / ib_send_lat -n {}, t_typical; ratio vs ib_write_lat",
+        "#   latency: ping-pong, half the round trip; {} iterations after {} warm-up, {} \
+         receives posted ahead;",
         o.iters,
         o.iters / 10,
+        o.depth
+    );
+    println!(
+        "#   Simple: receives complete through the plugin; LL: optional receives, arrival seen \
+         by a flag in the data"
+    );
+    println!(
+        "#   p50 and mean: of a round's samples (perftest -n {}: t_typical and t_avg); min: the \
+         fastest of all rounds",
         o.iters
     );
-    let t = Table { widths: &[12, 9, 13, 8, 12, 13, 11, 13, 6], gap: 2 };
+    let t = Table { widths: &[7, 7, 7, 11, 6, 7, 7, 7, 7, 7, 7, 5, 5, 6, 7], gap: 1 };
+    let spans = [
+        (1, ""),
+        (4, "ferroce Simple"),
+        (2, "ferroce LL"),
+        (2, "ib_write_lat"),
+        (2, "ib_send_lat"),
+        (4, "ratio vs ib_write_lat"),
+    ];
+    println!("{}", groups(&t, &spans));
     let head = [
         "size",
-        "ferroce",
-        "spread",
+        "p50",
+        "mean",
+        "p50 min-max",
         "min",
-        "ib_write_lat",
-        "spread",
-        "ib_send_lat",
-        "spread",
-        "ratio",
+        "p50",
+        "mean",
+        "p50",
+        "mean",
+        "p50",
+        "mean",
+        "p50",
+        "mean",
+        "LL p50",
+        "LL mean",
     ];
     println!("{}", t.line('#', &head));
-    println!(
-        "{}",
-        t.line('#', &["(B)", "(us)", "(us)", "(us)", "(us)", "(us)", "(us)", "(us)", ""])
-    );
+    let us = "(us)";
+    let units = ["(B)", us, us, us, us, us, us, us, us, us, us, "", "", "", ""];
+    println!("{}", t.line('#', &units).trim_end());
     for r in lat {
-        let (m, p) = (median(&r.ours), median(&r.write));
+        let (p, a) = (median(&r.simple.p50), median(&r.simple.avg));
+        let (lp, la) = (median(&r.ll.p50), median(&r.ll.avg));
+        let (wp, wa) = (median(&r.write.p50), median(&r.write.avg));
         let cells = [
             r.size.to_string(),
-            fixed(m, 1),
-            range(&r.ours, 1),
-            fixed(spread(&r.min).0, 1),
             fixed(p, 1),
-            range(&r.write, 1),
-            fixed(median(&r.send), 1),
-            range(&r.send, 1),
-            fixed(ratio(m, p), 2),
+            fixed(a, 1),
+            range(&r.simple.p50, 1),
+            fixed(spread(&r.simple.min).0, 1),
+            fixed(lp, 1),
+            fixed(la, 1),
+            fixed(wp, 1),
+            fixed(wa, 1),
+            fixed(median(&r.send.p50), 1),
+            fixed(median(&r.send.avg), 1),
+            fixed(ratio(p, wp), 2),
+            fixed(ratio(a, wa), 2),
+            fixed(ratio(lp, wp), 2),
+            fixed(ratio(la, wa), 2),
         ];
         println!("{}", t.line(' ', &cells));
     }
 }
 
+/// `key`: every round's numbers; `key_median`, `key_mean`, `key_min`, `key_max`: over them.
+fn put(m: &mut serde_json::Map<String, serde_json::Value>, key: &str, v: &[f64]) {
+    let (lo, hi) = spread(v);
+    m.insert(key.into(), json!(v));
+    for (stat, x) in [("median", median(v)), ("mean", mean(v)), ("min", lo), ("max", hi)] {
+        m.insert(format!("{key}_{stat}"), json!(x));
+    }
+}
+
 /// Every round's numbers, as one JSON object; a number that was not measured is `null`.
-fn print_json(h: &Header, bw: &[Row], lat: &[Row]) {
-    let o = h.o;
+fn print_json(h: &Header, bw: &[BwRow], lat: &[LatRow]) {
+    let (plan, o) = (h.plan, h.plan.o);
     let bw: Vec<_> = bw
         .iter()
         .map(|r| {
-            let (m, p) = (median(&r.ours), median(&r.write));
-            json!({
-                "size": r.size,
-                "window": window(r.size),
-                "ferroce_gbps": r.ours,
-                "ferroce_bytes": r.bytes,
-                "ferroce_seconds": r.secs,
-                "ferroce_gbps_median": m,
-                "ib_write_bw_gbps": r.write,
-                "ib_write_bw_gbps_median": p,
-                "ratio": ratio(m, p),
-            })
+            let mut m = serde_json::Map::new();
+            m.insert("size".into(), json!(r.size));
+            m.insert("window".into(), json!(r.window));
+            put(&mut m, "ferroce_gbps", &r.ours);
+            m.insert("ferroce_bytes".into(), json!(r.bytes));
+            m.insert("ferroce_seconds".into(), json!(r.secs));
+            put(&mut m, "ib_write_bw_gbps", &r.write);
+            put(&mut m, "ib_send_bw_gbps", &r.send);
+            let ours = median(&r.ours);
+            m.insert("ratio".into(), json!(ratio(ours, median(&r.write))));
+            if plan.lanes > 1 {
+                put(&mut m, "ib_write_bw_q_gbps", &r.write_q);
+                m.insert("ratio_q".into(), json!(ratio(ours, median(&r.write_q))));
+            }
+            serde_json::Value::Object(m)
         })
         .collect();
     let lat: Vec<_> = lat
         .iter()
         .map(|r| {
-            let (m, p) = (median(&r.ours), median(&r.write));
-            json!({
-                "size": r.size,
-                "ferroce_us": r.ours,
-                "ferroce_min_us": r.min,
-                "ferroce_us_median": m,
-                "ib_write_lat_us": r.write,
-                "ib_write_lat_us_median": p,
-                "ib_send_lat_us": r.send,
-                "ib_send_lat_us_median": median(&r.send),
-                "ratio_vs_write_lat": ratio(m, p),
-            })
+            let mut m = serde_json::Map::new();
+            m.insert("size".into(), json!(r.size));
+            let series = [
+                ("ferroce", &r.simple),
+                ("ferroce_ll", &r.ll),
+                ("ib_write_lat", &r.write),
+                ("ib_send_lat", &r.send),
+            ];
+            for (name, s) in series {
+                put(&mut m, &format!("{name}_p50_us"), &s.p50);
+                put(&mut m, &format!("{name}_mean_us"), &s.avg);
+                put(&mut m, &format!("{name}_min_us"), &s.min);
+            }
+            let (wp, wa) = (median(&r.write.p50), median(&r.write.avg));
+            for (name, s) in [("ratio", &r.simple), ("ll_ratio", &r.ll)] {
+                m.insert(format!("{name}_p50"), json!(ratio(median(&s.p50), wp)));
+                m.insert(format!("{name}_mean"), json!(ratio(median(&s.avg), wa)));
+            }
+            serde_json::Value::Object(m)
         })
         .collect();
+    let clock = h.clock.as_ref().map(|c| {
+        json!({
+            "tool": "ib_write_lat -s 8",
+            "iters": [CLOCK_ITERS.0, CLOCK_ITERS.1],
+            "wall_seconds": [c.walls.0, c.walls.1],
+            "t_avg_us": [c.avgs.0, c.avgs.1],
+            "wall_us_per_iter": c.wall_us,
+            "perftest_us_per_iter": c.reported_us,
+            "ratio": ratio(c.wall_us, c.reported_us),
+        })
+    });
     let dev = |d: &Dev| json!({"dev": d.index, "name": d.name, "host": d.host});
     out::print_json(&json!({
         "plugin": o.plugin,
@@ -1181,13 +1695,16 @@ fn print_json(h: &Header, bw: &[Row], lat: &[Row]) {
         "sender": dev(&h.tx),
         "receiver": dev(&h.rx),
         "rounds": o.rounds,
+        "depth": o.depth,
+        "lanes": plan.lanes,
+        "yield_busy_every": NCCL_APPENDOP_FREQ,
         "seconds": o.seconds,
-        "warmup_seconds": h.warm,
+        "warmup_seconds": plan.warm,
         "perftest": o.perftest,
-        "perftest_seconds": h.pt_secs,
+        "perftest_seconds": plan.pt_secs,
+        "clock_check": clock,
         "lat_iters": o.iters,
         "lat_warmup": o.iters / 10,
-        "lat_depth": LAT_DEPTH,
         "bandwidth": bw,
         "latency": lat,
     }));
@@ -1211,24 +1728,28 @@ mod tests {
 
     #[test]
     fn options() {
-        let o = parse("--rounds 5 --seconds 0.5 --json --no-perftest --dev-send 2 --dev-recv 3")
+        let o = parse("--rounds 2 --seconds 0.5 --json --no-perftest --dev-send 2 --dev-recv 3")
             .unwrap();
         let devs = |a: &str, b: &str| (a.to_string(), b.to_string());
         assert_eq!(
-            (o.mode, o.rounds, o.seconds, o.json, o.perftest, o.devs),
-            (Mode::Local, 5, 0.5, true, false, devs("2", "3"))
+            (o.mode, o.rounds, o.seconds, o.json, o.perftest, o.clock_check, o.devs),
+            (Mode::Local, 2, 0.5, true, false, false, devs("2", "3"))
         );
         let o = parse("--plugin /x/libnccl-net-ferroce.so --dev-recv rxe1").unwrap();
         assert_eq!(
             (o.plugin.as_str(), o.rounds, o.seconds, o.devs, o.perftest),
-            ("/x/libnccl-net-ferroce.so", 3, 2.0, devs("0", "rxe1"), true)
+            ("/x/libnccl-net-ferroce.so", 5, 2.0, devs("0", "rxe1"), true)
         );
+        assert_eq!((o.depth, o.clock_check, o.iters), (8, true, 1000));
+        let o = parse("--depth 1 --no-clock-check").unwrap();
+        assert_eq!((o.depth, o.clock_check, o.perftest), (1, false, true));
+        assert_eq!(parse("--depth 32").unwrap().depth, 32);
         let o = parse("--listen --dev rxe1 --port 7000").unwrap();
         assert_eq!((o.mode, o.devs.1, o.port), (Mode::Listen, "rxe1".into(), 7000));
-        let o = parse("--connect h:1 --rounds 1 --json").unwrap();
+        let o = parse("--connect h:1 --rounds 1 --json --depth 4").unwrap();
         assert_eq!(
-            (o.mode, o.devs.0, o.perftest),
-            (Mode::Connect("h:1".into()), "0".into(), false)
+            (o.mode, o.devs.0, o.perftest, o.clock_check, o.depth),
+            (Mode::Connect("h:1".into()), "0".into(), false, false, 4)
         );
         for bad in [
             "--rounds",
@@ -1236,6 +1757,10 @@ mod tests {
             "--rounds x",
             "--seconds 0",
             "--seconds nan",
+            "--depth 0",
+            "--depth 33",
+            "--depth",
+            "--depth -1",
             "--bogus",
             "--dev-send",
             "--dev-send --json",
@@ -1247,6 +1772,8 @@ mod tests {
             "--connect h:1 --port 5",
             "--connect h:1 --dev-send rxe0",
             "--listen --rounds 2",
+            "--listen --depth 4",
+            "--listen --no-clock-check",
             "--listen --port 70000",
             "--listen --dev",
             "extra",
@@ -1261,9 +1788,63 @@ mod tests {
         assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
         assert_eq!(median(&[f64::NAN, 1.0]), 1.0);
         assert!(median(&[]).is_nan());
+        assert_eq!(mean(&[1.0, 2.0, 6.0]), 3.0);
+        assert_eq!(mean(&[f64::NAN, 4.0, 2.0]), 3.0);
+        assert!(mean(&[f64::NAN]).is_nan());
         assert_eq!(spread(&[2.0, f64::NAN, 5.0, 1.0]), (1.0, 5.0));
+        assert!(spread(&[f64::NAN]).0.is_nan());
         assert_eq!(range(&[], 1), "-");
+        assert_eq!(range(&[2.25, 1.0], 1), "1.0-2.2");
         assert!(ratio(1.0, 0.0).is_nan());
-        assert_eq!((window(8), window(1 << 20), window(8 << 20)), (32, 32, 4));
+        assert_eq!(ratio(3.0, 2.0), 1.5);
+    }
+
+    #[test]
+    fn the_bandwidth_window_is_the_depth_within_32_mib() {
+        let sizes = [8, 1 << 20, 4 << 20, 8 << 20, 32 << 20];
+        assert_eq!(sizes.map(|s| window(s, 8)), [8, 8, 8, 4, 2]);
+        assert_eq!(sizes.map(|s| window(s, 32)), [32, 32, 8, 4, 2]);
+        assert_eq!(sizes.map(|s| window(s, 1)), [1, 1, 1, 1, 1]);
+    }
+
+    #[test]
+    fn ll_flags_never_repeat_back_to_back_nor_look_like_a_cleared_buffer() {
+        for i in 0..2000 {
+            assert_ne!(flag(i), 0, "{i}");
+            assert_ne!(flag(i), flag(i + 1), "{i}");
+        }
+        assert_eq!((flag(0), flag(254), flag(255)), (1, 255, 1));
+    }
+
+    #[test]
+    fn protocols_cross_the_command_line_by_name() {
+        for p in [Proto::Simple, Proto::Ll] {
+            assert_eq!(Proto::parse(Some(p.word())), Ok(p));
+        }
+        assert!(Proto::parse(Some("LL128")).is_err());
+        assert!(Proto::parse(None).is_err());
+    }
+
+    #[test]
+    fn group_headings_span_their_columns() {
+        let t = Table { widths: &[4, 3, 3, 5], gap: 1 };
+        let g = groups(&t, &[(1, ""), (2, "ab"), (1, "c")]);
+        assert_eq!(g, "#         ab     c");
+        assert_eq!(g.len(), t.line(' ', &["1", "2", "3", "4"]).len());
+    }
+
+    #[test]
+    fn json_series_carry_rounds_and_their_statistics() {
+        let mut m = serde_json::Map::new();
+        put(&mut m, "x", &[3.0, f64::NAN, 1.0]);
+        let v = serde_json::Value::Object(m).to_string();
+        assert_eq!(
+            v,
+            r#"{"x":[3.0,null,1.0],"x_median":2.0,"x_mean":2.0,"x_min":1.0,"x_max":3.0}"#
+        );
+        let mut m = serde_json::Map::new();
+        put(&mut m, "y", &[]);
+        let v = serde_json::Value::Object(m).to_string();
+        assert_eq!(v, r#"{"y":[],"y_median":null,"y_mean":null,"y_min":null,"y_max":null}"#);
     }
 }
