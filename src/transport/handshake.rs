@@ -14,7 +14,9 @@ use std::fmt;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr, SocketAddrV6};
 
 pub const MAGIC: u64 = 0x3145_434f_5252_4546; // "FERROCE1", little-endian
-pub const VERSION: u32 = 1;
+/// The protocol version both ends must share: 2 since the CTS FIFO's dense layout (32-byte
+/// entries, the head entry of every slot in one array), which a version-1 peer would misread.
+pub const VERSION: u32 = 2;
 pub const HANDLE_SIZE: usize = 128;
 /// Bytes 96..128 of the handle are never sent: the connector keeps its resumable state there.
 pub const HANDLE_STATE_OFFSET: usize = 96;

@@ -188,6 +188,9 @@ pub struct Args {
     /// Only 8-byte messages with this kind of receive
     #[arg(value_enum)]
     only: Option<Only>,
+    /// With a kind of receive: the message size in bytes
+    #[arg(long, default_value_t = 8, requires = "only")]
+    size: u64,
     /// Receives posted ahead (NCCL's proxy: 8 steps per channel)
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=32))]
     depth: u16,
@@ -203,17 +206,18 @@ pub fn core_bench(a: &Args) -> Result<(), String> {
     let n = a.messages;
     let all =
         [(8, 512, false), (8, 512, true), (8, 0, false), (4096, 512, false), (1 << 20, 512, false)];
+    let one = |optional| [(a.size, 512, optional)];
     let configs = match a.only {
-        None => &all[..],
-        Some(Only::Normal) => &all[..1],
-        Some(Only::Optional) => &all[1..2],
+        None => all.to_vec(),
+        Some(Only::Normal) => one(false).to_vec(),
+        Some(Only::Optional) => one(true).to_vec(),
     };
     let depth = usize::from(a.depth);
     println!(
         "protocol core, one message = irecv + isend + completions + both tests, {depth} receives \
          posted ahead ({n} messages)"
     );
-    for &(size, inline, optional) in configs {
+    for (size, inline, optional) in configs {
         let c = run(n, size, inline, optional, depth)?;
         let kind = if optional { "optional" } else { "normal" };
         println!(

@@ -1383,10 +1383,15 @@ fn bw_size(pair: &mut Pair, plan: &Plan, tag: &str, row: &mut BwRow) -> Result<(
     let args = ["-s", &s, "-D", &d, "--report_gbits"];
     let pt = Perftest { tx, rx, limit: 60 + 4 * plan.pt_secs, label: "BW average[Gb/sec]" };
     let qn = format!("ib_write_bw -q {q}");
+    // As many bytes in flight over the N queue pairs as ferroce has over its N lanes: perftest's
+    // default of 128 messages per queue pair overruns Soft-RoCE with N of them (at 1 MiB and
+    // up nothing completes in the measured time).
+    let t = (row.window / plan.lanes).max(1).to_string();
     let mut runs = vec![("ib_write_bw", "ib_write_bw", args.to_vec(), &mut row.write)];
     runs.push(("ib_send_bw", "ib_send_bw", args.to_vec(), &mut row.send));
     if plan.lanes > 1 {
-        runs.push(("ib_write_bw", &qn, [&args[..], &["-q", &q]].concat(), &mut row.write_q));
+        let extra = [&args[..], &["-q", &q, "-t", &t]].concat();
+        runs.push(("ib_write_bw", &qn, extra, &mut row.write_q));
     }
     for (tool, name, args, into) in runs {
         let v = pt.run(tool, &args, &[BW_AVERAGE])?[0];
@@ -1504,8 +1509,9 @@ fn print_table(h: &Header, bw: &[BwRow], lat: &[LatRow]) {
     let q = plan.lanes > 1;
     if q {
         println!(
-            "#   the ranks use {} lanes (NCCL_IB_QPS_PER_CONNECTION): also ib_write_bw -q {}",
-            plan.lanes, plan.lanes
+            "#   the ranks use {} lanes (NCCL_IB_QPS_PER_CONNECTION): also ib_write_bw -q {} -t W/{} \
+             (W: ferroce's window, so both have the same bytes in flight)",
+            plan.lanes, plan.lanes, plan.lanes
         );
     }
     let widths: &[usize] = &[9, 9, 9, 15, 11, 15, 10, 5, 11, 6];
