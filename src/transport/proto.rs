@@ -6,8 +6,8 @@
 //! `wr` (the work requests it asks for, the completions it is fed) and `error`: no verbs, no FFI.
 //!
 //! The protocol, receiver-driven:
-//! 1. `irecv` posts a buffer-less receive WQE on each lane (it absorbs the sender's
-//!    write-with-immediate), then stages the `n` buffer descriptors ([`Cts`] entries) of row
+//! 1. `irecv` tops up each lane's pool of buffer-less receive WQEs (they absorb the sender's
+//!    writes-with-immediate, whichever slot they are for), then stages the `n` buffer descriptors ([`Cts`] entries) of row
 //!    `head % SLOTS`. Staged rows reach the sender's FIFO in batches, one RDMA write of the
 //!    dense head entries per batch (plus one per multi-receive for its other entries), posted
 //!    with one doorbell: at once while the sender holds at most two rows it has not consumed,
@@ -17,8 +17,12 @@
 //!    matched, posts one chain per lane: RDMA writes of the data, then (for `n > 1`, or sizes
 //!    that do not fit the immediate) a write of the sizes into the receiver's size records,
 //!    and a final signaled write-with-immediate.
-//! 3. Completions find their slot through `wr_id`; the receive is done when every lane's
-//!    immediate has arrived.
+//! 3. A send completion finds its slot through `wr_id`; a receive completion through its
+//!    immediate, which names the slot, the chunk (the lane's part of a split message) and the
+//!    parity of the slot's use ([`Imm`]). The receive is done when every chunk has arrived; a
+//!    chunk that arrives twice (sent again on another lane after its first copy landed) sets
+//!    its bit twice and counts once, and a chunk of another use of the slot is not counted. So
+//!    no chunk needs a particular lane: the ground for moving chunks between lanes.
 //!
 //! Optional receive completions: NCCL marks LL/LL128 receives (one buffer) whose arrival it
 //! detects itself through flags in the data. Their CTS says so; the sender then sends a plain
@@ -93,8 +97,21 @@ pub const RECV_SEND_QUEUE: usize = 2 * SLOTS;
 /// always has one on the way while the queue is more than half full.
 const CTS_SIGNAL_EVERY: u64 = RECV_SEND_QUEUE as u64 / 2;
 
-/// An immediate with this bit set means "sizes are in the size records of slot `imm & 0xff`".
+/// The immediate of a chunk's final write names what it completes, so that the receiver needs
+/// no particular lane for it: bits 0-4 the slot, 5-11 the chunk (the lane's part in a split
+/// message, 0 otherwise), 12 the parity of the slot's use (`(idx - 1) / SLOTS`); then either
+/// the size in bits 13-30 (below 256 KiB), or bit 31 set: the sizes are in the slot's size
+/// records.
 const IMM_SIZES: u32 = 0x8000_0000;
+const IMM_SIZE_SHIFT: u32 = 13;
+/// The most chunks (lanes) one message is split into: `NCCL_IB_QPS_PER_CONNECTION`'s bound.
+pub const MAX_CHUNKS: usize = 128;
+/// The largest size an immediate carries itself.
+const IMM_MAX_SIZE: u64 = (IMM_SIZES >> IMM_SIZE_SHIFT) as u64 - 1;
+/// Receive WQEs each lane keeps posted, so that every message in flight finds one on whichever
+/// lane carries it (one per slot would do).
+/// Twice what the messages in flight need: room for chunks sent again on another lane.
+const RECV_POOL: usize = 2 * SLOTS;
 
 /// `wr_id` = kind << 32 | lane << 8 | slot.
 pub const WR_SEND: u64 = 1 << 32;
@@ -126,12 +143,45 @@ fn wr_slot(id: u64) -> usize {
     (id & 0xff) as usize % SLOTS
 }
 
-/// The immediate of a slot's final write: the size itself when one buffer's size fits,
-/// otherwise a pointer to the slot's size records.
-fn imm_for(slot: usize, sizes: &[u64]) -> (u32, bool) {
+/// The parity of the use of its slot that the row with `idx` is.
+fn epoch(idx: u64) -> u32 {
+    (((idx - 1) / SLOTS as u64) & 1) as u32
+}
+
+/// What a chunk's immediate names (see [`IMM_SIZES`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Imm {
+    slot: usize,
+    chunk: usize,
+    epoch: u32,
+    /// The size, or `None`: in the slot's size records.
+    size: Option<u64>,
+}
+
+impl Imm {
+    fn encode(&self) -> u32 {
+        let ids = self.slot as u32 | (self.chunk as u32) << 5 | self.epoch << 12;
+        match self.size {
+            Some(s) => ids | (s as u32) << IMM_SIZE_SHIFT,
+            None => ids | IMM_SIZES,
+        }
+    }
+
+    fn decode(imm: u32) -> Imm {
+        Imm {
+            slot: (imm & 0x1f) as usize,
+            chunk: ((imm >> 5) & 0x7f) as usize,
+            epoch: (imm >> 12) & 1,
+            size: (imm & IMM_SIZES == 0).then_some(u64::from(imm >> IMM_SIZE_SHIFT)),
+        }
+    }
+}
+
+/// Whether a slot's sizes fit the immediate (one buffer, at most [`IMM_MAX_SIZE`] bytes).
+fn size_in_imm(sizes: &[u64]) -> Option<u64> {
     match sizes {
-        [s] if *s < u64::from(IMM_SIZES) => (*s as u32, true),
-        _ => (IMM_SIZES | slot as u32, false),
+        [s] if *s <= IMM_MAX_SIZE => Some(*s),
+        _ => None,
     }
 }
 
@@ -806,7 +856,9 @@ impl SendCore {
             return self.post_optional(fifo, stage, io, slot, cts, b);
         }
         let sizes: [u64; MAX_RECVS] = std::array::from_fn(|r| bufs[r].map_or(0, |b| b.size));
-        let (imm, single) = imm_for(slot, &sizes[..nreqs]);
+        let size = size_in_imm(&sizes[..nreqs]);
+        let single = size.is_some();
+        let imm = |chunk| Imm { slot, chunk, epoch: epoch(row[0].idx), size }.encode();
         if !single {
             for (r, &sz) in sizes.iter().enumerate().take(nreqs) {
                 stage.store(slot * MAX_RECVS + r, sz);
@@ -818,6 +870,7 @@ impl SendCore {
         let first = lanes.start;
         for q in lanes.clone() {
             let id = wr_id(WR_SEND, q, slot);
+            let imm = imm(q - first);
             let mut chain = Chain::new(q, &mut self.chain);
             let mut data = 0;
             let mut unmarked = 0;
@@ -1048,8 +1101,9 @@ struct RecvSlot {
     ack_for: u64,
     /// The receive's `idx` (`head + 1` when posted).
     idx: u64,
-    /// Immediates still expected (one per lane).
-    imms: u16,
+    /// The chunks the receive expects (one per lane of the message), and those that arrived.
+    want: u128,
+    got: u128,
     sizes: [u64; MAX_RECVS],
 }
 
@@ -1077,6 +1131,8 @@ pub struct RecvCore {
     sq: SqCount,
     /// Where batches are built before posting.
     chain: Box<[SendWr; MAX_CHAIN]>,
+    /// Receive WQEs posted on each lane and not yet used.
+    pool: Vec<usize>,
     health: Health,
 }
 
@@ -1151,6 +1207,7 @@ impl RecvCore {
             consumed: 0,
             sq: SqCount::new(RECV_SEND_QUEUE),
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
+            pool: vec![0; p.nqps],
             health,
             p,
         }
@@ -1201,9 +1258,10 @@ impl RecvCore {
             return Ok(None);
         }
         let optional = optional && n == 1;
-        let lanes = if optional { 0..0 } else { lanes(self.p.split, self.p.nqps, slot) };
-        for q in lanes.clone() {
-            io.recv(q, wr_id(WR_RECV, q, slot)).map_err(|e| self.health.post_failed(e))?;
+        // Every lane keeps its pool full, so that the sender's write-with-immediate finds a
+        // receive WQE on whichever lane it comes (posted before the CTS that allows it).
+        if !optional {
+            self.refill(io)?;
         }
         let idx = self.head + 1;
         for (r, (b, tag)) in bufs.iter().enumerate() {
@@ -1222,23 +1280,27 @@ impl RecvCore {
             self.health.traffic.messages += 1;
             self.optional_idx = idx;
             let (ack_for, sizes) = (idx, posted);
-            RecvSlot { state: State::Pending, n, posted, ack_for, idx, imms: 0, sizes }
+            RecvSlot { state: State::Pending, n, posted, ack_for, idx, want: 0, got: 0, sizes }
         } else {
-            let imms = lanes.len() as u16;
+            let want = u128::MAX >> (MAX_CHUNKS - lanes(self.p.split, self.p.nqps, slot).len());
             self.waiting += 1;
-            RecvSlot {
-                state: State::Pending,
-                n,
-                posted,
-                ack_for: 0,
-                idx,
-                imms,
-                sizes: [0; MAX_RECVS],
-            }
+            let sizes = [0; MAX_RECVS];
+            RecvSlot { state: State::Pending, n, posted, ack_for: 0, idx, want, got: 0, sizes }
         };
         self.head += 1;
         self.advertise(stage, sizes, io, LOW_AT_IRECV)?;
         Ok(Some(slot))
+    }
+
+    /// Posts receive WQEs until every lane holds [`RECV_POOL`].
+    fn refill(&mut self, io: &mut impl Post) -> Result<()> {
+        for (q, n) in self.pool.iter_mut().enumerate() {
+            while *n < RECV_POOL {
+                io.recv(q, wr_id(WR_RECV, q, 0)).map_err(|e| self.health.post_failed(e))?;
+                *n += 1;
+            }
+        }
+        Ok(())
     }
 
     /// Writes the staged rows to the sender's FIFO, in batches of at most [`BATCH`] rows, each
@@ -1355,20 +1417,33 @@ impl RecvCore {
         if !self.health.completion(c) {
             return;
         }
-        let i = wr_slot(c.wr_id);
+        let mut i = wr_slot(c.wr_id);
         match wr_kind(c.wr_id) {
             WR_RECV => {
-                let s = &mut self.slots[i];
-                if s.state != State::Pending || s.imms == 0 {
-                    return; // not this slot's: it expects no immediate
+                // A WQE of the lane's pool was used; the immediate names the slot and chunk.
+                let q = wr_lane(c.wr_id);
+                if let Some(n) = self.pool.get_mut(q) {
+                    *n = n.saturating_sub(1);
                 }
-                s.imms -= 1;
-                if s.imms > 0 {
+                let imm = Imm::decode(c.imm.unwrap_or(0));
+                i = imm.slot;
+                let s = &mut self.slots[i];
+                let bit = 1u128 << imm.chunk;
+                // A chunk of another use of the slot, or one the slot does not expect, is not
+                // counted; one sent again after its first copy landed sets its bit again.
+                if s.state != State::Pending
+                    || s.ack_for != 0
+                    || epoch(s.idx) != imm.epoch
+                    || s.want & bit == 0
+                {
                     return;
                 }
-                let imm = c.imm.unwrap_or(0);
-                if imm & IMM_SIZES == 0 {
-                    s.sizes[0] = u64::from(imm);
+                s.got |= bit;
+                if s.got != s.want {
+                    return;
+                }
+                if let Some(size) = imm.size {
+                    s.sizes[0] = size;
                 } else {
                     for r in 0..s.n {
                         s.sizes[r] = sizes.load(i * MAX_RECVS + r);

@@ -22,7 +22,11 @@
 //! - the batch bound off by one (`staged + 1 < BATCH`), or the low-water mark off by one
 //!   (`>= low`): `cts_rows_go_out_in_batches_before_the_sender_runs_out`;
 //! - no CTS write ever signaled, no room check on the CTS send queue, optional rows never
-//!   acked, or always acked: `optional_receives_flow_with_batched_acks_and_a_bounded_cts_queue`.
+//!   acked, or always acked: `optional_receives_flow_with_batched_acks_and_a_bounded_cts_queue`;
+//! - a chunk known by the lane it arrived on instead of its immediate:
+//!   `a_chunk_delivered_twice_is_counted_once`;
+//! - no check of the slot's use in the immediate:
+//!   `an_immediate_of_another_use_of_the_slot_is_not_counted`.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -155,6 +159,9 @@ struct Wire {
     wrapped: u64,
     /// Writes of the receiver's ack word.
     acks: u64,
+    /// Deliver every write-with-immediate a second time on another lane; how many were.
+    duplicates: bool,
+    dups: u64,
 }
 
 impl Wire {
@@ -174,6 +181,8 @@ impl Wire {
             batches: 0,
             wrapped: 0,
             acks: 0,
+            duplicates: false,
+            dups: 0,
         }
     }
 
@@ -230,12 +239,21 @@ impl Wire {
         }
         if let Op::WriteImm(mut imm) = wr.op {
             if self.lying && side == 0 && imm & IMM_SIZES == 0 {
-                imm += CAP as u32 + 1;
+                imm += (CAP as u32 + 1) << IMM_SIZE_SHIFT;
             }
             let r = self.rq[peer][q]
                 .pop_front()
                 .expect("receiver not ready: a write-with-immediate found no receive posted");
             self.cq[peer].push_back(Completion { wr_id: r, imm: Some(imm), ..Default::default() });
+            // The same chunk again, on the next lane, as a sender does that resends a chunk whose
+            // first copy landed but whose ACK was lost: the receiver must count it once.
+            let q2 = (q + 1) % nqps;
+            if self.duplicates && side == 0 && self.rq[peer][q2].len() > 1 {
+                let r = self.rq[peer][q2].pop_front().expect("checked");
+                let c = Completion { wr_id: r, imm: Some(imm), ..Default::default() };
+                self.cq[peer].push_back(c);
+                self.dups += 1;
+            }
         }
         let held = &mut self.held[side][q];
         held.1 += 1;
@@ -423,6 +441,8 @@ struct Run {
     posts_fail_at: Option<u64>,
     /// The sender starts lying about sizes after this many scheduler steps.
     lie_at: Option<u64>,
+    /// Every chunk's final write is delivered twice (see [`Wire::duplicates`]).
+    duplicates: bool,
 }
 
 fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
@@ -466,6 +486,7 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         break_at: None,
         posts_fail_at: None,
         lie_at: None,
+        duplicates: rng.below(3) == 0,
     }
 }
 
@@ -478,6 +499,8 @@ struct Outcome {
     /// CTS batches posted, and those that wrapped the FIFO.
     batches: u64,
     wrapped: u64,
+    /// Chunks delivered twice.
+    dups: u64,
 }
 
 fn drive(run: &Run, seed: u64) -> Outcome {
@@ -503,6 +526,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
     let mut sender = SendCore::new(params.clone(), (RECV_SIZES, 16));
     let mut receiver = RecvCore::new(params, (FIFO, 13));
     let wire = RefCell::new(Wire::new(run.nqps));
+    wire.borrow_mut().duplicates = run.duplicates;
     let mut sio = Io { wire: &wire, mem: &mem, side: 0, depth: SEND_QUEUE };
     let mut rio = Io { wire: &wire, mem: &mem, side: 1, depth: RECV_SEND_QUEUE };
 
@@ -792,6 +816,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         assert_eq!(warnings, usize::from(truncating), "one truncation warning per comm");
     }
     (out.batches, out.wrapped) = (wire.borrow().batches, wire.borrow().wrapped);
+    out.dups = wire.borrow().dups;
     out
 }
 
@@ -1002,10 +1027,66 @@ fn wr_ids_and_immediates_encode_what_they_carry() {
         let id = wr_id(kind, lane, slot);
         assert_eq!((wr_kind(id), wr_lane(id), wr_slot(id)), (kind, lane, slot));
     }
-    assert_eq!(imm_for(3, &[100]), (100, true));
-    assert_eq!(imm_for(3, &[1 << 31]), (IMM_SIZES | 3, false));
-    assert_eq!(imm_for(31, &[1, 2]), (IMM_SIZES | 31, false));
-    const { assert!(SLOTS <= 0x100, "a slot must fit the immediate's low byte") };
+    for slot in [0, 17, SLOTS - 1] {
+        for chunk in [0, 1, 7, MAX_CHUNKS - 1] {
+            for epoch in 0..2 {
+                for size in [None, Some(0), Some(100), Some(IMM_MAX_SIZE)] {
+                    let imm = Imm { slot, chunk, epoch, size };
+                    assert_eq!(Imm::decode(imm.encode()), imm);
+                }
+            }
+        }
+    }
+    assert_eq!(size_in_imm(&[IMM_MAX_SIZE]), Some((256 << 10) - 1));
+    assert_eq!(size_in_imm(&[IMM_MAX_SIZE + 1]), None, "a larger size goes in the records");
+    assert_eq!(size_in_imm(&[1, 2]), None, "several buffers' sizes go in the records");
+    assert_eq!((epoch(1), epoch(SLOTS as u64), epoch(SLOTS as u64 + 1)), (0, 0, 1));
+    const { assert!(SLOTS <= 32, "a slot must fit the immediate's 5 bits") };
+    const { assert!(MAX_CHUNKS <= 128, "a chunk must fit the immediate's 7 bits") };
+}
+
+/// Chunks delivered twice (a chunk sent again on another lane after its first copy landed, as
+/// a sender that lost a lane does) complete every receive once, with its bytes: every random
+/// program again, each chunk's final write delivered a second time.
+#[test]
+fn a_chunk_delivered_twice_is_counted_once() {
+    let mut rng = Rng(0x00d0_0b1e);
+    let mut dups = 0;
+    for seed in 0..miri_or(40u64, 2) {
+        let mut run =
+            random_run(&mut rng, miri_or(150, 40), [0, 100, 4096, CAP][seed as usize % 4]);
+        run.duplicates = true;
+        let o = drive(&run, seed + 7);
+        assert_eq!(o.recvs_done, run.groups.len(), "seed {seed}");
+        dups += o.dups;
+    }
+    assert!(dups > 1000, "only {dups} chunks were delivered twice");
+}
+
+/// A chunk's immediate from another use of its slot (the previous one, or one not yet posted)
+/// is not counted for the slot's current receive.
+#[test]
+fn an_immediate_of_another_use_of_the_slot_is_not_counted() {
+    let pair = Pair::new(4096);
+    let mut receiver = RecvCore::new(one_qp(Path::default()), (FIFO, 13));
+    let mut rio = pair.io(1);
+    let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
+    let buf = Buf { addr: RECV_DATA, size: 64, lkey: 12, rkey: 12, host: true };
+    let id = receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
+    let arrive = |r: &mut RecvCore, imm: Imm| {
+        let imm = Some(imm.encode());
+        r.complete(&Completion { wr_id: wr_id(WR_RECV, 0, 0), imm, ..Default::default() }, &rsizes);
+    };
+    let stale = Imm { slot: id, chunk: 0, epoch: 1, size: Some(10) };
+    arrive(&mut receiver, stale);
+    assert_eq!(receiver.test(id, &mut [0; MAX_RECVS]).unwrap(), None, "another use's chunk");
+    arrive(&mut receiver, Imm { chunk: 1, ..stale });
+    arrive(&mut receiver, Imm { epoch: 0, chunk: 1, ..stale });
+    assert_eq!(receiver.test(id, &mut [0; MAX_RECVS]).unwrap(), None, "a chunk not expected");
+    arrive(&mut receiver, Imm { epoch: 0, ..stale });
+    let mut sizes = [0; MAX_RECVS];
+    assert_eq!(receiver.test(id, &mut sizes).unwrap(), Some(1));
+    assert_eq!(sizes[0], 10);
 }
 
 #[test]
