@@ -123,12 +123,19 @@ trait Drain {
     fn idle(&mut self, now: Duration, elsewhere: Option<Fault>, io: &mut Qps) -> Result<()>;
 }
 
-impl Drain for SendCore {
+/// The sender's core with the staging area of its size records and acks (a chunk sent again
+/// on another lane writes them again).
+struct SendDrain<'a> {
+    core: &'a mut SendCore,
+    stage: &'a RegisteredBuf,
+}
+
+impl Drain for SendDrain<'_> {
     fn take(&mut self, c: &Completion) {
-        self.complete(c)
+        self.core.complete(c)
     }
     fn idle(&mut self, now: Duration, elsewhere: Option<Fault>, io: &mut Qps) -> Result<()> {
-        SendCore::idle(self, now, elsewhere, io)
+        self.core.idle(now, elsewhere, io, self.stage)
     }
 }
 
@@ -334,7 +341,7 @@ impl SendComm {
     pub fn isend(&mut self, buf: Buf, tag: i32) -> Result<Option<usize>> {
         let mut io = Qps { qps: &self.qps, flush: None };
         let r = self.core.isend(&self.fifo, &self.sizes_stage, &mut io, buf, tag)?;
-        if let Some(w) = self.core.take_warning() {
+        while let Some(w) = self.core.take_warning() {
             log::warn!("{w}");
         }
         if r.is_none() {
@@ -346,7 +353,11 @@ impl SendComm {
     pub fn progress(&mut self) -> Result<()> {
         let mut io = Qps { qps: &self.qps, flush: None };
         let dev = &self.net.devices[self.dev];
-        let r = progress(&self.cq, dev, &self.watch, &mut self.core, &mut io);
+        let mut side = SendDrain { core: &mut self.core, stage: &self.sizes_stage };
+        let r = progress(&self.cq, dev, &self.watch, &mut side, &mut io);
+        while let Some(w) = self.core.take_warning() {
+            log::warn!("{w}");
+        }
         self.life.tick("send comm to", self.core.traffic(), &self.path, dev);
         r
     }

@@ -131,6 +131,15 @@ fn wr_id(kind: u64, lane: usize, slot: usize) -> u64 {
     kind | (lane as u64 & 0xff) << 8 | slot as u64 & 0xff
 }
 
+/// A sender's data work request: also the chunk it carries (bits 16-23).
+fn data_wr_id(kind: u64, lane: usize, slot: usize, chunk: usize) -> u64 {
+    wr_id(kind, lane, slot) | (chunk as u64 & 0xff) << 16
+}
+
+fn wr_chunk(id: u64) -> usize {
+    ((id >> 16) & 0xff) as usize
+}
+
 fn wr_kind(id: u64) -> u64 {
     id & !0xffff_ffff
 }
@@ -291,7 +300,7 @@ impl Cts {
     }
 
     /// The `idx` of entry `r` of `slot` as it stands in `fifo`.
-    fn idx_at(fifo: &impl Words, slot: usize, r: usize) -> u64 {
+    fn idx_at(fifo: &(impl Words + ?Sized), slot: usize, r: usize) -> u64 {
         fifo.load(entry_word(slot, r) + ENTRY_WORDS - 1) >> 16
     }
 
@@ -571,19 +580,19 @@ impl Health {
         now: Duration,
         waiting: bool,
         io: &mut impl Post,
-        target: (u64, u32),
+        (lane, target): (usize, (u64, u32)),
     ) -> Result<bool> {
         if self.fatal.is_some() || !self.prober.due(now, waiting) {
             return Ok(false);
         }
         let probe = SendWr {
-            wr_id: wr_id(WR_PROBE, 0, 0),
+            wr_id: wr_id(WR_PROBE, lane, 0),
             signaled: true,
             remote_addr: target.0,
             rkey: target.1,
             ..SendWr::default()
         };
-        io.send(0, &[probe]).map_err(|e| self.post_failed(e))?;
+        io.send(lane, &[probe]).map_err(|e| self.post_failed(e))?;
         self.prober.out = true;
         self.prober.quiet = None;
         self.watchdog.posted();
@@ -600,18 +609,19 @@ impl Health {
     }
 }
 
-/// A growing chain of work requests for one QP, posted in batches of `MAX_CHAIN`.
+/// A growing chain of work requests for one QP, posted in batches of `MAX_CHAIN` and counted
+/// in the QP's send queue.
 struct Chain<'a> {
     qp: usize,
     /// The comm's own buffer, reused by every post: nothing is initialised per post.
     wrs: &'a mut [SendWr; MAX_CHAIN],
+    sq: &'a mut SqCount,
     len: usize,
-    posted: usize,
 }
 
 impl<'a> Chain<'a> {
-    fn new(qp: usize, wrs: &'a mut [SendWr; MAX_CHAIN]) -> Chain<'a> {
-        Chain { qp, wrs, len: 0, posted: 0 }
+    fn new(qp: usize, wrs: &'a mut [SendWr; MAX_CHAIN], sq: &'a mut SqCount) -> Chain<'a> {
+        Chain { qp, wrs, sq, len: 0 }
     }
 
     fn push(&mut self, io: &mut impl Post, wr: SendWr) -> Result<()> {
@@ -629,7 +639,9 @@ impl<'a> Chain<'a> {
 
     fn flush(&mut self, io: &mut impl Post) -> Result<()> {
         io.send(self.qp, &self.wrs[..self.len])?;
-        self.posted += self.len;
+        for w in &self.wrs[..self.len] {
+            self.sq.posted(1, w.signaled);
+        }
         self.len = 0;
         Ok(())
     }
@@ -665,10 +677,14 @@ struct SendReq {
 struct SendSlot {
     /// Bitmask of the entries matched by an `isend`.
     matched: u8,
-    /// The sends matched so far, by entry.
+    /// The sends matched so far, by entry; kept until the slot completes, so that a chunk can
+    /// be sent again.
     bufs: [Option<Buf>; MAX_RECVS],
-    /// Lanes whose final completion has not arrived yet.
-    cqes: u16,
+    /// The row they answer, likewise kept.
+    row: [Cts; MAX_RECVS],
+    nreqs: u8,
+    /// Chunks posted whose final completion has not arrived yet.
+    pending: u128,
 }
 
 /// The sending end's protocol state.
@@ -680,10 +696,14 @@ pub struct SendCore {
     p: Params,
     /// Where the receiver's size records are: `(addr, rkey)`.
     remote_sizes: (u64, u32),
-    /// Per QP: send-queue entries in use.
-    sq_used: Vec<usize>,
-    /// Per slot and QP: work requests posted for the slot's current use.
-    slot_wrs: Vec<usize>,
+    /// Per lane: its send queue, counted.
+    sq: Vec<SqCount>,
+    /// Per slot and chunk: the lane that carries it now.
+    chunk_lane: Vec<u8>,
+    /// The lanes whose path still answers (bit `q` for lane `q`).
+    alive: u128,
+    /// Chunks to send again on a live lane: their lane failed before they completed.
+    resend: VecDeque<(usize, usize)>,
     /// The last isend found no CTS for its slot: the sender waits on the receiver.
     wants_cts: bool,
     /// Posted slots whose completions have not all arrived (kept, not scanned for, because
@@ -692,9 +712,10 @@ pub struct SendCore {
     /// Where chains are built before posting.
     chain: Box<[SendWr; MAX_CHAIN]>,
     health: Health,
-    /// A send of this comm was truncated (reported once), and the report not yet taken.
+    /// A send of this comm was truncated (reported once).
     truncated: bool,
-    warning: Option<String>,
+    /// Warnings for the log not yet taken: the first truncation, each lane that failed.
+    warnings: VecDeque<String>,
 }
 
 impl SendCore {
@@ -708,21 +729,29 @@ impl SendCore {
             slots: [SendSlot::default(); SLOTS],
             head: 0,
             remote_sizes,
-            sq_used: vec![0; p.nqps],
-            slot_wrs: vec![0; SLOTS * p.nqps],
+            sq: (0..p.nqps).map(|_| SqCount::new(SEND_QUEUE)).collect(),
+            chunk_lane: vec![0; SLOTS * p.nqps],
+            alive: u128::MAX >> (MAX_CHUNKS - p.nqps),
+            resend: VecDeque::new(),
             wants_cts: false,
             in_flight: 0,
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
             health,
             truncated: false,
-            warning: None,
+            warnings: VecDeque::new(),
             p,
         }
     }
 
-    /// A warning for the log, once, when a send was truncated.
+    /// A warning for the log: the first truncated send, and each lane that failed.
     pub fn take_warning(&mut self) -> Option<String> {
-        self.warning.take()
+        self.warnings.pop_front()
+    }
+
+    /// Lane `q` if it lives, else the next live lane after it.
+    fn live_lane(&self, q: usize) -> usize {
+        let n = self.p.nqps;
+        (0..n).map(|k| (q + k) % n).find(|&l| self.alive & (1 << l) != 0).unwrap_or(q)
     }
 
     pub fn check(&self) -> Result<()> {
@@ -746,6 +775,7 @@ impl SendCore {
         tag: i32,
     ) -> Result<Option<usize>> {
         self.check()?;
+        self.resend(stage, io)?;
         let slot = (self.head % SLOTS as u64) as usize;
         let want = self.head + 1;
         let first = Cts::read(fifo, slot, 0);
@@ -783,7 +813,7 @@ impl SendCore {
         if buf.size > row[r].size {
             if !self.truncated {
                 self.truncated = true;
-                self.warning = Some(format!(
+                self.warnings.push_back(format!(
                     "send of {} bytes (tag {tag}) to {} is larger than the posted receive of {} \
                      bytes: truncated to {} bytes, as NCCL's own transport does (a size mismatch \
                      between the ranks' calls; later truncations on this comm are not reported)",
@@ -815,31 +845,35 @@ impl SendCore {
         Ok(Some(id))
     }
 
-    /// Work requests lane `q` needs for `bufs` (data pieces, then the size record and the
+    /// Work requests chunk `c` needs for `bufs` (data pieces, then the size record and the
     /// immediate, or the ack).
-    fn wrs_for(&self, bufs: &[Option<Buf>], split: bool, q: usize) -> usize {
+    fn wrs_for(&self, bufs: &[Option<Buf>], split: bool, c: usize) -> u64 {
         let data: u64 = bufs
             .iter()
             .map(|b| {
                 let size = b.map_or(0, |b| b.size);
-                lane_part(size, split, self.p.nqps, q).1.div_ceil(self.p.max_msg)
+                lane_part(size, split, self.p.nqps, c).1.div_ceil(self.p.max_msg)
             })
             .sum();
-        data as usize + 2
+        data + 2
     }
 
+    /// Whether every chunk of the slot fits the send queue of the lane that would carry it.
     fn fits(&self, slot: usize, bufs: &[Option<Buf>], optional: bool) -> bool {
-        let (split, lanes) = if optional {
-            (false, 0..1)
+        let (split, n, first) = if optional {
+            (false, 1, self.live_lane(0))
         } else {
-            (self.p.split, lanes(self.p.split, self.p.nqps, slot))
+            let l = lanes(self.p.split, self.p.nqps, slot);
+            (self.p.split, l.len(), l.start)
         };
-        // One entry stays free for a liveness probe.
-        lanes.into_iter().all(|q| self.sq_used[q] + self.wrs_for(bufs, split, q) < SEND_QUEUE)
+        (0..n).all(|c| {
+            let q = if optional { first } else { self.live_lane(first + c) };
+            self.sq[q].fits(self.wrs_for(bufs, split, c))
+        })
     }
 
-    /// Posts the slot's chains: on each lane, the data writes, the size record (first lane of
-    /// the slot, when needed), and the lane's final write-with-immediate.
+    /// Posts the slot's chunks: chunk `c` of a split message (or the whole message, chunk 0)
+    /// on its lane, or on the next live one where that lane failed.
     fn post(
         &mut self,
         fifo: &impl Words,
@@ -849,60 +883,118 @@ impl SendCore {
         row: &[Cts],
     ) -> Result<()> {
         let nreqs = row.len();
-        let bufs = self.slots[slot].bufs;
-        if let ([cts], Some(b)) = (row, bufs[0])
-            && cts.optional
-        {
-            return self.post_optional(fifo, stage, io, slot, cts, b);
-        }
+        let s = &mut self.slots[slot];
+        s.row[..nreqs].copy_from_slice(row);
+        s.nreqs = nreqs as u8;
+        s.matched = 0;
+        let bufs = s.bufs;
         let sizes: [u64; MAX_RECVS] = std::array::from_fn(|r| bufs[r].map_or(0, |b| b.size));
-        let size = size_in_imm(&sizes[..nreqs]);
-        let single = size.is_some();
-        let imm = |chunk| Imm { slot, chunk, epoch: epoch(row[0].idx), size }.encode();
-        if !single {
+        let optional = nreqs == 1 && row[0].optional;
+        if !optional && size_in_imm(&sizes[..nreqs]).is_none() {
             for (r, &sz) in sizes.iter().enumerate().take(nreqs) {
                 stage.store(slot * MAX_RECVS + r, sz);
             }
         }
-        let (nqps, split, max_msg, inline) =
-            (self.p.nqps, self.p.split, self.p.max_msg, self.p.max_inline);
-        let lanes = lanes(split, nqps, slot);
-        let first = lanes.start;
-        for q in lanes.clone() {
-            let id = wr_id(WR_SEND, q, slot);
-            let imm = imm(q - first);
-            let mut chain = Chain::new(q, &mut self.chain);
-            let mut data = 0;
-            let mut unmarked = 0;
-            for (b, cts) in bufs.iter().zip(row) {
-                let Some(b) = b else { continue };
-                let (off, len) = lane_part(b.size, split, nqps, q);
-                let mut done = 0;
-                while done < len {
-                    let n = (len - done).min(max_msg);
-                    let at = off + done;
-                    unmarked += n;
-                    let mark = unmarked >= self.p.mark;
-                    if mark {
-                        unmarked = 0;
-                    }
+        let lanes = if optional { 0..1 } else { lanes(self.p.split, self.p.nqps, slot) };
+        for c in 0..lanes.len() {
+            let q = if optional { self.live_lane(0) } else { self.live_lane(lanes.start + c) };
+            self.post_chunk(Some(fifo as &dyn Words), stage, io, slot, c, q)?;
+        }
+        self.slots[slot].pending = u128::MAX >> (MAX_CHUNKS - lanes.len());
+        self.in_flight += 1;
+        self.health.watchdog.posted();
+        Ok(())
+    }
+
+    /// Posts chunk `c` of the slot on lane `q`: the data writes of its part, the size record
+    /// (chunk 0, when needed), and its final write-with-immediate; or, for an optional
+    /// receive, the data and (when due, always with no `fifo` to look ahead in) the ack.
+    fn post_chunk(
+        &mut self,
+        fifo: Option<&dyn Words>,
+        stage: &impl Words,
+        io: &mut impl Post,
+        slot: usize,
+        c: usize,
+        q: usize,
+    ) -> Result<()> {
+        let (nqps, max_msg, inline) = (self.p.nqps, self.p.max_msg, self.p.max_inline);
+        let s = self.slots[slot];
+        let nreqs = usize::from(s.nreqs);
+        let row = &s.row[..nreqs];
+        let optional = nreqs == 1 && row[0].optional;
+        let split = self.p.split && !optional;
+        let sizes: [u64; MAX_RECVS] = std::array::from_fn(|r| s.bufs[r].map_or(0, |b| b.size));
+        let size = if optional { None } else { size_in_imm(&sizes[..nreqs]) };
+        let single = size.is_some();
+        let id = data_wr_id(WR_SEND, q, slot, c);
+        let mut chain = Chain::new(q, &mut self.chain, &mut self.sq[q]);
+        let mut data = 0;
+        let mut unmarked = 0;
+        for (b, cts) in s.bufs.iter().zip(row) {
+            let Some(b) = b else { continue };
+            let (off, len) = lane_part(b.size, split, nqps, c);
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(max_msg);
+                let at = off + done;
+                unmarked += n;
+                let mark = !optional && unmarked >= self.p.mark;
+                if mark {
+                    unmarked = 0;
+                }
+                chain.push(
+                    io,
+                    SendWr {
+                        wr_id: if mark { data_wr_id(WR_MARK, q, slot, c) } else { id },
+                        op: Op::Write,
+                        signaled: mark,
+                        local: Some((b.addr + at, n as u32, b.lkey)),
+                        remote_addr: cts.addr + at,
+                        rkey: cts.rkey,
+                        inline: b.host && n <= u64::from(inline),
+                    },
+                )?;
+                done += n;
+            }
+            data += len;
+        }
+        if optional {
+            // The ack is batched like the CTS rows: written when the receiver must learn soon
+            // that the sender runs low (fewer than ACK_AHEAD later rows have landed), for every
+            // ACK_EVERY-th row (slots are reused only once acked), for an empty message (no
+            // data write to signal), and when the message is sent again.
+            let idx = row[0].idx;
+            let ahead = fifo.map_or(0, |f| {
+                (1..=ACK_AHEAD)
+                    .take_while(|&k| Cts::idx_at(f, (slot + k as usize) % SLOTS, 0) == idx + k)
+                    .count() as u64
+            });
+            match chain.last() {
+                Some(w) if ahead == ACK_AHEAD && !idx.is_multiple_of(ACK_EVERY) => {
+                    w.signaled = true
+                }
+                _ => {
+                    // Staged rather than inline only where the QP takes no inline data; a
+                    // later ack overwriting it before the NIC reads it only reports a later
+                    // consumed row.
+                    stage.store(ACK_WORD, idx);
                     chain.push(
                         io,
                         SendWr {
-                            wr_id: if mark { wr_id(WR_MARK, q, slot) } else { id },
-                            op: Op::Write,
-                            signaled: mark,
-                            local: Some((b.addr + at, n as u32, b.lkey)),
-                            remote_addr: cts.addr + at,
-                            rkey: cts.rkey,
-                            inline: b.host && n <= u64::from(inline),
+                            wr_id: id,
+                            signaled: true,
+                            local: Some((stage.addr(ACK_WORD), 8, stage.lkey())),
+                            remote_addr: self.remote_sizes.0 + (ACK_WORD * 8) as u64,
+                            rkey: self.remote_sizes.1,
+                            inline: 8 <= inline,
+                            ..SendWr::default()
                         },
                     )?;
-                    done += n;
                 }
-                data += len;
             }
-            if !single && q == first {
+        } else {
+            if !single && c == 0 {
                 let len = (nreqs * 8) as u32;
                 chain.push(
                     io,
@@ -917,6 +1009,7 @@ impl SendCore {
                     },
                 )?;
             }
+            let imm = Imm { slot, chunk: c, epoch: epoch(row[0].idx), size }.encode();
             // The last data write carries the immediate when it can; otherwise a 0-byte one.
             match chain.last() {
                 Some(w) if single && data > 0 && w.op == Op::Write => {
@@ -934,116 +1027,112 @@ impl SendCore {
                     },
                 )?,
             }
-            chain.flush(io)?;
-            self.slot_wrs[slot * nqps + q] = chain.posted;
-            self.sq_used[q] += chain.posted;
-            self.health.traffic.bytes[q] += data;
         }
-        let s = &mut self.slots[slot];
-        s.cqes = lanes.len() as u16;
-        self.in_flight += 1;
-        s.matched = 0;
-        s.bufs = [None; MAX_RECVS];
-        self.health.watchdog.posted();
+        chain.flush(io)?;
+        self.chunk_lane[slot * nqps + c] = q as u8;
+        self.health.traffic.bytes[q] += data;
         Ok(())
     }
 
-    /// Posts an optional receive's data as plain writes, then (when due) the ack of its row;
-    /// the last of them is signaled and completes the send. No immediate: the receiver polls
-    /// nothing. All go on QP 0, so acks land in order and the ack word only grows; these are
-    /// small LL messages.
-    fn post_optional(
-        &mut self,
-        fifo: &impl Words,
-        stage: &impl Words,
-        io: &mut impl Post,
-        slot: usize,
-        cts: &Cts,
-        b: Buf,
-    ) -> Result<()> {
-        let q = 0;
-        let id = wr_id(WR_SEND, q, slot);
-        let mut chain = Chain::new(q, &mut self.chain);
-        let mut done = 0;
-        while done < b.size {
-            let n = (b.size - done).min(self.p.max_msg);
-            chain.push(
-                io,
-                SendWr {
-                    wr_id: id,
-                    local: Some((b.addr + done, n as u32, b.lkey)),
-                    remote_addr: cts.addr + done,
-                    rkey: cts.rkey,
-                    inline: b.host && n <= u64::from(self.p.max_inline),
-                    ..SendWr::default()
-                },
-            )?;
-            done += n;
-        }
-        // The ack is batched like the CTS rows: written when the receiver must learn soon that
-        // the sender runs low (fewer than ACK_AHEAD later rows have landed), for every
-        // ACK_EVERY-th row (slots are reused only once acked), and for an empty message (no
-        // data write to signal).
-        let ahead = (1..=ACK_AHEAD)
-            .take_while(|&k| Cts::idx_at(fifo, (slot + k as usize) % SLOTS, 0) == cts.idx + k)
-            .count() as u64;
-        match chain.last() {
-            Some(w) if ahead == ACK_AHEAD && !cts.idx.is_multiple_of(ACK_EVERY) => {
-                w.signaled = true
+    /// Sends again, on live lanes, the chunks whose lane failed; those that do not fit wait.
+    fn resend(&mut self, stage: &impl Words, io: &mut impl Post) -> Result<()> {
+        while let Some(&(slot, c)) = self.resend.front() {
+            if self.slots[slot].pending & (1 << c) == 0 {
+                self.resend.pop_front();
+                continue;
             }
-            _ => {
-                // Staged rather than inline only where the QP takes no inline data; a later
-                // ack overwriting it before the NIC reads it only reports a later consumed row.
-                stage.store(ACK_WORD, cts.idx);
-                chain.push(
-                    io,
-                    SendWr {
-                        wr_id: id,
-                        signaled: true,
-                        local: Some((stage.addr(ACK_WORD), 8, stage.lkey())),
-                        remote_addr: self.remote_sizes.0 + (ACK_WORD * 8) as u64,
-                        rkey: self.remote_sizes.1,
-                        inline: 8 <= self.p.max_inline,
-                        ..SendWr::default()
-                    },
-                )?;
+            let q = self.live_lane(usize::from(self.chunk_lane[slot * self.p.nqps + c]));
+            let s = self.slots[slot];
+            let split = self.p.split && !(s.nreqs == 1 && s.row[0].optional);
+            if !self.sq[q].fits(self.wrs_for(&s.bufs[..usize::from(s.nreqs)], split, c)) {
+                return Ok(());
             }
+            self.post_chunk(None, stage, io, slot, c, q).map_err(|e| self.health.post_failed(e))?;
+            self.resend.pop_front();
         }
-        chain.flush(io)?;
-        self.slot_wrs[slot * self.p.nqps + q] = chain.posted;
-        self.sq_used[q] += chain.posted;
-        self.health.traffic.bytes[q] += b.size;
-        let s = &mut self.slots[slot];
-        s.cqes = 1;
-        self.in_flight += 1;
-        s.matched = 0;
-        s.bufs = [None; MAX_RECVS];
-        self.health.watchdog.posted();
         Ok(())
+    }
+
+    /// A failed completion on lane `lane`: `true` if it is the lane's failure (retries
+    /// exhausted on its path while another lane lives), or work of a lane that already failed;
+    /// then nothing fails, and the lane's chunks in flight are sent again on live lanes.
+    fn lane_failed(&mut self, lane: usize, c: &Completion) -> bool {
+        let bit = 1u128 << lane;
+        if self.alive & bit == 0 {
+            return true;
+        }
+        // IBV_WC_RETRY_EXC_ERR: the path stopped answering. Anything else (the peer refused
+        // an access, our own NIC failed) is not the path's, and fails the comm as before.
+        if c.status != 12 || self.alive & !bit == 0 || self.health.fatal.is_some() {
+            return false;
+        }
+        self.alive &= !bit;
+        self.health.traffic.errors[lane] += 1;
+        self.health.prober.activity += 1;
+        if wr_kind(c.wr_id) == WR_PROBE {
+            self.health.prober.out = false;
+            self.health.watchdog.completed(true);
+        }
+        let nqps = self.p.nqps;
+        let mut chunks = 0;
+        for slot in 0..SLOTS {
+            let pending = self.slots[slot].pending;
+            for ch in (0..nqps).filter(|&ch| pending & (1 << ch) != 0) {
+                if usize::from(self.chunk_lane[slot * nqps + ch]) == lane {
+                    self.resend.push_back((slot, ch));
+                    chunks += 1;
+                }
+            }
+        }
+        let sport = self
+            .p
+            .path
+            .sports
+            .get(lane)
+            .map_or(String::new(), |p| format!(" (UDP source port {p})"));
+        let live = (0..nqps).filter(|&q| self.alive & (1 << q) != 0).count();
+        self.warnings.push_back(format!(
+            "lane {lane}{sport} of the send comm to {} failed: {} (status {}) on {}; its {chunks} \
+             chunk(s) in flight go again on the {live} lane(s) left, and the comm goes on. Check \
+             the link or ECMP member on that path: a switch port, cable or hash bucket that drops \
+             this source port",
+            self.p.path.peer,
+            status_name(c.status),
+            c.status,
+            self.p.path.describe
+        ));
+        true
     }
 
     /// Takes in one completion of the comm's CQ.
     pub fn complete(&mut self, c: &Completion) {
+        let lane = wr_lane(c.wr_id) % self.p.nqps;
+        if c.status != 0 && self.lane_failed(lane, c) {
+            return;
+        }
+        let kind = wr_kind(c.wr_id);
+        if c.status == 0 && matches!(kind, WR_SEND | WR_MARK | WR_PROBE) {
+            self.sq[lane].completed();
+        }
         if !self.health.completion(c) {
             return;
         }
-        match wr_kind(c.wr_id) {
+        match kind {
             WR_SEND => {}
             WR_MARK => return self.health.watchdog.completed(false),
             _ => return,
         }
-        let nqps = self.p.nqps;
-        let (slot, q) = (wr_slot(c.wr_id), wr_lane(c.wr_id) % nqps);
-        self.sq_used[q] = self.sq_used[q].saturating_sub(self.slot_wrs[slot * nqps + q]);
-        self.slot_wrs[slot * nqps + q] = 0;
+        let (slot, chunk) = (wr_slot(c.wr_id), wr_chunk(c.wr_id));
         let s = &mut self.slots[slot];
-        if s.cqes == 0 {
+        let bit = 1u128 << chunk;
+        if s.pending & bit == 0 {
             return; // not this slot's: nothing of it is in flight
         }
-        s.cqes -= 1;
-        self.health.watchdog.completed(s.cqes == 0);
-        if s.cqes == 0 {
+        s.pending &= !bit;
+        self.health.watchdog.completed(s.pending == 0);
+        if s.pending == 0 {
             self.in_flight -= 1;
+            s.bufs = [None; MAX_RECVS];
             for req in &mut self.reqs[slot * MAX_RECVS..(slot + 1) * MAX_RECVS] {
                 if req.state == State::Pending {
                     req.state = State::Done;
@@ -1052,18 +1141,28 @@ impl SendCore {
         }
     }
 
-    /// After a poll found no more completions at `now` (any monotonic clock): the watchdog,
-    /// the device, and a liveness probe if the sender has been waiting quietly.
+    /// After a poll found no more completions at `now` (any monotonic clock): chunks of a
+    /// failed lane go again on live ones, then the watchdog, the device, and a liveness probe
+    /// (on the first live lane) if the sender has been waiting quietly.
     pub fn idle(
         &mut self,
         now: Duration,
         elsewhere: Option<Fault>,
         io: &mut impl Post,
+        stage: &impl Words,
     ) -> Result<()> {
+        if self.health.fatal.is_none() {
+            self.resend(stage, io)?;
+        }
         // Waiting on the peer: for a CTS, for completions, or with a row half matched.
         let half = self.slots[(self.head % SLOTS as u64) as usize].matched != 0;
         let waiting = self.wants_cts || self.in_flight > 0 || half;
-        self.health.probe(now, waiting, io, self.remote_sizes)?;
+        let lane = self.live_lane(0);
+        if self.sq[lane].fits(0)
+            && self.health.probe(now, waiting, io, (lane, self.remote_sizes))?
+        {
+            self.sq[lane].posted(1, true);
+        }
         self.health.idle(now, elsewhere)
     }
 
@@ -1497,7 +1596,7 @@ impl RecvCore {
             self.advertise(stage, sizes, io, LOW_AT_POLL)?;
         }
         let waiting = self.waiting > 0 || self.awaits_acks(sizes);
-        if self.health.probe(now, waiting, io, self.remote_fifo)? {
+        if self.health.probe(now, waiting, io, (0, self.remote_fifo))? {
             self.sq.posted(1, true);
         }
         self.health.idle(now, elsewhere)

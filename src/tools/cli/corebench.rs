@@ -157,7 +157,7 @@ fn run(n: usize, size: u64, inline: u32, optional: bool, depth: usize) -> Result
         while let Some(c) = cq.borrow_mut()[0].pop_front() {
             send.complete(&c);
         }
-        send.idle(Duration::ZERO, None, &mut sio).map_err(e)?;
+        send.idle(Duration::ZERO, None, &mut sio, &sstage).map_err(e)?;
         while let Some(c) = cq.borrow_mut()[1].pop_front() {
             recv.complete(&c, &sizes);
         }

@@ -162,6 +162,11 @@ struct Wire {
     /// Deliver every write-with-immediate a second time on another lane; how many were.
     duplicates: bool,
     dups: u64,
+    /// Per sender QP: its path drops everything from now on (`Some(landed)`: the next work
+    /// request still lands, but its ACK is lost), and whether the QP has failed (retries
+    /// exhausted: it flushes everything after).
+    black_hole: Vec<Option<bool>>,
+    failed: Vec<bool>,
 }
 
 impl Wire {
@@ -183,7 +188,21 @@ impl Wire {
             acks: 0,
             duplicates: false,
             dups: 0,
+            black_hole: vec![None; nqps + 1],
+            failed: vec![false; nqps + 1],
         }
+    }
+
+    /// The sender's lane `q` black-holes: its next work request fails with retries exhausted
+    /// (after landing, if `landed`), and everything after it is flushed.
+    fn kill_lane(&mut self, q: usize, landed: bool) {
+        self.black_hole[q] = Some(landed);
+    }
+
+    /// Every lane of the sender failed: the comm must fail.
+    fn all_lanes_failed(&self) -> bool {
+        let n = self.failed.len() - 1;
+        self.failed[..n].iter().all(|&f| f)
     }
 
     /// Checks the CTS entries `bytes` that land at `addr` in the sender's FIFO: every head
@@ -208,6 +227,14 @@ impl Wire {
 
     /// Executes the head work request of `side`'s QP `q`.
     fn step(&mut self, mem: &Mem, side: usize, q: usize) {
+        if side == 0 && (self.failed[q] || self.black_hole[q].is_some()) {
+            return self.fail_head(mem, q);
+        }
+        self.step_ok(mem, side, q)
+    }
+
+    /// Executes the head work request of `side`'s QP `q` on a path that answers.
+    fn step_ok(&mut self, mem: &Mem, side: usize, q: usize) {
         let Some(Queued { wr, inline }) = self.sq[side][q].pop_front() else { return };
         let peer = 1 - side;
         // The responding QP must grant the operation: the peer's QP `q`, or for the loopback
@@ -264,6 +291,29 @@ impl Wire {
         }
     }
 
+    /// The sender's black-holed QP `q`: its head fails with retries exhausted (having landed,
+    /// if so asked), then it flushes everything.
+    fn fail_head(&mut self, mem: &Mem, q: usize) {
+        if self.failed[q] {
+            while let Some(Queued { wr, .. }) = self.sq[0][q].pop_front() {
+                let c = Completion { wr_id: wr.wr_id, status: 5, ..Default::default() };
+                self.cq[0].push_back(c);
+            }
+            return;
+        }
+        let Some(&Queued { wr, .. }) = self.sq[0][q].front() else { return };
+        if self.black_hole[q] == Some(true) {
+            // It lands (data, immediate), but its ACK is lost: the sender's retries run out.
+            self.sq[0][q].front_mut().expect("checked").wr.signaled = false;
+            self.step_ok(mem, 0, q);
+        } else {
+            self.sq[0][q].pop_front();
+        }
+        self.cq[0].push_back(Completion { wr_id: wr.wr_id, status: 12, ..Default::default() });
+        self.failed[q] = true;
+        self.fail_head(mem, q);
+    }
+
     /// The link dies: the head of every send queue fails (retry exceeded), everything behind it
     /// and every posted receive is flushed.
     fn break_all(&mut self) {
@@ -291,9 +341,10 @@ impl Wire {
         }
     }
 
-    /// The link is broken or nothing can be posted: requests may fail.
+    /// The link is broken, nothing can be posted, the sender lies or lost every lane:
+    /// requests may fail.
     fn failing(&self) -> bool {
-        self.broken || self.posts_fail || self.lying
+        self.broken || self.posts_fail || self.lying || self.all_lanes_failed()
     }
 
     fn busy(&self) -> Vec<(usize, usize)> {
@@ -360,7 +411,7 @@ impl Io<'_> {
     fn send_ok(&mut self, qp: usize, wrs: &[SendWr]) {
         let mut w = self.wire.borrow_mut();
         for wr in wrs {
-            if w.broken {
+            if w.broken || self.side == 0 && w.failed[qp] {
                 // A QP in the error state flushes whatever is posted to it.
                 let c = Completion { wr_id: wr.wr_id, status: 5, ..Default::default() };
                 w.cq[self.side].push_back(c);
@@ -443,6 +494,9 @@ struct Run {
     lie_at: Option<u64>,
     /// Every chunk's final write is delivered twice (see [`Wire::duplicates`]).
     duplicates: bool,
+    /// Sender lanes whose path dies: after this many scheduler steps, lane, and whether the
+    /// next work request still lands (its ACK lost).
+    kills: Vec<(u64, usize, bool)>,
 }
 
 fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
@@ -487,6 +541,7 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         posts_fail_at: None,
         lie_at: None,
         duplicates: rng.below(3) == 0,
+        kills: Vec::new(),
     }
 }
 
@@ -545,6 +600,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
     let mut steps = 0u64;
     let mut idle = 0u64;
     let mut warnings = 0;
+    let mut lane_warnings = 0;
     // A fake clock for the cores' idle checks (and so their liveness probes).
     let mut now = Duration::ZERO;
     let done = |o: &Outcome| o.recvs_done == n && o.sends_done == n;
@@ -571,6 +627,16 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         if run.lie_at == Some(steps) {
             wire.borrow_mut().lying = true;
         }
+        for &(_, lane, landed) in run.kills.iter().filter(|k| k.0 == steps) {
+            wire.borrow_mut().kill_lane(lane, landed);
+        }
+        while let Some(w) = sender.take_warning() {
+            if w.starts_with("lane ") {
+                lane_warnings += 1;
+            } else {
+                warnings += 1;
+            }
+        }
         // A lie fails the receiving comm: once NCCL has seen every receive fail or complete,
         // it gives up on the connection (the sender, still healthy, is closed with it).
         if wire.borrow().lying && receiver.check().is_err() && recv_out.is_empty() {
@@ -590,10 +656,10 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                 let normal = |s: &&RecvSlot| s.state == State::Pending && s.ack_for == 0;
                 let pending = receiver.slots.iter().filter(normal).count();
                 assert_eq!(receiver.waiting, pending, "receives waiting");
-                let posted = sender.slots.iter().filter(|s| s.cqes > 0).count();
+                let posted = sender.slots.iter().filter(|s| s.pending != 0).count();
                 assert_eq!(sender.in_flight, posted, "slots in flight");
                 now += Duration::from_millis(1);
-                let s = sender.idle(now, None, &mut sio);
+                let s = sender.idle(now, None, &mut sio, &sstage);
                 let r = receiver.idle(now, None, &mut rio, &rstage, &rsizes);
                 if !wire.borrow().failing() {
                     s.and(r).expect("idle on a healthy link");
@@ -676,7 +742,6 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                 let addr = buf_addr(SEND_DATA, g, r);
                 let b = Buf { addr, size: it.size, lkey: 11, rkey: 11, host: !run.gpu };
                 let posted = sender.isend(&fifo, &sstage, &mut sio, b, it.tag);
-                warnings += usize::from(sender.take_warning().is_some());
                 let posted = match posted {
                     Err(e) if wire.borrow().failing() => {
                         if wire.borrow().posts_fail && !wire.borrow().broken {
@@ -803,10 +868,16 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         let seen: u64 =
             run.groups.iter().zip(&run.optional).filter(|(_, o)| !**o).map(|(g, _)| size(g)).sum();
         let (st, rt) = (sender.traffic(), receiver.traffic());
-        assert_eq!((st.messages, st.bytes.iter().sum::<u64>()), (items, sent), "sender stats");
+        let killed = run.kills.len();
+        assert_eq!(lane_warnings, killed, "one warning per failed lane");
+        let sent_bytes = st.bytes.iter().sum::<u64>();
+        // Chunks of a failed lane are sent again: the sender counts them twice.
+        assert!(sent_bytes == sent || killed > 0 && sent_bytes >= sent, "sender bytes");
+        assert_eq!(st.messages, items, "sender stats");
         assert_eq!((rt.messages, rt.bytes.iter().sum::<u64>()), (items, seen), "receiver stats");
-        assert!(st.errors.iter().chain(&rt.errors).all(|&e| e == 0));
-        if !run.optional.contains(&true) {
+        assert_eq!(st.errors.iter().sum::<u64>(), killed as u64, "sender errors: failed lanes");
+        assert!(rt.errors.iter().all(|&e| e == 0));
+        if !run.optional.contains(&true) && killed == 0 {
             assert_eq!(st.bytes, rt.bytes, "both ends count the same bytes per QP");
         }
         assert!(wire.borrow().busy().is_empty(), "work left on the wire");
@@ -885,6 +956,30 @@ fn the_fifo_and_every_sequence_wrap_over_a_hundred_thousand_messages() {
     assert_eq!(o.recvs_done, n);
     assert!(o.wrapped > 0, "no CTS batch wrapped the FIFO");
     assert!(o.batches < n as u64, "{} batches for {n} rows: rows are not batched", o.batches);
+}
+
+/// A sender lane whose path dies (1 to all but one of its lanes, never lane 0, which also
+/// carries the receiver's CTS rows; at random points, the failing request landed or not) no
+/// longer fails the comm: its chunks in flight go again on the live lanes, every request
+/// completes once with its bytes, chunks that landed twice count once, and each failed lane
+/// gives one warning and one error in the statistics.
+#[test]
+fn a_failed_lane_moves_its_chunks_to_the_live_lanes() {
+    let mut rng = Rng(0x1a7e_f0e5);
+    for seed in 0..miri_or(80u64, 2) {
+        let mut run =
+            random_run(&mut rng, miri_or(150, 40), [0, 100, 4096, CAP][seed as usize % 4]);
+        run.nqps = 2 + rng.below(7) as usize;
+        let mut lanes: Vec<usize> = (1..run.nqps).collect();
+        let dead = 1 + rng.below(lanes.len() as u64) as usize;
+        for _ in 0..dead {
+            let lane = lanes.swap_remove(rng.below(lanes.len() as u64) as usize);
+            run.kills.push((50 + rng.below(miri_or(4000, 300)), lane, rng.below(2) == 0));
+        }
+        let o = drive(&run, seed + 11);
+        let n = run.groups.len();
+        assert_eq!((o.recvs_done, o.sends_done), (n, n), "seed {seed}: {:?}", run.kills);
+    }
 }
 
 /// When the CTS rows go out: at once while the sender holds at most two rows it has not
@@ -1358,7 +1453,7 @@ fn a_long_message_on_a_slow_link_is_not_a_dead_peer() {
             pair.wire.borrow_mut().step(&pair.mem, 0, 0);
             now += Duration::from_millis(300);
             poll(&pair.wire, 0, |c| sender.complete(c));
-            sender.idle(now, None, &mut sio)?;
+            sender.idle(now, None, &mut sio, &pair.area(SEND_STAGE, 14))?;
         }
         poll(&pair.wire, 1, |c| receiver.complete(c, &rsizes));
         assert_eq!(sender.test(sid)?, Some(256 << 10));
