@@ -432,10 +432,13 @@ impl Flusher {
 impl RecvParts {
     pub fn new(net: &Arc<Net>, dev: usize, nqps: usize) -> Result<RecvParts> {
         let d = &net.devices[dev];
-        let cq = Cq::new(&d.ctx, ((nqps + 4) * 2 * SLOTS).min(32767) as i32)?;
+        // Room for every receive WQE of every lane (all flushed at once when the comm closes or
+        // fails), the flushes, and the CTS writes and probes.
+        let pool = super::proto::recv_pool(nqps);
+        let cq = Cq::new(&d.ctx, (nqps * pool + 4 * 2 * SLOTS).min(32767) as i32)?;
         let caps = verbs::QpCaps {
             max_send_wr: RECV_SEND_QUEUE as u32,
-            max_recv_wr: (2 * SLOTS) as u32,
+            max_recv_wr: pool as u32,
             max_inline: INLINE,
         };
         let qps = create_qps(d, &cq, nqps, caps, |q| recv_grant(q, nqps))?;

@@ -108,10 +108,15 @@ const IMM_SIZE_SHIFT: u32 = 13;
 pub const MAX_CHUNKS: usize = 128;
 /// The largest size an immediate carries itself.
 const IMM_MAX_SIZE: u64 = (IMM_SIZES >> IMM_SIZE_SHIFT) as u64 - 1;
-/// Receive WQEs each lane keeps posted, so that every message in flight finds one on whichever
-/// lane carries it (one per slot would do).
-/// Twice what the messages in flight need: room for chunks sent again on another lane.
-const RECV_POOL: usize = 2 * SLOTS;
+/// Receive WQEs each of `nqps` lanes keeps posted, so that every chunk in flight finds one on
+/// whichever lane carries it. Without failures a slot's message puts at most one chunk on a
+/// lane; once lanes fail, the live ones carry the chunks of the dead ones (spread evenly), and a
+/// chunk that landed before its ACK was lost lands twice. Twice a slot's chunks on each lane
+/// covers every lane but one failing, for up to 4 lanes; beyond 4, as long as a quarter of the
+/// lanes live. The receiver tops the pools up before every CTS and after every poll.
+pub fn recv_pool(nqps: usize) -> usize {
+    2 * SLOTS * nqps.clamp(1, 4)
+}
 
 /// `wr_id` = kind << 32 | lane << 8 | slot.
 pub const WR_SEND: u64 = 1 << 32;
@@ -209,9 +214,10 @@ pub enum Grant {
 }
 
 /// What the sender's QP `q` grants: the receiver writes its CTS rows into the FIFO and probes
-/// on QP 0 only, so the other QPs grant nothing.
-pub fn send_grant(q: usize) -> Grant {
-    if q == 0 { Grant::Write } else { Grant::Nothing }
+/// on its first live lane, which is QP 0 until that lane's path fails: every QP grants
+/// remote write (and nothing else).
+pub fn send_grant(_q: usize) -> Grant {
+    Grant::Write
 }
 
 /// What the receiver's QP `q` of `nqps` grants: each takes the sender's data, size records,
@@ -476,8 +482,9 @@ struct Prober {
     /// Completions seen so far, and when (and at which count) the current quiet spell began.
     activity: u64,
     quiet: Option<(Duration, u64)>,
-    /// A probe is in flight (at most one).
+    /// A probe is in flight (at most one), and on which lane.
     out: bool,
+    lane: usize,
 }
 
 impl Prober {
@@ -515,7 +522,13 @@ impl Health {
             traffic: Traffic::new(p.nqps),
             fatal: None,
             watchdog: Watchdog::new(p.progress_timeout),
-            prober: Prober { interval: p.probe_interval, activity: 0, quiet: None, out: false },
+            prober: Prober {
+                interval: p.probe_interval,
+                activity: 0,
+                quiet: None,
+                out: false,
+                lane: 0,
+            },
             path: p.path.clone(),
         }
     }
@@ -594,9 +607,20 @@ impl Health {
         };
         io.send(lane, &[probe]).map_err(|e| self.post_failed(e))?;
         self.prober.out = true;
+        self.prober.lane = lane;
         self.prober.quiet = None;
         self.watchdog.posted();
         Ok(true)
+    }
+
+    /// Lane `lane` failed: a probe in flight on it will not complete.
+    fn lane_lost(&mut self, lane: usize) {
+        self.traffic.errors[lane] += 1;
+        self.prober.activity += 1;
+        if self.prober.out && self.prober.lane == lane {
+            self.prober.out = false;
+            self.watchdog.completed(true);
+        }
     }
 
     /// After a poll found the CQ empty at `now`: the watchdog, and a failure from elsewhere
@@ -704,6 +728,8 @@ pub struct SendCore {
     alive: u128,
     /// Chunks to send again on a live lane: their lane failed before they completed.
     resend: VecDeque<(usize, usize)>,
+    /// Where [`Self::live_lane`] looks for the next live lane.
+    spread: usize,
     /// The last isend found no CTS for its slot: the sender waits on the receiver.
     wants_cts: bool,
     /// Posted slots whose completions have not all arrived (kept, not scanned for, because
@@ -733,6 +759,7 @@ impl SendCore {
             chunk_lane: vec![0; SLOTS * p.nqps],
             alive: u128::MAX >> (MAX_CHUNKS - p.nqps),
             resend: VecDeque::new(),
+            spread: 0,
             wants_cts: false,
             in_flight: 0,
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
@@ -748,10 +775,22 @@ impl SendCore {
         self.warnings.pop_front()
     }
 
-    /// Lane `q` if it lives, else the next live lane after it.
-    fn live_lane(&self, q: usize) -> usize {
+    /// The first live lane: the one for probes and optional receives.
+    fn control_lane(&self) -> usize {
+        (self.alive.trailing_zeros() as usize).min(self.p.nqps - 1)
+    }
+
+    /// Lane `q` if it lives; else a live lane, taken in turn, so that the chunks of dead
+    /// lanes spread evenly over the live ones.
+    fn live_lane(&mut self, q: usize) -> usize {
+        if self.alive & (1 << q) != 0 {
+            return q;
+        }
         let n = self.p.nqps;
-        (0..n).map(|k| (q + k) % n).find(|&l| self.alive & (1 << l) != 0).unwrap_or(q)
+        let next = (0..n).map(|k| (self.spread + k) % n).find(|&l| self.alive & (1 << l) != 0);
+        let l = next.unwrap_or(q);
+        self.spread = l + 1;
+        l
     }
 
     pub fn check(&self) -> Result<()> {
@@ -858,18 +897,19 @@ impl SendCore {
         data + 2
     }
 
-    /// Whether every chunk of the slot fits the send queue of the lane that would carry it.
+    /// Whether every chunk of the slot fits the send queue of its lane, and of every live lane
+    /// (which may carry it instead).
     fn fits(&self, slot: usize, bufs: &[Option<Buf>], optional: bool) -> bool {
-        let (split, n, first) = if optional {
-            (false, 1, self.live_lane(0))
+        let (split, n) = if optional {
+            (false, 1)
         } else {
-            let l = lanes(self.p.split, self.p.nqps, slot);
-            (self.p.split, l.len(), l.start)
+            (self.p.split, lanes(self.p.split, self.p.nqps, slot).len())
         };
-        (0..n).all(|c| {
-            let q = if optional { first } else { self.live_lane(first + c) };
-            self.sq[q].fits(self.wrs_for(bufs, split, c))
-        })
+        let most = (0..n).map(|c| self.wrs_for(bufs, split, c)).max().unwrap_or(0);
+        let live = (0..self.p.nqps).filter(|&q| self.alive & (1 << q) != 0);
+        // Once lanes failed a live lane may take several chunks of the slot: all of them.
+        let per_lane = if self.alive.count_ones() as usize == self.p.nqps { most } else { most * n as u64 };
+        live.into_iter().all(|q| self.sq[q].fits(per_lane))
     }
 
     /// Posts the slot's chunks: chunk `c` of a split message (or the whole message, chunk 0)
@@ -897,7 +937,7 @@ impl SendCore {
         }
         let lanes = if optional { 0..1 } else { lanes(self.p.split, self.p.nqps, slot) };
         for c in 0..lanes.len() {
-            let q = if optional { self.live_lane(0) } else { self.live_lane(lanes.start + c) };
+            let q = if optional { self.control_lane() } else { self.live_lane(lanes.start + c) };
             self.post_chunk(Some(fifo as &dyn Words), stage, io, slot, c, q)?;
         }
         self.slots[slot].pending = u128::MAX >> (MAX_CHUNKS - lanes.len());
@@ -1067,12 +1107,7 @@ impl SendCore {
             return false;
         }
         self.alive &= !bit;
-        self.health.traffic.errors[lane] += 1;
-        self.health.prober.activity += 1;
-        if wr_kind(c.wr_id) == WR_PROBE {
-            self.health.prober.out = false;
-            self.health.watchdog.completed(true);
-        }
+        self.health.lane_lost(lane);
         let nqps = self.p.nqps;
         let mut chunks = 0;
         for slot in 0..SLOTS {
@@ -1157,7 +1192,7 @@ impl SendCore {
         // Waiting on the peer: for a CTS, for completions, or with a row half matched.
         let half = self.slots[(self.head % SLOTS as u64) as usize].matched != 0;
         let waiting = self.wants_cts || self.in_flight > 0 || half;
-        let lane = self.live_lane(0);
+        let lane = self.control_lane();
         if self.sq[lane].fits(0)
             && self.health.probe(now, waiting, io, (lane, self.remote_sizes))?
         {
@@ -1226,8 +1261,11 @@ pub struct RecvCore {
     /// The highest `idx` the sender is known to have consumed: its receive completed (the
     /// ack word tells the same of optional rows).
     consumed: u64,
-    /// The CTS queue pair's send queue, counted exactly.
-    sq: SqCount,
+    /// Each lane's send queue, counted exactly (only the control lane, the first live one,
+    /// carries CTS rows and probes).
+    sq: Vec<SqCount>,
+    /// The lanes whose path still answers our CTS writes and probes.
+    alive: u128,
     /// Where batches are built before posting.
     chain: Box<[SendWr; MAX_CHAIN]>,
     /// Receive WQEs posted on each lane and not yet used.
@@ -1304,7 +1342,8 @@ impl RecvCore {
             optional_idx: 0,
             advertised: 0,
             consumed: 0,
-            sq: SqCount::new(RECV_SEND_QUEUE),
+            sq: (0..p.nqps).map(|_| SqCount::new(RECV_SEND_QUEUE)).collect(),
+            alive: u128::MAX >> (MAX_CHUNKS - p.nqps),
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
             pool: vec![0; p.nqps],
             health,
@@ -1391,10 +1430,44 @@ impl RecvCore {
         Ok(Some(slot))
     }
 
-    /// Posts receive WQEs until every lane holds [`RECV_POOL`].
+    /// The first live lane: the one for CTS rows and probes.
+    fn control_lane(&self) -> usize {
+        (self.alive.trailing_zeros() as usize).min(self.p.nqps - 1)
+    }
+
+    /// A failed completion on lane `lane`: `true` if it is the lane's failure (our CTS write or
+    /// probe found the path dead while another lane lives), or work of a lane that already
+    /// failed (its flushed receive WQEs). Then nothing fails: the rows the sender may not have
+    /// seen go again, on the next live lane.
+    fn lane_failed(&mut self, lane: usize, c: &Completion, sizes: &impl Words) -> bool {
+        let bit = 1u128 << lane;
+        if self.alive & bit == 0 {
+            return true;
+        }
+        let ours = matches!(wr_kind(c.wr_id), WR_CTS | WR_PROBE);
+        if !ours || c.status != 12 || self.alive & !bit == 0 || self.health.fatal.is_some() {
+            return false;
+        }
+        self.alive &= !bit;
+        // The signaled CTS writes in flight on the lane will not complete now (a probe among
+        // them is the prober's).
+        let probe = usize::from(self.health.prober.out && self.health.prober.lane == lane);
+        for _ in 0..self.sq[lane].signaled.len().saturating_sub(probe) {
+            self.health.watchdog.completed(true);
+        }
+        self.sq[lane].signaled.clear();
+        self.health.lane_lost(lane);
+        // Every row the sender may not have consumed is written again (the same bytes: the
+        // sender takes a row by its idx, once).
+        self.advertised = self.advertised.min(self.known_consumed(sizes));
+        true
+    }
+
+    /// Posts receive WQEs until every live lane holds [`recv_pool`].
     fn refill(&mut self, io: &mut impl Post) -> Result<()> {
+        let want = recv_pool(self.p.nqps);
         for (q, n) in self.pool.iter_mut().enumerate() {
-            while *n < RECV_POOL {
+            while self.alive & (1 << q) != 0 && *n < want {
                 io.recv(q, wr_id(WR_RECV, q, 0)).map_err(|e| self.health.post_failed(e))?;
                 *n += 1;
             }
@@ -1428,10 +1501,11 @@ impl RecvCore {
                 return Ok(());
             }
             let rows = staged.min(BATCH) as usize;
+            let lane = self.control_lane();
             let first = (self.advertised % SLOTS as u64) as usize;
             let remote = |w: usize| self.remote_fifo.0 + (w * 8) as u64;
             let write = |w: usize, entries: usize| SendWr {
-                wr_id: wr_id(WR_CTS, 0, 0),
+                wr_id: wr_id(WR_CTS, lane, 0),
                 op: Op::Write,
                 signaled: false,
                 local: Some((stage.addr(w), (entries * ENTRY) as u32, stage.lkey())),
@@ -1457,13 +1531,13 @@ impl RecvCore {
                 }
             }
             let n = len as u64;
-            if !self.sq.fits(n) {
+            if !self.sq[lane].fits(n) {
                 return Ok(());
             }
-            let signaled = self.sq.signal_due(n);
+            let signaled = self.sq[lane].signal_due(n);
             wrs[len - 1].signaled = signaled;
-            io.send(0, &wrs[..len]).map_err(|e| self.health.post_failed(e))?;
-            self.sq.posted(n, signaled);
+            io.send(lane, &wrs[..len]).map_err(|e| self.health.post_failed(e))?;
+            self.sq[lane].posted(n, signaled);
             if signaled {
                 self.health.watchdog.posted();
             }
@@ -1510,8 +1584,12 @@ impl RecvCore {
     /// Takes in one completion; `sizes` are the size records the sender writes.
     pub fn complete(&mut self, c: &Completion, sizes: &impl Words) {
         let kind = wr_kind(c.wr_id);
+        let lane = wr_lane(c.wr_id) % self.p.nqps.max(1);
+        if c.status != 0 && kind != WR_FLUSH && self.lane_failed(lane, c, sizes) {
+            return;
+        }
         if c.status == 0 && (kind == WR_CTS || kind == WR_PROBE) {
-            self.sq.completed();
+            self.sq[lane].completed();
         }
         if !self.health.completion(c) {
             return;
@@ -1593,11 +1671,15 @@ impl RecvCore {
         sizes: &impl Words,
     ) -> Result<()> {
         if self.health.fatal.is_none() {
+            if self.waiting > 0 {
+                self.refill(io)?;
+            }
             self.advertise(stage, sizes, io, LOW_AT_POLL)?;
         }
         let waiting = self.waiting > 0 || self.awaits_acks(sizes);
-        if self.health.probe(now, waiting, io, (0, self.remote_fifo))? {
-            self.sq.posted(1, true);
+        let lane = self.control_lane();
+        if self.sq[lane].fits(0) && self.health.probe(now, waiting, io, (lane, self.remote_fifo))? {
+            self.sq[lane].posted(1, true);
         }
         self.health.idle(now, elsewhere)
     }

@@ -162,11 +162,12 @@ struct Wire {
     /// Deliver every write-with-immediate a second time on another lane; how many were.
     duplicates: bool,
     dups: u64,
-    /// Per sender QP: its path drops everything from now on (`Some(landed)`: the next work
-    /// request still lands, but its ACK is lost), and whether the QP has failed (retries
-    /// exhausted: it flushes everything after).
+    /// Per lane: its path drops everything from now on, both ways (`Some(landed)`: the
+    /// sender's next work request still lands, but its ACK is lost), and per side and QP
+    /// whether the QP has failed (retries exhausted: it flushes everything after, its posted
+    /// receives included).
     black_hole: Vec<Option<bool>>,
-    failed: Vec<bool>,
+    failed: [Vec<bool>; 2],
 }
 
 impl Wire {
@@ -189,7 +190,7 @@ impl Wire {
             duplicates: false,
             dups: 0,
             black_hole: vec![None; nqps + 1],
-            failed: vec![false; nqps + 1],
+            failed: [vec![false; nqps + 1], vec![false; nqps + 1]],
         }
     }
 
@@ -199,10 +200,16 @@ impl Wire {
         self.black_hole[q] = Some(landed);
     }
 
-    /// Every lane of the sender failed: the comm must fail.
+    /// Every lane's path is dead: the comm must fail.
     fn all_lanes_failed(&self) -> bool {
-        let n = self.failed.len() - 1;
-        self.failed[..n].iter().all(|&f| f)
+        let n = self.black_hole.len() - 1;
+        self.black_hole[..n].iter().all(Option::is_some)
+    }
+
+    /// How many of `side`'s lanes failed.
+    fn lanes_failed(&self, side: usize) -> usize {
+        let n = self.failed[side].len() - 1;
+        self.failed[side][..n].iter().filter(|&&f| f).count()
     }
 
     /// Checks the CTS entries `bytes` that land at `addr` in the sender's FIFO: every head
@@ -215,20 +222,25 @@ impl Wire {
                 u64::from_le_bytes(entry[i * 8..i * 8 + 8].try_into().unwrap())
             });
             let cts = Cts::decode(w);
+            // Once the receiver lost a lane it writes the rows the sender may not have seen
+            // again, on the next: the same rows, in their slots.
+            let again = self.failed[1].contains(&true) && cts.idx <= self.rows_landed;
             if word < SLOTS * ENTRY_WORDS {
-                assert_eq!(cts.idx, self.rows_landed + 1, "rows land once, in order");
                 assert_eq!(word, entry_word((cts.idx as usize - 1) % SLOTS, 0), "row's slot");
-                self.rows_landed += 1;
+                if !again {
+                    assert_eq!(cts.idx, self.rows_landed + 1, "rows land once, in order");
+                    self.rows_landed += 1;
+                }
             } else {
-                assert!(cts.idx > self.rows_landed, "an entry lands before its row's head");
+                assert!(again || cts.idx > self.rows_landed, "an entry lands before its head");
             }
         }
     }
 
     /// Executes the head work request of `side`'s QP `q`.
     fn step(&mut self, mem: &Mem, side: usize, q: usize) {
-        if side == 0 && (self.failed[q] || self.black_hole[q].is_some()) {
-            return self.fail_head(mem, q);
+        if self.failed[side][q] || self.black_hole[q].is_some() {
+            return self.fail_head(mem, side, q);
         }
         self.step_ok(mem, side, q)
     }
@@ -291,27 +303,29 @@ impl Wire {
         }
     }
 
-    /// The sender's black-holed QP `q`: its head fails with retries exhausted (having landed,
-    /// if so asked), then it flushes everything.
-    fn fail_head(&mut self, mem: &Mem, q: usize) {
-        if self.failed[q] {
-            while let Some(Queued { wr, .. }) = self.sq[0][q].pop_front() {
-                let c = Completion { wr_id: wr.wr_id, status: 5, ..Default::default() };
-                self.cq[0].push_back(c);
+    /// `side`'s QP `q` on a black-holed path: its head fails with retries exhausted (having
+    /// landed, for the sender, if so asked), then it flushes everything, its posted receives
+    /// included.
+    fn fail_head(&mut self, mem: &Mem, side: usize, q: usize) {
+        if self.failed[side][q] {
+            let flushed = self.sq[side][q].drain(..).map(|Queued { wr, .. }| wr.wr_id);
+            let flushed: Vec<u64> = flushed.chain(self.rq[side][q].drain(..)).collect();
+            for wr_id in flushed {
+                self.cq[side].push_back(Completion { wr_id, status: 5, ..Default::default() });
             }
             return;
         }
-        let Some(&Queued { wr, .. }) = self.sq[0][q].front() else { return };
-        if self.black_hole[q] == Some(true) {
+        let Some(&Queued { wr, .. }) = self.sq[side][q].front() else { return };
+        if side == 0 && self.black_hole[q] == Some(true) && !self.failed[1][q] {
             // It lands (data, immediate), but its ACK is lost: the sender's retries run out.
             self.sq[0][q].front_mut().expect("checked").wr.signaled = false;
             self.step_ok(mem, 0, q);
         } else {
-            self.sq[0][q].pop_front();
+            self.sq[side][q].pop_front();
         }
-        self.cq[0].push_back(Completion { wr_id: wr.wr_id, status: 12, ..Default::default() });
-        self.failed[q] = true;
-        self.fail_head(mem, q);
+        self.cq[side].push_back(Completion { wr_id: wr.wr_id, status: 12, ..Default::default() });
+        self.failed[side][q] = true;
+        self.fail_head(mem, side, q);
     }
 
     /// The link dies: the head of every send queue fails (retry exceeded), everything behind it
@@ -398,7 +412,7 @@ impl Post for Io<'_> {
         if w.posts_fail {
             return Err(Error::verbs("ibv_post_recv", libc::ENOMEM, "sim"));
         }
-        if w.broken {
+        if w.broken || w.failed[self.side][qp] {
             w.cq[self.side].push_back(Completion { wr_id, status: 5, ..Default::default() });
         } else {
             w.rq[self.side][qp].push_back(wr_id);
@@ -411,7 +425,7 @@ impl Io<'_> {
     fn send_ok(&mut self, qp: usize, wrs: &[SendWr]) {
         let mut w = self.wire.borrow_mut();
         for wr in wrs {
-            if w.broken || self.side == 0 && w.failed[qp] {
+            if w.broken || w.failed[self.side][qp] {
                 // A QP in the error state flushes whatever is posted to it.
                 let c = Completion { wr_id: wr.wr_id, status: 5, ..Default::default() };
                 w.cq[self.side].push_back(c);
@@ -617,7 +631,8 @@ fn drive(run: &Run, seed: u64) -> Outcome {
             rsizes.load(ACK_WORD),
             sender.head
         );
-        assert!(receiver.sq.used() < RECV_SEND_QUEUE as u64, "CTS send queue overcounted");
+        let sq = receiver.sq.iter().map(SqCount::used).max().unwrap_or(0);
+        assert!(sq < RECV_SEND_QUEUE as u64, "CTS send queue overcounted");
         if run.break_at == Some(steps) {
             wire.borrow_mut().break_all();
         }
@@ -703,8 +718,8 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                         next_recv = n; // NCCL stops posting on a failed comm
                         continue;
                     }
-                    Err(e) if wire.borrow().lying => {
-                        assert!(matches!(e, Error::Remote(_)), "a lie is the peer's: {e}");
+                    Err(e) if wire.borrow().lying || wire.borrow().all_lanes_failed() => {
+                        assert!(matches!(e, Error::Remote(_)), "the peer's or the path's: {e}");
                         next_recv = n;
                         continue;
                     }
@@ -868,7 +883,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         let seen: u64 =
             run.groups.iter().zip(&run.optional).filter(|(_, o)| !**o).map(|(g, _)| size(g)).sum();
         let (st, rt) = (sender.traffic(), receiver.traffic());
-        let killed = run.kills.len();
+        let killed = wire.borrow().lanes_failed(0);
         assert_eq!(lane_warnings, killed, "one warning per failed lane");
         let sent_bytes = st.bytes.iter().sum::<u64>();
         // Chunks of a failed lane are sent again: the sender counts them twice.
@@ -876,7 +891,8 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         assert_eq!(st.messages, items, "sender stats");
         assert_eq!((rt.messages, rt.bytes.iter().sum::<u64>()), (items, seen), "receiver stats");
         assert_eq!(st.errors.iter().sum::<u64>(), killed as u64, "sender errors: failed lanes");
-        assert!(rt.errors.iter().all(|&e| e == 0));
+        let rkilled = wire.borrow().lanes_failed(1) as u64;
+        assert_eq!(rt.errors.iter().sum::<u64>(), rkilled, "receiver errors: failed lanes");
         if !run.optional.contains(&true) && killed == 0 {
             assert_eq!(st.bytes, rt.bytes, "both ends count the same bytes per QP");
         }
@@ -958,11 +974,12 @@ fn the_fifo_and_every_sequence_wrap_over_a_hundred_thousand_messages() {
     assert!(o.batches < n as u64, "{} batches for {n} rows: rows are not batched", o.batches);
 }
 
-/// A sender lane whose path dies (1 to all but one of its lanes, never lane 0, which also
-/// carries the receiver's CTS rows; at random points, the failing request landed or not) no
-/// longer fails the comm: its chunks in flight go again on the live lanes, every request
-/// completes once with its bytes, chunks that landed twice count once, and each failed lane
-/// gives one warning and one error in the statistics.
+/// A lane whose path dies (1 to all but one of its lanes, lane 0 too, whose path also carries
+/// the receiver's CTS rows; at random points, the sender's failing request landed or not) no
+/// longer fails the comm: the sender's chunks in flight go again on the live lanes, the
+/// receiver's rows go again on its next live lane, every request completes once with its
+/// bytes, chunks that landed twice count once, and each failed lane gives one warning and one
+/// error in the statistics.
 #[test]
 fn a_failed_lane_moves_its_chunks_to_the_live_lanes() {
     let mut rng = Rng(0x1a7e_f0e5);
@@ -970,8 +987,8 @@ fn a_failed_lane_moves_its_chunks_to_the_live_lanes() {
         let mut run =
             random_run(&mut rng, miri_or(150, 40), [0, 100, 4096, CAP][seed as usize % 4]);
         run.nqps = 2 + rng.below(7) as usize;
-        let mut lanes: Vec<usize> = (1..run.nqps).collect();
-        let dead = 1 + rng.below(lanes.len() as u64) as usize;
+        let mut lanes: Vec<usize> = (0..run.nqps).collect();
+        let dead = 1 + rng.below(lanes.len() as u64 - 1) as usize;
         for _ in 0..dead {
             let lane = lanes.swap_remove(rng.below(lanes.len() as u64) as usize);
             run.kills.push((50 + rng.below(miri_or(4000, 300)), lane, rng.below(2) == 0));
@@ -980,6 +997,24 @@ fn a_failed_lane_moves_its_chunks_to_the_live_lanes() {
         let n = run.groups.len();
         assert_eq!((o.recvs_done, o.sends_done), (n, n), "seed {seed}: {:?}", run.kills);
     }
+}
+
+/// Every lane's path dies: the comm fails with a remote error, on both ends, and nothing hangs
+/// (the random programs end only once every request completed or failed).
+#[test]
+fn every_lane_dead_fails_the_comm() {
+    let mut rng = Rng(0x0a11_dead);
+    let mut failed = 0;
+    for seed in 0..miri_or(40u64, 2) {
+        let mut run = random_run(&mut rng, miri_or(150, 40), 4096);
+        run.nqps = 1 + rng.below(4) as usize;
+        for lane in 0..run.nqps {
+            run.kills.push((50 + rng.below(miri_or(2000, 300)), lane, rng.below(2) == 0));
+        }
+        let o = drive(&run, seed + 3);
+        failed += o.errors[0] + o.errors[1];
+    }
+    assert!(failed > 0, "no run had work outstanding when its last lane died");
 }
 
 /// When the CTS rows go out: at once while the sender holds at most two rows it has not
@@ -1074,17 +1109,16 @@ fn a_size_beyond_the_posted_one_fails_the_receiver() {
     assert!(failed > 0, "no run had a receive outstanding when the sender began to lie");
 }
 
-/// Least privilege, by role: only the sender's QP 0 takes the receiver's writes (CTS rows and
-/// probes), every receiver QP takes the sender's writes, and only the loopback flush QP allows
-/// a read. The simulated network checks that each operation meets its grant; this checks that
+/// Least privilege, by role: every QP takes the peer's writes (the sender's take the
+/// receiver's CTS rows and probes, on whichever lane lives), and only the loopback flush QP
+/// allows a read. The simulated network checks that each operation meets its grant; this checks that
 /// no QP grants more.
 #[test]
 fn each_queue_pair_grants_only_what_its_role_needs() {
     for nqps in 1..=8 {
         let send: Vec<Grant> = (0..nqps).map(send_grant).collect();
         let recv: Vec<Grant> = (0..=nqps).map(|q| recv_grant(q, nqps)).collect();
-        let mut want_send = vec![Grant::Nothing; nqps];
-        want_send[0] = Grant::Write;
+        let want_send = vec![Grant::Write; nqps];
         let mut want_recv = vec![Grant::Write; nqps];
         want_recv.push(Grant::Read);
         assert_eq!((send, recv), (want_send, want_recv), "{nqps} QPs");
