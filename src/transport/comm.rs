@@ -490,7 +490,7 @@ impl RecvComm {
     pub fn irecv(&mut self, bufs: &[(Buf, i32)], optional: bool) -> Result<Option<usize>> {
         // With optional receives outstanding, a later irecv may be NCCL's only call on this
         // comm for a while: it polls first, so that a dead sender surfaces here.
-        let polled = self.core.awaits_acks(&self.sizes);
+        let polled = self.core.needs_poll(&self.sizes);
         if polled {
             self.progress()?;
         }
@@ -528,7 +528,7 @@ impl RecvComm {
     /// Receive request `id` (`< SLOTS`) or flush request (`FLUSH_BASE..`): `Some(n)` once
     /// done, with the `n` received sizes in `sizes`.
     pub fn test(&mut self, id: usize, sizes: &mut [u64; MAX_RECVS]) -> Result<Option<usize>> {
-        if self.core.pending(id) || self.core.awaits_acks(&self.sizes) {
+        if self.core.pending(id) || self.core.needs_poll(&self.sizes) {
             self.progress()?;
         }
         self.core.test(id, sizes)

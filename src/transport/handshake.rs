@@ -329,7 +329,7 @@ mod tests {
             Msg::decode(&b, Kind::Hello, n).unwrap_err()
         };
         assert!(matches!(bad(0, 0), Reject::Magic(_)));
-        assert_eq!(bad(8, 2), Reject::Version(2));
+        assert_eq!(bad(8, 1), Reject::Version(1), "a version-1 peer (the old CTS layout)");
         assert_eq!(bad(12, 2), Reject::Kind(2));
         assert!(matches!(bad(16, 200), Reject::Length(l) if l as usize != MSG_LEN));
         assert_eq!(bad(24, 0), Reject::Nonce);

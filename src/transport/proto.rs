@@ -1357,6 +1357,14 @@ impl RecvCore {
         self.known_consumed(sizes) < self.optional_idx
     }
 
+    /// Whether the comm should poll before its next call: optional receives wait on the
+    /// sender's acks, or the CTS queue is half used (its entries are freed only when a poll
+    /// takes a signaled completion; a caller whose receives are all optional may never poll
+    /// otherwise, and its next rows would wait for room that never comes).
+    pub fn needs_poll(&self, sizes: &impl Words) -> bool {
+        self.awaits_acks(sizes) || self.sq.used() >= CTS_SIGNAL_EVERY
+    }
+
     /// The highest row the sender is known to have consumed: the ack word (the sender writes
     /// it for some optional rows only), or a later receive that completed (the sender consumes
     /// rows in order).

@@ -23,6 +23,8 @@
 //!   (`>= low`): `cts_rows_go_out_in_batches_before_the_sender_runs_out`;
 //! - no CTS write ever signaled, no room check on the CTS send queue, optional rows never
 //!   acked, or always acked: `optional_receives_flow_with_batched_acks_and_a_bounded_cts_queue`;
+//! - no poll asked for when the CTS queue is half used (found by the VM's gpudirect test):
+//!   `one_message_at_a_time_never_stalls_the_cts_rows`;
 //! - a chunk known by the lane it arrived on instead of its immediate:
 //!   `a_chunk_delivered_twice_is_counted_once`;
 //! - no check of the slot's use in the immediate:
@@ -1555,4 +1557,44 @@ fn flushes_take_any_free_slot() {
     let again = receiver.iflush(&mut rio, target, (SCRATCH, 17)).unwrap();
     assert_eq!(again, ids[5], "the freed slot is taken");
     receiver.iflush(&mut rio, target, (SCRATCH, 17)).unwrap_err();
+}
+
+/// One message at a time, each side driven as `comm` drives it (a receiver that polls only
+/// when a call of its own needs it): normal receives, then optional ones, whose tests never
+/// poll. The CTS queue's entries are freed only by polls, so the receiver must poll before it
+/// runs out of them, or its next row waits for room while the caller waits in isend.
+#[test]
+fn one_message_at_a_time_never_stalls_the_cts_rows() {
+    let pair = Pair::new(64 << 10);
+    let params = Params { max_inline: 512, ..one_qp(Path::default()) };
+    let mut sender = SendCore::new(params.clone(), (RECV_SIZES, 16));
+    let mut receiver = RecvCore::new(params, (FIFO, 13));
+    let (mut sio, mut rio) = (pair.io(0), pair.io(1));
+    let (fifo, sstage) = (pair.area(FIFO, 13), pair.area(SEND_STAGE, 14));
+    let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
+    let progress = |r: &mut RecvCore, rio: &mut Io| {
+        poll(&pair.wire, 1, |c| r.complete(c, &rsizes));
+        r.idle(Duration::ZERO, None, rio, &rstage, &rsizes).unwrap();
+    };
+    for k in 0..300usize {
+        let optional = k >= 100;
+        let size = (k % 70) as u64;
+        let b = Buf { addr: RECV_DATA, size, lkey: 12, rkey: 12, host: true };
+        if receiver.needs_poll(&rsizes) {
+            progress(&mut receiver, &mut rio);
+        }
+        let rid = receiver.irecv(&rstage, &rsizes, &mut rio, &[(b, 5)], optional).unwrap();
+        let rid = rid.unwrap_or_else(|| panic!("irecv {k}"));
+        pair.drain(1, 0);
+        let sb = Buf { addr: SEND_DATA, size, lkey: 11, rkey: 11, host: true };
+        let sid = sender.isend(&fifo, &sstage, &mut sio, sb, 5).unwrap();
+        assert!(sid.is_some(), "message {k}: the sender found no row");
+        pair.drain(0, 0);
+        poll(&pair.wire, 0, |c| sender.complete(c));
+        assert!(sender.test(sid.unwrap()).unwrap().is_some(), "send {k}");
+        if receiver.pending(rid) || receiver.needs_poll(&rsizes) {
+            progress(&mut receiver, &mut rio);
+        }
+        assert!(receiver.test(rid, &mut [0; MAX_RECVS]).unwrap().is_some(), "recv {k}");
+    }
 }
