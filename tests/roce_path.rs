@@ -284,6 +284,85 @@ fn send_into_total_loss() -> (Duration, String, Vec<String>) {
     (took, err, warns)
 }
 
+/// One lane's path black-holed mid-run, as a bad switch port or ECMP member does: a tc u32
+/// filter drops every packet leaving vethA with that lane's UDP source port. With 4 lanes, in
+/// both split modes, for lane 0 (whose path also carries the receiver's CTS rows, through the
+/// sender's ACKs) and another: every message arrives intact, one WARN names the lane and its
+/// port, and the live lanes carry on.
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn a_dead_lane_fails_over_to_the_live_ones() {
+    require_vm();
+    let _g = serial();
+    for (split, lane) in [("1", 2), ("0", 0), ("1", 0), ("0", 3)] {
+        set_env(&[
+            ("NCCL_IB_QPS_PER_CONNECTION", Some("4")),
+            ("NCCL_IB_SPLIT_DATA_ON_QPS", Some(split)),
+            ("NCCL_IB_TIMEOUT", Some("16")),
+            ("NCCL_IB_RETRY_CNT", Some("3")),
+        ]);
+        let r = failover_run(lane);
+        let _ = Command::new("tc").args(["qdisc", "del", "dev", "vethA", "root"]).status();
+        set_env(&[
+            ("NCCL_IB_QPS_PER_CONNECTION", None),
+            ("NCCL_IB_SPLIT_DATA_ON_QPS", None),
+            ("NCCL_IB_TIMEOUT", None),
+            ("NCCL_IB_RETRY_CNT", None),
+        ]);
+        let (port, took, warns) = r.unwrap_or_else(|e| panic!("split {split}, lane {lane}: {e}"));
+        eprintln!(
+            "split {split}: lane {lane} (sport {port}) dropped after 12 messages; 48 messages \
+             verified; the first message after the drop took {took:?}\n  {warns:#?}"
+        );
+        let lane_warns: Vec<&String> = warns.iter().filter(|w| w.contains("lane ")).collect();
+        assert_eq!(lane_warns.len(), 1, "one WARN for the failed lane: {warns:#?}");
+        let w = lane_warns[0];
+        for needle in [format!("lane {lane} "), format!("UDP source port {port}"), "ECMP".into()] {
+            assert!(w.contains(&needle), "the WARN should name {needle}: {w}");
+        }
+    }
+}
+
+/// Connects rxe0 -> rxe1 with 4 lanes, sends 12 verified messages of mixed sizes, black-holes
+/// `lane`'s source port on vethA, and sends 36 more: the lane's port, how long the first
+/// message after the drop took, and the WARNs.
+fn failover_run(lane: usize) -> Result<(u16, Duration, Vec<String>), String> {
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12)?;
+    let ctx = drv.init(1)?;
+    take_captured();
+    let (send, recv) = pair(&drv, ctx, 1, 0)?;
+    let info: Vec<String> = take_captured().into_iter().filter(|l| l.0 == 3).map(|l| l.2).collect();
+    let port = logged_ports(&info)[lane];
+    let sizes = [4096, 65536, 1 << 20, 300_000];
+    let mut took = Duration::ZERO;
+    for i in 0..48 {
+        if i == 12 {
+            run("tc", &["qdisc", "add", "dev", "vethA", "root", "handle", "1:", "prio"]);
+            let p = port.to_string();
+            run(
+                "tc",
+                &[
+                    "filter", "add", "dev", "vethA", "parent", "1:", "protocol", "ip", "prio", "1",
+                    "u32", "match", "ip", "protocol", "17", "0xff", "match", "ip", "sport", &p,
+                    "0xffff", "action", "drop",
+                ],
+            );
+        }
+        let t = Instant::now();
+        transfer(&drv, send, recv, sizes[i % sizes.len()], i as u8)
+            .map_err(|e| format!("message {i}: {e}"))?;
+        if i == 12 {
+            took = t.elapsed();
+        }
+    }
+    let warns = warnings();
+    drv.close(Close::Send, send)?;
+    drv.close(Close::Recv, recv)?;
+    drv.finalize(ctx)?;
+    Ok((port, took, warns))
+}
+
 /// Waits (bounded) for a sysfs condition.
 fn wait_for(what: &str, secs: u64, mut ok: impl FnMut() -> bool) {
     let t = Instant::now();

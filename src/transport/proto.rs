@@ -908,7 +908,8 @@ impl SendCore {
         let most = (0..n).map(|c| self.wrs_for(bufs, split, c)).max().unwrap_or(0);
         let live = (0..self.p.nqps).filter(|&q| self.alive & (1 << q) != 0);
         // Once lanes failed a live lane may take several chunks of the slot: all of them.
-        let per_lane = if self.alive.count_ones() as usize == self.p.nqps { most } else { most * n as u64 };
+        let per_lane =
+            if self.alive.count_ones() as usize == self.p.nqps { most } else { most * n as u64 };
         live.into_iter().all(|q| self.sq[q].fits(per_lane))
     }
 
@@ -1362,7 +1363,7 @@ impl RecvCore {
     /// takes a signaled completion; a caller whose receives are all optional may never poll
     /// otherwise, and its next rows would wait for room that never comes).
     pub fn needs_poll(&self, sizes: &impl Words) -> bool {
-        self.awaits_acks(sizes) || self.sq.used() >= CTS_SIGNAL_EVERY
+        self.awaits_acks(sizes) || self.sq[self.control_lane()].used() >= CTS_SIGNAL_EVERY
     }
 
     /// The highest row the sender is known to have consumed: the ack word (the sender writes

@@ -25,6 +25,9 @@
 //!   acked, or always acked: `optional_receives_flow_with_batched_acks_and_a_bounded_cts_queue`;
 //! - no poll asked for when the CTS queue is half used (found by the VM's gpudirect test):
 //!   `one_message_at_a_time_never_stalls_the_cts_rows`;
+//! - a sender lane that never fails over, a receiver lane that never fails over, or rows not
+//!   written again after the receiver's lane failed: `a_failed_lane_moves_its_chunks_to_the_live_lanes`
+//!   and `every_lane_dead_fails_the_comm`.
 //! - a chunk known by the lane it arrived on instead of its immediate:
 //!   `a_chunk_delivered_twice_is_counted_once`;
 //! - no check of the slot's use in the immediate:
