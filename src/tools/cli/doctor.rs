@@ -881,7 +881,9 @@ fn local_selftest(
 
 /// Sends [`SELFTEST_MSGS`] messages from `send` to `recv`, up to [`SELFTEST_DEPTH`] in flight
 /// as NCCL keeps several (receives posted first): the seconds taken, and whether the data
-/// arrived intact.
+/// arrived intact. One thread drives both comms as NCCL's proxy does: each pass posts what it
+/// can, then tests; a send whose receive's CTS row is not out yet waits while the receiving
+/// comm is tested (ferroce writes CTS rows in batches when the receiver is progressed).
 fn send_messages(drv: &Driver, send: Ptr, recv: Ptr) -> Result<(f64, bool), String> {
     let mut src: Vec<u8> = (0..SELFTEST_MSG).map(|i| (i % 251) as u8).collect();
     let mut dst = vec![0u8; SELFTEST_MSG];
@@ -891,21 +893,33 @@ fn send_messages(drv: &Driver, send: Ptr, recv: Ptr) -> Result<(f64, bool), Stri
     let deadline = t0 + SELFTEST_LIMIT;
     let (mut posted, mut done) = (0, 0);
     let mut flight = std::collections::VecDeque::new();
+    // A receive posted whose send the plugin has not taken yet.
+    let mut unsent = None;
     while done < SELFTEST_MSGS {
         if Instant::now() > deadline {
             return Err(format!(
                 "self-test: {done} of {SELFTEST_MSGS} messages within {SELFTEST_LIMIT:?}"
             ));
         }
-        if posted < SELFTEST_MSGS && flight.len() < SELFTEST_DEPTH {
-            let r = until("irecv", SELFTEST_LIMIT, || {
+        if unsent.is_none() && posted < SELFTEST_MSGS && flight.len() < SELFTEST_DEPTH {
+            unsent = Some(until("irecv", SELFTEST_LIMIT, || {
                 drv.irecv(recv, &[dst.as_mut_ptr()], &[SELFTEST_MSG], &[0], &[rmh], false)
-            })?;
-            let s = until("isend", SELFTEST_LIMIT, || {
-                drv.isend(send, src.as_mut_ptr(), SELFTEST_MSG, 0, smh)
-            })?;
-            flight.push_back((Some(s), Some(r)));
-            posted += 1;
+            })?);
+        }
+        if let Some(r) = unsent {
+            match drv.isend(send, src.as_mut_ptr(), SELFTEST_MSG, 0, smh)? {
+                Some(s) => {
+                    flight.push_back((Some(s), Some(r)));
+                    posted += 1;
+                    unsent = None;
+                }
+                // Its row is not out yet: progress the receiving comm (the receive cannot be
+                // complete before its send).
+                None if drv.test(r)?.is_some() => {
+                    return Err("self-test: a receive completed before its send".into());
+                }
+                None => {}
+            }
         }
         if let Some((s, r)) = flight.front_mut() {
             for q in [s, r] {
