@@ -1030,11 +1030,8 @@ fn every_lane_dead_fails_the_comm() {
 fn cts_rows_go_out_in_batches_before_the_sender_runs_out() {
     let pair = Pair::new(64 << 10);
     let params = one_qp(Path::default());
-    let mut sender = SendCore::new(params.clone(), (RECV_SIZES, 16));
-    let mut receiver = RecvCore::new(params, (FIFO, 13));
-    let (mut sio, mut rio) = (pair.io(0), pair.io(1));
-    let (fifo, sstage) = (pair.area(FIFO, 13), pair.area(SEND_STAGE, 14));
-    let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
+    let Ends { mut sender, mut receiver, mut sio, mut rio, fifo, sstage, rstage, rsizes } =
+        pair.ends(params);
     let buf = |k: usize| Buf {
         addr: RECV_DATA + 64 * k as u64,
         size: 64,
@@ -1380,6 +1377,18 @@ fn a_quiet_wait_probes_the_peer_and_only_a_dead_peer_fails() {
     assert!(e.contains("liveness probe") && e.contains("peer"), "{e}");
 }
 
+/// A [`Pair`]'s two cores, their posts and their areas.
+struct Ends<'a> {
+    sender: SendCore,
+    receiver: RecvCore,
+    sio: Io<'a>,
+    rio: Io<'a>,
+    fifo: Area<'a>,
+    sstage: Area<'a>,
+    rstage: Area<'a>,
+    rsizes: Area<'a>,
+}
+
 /// Both ends of a one-QP connection over the simulated wire, with their registered memory.
 struct Pair {
     mem: Mem,
@@ -1400,6 +1409,20 @@ impl Pair {
         Io { wire: &self.wire, mem: &self.mem, side, depth }
     }
 
+    /// Both ends' cores over this pair's wire, with the areas each reads and writes.
+    fn ends(&self, params: Params) -> Ends<'_> {
+        Ends {
+            sender: SendCore::new(params.clone(), (RECV_SIZES, 16)),
+            receiver: RecvCore::new(params, (FIFO, 13)),
+            sio: self.io(0),
+            rio: self.io(1),
+            fifo: self.area(FIFO, 13),
+            sstage: self.area(SEND_STAGE, 14),
+            rstage: self.area(RECV_STAGE, 15),
+            rsizes: self.area(RECV_SIZES, 16),
+        }
+    }
+
     /// Executes everything queued on `side`'s QP `q`.
     fn drain(&self, side: usize, q: usize) {
         while !self.wire.borrow().sq[side][q].is_empty() {
@@ -1416,11 +1439,8 @@ impl Pair {
 fn optional_receives_flow_with_batched_acks_and_a_bounded_cts_queue() {
     let pair = Pair::new(64 << 10);
     let params = Params { max_inline: 512, ..one_qp(Path::default()) };
-    let mut sender = SendCore::new(params.clone(), (RECV_SIZES, 16));
-    let mut receiver = RecvCore::new(params, (FIFO, 13));
-    let (mut sio, mut rio) = (pair.io(0), pair.io(1));
-    let (fifo, sstage) = (pair.area(FIFO, 13), pair.area(SEND_STAGE, 14));
-    let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
+    let Ends { mut sender, mut receiver, mut sio, mut rio, fifo, sstage, rstage, rsizes } =
+        pair.ends(params);
     let n = 600;
     let (mut posted, mut sent, mut got) = (VecDeque::new(), VecDeque::new(), 0);
     let (mut next_recv, mut next_send) = (0usize, 0usize);
@@ -1570,11 +1590,8 @@ fn flushes_take_any_free_slot() {
 fn one_message_at_a_time_never_stalls_the_cts_rows() {
     let pair = Pair::new(64 << 10);
     let params = Params { max_inline: 512, ..one_qp(Path::default()) };
-    let mut sender = SendCore::new(params.clone(), (RECV_SIZES, 16));
-    let mut receiver = RecvCore::new(params, (FIFO, 13));
-    let (mut sio, mut rio) = (pair.io(0), pair.io(1));
-    let (fifo, sstage) = (pair.area(FIFO, 13), pair.area(SEND_STAGE, 14));
-    let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
+    let Ends { mut sender, mut receiver, mut sio, mut rio, fifo, sstage, rstage, rsizes } =
+        pair.ends(params);
     let progress = |r: &mut RecvCore, rio: &mut Io| {
         poll(&pair.wire, 1, |c| r.complete(c, &rsizes));
         r.idle(Duration::ZERO, None, rio, &rstage, &rsizes).unwrap();
