@@ -317,11 +317,20 @@ fn a_dead_lane_fails_over_to_the_live_ones() {
              {:?})\n  {warns:#?}",
             ferroce::config::retry_bound(17, 4)
         );
-        let lane_warns: Vec<&String> = warns.iter().filter(|w| w.contains("lane ")).collect();
-        assert_eq!(lane_warns.len(), 1, "one WARN for the failed lane: {warns:#?}");
-        let w = lane_warns[0];
-        for needle in [format!("lane {lane} "), format!("UDP source port {port}"), "ECMP".into()] {
-            assert!(w.contains(&needle), "the WARN should name {needle}: {w}");
+        // One WARN from the sender; one from the receiver too where the dead lane carried its
+        // CTS rows (lane 0: the sender's ACKs of them share that lane's path).
+        let of = |end: &str| -> Vec<&String> {
+            warns.iter().filter(|w| w.contains("lane ") && w.contains(end)).collect()
+        };
+        let (sent, got) = (of("of the send comm"), of("of the receive comm"));
+        assert_eq!(sent.len(), 1, "one sender WARN for the failed lane: {warns:#?}");
+        assert_eq!(got.len(), usize::from(lane == 0), "receiver WARNs: {warns:#?}");
+        for w in sent.iter().chain(&got) {
+            for needle in
+                [format!("lane {lane} "), format!("UDP source port {port}"), "ECMP".into()]
+            {
+                assert!(w.contains(&needle), "the WARN should name {needle}: {w}");
+            }
         }
     }
 }

@@ -521,6 +521,9 @@ impl RecvComm {
         let mut io = Qps { qps: &self.qps, flush: None };
         let dev = &self.net.devices[self.dev];
         let r = progress(&self.cq, dev, &self.watch, &mut side, &mut io);
+        while let Some(w) = self.core.take_warning() {
+            log::warn!("{w}");
+        }
         self.life.tick("receive comm from", self.core.traffic(), &self.path, dev);
         r
     }

@@ -392,6 +392,20 @@ fn hint(status: u32) -> &'static str {
     }
 }
 
+/// The WARN for lane `lane` of `what` (the send comm to ..., the receive comm from ...), whose
+/// path failed with completion `c`; `then` says what moves where.
+fn lane_warning(path: &Path, what: &str, lane: usize, c: &Completion, then: &str) -> String {
+    let sport = path.sports.get(lane).map_or(String::new(), |p| format!(" (UDP source port {p})"));
+    format!(
+        "lane {lane}{sport} of {what} failed: {} (status {}) on {}; {then}, and the comm goes \
+         on. Check the link or ECMP member on that path: a switch port, cable or hash bucket \
+         that drops this source port",
+        status_name(c.status),
+        c.status,
+        path.describe
+    )
+}
+
 /// Where a comm's traffic goes, for error messages and statistics.
 #[derive(Clone, Debug, Default)]
 pub struct Path {
@@ -1120,23 +1134,10 @@ impl SendCore {
                 }
             }
         }
-        let sport = self
-            .p
-            .path
-            .sports
-            .get(lane)
-            .map_or(String::new(), |p| format!(" (UDP source port {p})"));
         let live = (0..nqps).filter(|&q| self.alive & (1 << q) != 0).count();
-        self.warnings.push_back(format!(
-            "lane {lane}{sport} of the send comm to {} failed: {} (status {}) on {}; its {chunks} \
-             chunk(s) in flight go again on the {live} lane(s) left, and the comm goes on. Check \
-             the link or ECMP member on that path: a switch port, cable or hash bucket that drops \
-             this source port",
-            self.p.path.peer,
-            status_name(c.status),
-            c.status,
-            self.p.path.describe
-        ));
+        let what = format!("the send comm to {}", self.p.path.peer);
+        let then = format!("its {chunks} chunk(s) in flight go again on the {live} lane(s) left");
+        self.warnings.push_back(lane_warning(&self.p.path, &what, lane, c, &then));
         true
     }
 
@@ -1271,6 +1272,8 @@ pub struct RecvCore {
     chain: Box<[SendWr; MAX_CHAIN]>,
     /// Receive WQEs posted on each lane and not yet used.
     pool: Vec<usize>,
+    /// Warnings for the log not yet taken: each lane that failed.
+    warnings: VecDeque<String>,
     health: Health,
 }
 
@@ -1347,6 +1350,7 @@ impl RecvCore {
             alive: u128::MAX >> (MAX_CHUNKS - p.nqps),
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
             pool: vec![0; p.nqps],
+            warnings: VecDeque::new(),
             health,
             p,
         }
@@ -1469,7 +1473,15 @@ impl RecvCore {
         // Every row the sender may not have consumed is written again (the same bytes: the
         // sender takes a row by its idx, once).
         self.advertised = self.advertised.min(self.known_consumed(sizes));
+        let what = format!("the receive comm from {}", self.p.path.peer);
+        let then = format!("its CTS rows and probes move to lane {}", self.control_lane());
+        self.warnings.push_back(lane_warning(&self.p.path, &what, lane, c, &then));
         true
+    }
+
+    /// A warning for the log: each lane whose path failed our CTS rows or probes.
+    pub fn take_warning(&mut self) -> Option<String> {
+        self.warnings.pop_front()
     }
 
     /// Posts receive WQEs until every live lane holds [`recv_pool`].

@@ -620,6 +620,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
     let mut idle = 0u64;
     let mut warnings = 0;
     let mut lane_warnings = 0;
+    let mut recv_lane_warnings = 0;
     // A fake clock for the cores' idle checks (and so their liveness probes).
     let mut now = Duration::ZERO;
     let done = |o: &Outcome| o.recvs_done == n && o.sends_done == n;
@@ -656,6 +657,10 @@ fn drive(run: &Run, seed: u64) -> Outcome {
             } else {
                 warnings += 1;
             }
+        }
+        while let Some(w) = receiver.take_warning() {
+            assert!(w.starts_with("lane ") && w.contains("CTS rows"), "{w}");
+            recv_lane_warnings += 1;
         }
         // A lie fails the receiving comm: once NCCL has seen every receive fail or complete,
         // it gives up on the connection (the sender, still healthy, is closed with it).
@@ -877,6 +882,10 @@ fn drive(run: &Run, seed: u64) -> Outcome {
             }
         }
     }
+    while let Some(w) = receiver.take_warning() {
+        assert!(w.starts_with("lane ") && w.contains("CTS rows"), "{w}");
+        recv_lane_warnings += 1;
+    }
     // Every request was seen complete exactly once (the counters would have gone past n
     // otherwise, and tests of freed requests are errors), and nothing is left queued.
     if !wire.borrow().failing() {
@@ -897,6 +906,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         assert_eq!((rt.messages, rt.bytes.iter().sum::<u64>()), (items, seen), "receiver stats");
         assert_eq!(st.errors.iter().sum::<u64>(), killed as u64, "sender errors: failed lanes");
         let rkilled = wire.borrow().lanes_failed(1) as u64;
+        assert_eq!(recv_lane_warnings, rkilled, "one receiver warning per failed lane");
         assert_eq!(rt.errors.iter().sum::<u64>(), rkilled, "receiver errors: failed lanes");
         if !run.optional.contains(&true) && killed == 0 {
             assert_eq!(st.bytes, rt.bytes, "both ends count the same bytes per QP");
