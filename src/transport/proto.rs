@@ -392,6 +392,16 @@ fn hint(status: u32) -> &'static str {
     }
 }
 
+/// The bits of `n` lanes (or chunks): the first `n`.
+fn lanes_mask(n: usize) -> u128 {
+    u128::MAX >> (MAX_CHUNKS - n)
+}
+
+/// The first lane set in `alive`, of `n` (the last, if none is).
+fn first_live(alive: u128, n: usize) -> usize {
+    (alive.trailing_zeros() as usize).min(n - 1)
+}
+
 /// The WARN for lane `lane` of `what` (the send comm to ..., the receive comm from ...), whose
 /// path failed with completion `c`; `then` says what moves where.
 fn lane_warning(path: &Path, what: &str, lane: usize, c: &Completion, then: &str) -> String {
@@ -771,7 +781,7 @@ impl SendCore {
             remote_sizes,
             sq: (0..p.nqps).map(|_| SqCount::new(SEND_QUEUE)).collect(),
             chunk_lane: vec![0; SLOTS * p.nqps],
-            alive: u128::MAX >> (MAX_CHUNKS - p.nqps),
+            alive: lanes_mask(p.nqps),
             resend: VecDeque::new(),
             spread: 0,
             wants_cts: false,
@@ -791,7 +801,7 @@ impl SendCore {
 
     /// The first live lane: the one for probes and optional receives.
     fn control_lane(&self) -> usize {
-        (self.alive.trailing_zeros() as usize).min(self.p.nqps - 1)
+        first_live(self.alive, self.p.nqps)
     }
 
     /// Lane `q` if it lives; else a live lane, taken in turn, so that the chunks of dead
@@ -955,7 +965,7 @@ impl SendCore {
             let q = if optional { self.control_lane() } else { self.live_lane(lanes.start + c) };
             self.post_chunk(Some(fifo as &dyn Words), stage, io, slot, c, q)?;
         }
-        self.slots[slot].pending = u128::MAX >> (MAX_CHUNKS - lanes.len());
+        self.slots[slot].pending = lanes_mask(lanes.len());
         self.in_flight += 1;
         self.health.watchdog.posted();
         Ok(())
@@ -1347,7 +1357,7 @@ impl RecvCore {
             advertised: 0,
             consumed: 0,
             sq: (0..p.nqps).map(|_| SqCount::new(RECV_SEND_QUEUE)).collect(),
-            alive: u128::MAX >> (MAX_CHUNKS - p.nqps),
+            alive: lanes_mask(p.nqps),
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
             pool: vec![0; p.nqps],
             warnings: VecDeque::new(),
@@ -1433,7 +1443,7 @@ impl RecvCore {
             let (ack_for, sizes) = (idx, posted);
             RecvSlot { state: State::Pending, n, posted, ack_for, idx, want: 0, got: 0, sizes }
         } else {
-            let want = u128::MAX >> (MAX_CHUNKS - lanes(self.p.split, self.p.nqps, slot).len());
+            let want = lanes_mask(lanes(self.p.split, self.p.nqps, slot).len());
             self.waiting += 1;
             let sizes = [0; MAX_RECVS];
             RecvSlot { state: State::Pending, n, posted, ack_for: 0, idx, want, got: 0, sizes }
@@ -1445,7 +1455,7 @@ impl RecvCore {
 
     /// The first live lane: the one for CTS rows and probes.
     fn control_lane(&self) -> usize {
-        (self.alive.trailing_zeros() as usize).min(self.p.nqps - 1)
+        first_live(self.alive, self.p.nqps)
     }
 
     /// A failed completion on lane `lane`: `true` if it is the lane's failure (our CTS write or
