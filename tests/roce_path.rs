@@ -285,7 +285,7 @@ fn send_into_total_loss() -> (Duration, String, Vec<String>) {
 }
 
 /// One lane's path black-holed mid-run, as a bad switch port or ECMP member does: a tc u32
-/// filter drops every packet leaving vethA with that lane's UDP source port. With 4 lanes, in
+/// filter drops every packet arriving at vethB with that lane's UDP source port. With 4 lanes, in
 /// both split modes, for lane 0 (whose path also carries the receiver's CTS rows, through the
 /// sender's ACKs) and another: every message arrives intact, one WARN names the lane and its
 /// port, and the live lanes carry on.
@@ -303,7 +303,7 @@ fn a_dead_lane_fails_over_to_the_live_ones() {
             ("NCCL_IB_RETRY_CNT", Some("4")),
         ]);
         let r = failover_run(lane);
-        let _ = Command::new("tc").args(["qdisc", "del", "dev", "vethA", "root"]).status();
+        let _ = Command::new("tc").args(["qdisc", "del", "dev", "vethB", "clsact"]).status();
         set_env(&[
             ("NCCL_IB_QPS_PER_CONNECTION", None),
             ("NCCL_IB_SPLIT_DATA_ON_QPS", None),
@@ -391,12 +391,17 @@ fn failover_run(lane: usize) -> Result<(u16, Duration, Vec<String>), String> {
     let mut took = Duration::ZERO;
     for i in 0..48 {
         if i == 12 {
-            run("tc", &["qdisc", "add", "dev", "vethA", "root", "handle", "1:", "prio"]);
+            // The packets vanish where they arrive, on vethB's ingress, as in a fabric that
+            // black-holes them. A drop on vethA's egress is no black hole: under a clsact hook
+            // rxe sees a failed send and resends at once, forever, spending no retries; under a
+            // root qdisc vethA is no longer `noqueue`, another CPU may dequeue a QP's packets
+            // into its own backlog, and the reordering costs retries on the healthy lanes too.
+            run("tc", &["qdisc", "add", "dev", "vethB", "clsact"]);
             let p = port.to_string();
             run(
                 "tc",
                 &[
-                    "filter", "add", "dev", "vethA", "parent", "1:", "protocol", "ip", "prio", "1",
+                    "filter", "add", "dev", "vethB", "ingress", "protocol", "ip", "prio", "1",
                     "u32", "match", "ip", "protocol", "17", "0xff", "match", "ip", "sport", &p,
                     "0xffff", "action", "drop",
                 ],
