@@ -50,6 +50,7 @@ knobs! {
     "FERROCE_STATS_INTERVAL_S", "0", "every this many seconds each comm logs its statistics line at INFO (also logged at close); 0: only at close";
     "NCCL_IB_QPS_PER_CONNECTION", "1", "queue pairs per connection (1..=128), each with its own UDP source port";
     "NCCL_IB_SPLIT_DATA_ON_QPS", "0", "1: split every message across the QPs; 0: whole messages round-robin";
+    "FERROCE_PATH_AWARE", "1", "1: place work by each QP's measured path (a whole message on the cheaper of two QPs, split chunks sized by path rate); 0: strict rotation and equal chunks";
     "FERROCE_SPORT_BASE", "49152", "first RoCEv2 UDP source port (49152..=65535)";
     "FERROCE_SPORT_RANGE", "65536 - base", "number of source ports used from the base (at most 16384)";
     "FERROCE_SPORT_SPREAD", "1", "1: the connections of a process to one peer get disjoint port blocks (each direction its own half of the range); 0: every connection uses base+i";
@@ -117,6 +118,7 @@ pub struct Config {
     pub stats_interval: Option<Duration>,
     pub qps_per_conn: usize,
     pub split_data: bool,
+    pub path_aware: bool,
     pub sport_base: u16,
     pub sport_range: u16,
     pub sport_spread: bool,
@@ -334,6 +336,7 @@ impl Config {
         let stats_interval = (stats_s > 0).then(|| Duration::from_secs(stats_s));
         let qps_per_conn = r.int("NCCL_IB_QPS_PER_CONNECTION", 1usize, 1..=128)?;
         let split_data = r.int("NCCL_IB_SPLIT_DATA_ON_QPS", 0u8, 0..=1)? == 1;
+        let path_aware = r.int("FERROCE_PATH_AWARE", 1u8, 0..=1)? == 1;
         let sport_base = r.int("FERROCE_SPORT_BASE", 0xc000u16, 0xc000..=0xffff)?;
         // By default the range runs from the base to the top of the port space.
         let top = (0x1_0000 - u32::from(sport_base)) as u16;
@@ -384,6 +387,7 @@ impl Config {
             stats_interval,
             qps_per_conn,
             split_data,
+            path_aware,
             sport_base,
             sport_range,
             sport_spread,

@@ -151,6 +151,15 @@ pub fn coarse_now() -> std::time::Duration {
     std::time::Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
 }
 
+/// The precise monotonic clock: for path-aware placement, read once per post and per batch
+/// of completions (it may cost microseconds in a VM with no stable TSC).
+pub fn precise_now() -> std::time::Duration {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+    std::time::Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
 /// The soft `RLIMIT_MEMLOCK` in bytes; `None` when unlimited (or unreadable).
 pub fn memlock_limit() -> Option<u64> {
     let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };

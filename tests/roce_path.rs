@@ -104,7 +104,8 @@ fn split_mode_uses_exactly_the_computed_ports_with_equal_shares() {
         );
     }
     // The statistics at close, on both ends: 8 messages of 1 MiB, each QP's port with a
-    // quarter of the bytes and no failed completion, and the device's counters that moved.
+    // quarter of the bytes (the sender's) or 8 chunks (the receiver's) and no failed
+    // completion, and the device's counters that moved.
     for end in ["send comm to", "receive comm from"] {
         let line = info
             .iter()
@@ -113,7 +114,11 @@ fn split_mode_uses_exactly_the_computed_ports_with_equal_shares() {
         eprintln!("  {line}");
         assert!(line.contains("8 messages, 8.0 MiB"), "{line}");
         for port in &want {
-            let qp = format!("sport {port}: 2.0 MiB (25.0%), 0 failed completions");
+            let qp = if end == "send comm to" {
+                format!("sport {port}: 2.0 MiB (25.0%), 0 failed completions, 8 chunks")
+            } else {
+                format!("sport {port}: 0 failed completions, 8 chunks")
+            };
             assert!(line.contains(&qp), "{qp}: {line}");
         }
         assert!(
@@ -778,5 +783,257 @@ fn statistics_are_logged_periodically_for_long_jobs() {
             periodic.last().unwrap().contains(&format!("closed: {n} messages")),
             "{periodic:#?}"
         );
+    }
+}
+
+/// Streams `count` verified messages of `size` bytes from `send` to `recv`, `depth` in flight,
+/// as NCCL's proxy drives a channel: each pass tops up the receives and the sends and tests
+/// the oldest of each. The time it took.
+fn stream(
+    drv: &Driver,
+    (send, recv): (Ptr, Ptr),
+    size: usize,
+    count: usize,
+    depth: usize,
+) -> Result<Duration, String> {
+    let fill = |i: usize| -> Vec<u8> {
+        (0..size).map(|k| (k as u8).wrapping_mul(31).wrapping_add(i as u8)).collect()
+    };
+    let mut src: Vec<Vec<u8>> = vec![vec![0; size]; depth];
+    let mut dst: Vec<Vec<u8>> = vec![vec![0; size]; depth];
+    let smh = (src.iter_mut().map(|b| drv.reg_mr(send, b.as_mut_ptr(), size)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let rmh = (dst.iter_mut().map(|b| drv.reg_mr(recv, b.as_mut_ptr(), size)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let (mut recvs, mut sends) =
+        (std::collections::VecDeque::new(), std::collections::VecDeque::new());
+    let (mut rposted, mut sposted, mut rdone, mut sdone, mut filled) = (0, 0, 0, 0, usize::MAX);
+    let t = Instant::now();
+    until("stream", || {
+        if rposted < count && rposted - rdone < depth {
+            let k = rposted % depth;
+            let p = dst[k].as_mut_ptr();
+            if let Some(r) = drv.irecv(recv, &[p], &[size], &[0], &[rmh[k]], false)? {
+                recvs.push_back(r);
+                rposted += 1;
+            }
+        }
+        if sposted < count && sposted - sdone < depth {
+            let k = sposted % depth;
+            if filled != sposted {
+                src[k].copy_from_slice(&fill(sposted)); // in place: it is registered
+                filled = sposted;
+            }
+            if let Some(s) = drv.isend(send, src[k].as_mut_ptr(), size, 0, smh[k])? {
+                sends.push_back(s);
+                sposted += 1;
+            }
+        }
+        if let Some(&s) = sends.front()
+            && drv.test(s)?.is_some()
+        {
+            sends.pop_front();
+            sdone += 1;
+        }
+        if let Some(&r) = recvs.front()
+            && let Some(got) = drv.test(r)?
+        {
+            if got[0] as usize != size || dst[rdone % depth] != fill(rdone) {
+                return Err(format!("message {rdone}: {} bytes, or its data corrupted", got[0]));
+            }
+            recvs.pop_front();
+            rdone += 1;
+        }
+        Ok((rdone == count && sdone == count).then_some(()))
+    })?;
+    let took = t.elapsed();
+    for m in smh {
+        drv.dereg_mr(send, m)?;
+    }
+    for m in rmh {
+        drv.dereg_mr(recv, m)?;
+    }
+    Ok(took)
+}
+
+/// The sender's share of the bytes per QP, from its statistics line at close.
+fn shares(info: &[String]) -> Vec<f64> {
+    let line = info.iter().find(|l| l.contains("send comm to") && l.contains("closed"));
+    let line = line.unwrap_or_else(|| panic!("no sender statistics line: {info:#?}"));
+    line.split("; QP ")
+        .skip(1)
+        .map(|qp| {
+            let pct = qp.split(" MiB (").nth(1).and_then(|r| r.split('%').next());
+            pct.and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("no share in {qp}"))
+        })
+        .collect()
+}
+
+/// Lane `lane`'s path turns slow: its packets arriving at vethB go through ifb0, whose netem
+/// delays them 5 ms and drops 1%. The other lanes' packets take no queue at all (a queue on
+/// their path would reorder them; see `failover_run`).
+fn slow_path(port: u16) {
+    run("ip", &["link", "add", "ifb0", "type", "ifb"]);
+    run("ip", &["link", "set", "ifb0", "up"]);
+    run("tc", &["qdisc", "add", "dev", "ifb0", "root", "netem", "delay", "5ms", "loss", "1%"]);
+    run("tc", &["qdisc", "add", "dev", "vethB", "clsact"]);
+    let p = port.to_string();
+    run(
+        "tc",
+        &[
+            "filter", "add", "dev", "vethB", "ingress", "protocol", "ip", "prio", "1", "u32",
+            "match", "ip", "protocol", "17", "0xff", "match", "ip", "sport", &p, "0xffff",
+            "action", "mirred", "egress", "redirect", "dev", "ifb0",
+        ],
+    );
+}
+
+fn clear_paths() {
+    let _ = Command::new("tc").args(["qdisc", "del", "dev", "vethB", "clsact"]).status();
+    let _ = Command::new("ip").args(["link", "del", "ifb0"]).status();
+}
+
+/// One streaming run over `lanes` lanes (lane 1's path slowed if `slow`), in split mode or
+/// not, path-aware or not: MiB/s, and the sender's share of the bytes per lane.
+fn slow_run(split: &str, lanes: usize, slow: bool, aware: &str) -> Result<(f64, Vec<f64>), String> {
+    let n = lanes.to_string();
+    set_env(&[
+        ("NCCL_IB_QPS_PER_CONNECTION", Some(&n)),
+        ("NCCL_IB_SPLIT_DATA_ON_QPS", Some(split)),
+        ("FERROCE_PATH_AWARE", Some(aware)),
+        // A lost tail packet waits out one ACK timeout: 0.54 s, not the default 4.3 s.
+        ("NCCL_IB_TIMEOUT", Some("17")),
+    ]);
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12)?;
+    let ctx = drv.init(1)?;
+    take_captured();
+    let comms = pair(&drv, ctx, 1, 0)?;
+    let info: Vec<String> = take_captured().into_iter().filter(|l| l.0 == 3).map(|l| l.2).collect();
+    if slow {
+        slow_path(logged_ports(&info)[1]);
+    }
+    // 8 messages to learn the paths, then 16 timed: 6 MiB in all.
+    let (size, count) = (256 << 10, 16);
+    let took = stream(&drv, comms, size, 8, 4).and_then(|_| stream(&drv, comms, size, count, 4));
+    clear_paths();
+    let took = took?;
+    drv.close(Close::Send, comms.0)?;
+    drv.close(Close::Recv, comms.1)?;
+    drv.finalize(ctx)?;
+    let info: Vec<String> = take_captured().into_iter().filter(|l| l.0 == 3).map(|l| l.2).collect();
+    let mibs = (size * count) as f64 / f64::from(1 << 20) / took.as_secs_f64();
+    Ok((mibs, shares(&info)))
+}
+
+/// A slow path (5 ms and 1% loss on lane 1's source port). In whole-message mode, path-aware:
+/// the healthy lanes carry at least 80% of the bytes and, once the paths are learnt (8
+/// messages), the median of 3 runs keeps at least 0.9x the bandwidth of the median of 3
+/// clean 3-lane runs; with `FERROCE_PATH_AWARE=0` the slow lane keeps its quarter (the
+/// comparison). In split mode every message is verified and the numbers are printed: there
+/// the lanes' rates do not tell the slow path apart reliably yet (see the README). 78 MiB.
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn a_slow_path_loses_its_work_to_the_healthy_ones() {
+    require_vm();
+    let _g = serial();
+    for split in ["0", "1"] {
+        // Clean and slowed runs alternate, 3 of each (a run under emulation varies by a third
+        // from one to the next); the medians are compared.
+        let runs = (|| {
+            let (mut clean, mut aware) = (Vec::new(), Vec::new());
+            for _ in 0..3 {
+                clean.push(slow_run(split, 3, false, "1")?);
+                aware.push(slow_run(split, 4, true, "1")?);
+            }
+            clean.sort_by(|a, b| a.0.total_cmp(&b.0));
+            aware.sort_by(|a, b| a.0.total_cmp(&b.0));
+            eprintln!("split {split}: clean {clean:.1?}\n  path-aware {aware:.1?}");
+            let rotating = slow_run(split, 4, true, "0")?;
+            Ok::<_, String>((clean.swap_remove(1), aware.swap_remove(1), rotating))
+        })();
+        clear_paths();
+        set_env(&[
+            ("NCCL_IB_QPS_PER_CONNECTION", None),
+            ("NCCL_IB_SPLIT_DATA_ON_QPS", None),
+            ("FERROCE_PATH_AWARE", None),
+            ("NCCL_IB_TIMEOUT", None),
+        ]);
+        let (clean, aware, rotating) = runs.unwrap_or_else(|e| panic!("split {split}: {e}"));
+        eprintln!(
+            "split {split}: clean 3 lanes {:.1} MiB/s (median); lane 1 slowed: path-aware {:.1} \
+             MiB/s (median), shares {:?}; rotating {:.1} MiB/s, shares {:?}",
+            clean.0, aware.0, aware.1, rotating.0, rotating.1
+        );
+        assert!(rotating.1[1] >= 20.0, "split {split}: rotation gave lane 1 {:.1}%", rotating.1[1]);
+        if split == "1" {
+            continue;
+        }
+        assert!(aware.1[1] <= 20.0, "split {split}: the slow lane kept {:.1}%", aware.1[1]);
+        assert!(
+            aware.0 >= 0.9 * clean.0,
+            "split {split}: {:.1} MiB/s against {:.1} clean",
+            aware.0,
+            clean.0
+        );
+    }
+}
+
+/// Every path dies mid-run (the drop matches every RoCE packet arriving at vethB): the comm
+/// fails with ncclRemoteError (6) on the sender within the liveness bound; nothing hangs.
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn every_path_dead_fails_the_comm_within_the_bound() {
+    require_vm();
+    let _g = serial();
+    for split in ["0", "1"] {
+        set_env(&[
+            ("NCCL_IB_QPS_PER_CONNECTION", Some("4")),
+            ("NCCL_IB_SPLIT_DATA_ON_QPS", Some(split)),
+            ("NCCL_IB_TIMEOUT", Some("17")),
+            ("NCCL_IB_RETRY_CNT", Some("4")),
+        ]);
+        let r = (|| {
+            let lib = open_plugin();
+            let drv = Driver::new(&lib, 12)?;
+            let ctx = drv.init(1)?;
+            let comms = pair(&drv, ctx, 1, 0)?;
+            stream(&drv, comms, 256 << 10, 4, 4)?;
+            run("tc", &["qdisc", "add", "dev", "vethB", "clsact"]);
+            run(
+                "tc",
+                &[
+                    "filter", "add", "dev", "vethB", "ingress", "protocol", "ip", "prio", "1",
+                    "u32", "match", "ip", "protocol", "17", "0xff", "match", "ip", "dport", "4791",
+                    "0xffff", "action", "drop",
+                ],
+            );
+            let t = Instant::now();
+            let e = match stream(&drv, comms, 256 << 10, 8, 4) {
+                Ok(_) => return Err("the run completed with every path dead".into()),
+                Err(e) => e,
+            };
+            let took = t.elapsed();
+            let _ = drv.close(Close::Send, comms.0);
+            let _ = drv.close(Close::Recv, comms.1);
+            drv.finalize(ctx)?;
+            Ok::<_, String>((e, took, warnings()))
+        })();
+        clear_paths();
+        set_env(&[
+            ("NCCL_IB_QPS_PER_CONNECTION", None),
+            ("NCCL_IB_SPLIT_DATA_ON_QPS", None),
+            ("NCCL_IB_TIMEOUT", None),
+            ("NCCL_IB_RETRY_CNT", None),
+        ]);
+        let (e, took, warns) = r.unwrap_or_else(|e| panic!("split {split}: {e}"));
+        let bound = ferroce::config::retry_bound(17, 4);
+        eprintln!(
+            "split {split}: failed after {took:?} (retry bound {bound:?}): {e}\n  {warns:#?}"
+        );
+        assert!(e.contains("ncclResult 6"), "split {split}: not a remote error: {e}");
+        // Each lane runs out on its own bound; lanes with work fail together, an idle one on
+        // the first work moved to it: at most one bound per lane, and a margin.
+        assert!(took < 4 * bound + Duration::from_secs(5), "split {split}: took {took:?}");
     }
 }

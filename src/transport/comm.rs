@@ -115,10 +115,15 @@ impl Post for Qps<'_> {
     fn recv(&mut self, qp: usize, wr_id: u64) -> Result<()> {
         self.qp(qp)?.post_recv(wr_id)
     }
+    fn now(&self) -> Duration {
+        crate::os::precise_now()
+    }
 }
 
 /// One end's core, as the progress loop feeds it.
 trait Drain {
+    /// Completions were polled: the time, for placement, where it wants one.
+    fn polled(&mut self) {}
     fn take(&mut self, c: &Completion);
     fn idle(&mut self, now: Duration, elsewhere: Option<Fault>, io: &mut Qps) -> Result<()>;
 }
@@ -131,6 +136,11 @@ struct SendDrain<'a> {
 }
 
 impl Drain for SendDrain<'_> {
+    fn polled(&mut self) {
+        if self.core.needs_clock() {
+            self.core.stamp(crate::os::precise_now());
+        }
+    }
     fn take(&mut self, c: &Completion) {
         self.core.complete(c)
     }
@@ -173,6 +183,9 @@ fn progress(
             Ok(n) => (n, None),
             Err(e) => (0, Some(Fault::Local(format!("{e}; the connection is unusable")))),
         };
+        if n > 0 {
+            side.polled();
+        }
         for c in &wcs[..n] {
             side.take(c);
         }
@@ -258,6 +271,7 @@ fn params(net: &Net, qps: &[Qp], split: bool, max_msg: u64, path: &Path) -> Para
         progress_timeout: net.config.progress_timeout,
         probe_interval: net.config.probe_interval,
         mark: super::proto::MARK_BYTES,
+        path_aware: net.config.path_aware,
         path: path.clone(),
     }
 }

@@ -57,6 +57,8 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::wr::{Completion, MAX_CHAIN, Op, SendWr, status_name};
 
+mod place;
+
 /// Outstanding (multi-)receives per comm: NCCL's `NCCL_NET_MAX_REQUESTS`.
 pub const SLOTS: usize = 32;
 /// Buffers one `irecv` may group (`maxRecvs`).
@@ -241,6 +243,11 @@ pub trait Words {
 pub trait Post {
     fn send(&mut self, qp: usize, wrs: &[SendWr]) -> Result<()>;
     fn recv(&mut self, qp: usize, wr_id: u64) -> Result<()>;
+    /// A precise monotonic clock, read only where placement needs it (see
+    /// [`SendCore::stamp`]); without one, placement sees no time pass.
+    fn now(&self) -> Duration {
+        Duration::ZERO
+    }
 }
 
 /// A local buffer registered for a transfer: its address range, keys, and whether the CPU may
@@ -485,18 +492,38 @@ impl Watchdog {
     }
 }
 
-/// What a comm moved, for its statistics: messages, and per QP the bytes and the failed
-/// completions.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// What a comm moved, for its statistics: messages, bytes, and per QP the chunks, the failed
+/// completions, and (the sender's) bytes posted and the path's measured rate.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Traffic {
     pub messages: u64,
+    /// The sender's bytes posted on each QP (chunks sent again count again); the receiver's
+    /// stay 0: it cannot tell how the sender cut a message.
     pub bytes: Vec<u64>,
+    /// The receiver's bytes delivered (the sender's stay 0).
+    pub delivered: u64,
+    /// Chunks posted on (sender) or arrived on (receiver, counted once) each QP.
+    pub chunks: Vec<u64>,
     pub errors: Vec<u64>,
+    /// The sender's estimate of each QP's path: bytes per second retired while busy.
+    pub rate: Vec<Option<f64>>,
 }
 
 impl Traffic {
     fn new(nqps: usize) -> Traffic {
-        Traffic { messages: 0, bytes: vec![0; nqps], errors: vec![0; nqps] }
+        Traffic {
+            messages: 0,
+            bytes: vec![0; nqps],
+            delivered: 0,
+            chunks: vec![0; nqps],
+            errors: vec![0; nqps],
+            rate: vec![None; nqps],
+        }
+    }
+
+    /// Bytes moved: the sender's posted, or the receiver's delivered.
+    pub fn total(&self) -> u64 {
+        self.bytes.iter().sum::<u64>() + self.delivered
     }
 }
 
@@ -710,6 +737,9 @@ pub struct Params {
     /// The most unsignaled data bytes in a row on a lane ([`MARK_BYTES`]), so that a long
     /// message on a slow link shows progress instead of looking like a dead peer.
     pub mark: u64,
+    /// Place work by the lanes' measured cost (`FERROCE_PATH_AWARE`), else strict rotation
+    /// and equal chunks.
+    pub path_aware: bool,
     pub path: Path,
 }
 
@@ -733,6 +763,8 @@ struct SendSlot {
     nreqs: u8,
     /// Chunks posted whose final completion has not arrived yet.
     pending: u128,
+    /// Its chunks are cut by the weights in `SendCore::weights`, not equally.
+    weighted: bool,
 }
 
 /// The sending end's protocol state.
@@ -754,6 +786,14 @@ pub struct SendCore {
     resend: VecDeque<(usize, usize)>,
     /// Where [`Self::live_lane`] looks for the next live lane.
     spread: usize,
+    /// Per lane: its chunks in flight and measured rate; per slot and chunk, the chunk's
+    /// weight (for weighted slots).
+    lanes: Vec<place::Lane>,
+    weights: Vec<u8>,
+    /// The precise time of the last post or batch of completions (path-aware with several
+    /// lanes only; else never read), and the state of the lane draw.
+    clock: Option<Duration>,
+    draw: u64,
     /// The last isend found no CTS for its slot: the sender waits on the receiver.
     wants_cts: bool,
     /// Posted slots whose completions have not all arrived (kept, not scanned for, because
@@ -784,6 +824,10 @@ impl SendCore {
             alive: lanes_mask(p.nqps),
             resend: VecDeque::new(),
             spread: 0,
+            lanes: (0..p.nqps).map(|_| place::Lane::new()).collect(),
+            weights: vec![place::FULL; SLOTS * p.nqps],
+            clock: None,
+            draw: 0x9e37_79b9_7f4a_7c15,
             wants_cts: false,
             in_flight: 0,
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
@@ -815,6 +859,73 @@ impl SendCore {
         let l = next.unwrap_or(q);
         self.spread = l + 1;
         l
+    }
+
+    /// Whether placement reads the clock: path-aware, with lanes to choose from.
+    pub fn needs_clock(&self) -> bool {
+        self.p.path_aware && self.p.nqps > 1
+    }
+
+    /// The precise time at which the completions about to be taken in were polled.
+    pub fn stamp(&mut self, now: Duration) {
+        self.clock = Some(now);
+    }
+
+    /// The lane for a whole message of `bytes` in slot `slot`: the rotation's (or the next
+    /// live one); path-aware, the cheaper of it and a live lane drawn at random.
+    fn whole_lane(&mut self, slot: usize, bytes: u64) -> usize {
+        let rotation = self.live_lane(slot % self.p.nqps);
+        let live = self.alive.count_ones() as u64;
+        if !self.p.path_aware || live < 2 {
+            return rotation;
+        }
+        // xorshift64: the k-th live lane other than the rotation's.
+        self.draw ^= self.draw << 13;
+        self.draw ^= self.draw >> 7;
+        self.draw ^= self.draw << 17;
+        let k = (self.draw % (live - 1)) as usize;
+        let other = (0..self.p.nqps)
+            .filter(|&q| q != rotation && self.alive & (1 << q) != 0)
+            .nth(k)
+            .unwrap_or(rotation);
+        let now = self.clock.unwrap_or_default();
+        place::choose(&self.lanes, self.alive, now, (rotation, other), bytes)
+    }
+
+    /// The lane for chunk `c` of a split message: its own, unless that lane is dead or its
+    /// weight is none; then a live lane with a weight, taken in turn.
+    fn split_lane(&mut self, slot: usize, c: usize) -> usize {
+        let n = self.p.nqps;
+        let w = &self.weights[slot * n..(slot + 1) * n];
+        if !self.slots[slot].weighted || w[c] > 0 {
+            return self.live_lane(c);
+        }
+        let next = (0..n).map(|k| (self.spread + k) % n).find(|&l| w[l] > 0);
+        let l = next.unwrap_or(c);
+        self.spread = l + 1;
+        self.live_lane(l)
+    }
+
+    /// Decides how slot `slot`'s chunks are cut: path-aware in split mode, by the lanes'
+    /// rates (a dead lane's chunk empty), else equally.
+    fn plan(&mut self, slot: usize, optional: bool) {
+        let n = self.p.nqps;
+        let split = self.p.split && !optional;
+        let w = &mut self.weights[slot * n..(slot + 1) * n];
+        let now = self.clock.unwrap_or_default();
+        self.slots[slot].weighted =
+            split && self.p.path_aware && place::weights(&self.lanes, self.alive, now, w);
+    }
+
+    /// The byte range `(offset, len)` of a `size`-byte buffer that chunk `c` of slot `slot`
+    /// carries.
+    fn part(&self, slot: usize, size: u64, split: bool, c: usize) -> (u64, u64) {
+        let n = self.p.nqps;
+        if split && self.slots[slot].weighted {
+            place::part(size, &self.weights[slot * n..(slot + 1) * n], c)
+        } else {
+            lane_part(size, split, n, c)
+        }
     }
 
     pub fn check(&self) -> Result<()> {
@@ -888,8 +999,12 @@ impl SendCore {
         let last = s.matched.count_ones() as usize + 1 == nreqs;
         let mut bufs = s.bufs;
         bufs[r] = Some(buf);
-        if last && !self.fits(slot, &bufs[..nreqs], nreqs == 1 && row[0].optional) {
-            return Ok(None);
+        let optional = nreqs == 1 && row[0].optional;
+        if last {
+            self.plan(slot, optional);
+            if !self.fits(slot, &bufs[..nreqs], optional) {
+                return Ok(None);
+            }
         }
         let id = slot * MAX_RECVS + r;
         self.reqs[id] = SendReq { state: State::Pending, size: buf.size };
@@ -908,14 +1023,14 @@ impl SendCore {
         Ok(Some(id))
     }
 
-    /// Work requests chunk `c` needs for `bufs` (data pieces, then the size record and the
-    /// immediate, or the ack).
-    fn wrs_for(&self, bufs: &[Option<Buf>], split: bool, c: usize) -> u64 {
+    /// Work requests chunk `c` of slot `slot` needs for `bufs` (data pieces, then the size
+    /// record and the immediate, or the ack).
+    fn wrs_for(&self, slot: usize, bufs: &[Option<Buf>], split: bool, c: usize) -> u64 {
         let data: u64 = bufs
             .iter()
             .map(|b| {
                 let size = b.map_or(0, |b| b.size);
-                lane_part(size, split, self.p.nqps, c).1.div_ceil(self.p.max_msg)
+                self.part(slot, size, split, c).1.div_ceil(self.p.max_msg)
             })
             .sum();
         data + 2
@@ -929,7 +1044,7 @@ impl SendCore {
         } else {
             (self.p.split, lanes(self.p.split, self.p.nqps, slot).len())
         };
-        let most = (0..n).map(|c| self.wrs_for(bufs, split, c)).max().unwrap_or(0);
+        let most = (0..n).map(|c| self.wrs_for(slot, bufs, split, c)).max().unwrap_or(0);
         let live = (0..self.p.nqps).filter(|&q| self.alive & (1 << q) != 0);
         // Once lanes failed a live lane may take several chunks of the slot: all of them.
         let per_lane =
@@ -960,9 +1075,22 @@ impl SendCore {
                 stage.store(slot * MAX_RECVS + r, sz);
             }
         }
+        if self.needs_clock() {
+            self.clock = Some(io.now());
+        }
         let lanes = if optional { 0..1 } else { lanes(self.p.split, self.p.nqps, slot) };
-        for c in 0..lanes.len() {
-            let q = if optional { self.control_lane() } else { self.live_lane(lanes.start + c) };
+        // A split message's chunks go out starting at a different one each time: the NIC
+        // serves a post's lanes in order, and each lane should wait behind the others as
+        // often as the next, or placement would read the order as path speed.
+        let n = lanes.len();
+        for c in (0..n).map(|k| (k + slot) % n) {
+            let q = if optional {
+                self.control_lane()
+            } else if self.p.split {
+                self.split_lane(slot, c)
+            } else {
+                self.whole_lane(slot, sizes.iter().sum())
+            };
             self.post_chunk(Some(fifo as &dyn Words), stage, io, slot, c, q)?;
         }
         self.slots[slot].pending = lanes_mask(lanes.len());
@@ -993,12 +1121,14 @@ impl SendCore {
         let size = if optional { None } else { size_in_imm(&sizes[..nreqs]) };
         let single = size.is_some();
         let id = data_wr_id(WR_SEND, q, slot, c);
+        let parts: [(u64, u64); MAX_RECVS] = std::array::from_fn(|r| {
+            s.bufs[r].map_or((0, 0), |b| self.part(slot, b.size, split, c))
+        });
         let mut chain = Chain::new(q, &mut self.chain, &mut self.sq[q]);
         let mut data = 0;
         let mut unmarked = 0;
-        for (b, cts) in s.bufs.iter().zip(row) {
+        for ((b, cts), &(off, len)) in s.bufs.iter().zip(row).zip(&parts) {
             let Some(b) = b else { continue };
-            let (off, len) = lane_part(b.size, split, nqps, c);
             let mut done = 0;
             while done < len {
                 let n = (len - done).min(max_msg);
@@ -1095,12 +1225,19 @@ impl SendCore {
         }
         chain.flush(io)?;
         self.chunk_lane[slot * nqps + c] = q as u8;
-        self.health.traffic.bytes[q] += data;
+        // Before the first idle poll there is no clock: no sample from this chunk.
+        self.lanes[q].posted(self.clock.unwrap_or(Duration::MAX), data);
+        let t = &mut self.health.traffic;
+        t.bytes[q] += data;
+        t.chunks[q] += 1;
         Ok(())
     }
 
     /// Sends again, on live lanes, the chunks whose lane failed; those that do not fit wait.
     fn resend(&mut self, stage: &impl Words, io: &mut impl Post) -> Result<()> {
+        if !self.resend.is_empty() && self.needs_clock() {
+            self.clock = Some(io.now());
+        }
         while let Some(&(slot, c)) = self.resend.front() {
             if self.slots[slot].pending & (1 << c) == 0 {
                 self.resend.pop_front();
@@ -1109,7 +1246,7 @@ impl SendCore {
             let q = self.live_lane(usize::from(self.chunk_lane[slot * self.p.nqps + c]));
             let s = self.slots[slot];
             let split = self.p.split && !(s.nreqs == 1 && s.row[0].optional);
-            if !self.sq[q].fits(self.wrs_for(&s.bufs[..usize::from(s.nreqs)], split, c)) {
+            if !self.sq[q].fits(self.wrs_for(slot, &s.bufs[..usize::from(s.nreqs)], split, c)) {
                 return Ok(());
             }
             self.post_chunk(None, stage, io, slot, c, q).map_err(|e| self.health.post_failed(e))?;
@@ -1133,6 +1270,7 @@ impl SendCore {
         }
         self.alive &= !bit;
         self.health.lane_lost(lane);
+        self.lanes[lane].failed();
         let nqps = self.p.nqps;
         let mut chunks = 0;
         for slot in 0..SLOTS {
@@ -1169,6 +1307,8 @@ impl SendCore {
             WR_MARK => return self.health.watchdog.completed(false),
             _ => return,
         }
+        // Each chunk ends in one such completion, and a QP completes in order.
+        self.lanes[lane].retired(self.clock.unwrap_or_default());
         let (slot, chunk) = (wr_slot(c.wr_id), wr_chunk(c.wr_id));
         let s = &mut self.slots[slot];
         let bit = 1u128 << chunk;
@@ -1200,6 +1340,9 @@ impl SendCore {
     ) -> Result<()> {
         if self.health.fatal.is_none() {
             self.resend(stage, io)?;
+        }
+        for (q, l) in self.lanes.iter().enumerate() {
+            self.health.traffic.rate[q] = l.rate;
         }
         // Waiting on the peer: for a CTS, for completions, or with a row half matched.
         let half = self.slots[(self.head % SLOTS as u64) as usize].matched != 0;
@@ -1646,6 +1789,11 @@ impl RecvCore {
                 {
                     return;
                 }
+                if s.got & bit == 0
+                    && let Some(n) = self.health.traffic.chunks.get_mut(q)
+                {
+                    *n += 1;
+                }
                 s.got |= bit;
                 if s.got != s.want {
                     return;
@@ -1673,14 +1821,9 @@ impl RecvCore {
                 self.waiting -= 1;
                 s.state = State::Done;
                 self.consumed = self.consumed.max(s.idx);
-                let (split, nqps) = (self.p.split, self.p.nqps);
                 let t = &mut self.health.traffic;
                 t.messages += s.n as u64;
-                for &size in &s.sizes[..s.n] {
-                    for q in lanes(split, nqps, i) {
-                        t.bytes[q] += lane_part(size, split, nqps, q).1;
-                    }
-                }
+                t.delivered += s.sizes[..s.n].iter().sum::<u64>();
             }
             WR_FLUSH => {
                 self.flushes[i] = State::Done;

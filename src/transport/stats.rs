@@ -32,7 +32,7 @@ pub fn line(
     device: &str,
     counters: &[(String, u64)],
 ) -> String {
-    let total: u64 = t.bytes.iter().sum();
+    let total = t.total();
     let secs = life.as_secs_f64();
     let mut s = format!(
         "{what}: {} messages, {:.1} MiB in {secs:.1} s ({:.1} MiB/s)",
@@ -40,15 +40,21 @@ pub fn line(
         mib(total),
         if secs > 0.0 { mib(total) / secs } else { 0.0 }
     );
-    for (q, bytes) in t.bytes.iter().enumerate() {
-        let share = if total > 0 { 100.0 * *bytes as f64 / total as f64 } else { 0.0 };
+    let sent: u64 = t.bytes.iter().sum();
+    for (q, chunks) in t.chunks.iter().enumerate() {
         let port = sports.get(q).copied().unwrap_or(0);
         let errors = t.errors.get(q).copied().unwrap_or(0);
-        let _ = write!(
-            s,
-            "; QP {q} sport {port}: {:.1} MiB ({share:.1}%), {errors} failed completions",
-            mib(*bytes)
-        );
+        let _ = write!(s, "; QP {q} sport {port}: ");
+        // The sender's: bytes and share; the receiver cannot tell how a message was cut.
+        if sent > 0 {
+            let bytes = t.bytes.get(q).copied().unwrap_or(0);
+            let share = 100.0 * bytes as f64 / sent as f64;
+            let _ = write!(s, "{:.1} MiB ({share:.1}%), ", mib(bytes));
+        }
+        let _ = write!(s, "{errors} failed completions, {chunks} chunks");
+        if let Some(Some(rate)) = t.rate.get(q) {
+            let _ = write!(s, ", path {:.1} MiB/s", rate / f64::from(1 << 20));
+        }
     }
     if counters.is_empty() {
         let _ = write!(s, "; {device} hw_counters: none moved (or none exposed)");
@@ -77,7 +83,14 @@ mod tests {
 
     #[test]
     fn the_line_gives_each_qps_port_share_and_errors() {
-        let t = Traffic { messages: 12, bytes: vec![3 << 20, 1 << 20], errors: vec![0, 2] };
+        let t = Traffic {
+            messages: 12,
+            bytes: vec![3 << 20, 1 << 20],
+            chunks: vec![9, 3],
+            errors: vec![0, 2],
+            rate: vec![Some(2.5 * f64::from(1 << 20)), None],
+            ..Traffic::default()
+        };
         let l = line(
             "send comm to 198.18.0.2:4000",
             &t,
@@ -89,9 +102,24 @@ mod tests {
         assert_eq!(
             l,
             "send comm to 198.18.0.2:4000: 12 messages, 4.0 MiB in 2.0 s (2.0 MiB/s); \
-             QP 0 sport 49152: 3.0 MiB (75.0%), 0 failed completions; \
-             QP 1 sport 49153: 1.0 MiB (25.0%), 2 failed completions; \
+             QP 0 sport 49152: 3.0 MiB (75.0%), 0 failed completions, 9 chunks, path 2.5 MiB/s; \
+             QP 1 sport 49153: 1.0 MiB (25.0%), 2 failed completions, 3 chunks; \
              rxe0 hw_counters over this time: rcvd_seq_err +4"
+        );
+        // The receiver's: bytes delivered, and per QP the chunks that arrived on it.
+        let t = Traffic {
+            messages: 2,
+            bytes: vec![0, 0],
+            delivered: 3 << 20,
+            chunks: vec![2, 1],
+            errors: vec![0, 0],
+            rate: vec![None, None],
+        };
+        let l = line("receive comm from x", &t, &[7, 8], Duration::from_secs(1), "rxe1", &[]);
+        assert!(
+            l.contains("2 messages, 3.0 MiB in 1.0 s")
+                && l.contains("QP 0 sport 7: 0 failed completions, 2 chunks; QP 1 sport 8: 0"),
+            "{l}"
         );
         let idle = line("x", &Traffic::default(), &[], Duration::ZERO, "rxe1", &[]);
         assert!(idle.contains("0 messages, 0.0 MiB") && idle.contains("none moved"), "{idle}");

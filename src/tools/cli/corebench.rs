@@ -132,6 +132,7 @@ fn run(n: usize, size: u64, inline: u32, optional: bool, depth: usize) -> Result
         progress_timeout: Duration::from_secs(60),
         probe_interval: Duration::from_secs(60),
         mark: ferroce::transport::proto::MARK_BYTES,
+        path_aware: true,
         path: Path::default(),
     };
     let mut send = SendCore::new(params.clone(), (SIZES, 1));

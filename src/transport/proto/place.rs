@@ -1,0 +1,286 @@
+//! Path-aware placement: what the sender knows of each lane's path, and where it puts work.
+//!
+//! Each lane keeps its outstanding bytes and the chunks in flight, oldest first (a QP
+//! completes its work in order), and a rate: each completed chunk's bytes over the time the
+//! lane spent on it (from its post, or from the lane's previous completion if that came
+//! later), smoothed. A lane whose path is slow (delay, losses and their retransmissions, a
+//! congested spine) takes longer per byte; a lane stalled by a lost tail packet completes
+//! nothing until its retry timer fires, and while its oldest chunk waits longer than the rate
+//! explains, the wait is what counts. The clock is a precise one, read once per post and per
+//! batch of completions (and only with several lanes); chunks are summed into samples of at
+//! least [`MIN_SAMPLE`].
+//!
+//! Whole messages go on the cheaper of two lanes, the rotation's and one drawn at random (the
+//! power of two choices), by the time the lane would take to retire its outstanding bytes and
+//! the message. Both modes give a lane under half the fastest's rate no new work ([`AVOID`]),
+//! until its rate is forgotten and it is tried again. Split mode cuts no finer than that:
+//! lanes that share a NIC complete a split message's chunks in the NIC's own order, which
+//! on Soft-RoCE made healthy lanes differ by up to 0.6x, so a finer weighting would read that
+//! order as path speed. Both leave the rotation and equal chunks alone unless a lane is
+//! clearly worse ([`CHEAPER`], [`AVOID`]), so a clean fabric's noise changes nothing.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+/// Completed chunks are summed into one rate sample until the lane spent this long on them.
+const MIN_SAMPLE: Duration = Duration::from_millis(10);
+/// A lane not yet measured counts as stalled once its oldest chunk waited this long.
+const STALLED: Duration = Duration::from_millis(50);
+/// An idle lane's rate is forgotten this long after its last sample, so that a lane avoided
+/// for a slow path is tried again (one message) once in a while: the path may have healed.
+const FORGET: Duration = Duration::from_secs(10);
+/// Whole-message mode leaves the rotation's lane only for one this much cheaper.
+const CHEAPER: f64 = 0.75;
+/// A lane below this share of the fastest live lane's rate gets no new work at all (until
+/// its rate is forgotten): a path that slow is usually lossy, and its mean rate hides the
+/// tail: a lost last packet stalls the message for a whole ACK timeout.
+const AVOID: f64 = 0.5;
+/// A chunk's weight, in sixteenths of a full one.
+pub const FULL: u8 = 16;
+
+/// What placement knows of one lane.
+#[derive(Clone, Debug, Default)]
+pub struct Lane {
+    /// Bytes posted whose final completion has not arrived.
+    pub out: u64,
+    /// The chunks in flight: when each was posted, and its bytes.
+    queue: VecDeque<(Duration, u64)>,
+    /// When the lane's last chunk completed, and when it last gave a rate sample.
+    last: Duration,
+    sampled: Duration,
+    /// Bytes and time of the chunks completed since the last sample.
+    acc: (u64, Duration),
+    /// Bytes per second, smoothed; `None` until the first sample.
+    pub rate: Option<f64>,
+}
+
+impl Lane {
+    pub fn new() -> Lane {
+        Lane { queue: VecDeque::with_capacity(64), ..Lane::default() }
+    }
+
+    pub fn posted(&mut self, now: Duration, bytes: u64) {
+        self.out += bytes;
+        self.queue.push_back((now, bytes));
+    }
+
+    /// The lane's oldest chunk completed at `now`.
+    pub fn retired(&mut self, now: Duration) {
+        let Some((at, bytes)) = self.queue.pop_front() else { return };
+        self.out = self.out.saturating_sub(bytes);
+        let spent = now.saturating_sub(at.max(self.last));
+        self.last = now;
+        self.acc = (self.acc.0 + bytes, self.acc.1 + spent);
+        if self.acc.1 >= MIN_SAMPLE {
+            let sample = (self.acc.0 as f64 / self.acc.1.as_secs_f64()).max(1.0);
+            self.acc = (0, Duration::ZERO);
+            // Down fast, up slowly: a stall (a lost tail packet waits out an ACK timeout) is
+            // the signal of a lossy path, and its mean rate hides it.
+            let keep = |r: f64| if sample < r { 0.5 } else { 0.75 };
+            self.rate = Some(self.rate.map_or(sample, |r| keep(r) * r + (1.0 - keep(r)) * sample));
+            self.sampled = now;
+        }
+    }
+
+    /// The lane failed: nothing of it is in flight any more.
+    pub fn failed(&mut self) {
+        self.out = 0;
+        self.queue.clear();
+        self.acc = (0, Duration::ZERO);
+    }
+
+    /// The rate to count on at `now`: the measured one, or less while the oldest chunk has
+    /// waited longer than it explains (a stall); `None` if neither is known.
+    pub fn effective(&self, now: Duration) -> Option<f64> {
+        if self.queue.is_empty() && now.saturating_sub(self.sampled) > FORGET {
+            return None;
+        }
+        let waited = self.queue.front().map(|&(at, _)| now.saturating_sub(at.max(self.last)));
+        let stall = waited.filter(|w| !w.is_zero()).map(|w| self.out as f64 / w.as_secs_f64());
+        // Not yet a full sample: what completed so far bounds the rate from below (chunks
+        // that complete within a tick of the coarse clock take no time on it).
+        let partial =
+            (self.acc.0 > 0).then(|| self.acc.0 as f64 / self.acc.1.max(MIN_SAMPLE).as_secs_f64());
+        match (self.rate.or(partial), stall) {
+            (Some(r), Some(s)) => Some(r.min(s)),
+            (None, Some(s)) if waited >= Some(STALLED) => Some(s),
+            (r, _) => r,
+        }
+    }
+}
+
+/// The rate to assume at `now` for each of the `live` lanes: its own where known, else the
+/// best known one (so a lane not yet tried looks worth trying; all 1 when none is known).
+fn rates(lanes: &[Lane], live: impl Iterator<Item = usize>, now: Duration) -> Vec<f64> {
+    let own: Vec<Option<f64>> = lanes.iter().map(|l| l.effective(now)).collect();
+    let best =
+        live.filter_map(|q| own[q]).fold(None, |m: Option<f64>, r| Some(m.map_or(r, |m| m.max(r))));
+    own.iter().map(|r| r.or(best).unwrap_or(1.0)).collect()
+}
+
+/// Whole-message mode: lane `rotation` unless lane `other` would retire its outstanding bytes
+/// and `bytes` more in under [`CHEAPER`] of the time; never a lane to avoid ([`AVOID`]) while
+/// the other is not.
+pub fn choose(
+    lanes: &[Lane],
+    alive: u128,
+    now: Duration,
+    (rotation, other): (usize, usize),
+    bytes: u64,
+) -> usize {
+    let live = (0..lanes.len()).filter(|&q| alive & (1 << q) != 0);
+    let rate = rates(lanes, live.clone(), now);
+    let top = live.map(|q| rate[q]).fold(0.0, f64::max);
+    match (rate[rotation] < AVOID * top, rate[other] < AVOID * top) {
+        (true, false) => return other,
+        (false, true) => return rotation,
+        _ => {}
+    }
+    let cost = |q: usize| (lanes[q].out + bytes) as f64 / rate[q];
+    if cost(other) < CHEAPER * cost(rotation) { other } else { rotation }
+}
+
+/// Split mode: each lane's chunk weight: none for dead lanes and lanes slower than [`AVOID`]
+/// of the fastest, [`FULL`] for the others. `false` if every lane gets a full chunk (the
+/// plain equal split).
+pub fn weights(lanes: &[Lane], alive: u128, now: Duration, w: &mut [u8]) -> bool {
+    let live = (0..lanes.len()).filter(|&q| alive & (1 << q) != 0);
+    let rate = rates(lanes, live.clone(), now);
+    let top = live.map(|q| rate[q]).fold(0.0, f64::max);
+    let mut weighted = false;
+    for (q, w) in w.iter_mut().enumerate().take(lanes.len()) {
+        *w = if alive & (1 << q) == 0 || rate[q] < AVOID * top { 0 } else { FULL };
+        weighted |= *w != FULL;
+    }
+    weighted
+}
+
+/// The byte range `(offset, len)` of a `size`-byte buffer that chunk `c` carries when the
+/// chunks have weights `w`: boundaries at the weights' running sums, 128-byte aligned.
+pub fn part(size: u64, w: &[u8], c: usize) -> (u64, u64) {
+    let total: u64 = w.iter().map(|&x| u64::from(x)).sum();
+    let upto: u64 = w[..c].iter().map(|&x| u64::from(x)).sum();
+    let cut = |k: u64| {
+        if k >= total {
+            size
+        } else {
+            (u128::from(size) * u128::from(k) / u128::from(total)) as u64 / 128 * 128
+        }
+    };
+    let (a, b) = (cut(upto), cut(upto + u64::from(w[c])));
+    (a, b - a)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    fn lane(out: u64, rate: Option<f64>) -> Lane {
+        Lane { out, rate, ..Lane::new() }
+    }
+
+    #[test]
+    fn a_lane_that_takes_longer_per_chunk_measures_slower() {
+        let (mut fast, mut slow) = (Lane::new(), Lane::new());
+        for i in 0..40 {
+            // Four chunks of 1 MB queued on the fast lane retire one per 10 ms; one on the
+            // slow lane takes 40 ms.
+            for k in 1..=4 {
+                fast.posted(ms(40 * i), 1_000_000);
+                fast.retired(ms(40 * i + 10 * k));
+            }
+            slow.posted(ms(40 * i), 1_000_000);
+            slow.retired(ms(40 * i + 40));
+        }
+        let (f, s) = (fast.rate.unwrap(), slow.rate.unwrap());
+        assert!((f - 1e8).abs() < 1e7 && (s - 2.5e7).abs() < 2.5e6, "fast {f}, slow {s}");
+        // Chunks shorter than MIN_SAMPLE (a coarse clock's tick) are summed until it is full.
+        let mut quick = Lane::new();
+        for i in 0..10 {
+            quick.posted(ms(4 * i), 4000);
+            quick.retired(ms(4 * i + 4));
+            if i == 2 {
+                assert_eq!(quick.rate, Some(1e6));
+                break;
+            }
+            assert_eq!(quick.rate, None);
+        }
+    }
+
+    #[test]
+    fn a_stalled_lane_counts_as_slow_while_it_waits() {
+        let mut l = lane(0, Some(1e8));
+        l.posted(ms(1000), 1_000_000);
+        assert_eq!(l.effective(ms(1005)), Some(1e8), "5 ms for 1 MB is within its rate");
+        let e = l.effective(ms(1500)).unwrap();
+        assert!((e - 2e6).abs() < 1.0, "half a second for 1 MB: {e}");
+        // An idle lane's rate is forgotten after FORGET: it gets tried again.
+        let mut idle = lane(0, Some(1e6));
+        idle.sampled = ms(1000);
+        assert_eq!(idle.effective(ms(1000) + FORGET), Some(1e6));
+        assert_eq!(idle.effective(ms(1001) + FORGET), None);
+        let mut new = Lane::new();
+        new.posted(ms(0), 1_000_000);
+        assert_eq!(new.effective(ms(10)), None, "not measured, not yet stalled");
+        new.posted(ms(0), 1_000_000);
+        new.retired(ms(2));
+        assert_eq!(new.effective(ms(2)), Some(1e8), "a partial sample bounds it from below");
+        assert_eq!(new.effective(ms(100)), Some(1e6 / 0.098));
+        new.failed();
+        assert_eq!((new.out, new.effective(ms(200))), (0, None));
+    }
+
+    #[test]
+    fn the_rotation_keeps_its_lane_unless_the_other_is_clearly_cheaper() {
+        let now = Duration::ZERO;
+        let even = [lane(2 << 20, Some(1e8)), lane(2 << 20, Some(1.1e8))];
+        assert_eq!(choose(&even, 0b11, now, (0, 1), 1 << 20), 0);
+        let slow = [lane(0, Some(1e7)), lane(2 << 20, Some(1e8))];
+        assert_eq!(choose(&slow, 0b11, now, (0, 1), 1 << 20), 1);
+        // Under half the fastest: avoided however loaded the other lane is.
+        let loaded = [lane(0, Some(4e7)), lane(64 << 20, Some(1e8))];
+        assert_eq!(choose(&loaded, 0b11, now, (0, 1), 1 << 20), 1);
+        assert_eq!(choose(&loaded, 0b11, now, (1, 0), 1 << 20), 1);
+        // Nothing measured yet: outstanding bytes decide.
+        let queued = [lane(8 << 20, None), lane(0, None)];
+        assert_eq!(choose(&queued, 0b11, now, (0, 1), 1 << 20), 1);
+    }
+
+    #[test]
+    fn a_lane_under_half_the_fastest_gets_no_chunk_nor_does_a_dead_one() {
+        let (mut w, now) = ([0; 4], Duration::ZERO);
+        let clean = [lane(0, Some(1e8)), lane(0, Some(0.6e8)), lane(0, None), lane(0, Some(1e8))];
+        assert!(!weights(&clean, 0b1111, now, &mut w));
+        assert_eq!(w, [FULL; 4]);
+        let slower = [lane(0, Some(1e8)), lane(0, Some(4e7)), lane(0, Some(1e8)), lane(0, None)];
+        assert!(weights(&slower, 0b1111, now, &mut w));
+        assert_eq!(w, [FULL, 0, FULL, FULL]);
+        assert!(weights(&clean, 0b1011, now, &mut w));
+        assert_eq!(w, [FULL, FULL, 0, FULL]);
+    }
+
+    #[test]
+    fn weighted_parts_tile_the_buffer_in_aligned_pieces() {
+        for size in [0, 1, 127, 128, 4096, 1 << 20, 300_000, 12_345_678] {
+            for w in [[16u8, 4, 16, 16], [16, 16, 0, 16], [1, 1, 1, 1], [0, 0, 0, 16]] {
+                let mut at = 0;
+                for c in 0..4 {
+                    let (off, len) = part(size, &w, c);
+                    assert_eq!(off, at, "size {size} weights {w:?} chunk {c}");
+                    assert!(off % 128 == 0 || off == size);
+                    if w[c] == 0 {
+                        assert_eq!(len, 0);
+                    }
+                    at += len;
+                }
+                assert_eq!(at, size);
+            }
+        }
+        let (_, slow) = part(1 << 20, &[16, 4, 16, 16], 1);
+        assert!(slow.abs_diff((1 << 20) * 4 / 52) < 128, "{slow}");
+    }
+}
