@@ -533,15 +533,14 @@ struct Prober {
     /// Completions seen so far, and when (and at which count) the current quiet spell began.
     activity: u64,
     quiet: Option<(Duration, u64)>,
-    /// A probe is in flight (at most one), and on which lane.
-    out: bool,
-    lane: usize,
+    /// The lanes with a probe in flight (one round at a time).
+    out: u128,
 }
 
 impl Prober {
     /// Whether to post a probe now: waiting, quiet for the interval, none in flight.
     fn due(&mut self, now: Duration, waiting: bool) -> bool {
-        if !waiting || self.out {
+        if !waiting || self.out != 0 {
             self.quiet = None;
             return false;
         }
@@ -573,13 +572,7 @@ impl Health {
             traffic: Traffic::new(p.nqps),
             fatal: None,
             watchdog: Watchdog::new(p.progress_timeout),
-            prober: Prober {
-                interval: p.probe_interval,
-                activity: 0,
-                quiet: None,
-                out: false,
-                lane: 0,
-            },
+            prober: Prober { interval: p.probe_interval, activity: 0, quiet: None, out: 0 },
             path: p.path.clone(),
         }
     }
@@ -616,7 +609,7 @@ impl Health {
             *e += 1;
         }
         if probe {
-            self.prober.out = false;
+            self.prober.out &= !(1u128 << (wr_lane(c.wr_id) % MAX_CHUNKS));
             self.watchdog.completed(true);
         }
         if c.status != 0 && self.fatal.is_none() {
@@ -636,40 +629,43 @@ impl Health {
         c.status == 0 && !probe
     }
 
-    /// Posts a zero-length RDMA write to the peer on QP 0 when one is due; `target` is a
-    /// region of the peer's this comm may write (a zero-length write checks no key anyway).
-    /// `Ok(true)`: a probe was posted.
+    /// Posts a zero-length RDMA write to the peer on each of `lanes` (the live ones with room)
+    /// when one is due: every path is checked at once, so a dead peer fails the comm within one
+    /// retry bound however many lanes it has, and a dead path is found even while its lane is
+    /// idle. `target` is a region of the peer's this comm may write (a zero-length write
+    /// checks no key anyway). The lanes probed.
     fn probe(
         &mut self,
         now: Duration,
         waiting: bool,
         io: &mut impl Post,
-        (lane, target): (usize, (u64, u32)),
-    ) -> Result<bool> {
-        if self.fatal.is_some() || !self.prober.due(now, waiting) {
-            return Ok(false);
+        (lanes, target): (u128, (u64, u32)),
+    ) -> Result<u128> {
+        if self.fatal.is_some() || lanes == 0 || !self.prober.due(now, waiting) {
+            return Ok(0);
         }
-        let probe = SendWr {
-            wr_id: wr_id(WR_PROBE, lane, 0),
-            signaled: true,
-            remote_addr: target.0,
-            rkey: target.1,
-            ..SendWr::default()
-        };
-        io.send(lane, &[probe]).map_err(|e| self.post_failed(e))?;
-        self.prober.out = true;
-        self.prober.lane = lane;
+        for lane in (0..MAX_CHUNKS).filter(|&q| lanes & (1 << q) != 0) {
+            let probe = SendWr {
+                wr_id: wr_id(WR_PROBE, lane, 0),
+                signaled: true,
+                remote_addr: target.0,
+                rkey: target.1,
+                ..SendWr::default()
+            };
+            io.send(lane, &[probe]).map_err(|e| self.post_failed(e))?;
+            self.prober.out |= 1 << lane;
+            self.watchdog.posted();
+        }
         self.prober.quiet = None;
-        self.watchdog.posted();
-        Ok(true)
+        Ok(lanes)
     }
 
     /// Lane `lane` failed: a probe in flight on it will not complete.
     fn lane_lost(&mut self, lane: usize) {
         self.traffic.errors[lane] += 1;
         self.prober.activity += 1;
-        if self.prober.out && self.prober.lane == lane {
-            self.prober.out = false;
+        if self.prober.out & (1 << lane) != 0 {
+            self.prober.out &= !(1 << lane);
             self.watchdog.completed(true);
         }
     }
@@ -1347,11 +1343,11 @@ impl SendCore {
         // Waiting on the peer: for a CTS, for completions, or with a row half matched.
         let half = self.slots[(self.head % SLOTS as u64) as usize].matched != 0;
         let waiting = self.wants_cts || self.in_flight > 0 || half;
-        let lane = self.control_lane();
-        if self.sq[lane].fits(0)
-            && self.health.probe(now, waiting, io, (lane, self.remote_sizes))?
-        {
-            self.sq[lane].posted(1, true);
+        let room = (0..self.p.nqps).filter(|&q| self.alive & (1 << q) != 0 && self.sq[q].fits(0));
+        let lanes = room.fold(0u128, |m, q| m | 1 << q);
+        let probed = self.health.probe(now, waiting, io, (lanes, self.remote_sizes))?;
+        for q in (0..self.p.nqps).filter(|&q| probed & (1 << q) != 0) {
+            self.sq[q].posted(1, true);
         }
         self.health.idle(now, elsewhere)
     }
@@ -1614,20 +1610,25 @@ impl RecvCore {
         if !ours || c.status != 12 || self.alive & !bit == 0 || self.health.fatal.is_some() {
             return false;
         }
+        let control = lane == self.control_lane();
         self.alive &= !bit;
         // The signaled CTS writes in flight on the lane will not complete now (a probe among
         // them is the prober's).
-        let probe = usize::from(self.health.prober.out && self.health.prober.lane == lane);
+        let probe = usize::from(self.health.prober.out & bit != 0);
         for _ in 0..self.sq[lane].signaled.len().saturating_sub(probe) {
             self.health.watchdog.completed(true);
         }
         self.sq[lane].signaled.clear();
         self.health.lane_lost(lane);
-        // Every row the sender may not have consumed is written again (the same bytes: the
-        // sender takes a row by its idx, once).
-        self.advertised = self.advertised.min(self.known_consumed(sizes));
         let what = format!("the receive comm from {}", self.p.path.peer);
-        let then = format!("its CTS rows and probes move to lane {}", self.control_lane());
+        let then = if control {
+            // Every row the sender may not have consumed is written again (the same bytes:
+            // the sender takes a row by its idx, once).
+            self.advertised = self.advertised.min(self.known_consumed(sizes));
+            format!("its CTS rows move to lane {}", self.control_lane())
+        } else {
+            format!("it carried only probes; the CTS rows stay on lane {}", self.control_lane())
+        };
         self.warnings.push_back(lane_warning(&self.p.path, &what, lane, c, &then));
         true
     }
@@ -1851,8 +1852,11 @@ impl RecvCore {
             self.advertise(stage, sizes, io, LOW_AT_POLL)?;
         }
         let waiting = self.waiting > 0 || self.awaits_acks(sizes);
+        // The receiver probes on its control lane alone: its other lanes carry nothing of its
+        // own, and their paths are the sender's to probe.
         let lane = self.control_lane();
-        if self.sq[lane].fits(0) && self.health.probe(now, waiting, io, (lane, self.remote_fifo))? {
+        let lanes = if self.sq[lane].fits(0) { 1 << lane } else { 0 };
+        if self.health.probe(now, waiting, io, (lanes, self.remote_fifo))? != 0 {
             self.sq[lane].posted(1, true);
         }
         self.health.idle(now, elsewhere)
