@@ -50,7 +50,7 @@ knobs! {
     "FERROCE_STATS_INTERVAL_S", "0", "every this many seconds each comm logs its statistics line at INFO (also logged at close); 0: only at close";
     "NCCL_IB_QPS_PER_CONNECTION", "1", "queue pairs per connection (1..=128), each with its own UDP source port";
     "NCCL_IB_SPLIT_DATA_ON_QPS", "0", "1: split every message across the QPs; 0: whole messages round-robin";
-    "FERROCE_PATH_AWARE", "1", "1: place work by each QP's measured path (a whole message on the cheaper of two QPs, split chunks sized by path rate); 0: strict rotation and equal chunks";
+    "FERROCE_PATH_AWARE", "1", "1: place work by each QP's measured path (a whole message on the cheaper of two QPs; a QP under half the fastest one's rate gets no new work); 0: strict rotation and equal chunks";
     "FERROCE_SPORT_BASE", "49152", "first RoCEv2 UDP source port (49152..=65535)";
     "FERROCE_SPORT_RANGE", "65536 - base", "number of source ports used from the base (at most 16384)";
     "FERROCE_SPORT_SPREAD", "1", "1: the connections of a process to one peer get disjoint port blocks (each direction its own half of the range); 0: every connection uses base+i";

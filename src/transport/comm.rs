@@ -272,6 +272,7 @@ fn params(net: &Net, qps: &[Qp], split: bool, max_msg: u64, path: &Path) -> Para
         probe_interval: net.config.probe_interval,
         mark: super::proto::MARK_BYTES,
         path_aware: net.config.path_aware,
+        timed_from: super::proto::TIMED_FROM,
         path: path.clone(),
     }
 }

@@ -59,6 +59,10 @@ use crate::wr::{Completion, MAX_CHAIN, Op, SendWr, status_name};
 
 mod place;
 
+/// Messages of this many bytes and more are timed for path-aware placement (a comm's
+/// [`Params::timed_from`]).
+pub const TIMED_FROM: u64 = 64 << 10;
+
 /// Outstanding (multi-)receives per comm: NCCL's `NCCL_NET_MAX_REQUESTS`.
 pub const SLOTS: usize = 32;
 /// Buffers one `irecv` may group (`maxRecvs`).
@@ -660,10 +664,13 @@ impl Health {
         Ok(lanes)
     }
 
-    /// Lane `lane` failed: a probe in flight on it will not complete.
+    /// Lane `lane` failed: a probe in flight on it will not complete, and the next probe is
+    /// due at once (on the lanes left, while the comm waits): a dead peer takes one retry
+    /// bound per lane, not one probe interval too.
     fn lane_lost(&mut self, lane: usize) {
         self.traffic.errors[lane] += 1;
         self.prober.activity += 1;
+        self.prober.quiet = Some((Duration::ZERO, self.prober.activity));
         if self.prober.out & (1 << lane) != 0 {
             self.prober.out &= !(1 << lane);
             self.watchdog.completed(true);
@@ -736,6 +743,8 @@ pub struct Params {
     /// Place work by the lanes' measured cost (`FERROCE_PATH_AWARE`), else strict rotation
     /// and equal chunks.
     pub path_aware: bool,
+    /// Messages of this many bytes and up are timed for placement ([`TIMED_FROM`]).
+    pub timed_from: u64,
     pub path: Path,
 }
 
@@ -786,9 +795,11 @@ pub struct SendCore {
     /// weight (for weighted slots).
     lanes: Vec<place::Lane>,
     weights: Vec<u8>,
-    /// The precise time of the last post or batch of completions (path-aware with several
-    /// lanes only; else never read), and the state of the lane draw.
+    /// The precise time of the last timed post or batch of completions (path-aware with
+    /// several lanes only; else never read), whether the chunks being posted are timed, and
+    /// the state of the lane draw.
     clock: Option<Duration>,
+    timed: bool,
     draw: u64,
     /// The last isend found no CTS for its slot: the sender waits on the receiver.
     wants_cts: bool,
@@ -823,6 +834,7 @@ impl SendCore {
             lanes: (0..p.nqps).map(|_| place::Lane::new()).collect(),
             weights: vec![place::FULL; SLOTS * p.nqps],
             clock: None,
+            timed: false,
             draw: 0x9e37_79b9_7f4a_7c15,
             wants_cts: false,
             in_flight: 0,
@@ -858,8 +870,13 @@ impl SendCore {
     }
 
     /// Whether placement reads the clock: path-aware, with lanes to choose from.
-    pub fn needs_clock(&self) -> bool {
+    fn places(&self) -> bool {
         self.p.path_aware && self.p.nqps > 1
+    }
+
+    /// Whether completions about to be polled want the clock: a timed chunk is in flight.
+    pub fn needs_clock(&self) -> bool {
+        self.places() && self.lanes.iter().any(place::Lane::timing)
     }
 
     /// The precise time at which the completions about to be taken in were polled.
@@ -1071,7 +1088,10 @@ impl SendCore {
                 stage.store(slot * MAX_RECVS + r, sz);
             }
         }
-        if self.needs_clock() {
+        // Only messages of `timed_from` bytes and up are timed: a clock read may cost microseconds
+        // (in a VM), which small messages would feel and their rates would not repay.
+        self.timed = self.places() && sizes.iter().sum::<u64>() >= self.p.timed_from;
+        if self.timed {
             self.clock = Some(io.now());
         }
         let lanes = if optional { 0..1 } else { lanes(self.p.split, self.p.nqps, slot) };
@@ -1221,8 +1241,8 @@ impl SendCore {
         }
         chain.flush(io)?;
         self.chunk_lane[slot * nqps + c] = q as u8;
-        // Before the first idle poll there is no clock: no sample from this chunk.
-        self.lanes[q].posted(self.clock.unwrap_or(Duration::MAX), data);
+        let at = if self.timed { self.clock.unwrap_or(place::UNTIMED) } else { place::UNTIMED };
+        self.lanes[q].posted(at, data);
         let t = &mut self.health.traffic;
         t.bytes[q] += data;
         t.chunks[q] += 1;
@@ -1231,7 +1251,8 @@ impl SendCore {
 
     /// Sends again, on live lanes, the chunks whose lane failed; those that do not fit wait.
     fn resend(&mut self, stage: &impl Words, io: &mut impl Post) -> Result<()> {
-        if !self.resend.is_empty() && self.needs_clock() {
+        self.timed = !self.resend.is_empty() && self.places();
+        if self.timed {
             self.clock = Some(io.now());
         }
         while let Some(&(slot, c)) = self.resend.front() {

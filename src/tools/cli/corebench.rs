@@ -133,6 +133,7 @@ fn run(n: usize, size: u64, inline: u32, optional: bool, depth: usize) -> Result
         probe_interval: Duration::from_secs(60),
         mark: ferroce::transport::proto::MARK_BYTES,
         path_aware: true,
+        timed_from: ferroce::transport::proto::TIMED_FROM,
         path: Path::default(),
     };
     let mut send = SendCore::new(params.clone(), (SIZES, 1));

@@ -37,16 +37,23 @@ const CHEAPER: f64 = 0.75;
 const AVOID: f64 = 0.5;
 /// A chunk's weight, in sixteenths of a full one.
 pub const FULL: u8 = 16;
+/// The post time of a chunk not timed (too small to be worth a clock read): it gives no
+/// sample.
+pub const UNTIMED: Duration = Duration::MAX;
 
 /// What placement knows of one lane.
 #[derive(Clone, Debug, Default)]
 pub struct Lane {
     /// Bytes posted whose final completion has not arrived.
     pub out: u64,
-    /// The chunks in flight: when each was posted, and its bytes.
+    /// The chunks in flight: when each was posted ([`UNTIMED`] if not timed), and its bytes;
+    /// how many of them are timed.
     queue: VecDeque<(Duration, u64)>,
-    /// When the lane's last chunk completed, and when it last gave a rate sample.
+    timed: usize,
+    /// When the lane's last chunk, and its last timed chunk, completed (as far as the clock
+    /// knows), and when it last gave a rate sample.
     last: Duration,
+    last_timed: Duration,
     sampled: Duration,
     /// Bytes and time of the chunks completed since the last sample.
     acc: (u64, Duration),
@@ -62,14 +69,25 @@ impl Lane {
     pub fn posted(&mut self, now: Duration, bytes: u64) {
         self.out += bytes;
         self.queue.push_back((now, bytes));
+        self.timed += usize::from(now != UNTIMED);
+    }
+
+    /// Whether a timed chunk is in flight (its completion wants the clock).
+    pub fn timing(&self) -> bool {
+        self.timed > 0
     }
 
     /// The lane's oldest chunk completed at `now`.
     pub fn retired(&mut self, now: Duration) {
         let Some((at, bytes)) = self.queue.pop_front() else { return };
         self.out = self.out.saturating_sub(bytes);
-        let spent = now.saturating_sub(at.max(self.last));
-        self.last = now;
+        self.last = self.last.max(now);
+        if at == UNTIMED {
+            return;
+        }
+        self.timed -= 1;
+        let spent = now.saturating_sub(at.max(self.last_timed));
+        self.last_timed = now;
         self.acc = (self.acc.0 + bytes, self.acc.1 + spent);
         if self.acc.1 >= MIN_SAMPLE {
             let sample = (self.acc.0 as f64 / self.acc.1.as_secs_f64()).max(1.0);
@@ -86,6 +104,7 @@ impl Lane {
     pub fn failed(&mut self) {
         self.out = 0;
         self.queue.clear();
+        self.timed = 0;
         self.acc = (0, Duration::ZERO);
     }
 

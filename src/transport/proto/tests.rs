@@ -610,6 +610,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         probe_interval: Duration::from_millis(3),
         mark: run.mark,
         path_aware: run.path_aware,
+        timed_from: 0,
         path: Path { peer: "sim".into(), ..Default::default() },
     };
     let mut sender = SendCore::new(params.clone(), (RECV_SIZES, 16));
@@ -1338,6 +1339,7 @@ fn one_qp(path: Path) -> Params {
         probe_interval: Duration::from_secs(1),
         mark: MARK_BYTES,
         path_aware: true,
+        timed_from: TIMED_FROM,
         path,
     }
 }
@@ -1409,6 +1411,7 @@ fn a_quiet_wait_probes_the_peer_and_only_a_dead_peer_fails() {
         probe_interval: ms(100),
         mark: MARK_BYTES,
         path_aware: true,
+        timed_from: TIMED_FROM,
         path: Path { peer: "peer".into(), ..Default::default() },
     };
     let mut receiver = RecvCore::new(params, (FIFO, 13));
