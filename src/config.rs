@@ -48,7 +48,7 @@ knobs! {
     "FERROCE_PROGRESS_TIMEOUT_MS", "0", "error when posted work sees no completion for this long; 0: 2x the retry bound + 10 s (none with an unbounded NCCL_IB_TIMEOUT=0)";
     "FERROCE_PROBE_INTERVAL_MS", "5000", "a comm that waits with no completion for this long probes its peer (a zero-length write): a dead peer fails within this + the retry bound";
     "FERROCE_STATS_INTERVAL_S", "0", "every this many seconds each comm logs its statistics line at INFO (also logged at close); 0: only at close";
-    "NCCL_IB_QPS_PER_CONNECTION", "1", "queue pairs per connection (1..=128), each with its own UDP source port";
+    "NCCL_IB_QPS_PER_CONNECTION", "2", "queue pairs per connection (1..=128), each with its own UDP source port; 2 (NCCL's is 1): a second ECMP path, and a lane to fail over to";
     "NCCL_IB_SPLIT_DATA_ON_QPS", "0", "1: split every message across the QPs; 0: whole messages round-robin";
     "FERROCE_PATH_AWARE", "1", "1: place work by each QP's measured path (a whole message on the cheaper of two QPs; a QP under half the fastest one's rate gets no new work); 0: strict rotation and equal chunks";
     "FERROCE_SPORT_BASE", "49152", "first RoCEv2 UDP source port (49152..=65535)";
@@ -334,7 +334,7 @@ impl Config {
 
         let stats_s = r.int("FERROCE_STATS_INTERVAL_S", 0u64, 0..=86_400)?;
         let stats_interval = (stats_s > 0).then(|| Duration::from_secs(stats_s));
-        let qps_per_conn = r.int("NCCL_IB_QPS_PER_CONNECTION", 1usize, 1..=128)?;
+        let qps_per_conn = r.int("NCCL_IB_QPS_PER_CONNECTION", 2usize, 1..=128)?;
         let split_data = r.int("NCCL_IB_SPLIT_DATA_ON_QPS", 0u8, 0..=1)? == 1;
         let path_aware = r.int("FERROCE_PATH_AWARE", 1u8, 0..=1)? == 1;
         let sport_base = r.int("FERROCE_SPORT_BASE", 0xc000u16, 0xc000..=0xffff)?;
@@ -515,7 +515,7 @@ mod tests {
         );
         assert_eq!(
             (d.qps_per_conn, d.split_data, d.sport_base, d.sport_range, d.sport_spread),
-            (1, false, 49152, 16384, true)
+            (2, false, 49152, 16384, true)
         );
         assert_eq!(
             (d.tc, d.fifo_tc, d.sl, d.addr_family, d.roce_version),

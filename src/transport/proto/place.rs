@@ -11,8 +11,8 @@
 //! least [`MIN_SAMPLE`].
 //!
 //! Whole messages go on the cheaper of two lanes, the rotation's and one drawn at random (the
-//! power of two choices), by the time the lane would take to retire its outstanding bytes and
-//! the message. Both modes give a lane under half the fastest's rate no new work ([`AVOID`]),
+//! power of two choices): by rate where one is under half the other's, else by outstanding
+//! bytes. Both modes give a lane under half the fastest's rate no new work ([`AVOID`]),
 //! until its rate is forgotten and it is tried again. Split mode cuts no finer than that:
 //! lanes that share a NIC complete a split message's chunks in the NIC's own order, which
 //! on Soft-RoCE made healthy lanes differ by up to 0.6x, so a finer weighting would read that
@@ -128,18 +128,25 @@ impl Lane {
     }
 }
 
-/// The rate to assume at `now` for each of the `live` lanes: its own where known, else the
-/// best known one (so a lane not yet tried looks worth trying; all 1 when none is known).
-fn rates(lanes: &[Lane], live: impl Iterator<Item = usize>, now: Duration) -> Vec<f64> {
-    let own: Vec<Option<f64>> = lanes.iter().map(|l| l.effective(now)).collect();
-    let best =
-        live.filter_map(|q| own[q]).fold(None, |m: Option<f64>, r| Some(m.map_or(r, |m| m.max(r))));
-    own.iter().map(|r| r.or(best).unwrap_or(1.0)).collect()
+/// The best rate among the live lanes at `now`, if any is known.
+fn best(lanes: &[Lane], alive: u128, now: Duration) -> Option<f64> {
+    (0..lanes.len())
+        .filter(|&q| alive & (1 << q) != 0)
+        .filter_map(|q| lanes[q].effective(now))
+        .fold(None, |m: Option<f64>, r| Some(m.map_or(r, |m| m.max(r))))
 }
 
-/// Whole-message mode: lane `rotation` unless lane `other` would retire its outstanding bytes
-/// and `bytes` more in under [`CHEAPER`] of the time; never a lane to avoid ([`AVOID`]) while
-/// the other is not.
+/// Whether lane `q` is to be avoided: its rate is known and under [`AVOID`] of `best`.
+fn slow(lanes: &[Lane], q: usize, now: Duration, best: Option<f64>) -> bool {
+    match (lanes[q].effective(now), best) {
+        (Some(r), Some(b)) => r < AVOID * b,
+        _ => false,
+    }
+}
+
+/// Whole-message mode: never a lane to avoid ([`AVOID`]) while the other is not; else lane
+/// `rotation` unless lane `other` holds, with the message, under [`CHEAPER`] of its
+/// outstanding bytes (the shorter queue: rates that differ by less than half are noise).
 pub fn choose(
     lanes: &[Lane],
     alive: u128,
@@ -147,29 +154,26 @@ pub fn choose(
     (rotation, other): (usize, usize),
     bytes: u64,
 ) -> usize {
-    let live = (0..lanes.len()).filter(|&q| alive & (1 << q) != 0);
-    let rate = rates(lanes, live.clone(), now);
-    let top = live.map(|q| rate[q]).fold(0.0, f64::max);
-    match (rate[rotation] < AVOID * top, rate[other] < AVOID * top) {
+    let best = best(lanes, alive, now);
+    match (slow(lanes, rotation, now, best), slow(lanes, other, now, best)) {
         (true, false) => return other,
         (false, true) => return rotation,
         _ => {}
     }
-    let cost = |q: usize| (lanes[q].out + bytes) as f64 / rate[q];
-    if cost(other) < CHEAPER * cost(rotation) { other } else { rotation }
+    let load = |q: usize| (lanes[q].out + bytes) as f64;
+    if load(other) < CHEAPER * load(rotation) { other } else { rotation }
 }
 
-/// Split mode: each lane's chunk weight: none for dead lanes and lanes slower than [`AVOID`]
-/// of the fastest, [`FULL`] for the others. `false` if every lane gets a full chunk (the
-/// plain equal split).
+/// Split mode: each lane's chunk weight: none for dead lanes and lanes to avoid
+/// ([`AVOID`]), [`FULL`] for the others. `false` if every lane gets a full chunk (the plain
+/// equal split).
 pub fn weights(lanes: &[Lane], alive: u128, now: Duration, w: &mut [u8]) -> bool {
-    let live = (0..lanes.len()).filter(|&q| alive & (1 << q) != 0);
-    let rate = rates(lanes, live.clone(), now);
-    let top = live.map(|q| rate[q]).fold(0.0, f64::max);
+    let best = best(lanes, alive, now);
     let mut weighted = false;
     for (q, w) in w.iter_mut().enumerate().take(lanes.len()) {
-        *w = if alive & (1 << q) == 0 || rate[q] < AVOID * top { 0 } else { FULL };
-        weighted |= *w != FULL;
+        let out = alive & (1 << q) == 0 || slow(lanes, q, now, best);
+        *w = if out { 0 } else { FULL };
+        weighted |= out;
     }
     weighted
 }
@@ -256,8 +260,8 @@ mod tests {
     #[test]
     fn the_rotation_keeps_its_lane_unless_the_other_is_clearly_cheaper() {
         let now = Duration::ZERO;
-        let even = [lane(2 << 20, Some(1e8)), lane(2 << 20, Some(1.1e8))];
-        assert_eq!(choose(&even, 0b11, now, (0, 1), 1 << 20), 0);
+        let even = [lane(2 << 20, Some(1e8)), lane(2 << 20, Some(1.9e8))];
+        assert_eq!(choose(&even, 0b11, now, (0, 1), 1 << 20), 0, "rates within 2x: noise");
         let slow = [lane(0, Some(1e7)), lane(2 << 20, Some(1e8))];
         assert_eq!(choose(&slow, 0b11, now, (0, 1), 1 << 20), 1);
         // Under half the fastest: avoided however loaded the other lane is.
