@@ -5,6 +5,10 @@
 //! - **Collectives:** all-reduce, all-gather and reduce-scatter over 4 ranks at 8 B, 32 KiB and
 //!   2 MiB; every element of every rank is checked by the ranks (a wrong one fails the rank),
 //!   and the table must show each size with `#wrong` 0.
+//! - **A path that dies mid-all-reduce:** 4 ranks, 2 lanes per connection (the default); a few
+//!   seconds in, a u32 filter on every rank's veth drops each RoCE packet whose UDP source port
+//!   is odd: one lane of every connection (its two ports are consecutive), both ways. The
+//!   all-reduce finishes with `#wrong` 0, and the ranks warn of failed lanes.
 //! - **A rank that cannot start** (a device that does not exist): it fails naming the device,
 //!   and the launcher ends the rank left waiting for it: exit 1 within 60 s, not a hang.
 //! - **ECMP:** with 4 QPs per connection, a capture on the bridge sees every connection's
@@ -52,6 +56,7 @@ fn run() -> Result<(), String> {
         ));
     }
     collectives()?;
+    a_dying_path()?;
     a_rank_that_cannot_start()?;
     ecmp(2)?;
     ecmp(RANKS)?;
@@ -124,6 +129,75 @@ fn collectives() -> Result<(), String> {
             t.elapsed().as_secs_f64()
         );
     }
+    Ok(())
+}
+
+/// Adds (or, with `on` false, removes) the drop of every RoCE packet with an odd UDP source
+/// port arriving at each rank's veth.
+fn odd_ports_dropped(on: bool) -> Result<(), String> {
+    for dev in vm_list("FERROCE_VM_NETDEVS") {
+        let mut cmds: Vec<Vec<&str>> = vec![vec!["qdisc", "del", "dev", &dev, "clsact"]];
+        if on {
+            cmds = vec![
+                vec!["qdisc", "add", "dev", &dev, "clsact"],
+                vec![
+                    "filter", "add", "dev", &dev, "ingress", "protocol", "ip", "prio", "1", "u32",
+                    "match", "ip", "protocol", "17", "0xff", "match", "ip", "dport", "4791",
+                    "0xffff", "match", "ip", "sport", "1", "0x0001", "action", "drop",
+                ],
+            ];
+        }
+        for args in cmds {
+            let st = Command::new("tc").args(&args).status().map_err(|e| format!("tc: {e}"))?;
+            if on && !st.success() {
+                return Err(format!("tc {args:?}: {st}"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// An all-reduce over 4 ranks in which one lane of every connection loses its path a few
+/// seconds in: it finishes, every element checked, and the ranks say which lanes failed.
+fn a_dying_path() -> Result<(), String> {
+    let t = Instant::now();
+    let n = RANKS.to_string();
+    // Finite retries (rxe's 7 never ends) with a bound (2.7 s) that 4 busy ranks keep.
+    let env = [("NCCL_IB_TIMEOUT", "17"), ("NCCL_IB_RETRY_CNT", "4")];
+    let mut c = ferroce(&["allreduce", "--nranks", &n, "-b", "1M", "-e", "1M", "-n", "12"]);
+    c.envs(env).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let child = c.spawn().map_err(|e| format!("ferroce collective: {e}"))?;
+    std::thread::sleep(Duration::from_secs(4));
+    let dropped = odd_ports_dropped(true);
+    let out = child.wait_with_output().map_err(|e| e.to_string());
+    odd_ports_dropped(false)?;
+    dropped?;
+    let out = out?;
+    let (text, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    print!("{text}");
+    let lanes: Vec<&str> =
+        err.lines().filter(|l| l.contains("lane ") && l.contains("failed")).collect();
+    for l in &lanes {
+        eprintln!("  {l}");
+    }
+    if !out.status.success() {
+        eprint!("{err}");
+        return Err(format!("the all-reduce with a dying path failed: {}", out.status));
+    }
+    let row = text.lines().find(|l| !l.starts_with('#')).unwrap_or_default();
+    let cols: Vec<&str> = row.split_whitespace().collect();
+    if cols.len() != 9 || cols[0] != "1048576" || cols[8] != "0" {
+        return Err(format!("the all-reduce row {row:?} is not 1 MiB with #wrong 0"));
+    }
+    if lanes.is_empty() {
+        return Err(format!("no rank warned of a failed lane: the drop missed the run\n{err}"));
+    }
+    eprintln!(
+        "cluster: all-reduce of 1 MiB x 12 on {RANKS} ranks with one lane of every connection \
+         dropped 4 s in: #wrong 0, {} lane WARNs, {:.1} s",
+        lanes.len(),
+        t.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 
