@@ -124,6 +124,8 @@ impl Post for Qps<'_> {
 trait Drain {
     /// Completions were polled: the time, for placement, where it wants one.
     fn polled(&mut self) {}
+    /// Lane `lane`'s queue pair failed on its own: `false` if no lane is left.
+    fn lane_error(&mut self, lane: usize, why: &str) -> bool;
     fn take(&mut self, c: &Completion);
     fn idle(&mut self, now: Duration, elsewhere: Option<Fault>, io: &mut Qps) -> Result<()>;
 }
@@ -144,6 +146,9 @@ impl Drain for SendDrain<'_> {
     fn take(&mut self, c: &Completion) {
         self.core.complete(c)
     }
+    fn lane_error(&mut self, lane: usize, why: &str) -> bool {
+        self.core.lane_error(lane, why)
+    }
     fn idle(&mut self, now: Duration, elsewhere: Option<Fault>, io: &mut Qps) -> Result<()> {
         self.core.idle(now, elsewhere, io, self.stage)
     }
@@ -161,6 +166,9 @@ impl Drain for RecvDrain<'_> {
     fn take(&mut self, c: &Completion) {
         self.core.complete(c, self.sizes)
     }
+    fn lane_error(&mut self, lane: usize, why: &str) -> bool {
+        self.core.lane_error(lane, why, self.sizes)
+    }
     fn idle(&mut self, now: Duration, elsewhere: Option<Fault>, io: &mut Qps) -> Result<()> {
         self.core.idle(now, elsewhere, io, self.stage, self.sizes)
     }
@@ -177,6 +185,15 @@ fn progress(
     side: &mut impl Drain,
     io: &mut Qps,
 ) -> Result<()> {
+    // Queue pairs the async-event thread saw fail: a lane's failure each, while another
+    // lives (taken before the poll, ahead of most of their flushed work).
+    let mut lost = None;
+    while let Some((qpn, why)) = watch.alarm.lanes.pop() {
+        let lane = io.qps.iter().position(|q| q.qpn() == qpn);
+        if !lane.is_some_and(|l| side.lane_error(l, &why)) {
+            lost.get_or_insert(Fault::Local(why));
+        }
+    }
     let mut wcs = [Completion::default(); 16];
     loop {
         let (n, polled) = match cq.poll(&mut wcs) {
@@ -192,6 +209,7 @@ fn progress(
         if n < wcs.len() {
             let now = crate::os::coarse_now();
             let elsewhere = polled
+                .or(lost)
                 .or_else(|| dev.check_alive().err().map(|e| Fault::Local(e.to_string())))
                 .or_else(|| watch.alarm.raised.get().map(|w| Fault::Local(w.clone())));
             return side.idle(now, elsewhere, io);

@@ -10,6 +10,7 @@
 //! everything filtered out by `NCCL_IB_HCA`, or no ACTIVE port), so NCCL's fallback to another
 //! transport is explained instead of silent.
 
+use crossbeam_queue::ArrayQueue;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -86,8 +87,15 @@ pub enum Queue {
 pub struct Alarm {
     /// The comm, for the WARN: e.g. "send comm to 198.18.0.2:4000".
     pub comm: String,
+    /// What fails the whole comm: its CQ failed, or more queue pairs than `lanes` holds.
     pub raised: OnceLock<String>,
+    /// Queue pairs that failed, with why: the comm takes each for a lane failure (it fails
+    /// the comm only if no lane is left).
+    pub lanes: ArrayQueue<(u32, String)>,
 }
+
+/// Queue-pair errors a comm's alarm holds until its progress loop takes them.
+const LANE_ERRORS: usize = 8;
 
 /// A comm's registration in its device's alarm table; dropping it unregisters the comm.
 pub struct Watch {
@@ -111,7 +119,8 @@ impl Drop for Watch {
 impl DeviceFlags {
     /// Registers a comm's queues, so an async error on any of them raises its alarm.
     pub fn watch(self: &Arc<Self>, comm: String, queues: Vec<Queue>) -> Watch {
-        let alarm = Arc::new(Alarm { comm, raised: OnceLock::new() });
+        let alarm =
+            Arc::new(Alarm { comm, raised: OnceLock::new(), lanes: ArrayQueue::new(LANE_ERRORS) });
         let mut alarms = self.alarms.lock().unwrap_or_else(|p| p.into_inner());
         for q in &queues {
             alarms.insert(*q, alarm.clone());
@@ -120,12 +129,19 @@ impl DeviceFlags {
         Watch { flags: self.clone(), queues, alarm }
     }
 
-    /// Raises the alarm of the comm that owns `queue` with `why`; the comm's name, if one
-    /// does (the queue may belong to a comm being closed, or to nothing of ours).
+    /// Raises the alarm of the comm that owns `queue` with `why`: a queue pair's error goes
+    /// to its lanes (the whole alarm if they are full), a CQ's to the whole. The comm's name,
+    /// if one does (the queue may belong to a comm being closed, or to nothing of ours).
     pub fn raise(&self, queue: Queue, why: String) -> Option<String> {
         let alarms = self.alarms.lock().unwrap_or_else(|p| p.into_inner());
         let alarm = alarms.get(&queue)?;
-        let _ = alarm.raised.set(why);
+        let whole = match queue {
+            Queue::Qp(qpn) => alarm.lanes.push((qpn, why)).err().map(|(_, why)| why),
+            Queue::Cq(_) => Some(why),
+        };
+        if let Some(why) = whole {
+            let _ = alarm.raised.set(why);
+        }
         Some(alarm.comm.clone())
     }
 
@@ -570,14 +586,22 @@ mod tests {
         assert_eq!(flags.raise(Queue::Cq(0x1000), "CQ_ERR".into()).unwrap(), "send comm to a");
         assert_eq!(a.alarm.raised.get().unwrap(), "CQ_ERR");
         assert!(b.alarm.raised.get().is_none(), "only the owner is failed");
-        // The first cause is kept.
+        // A queue pair's error is a lane's, for the comm to take; the first cause is kept.
         flags.raise(Queue::Qp(7), "QP_FATAL".into());
         assert_eq!(a.alarm.raised.get().unwrap(), "CQ_ERR");
+        assert_eq!(a.alarm.lanes.pop(), Some((7, "QP_FATAL".to_string())));
+        // More lane errors than the hand-off holds fail the whole comm (the cap, abused).
+        for i in 0..=LANE_ERRORS {
+            flags.raise(Queue::Qp(8), format!("QP_FATAL {i}"));
+        }
+        assert_eq!(b.alarm.lanes.len(), LANE_ERRORS);
+        assert_eq!(b.alarm.raised.get().unwrap(), &format!("QP_FATAL {LANE_ERRORS}"));
         // A closed comm is unregistered, but not a newer comm that reuses its QP number.
         drop(a);
         let c = flags.watch("send comm to c".into(), vec![Queue::Qp(8)]);
         drop(b);
         assert_eq!(flags.raise(Queue::Qp(8), "QP_ACCESS_ERR".into()).unwrap(), "send comm to c");
+        assert_eq!(c.alarm.lanes.pop().unwrap().1, "QP_ACCESS_ERR");
         assert_eq!(flags.raise(Queue::Cq(0x1000), "x".into()), None);
         drop(c);
         assert!(flags.alarms.lock().unwrap().is_empty());

@@ -174,7 +174,10 @@ fn handle_event(ports: &[Watched], ev: verbs::AsyncEvent) {
 /// Fails the comm that owns `queue` (whichever port of the context it is on) with one WARN.
 fn raise(ports: &[Watched], queue: Queue, why: String) {
     match ports.iter().find_map(|(_, _, flags)| flags.raise(queue, why.clone())) {
-        Some(comm) => log::warn!("{comm}: {why}; this connection fails from now on"),
+        Some(comm) => log::warn!(
+            "{comm}: {why}; a queue pair's lane fails over where another lane lives, else (and \
+             for a completion queue) this connection fails from now on"
+        ),
         None => log::warn!("{why} (no open connection owns it)"),
     }
 }
@@ -320,12 +323,12 @@ mod tests {
     }
 
     #[test]
-    fn queue_errors_fail_their_comm_and_a_broken_fd_the_device() {
+    fn queue_errors_reach_their_comm_and_a_broken_fd_the_device() {
         let ports = ports();
         let watch = ports[1].2.watch("send comm to peer".into(), vec![Queue::Qp(0x11)]);
         handle_event(&ports, AsyncEvent::QpError { qpn: 0x11, what: "QP_FATAL" });
-        let why = watch.alarm.raised.get().expect("the owner's alarm is raised");
-        assert!(why.contains("QP_FATAL") && why.contains("0x11"), "{why}");
+        let (qpn, why) = watch.alarm.lanes.pop().expect("the owner's lane error is queued");
+        assert!(qpn == 0x11 && why.contains("QP_FATAL") && why.contains("0x11"), "{why}");
         // An error on a queue no comm owns fails nothing.
         handle_event(&ports, AsyncEvent::QpError { qpn: 0x12, what: "QP_REQ_ERR" });
         handle_event(&ports, AsyncEvent::CqError { cq: 0x99 });

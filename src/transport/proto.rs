@@ -415,16 +415,19 @@ fn first_live(alive: u128, n: usize) -> usize {
 
 /// The WARN for lane `lane` of `what` (the send comm to ..., the receive comm from ...), whose
 /// path failed with completion `c`; `then` says what moves where.
-fn lane_warning(path: &Path, what: &str, lane: usize, c: &Completion, then: &str) -> String {
+fn lane_warning(path: &Path, what: &str, lane: usize, why: &str, then: &str) -> String {
     let sport = path.sports.get(lane).map_or(String::new(), |p| format!(" (UDP source port {p})"));
     format!(
-        "lane {lane}{sport} of {what} failed: {} (status {}) on {}; {then}, and the comm goes \
-         on. Check the link or ECMP member on that path: a switch port, cable or hash bucket \
-         that drops this source port",
-        status_name(c.status),
-        c.status,
+        "lane {lane}{sport} of {what} failed: {why} on {}; {then}, and the comm goes on. Check \
+         the link or ECMP member on that path: a switch port, cable or hash bucket that drops \
+         this source port",
         path.describe
     )
+}
+
+/// Why a completion failed a lane, for its WARN.
+fn completion_why(c: &Completion) -> String {
+    format!("{} (status {})", status_name(c.status), c.status)
 }
 
 /// Where a comm's traffic goes, for error messages and statistics.
@@ -1285,7 +1288,28 @@ impl SendCore {
         if c.status != 12 || self.alive & !bit == 0 || self.health.fatal.is_some() {
             return false;
         }
-        self.alive &= !bit;
+        self.drop_lane(lane, &completion_why(c));
+        true
+    }
+
+    /// Lane `lane`'s queue pair failed on its own (an asynchronous error event: `why`): as a
+    /// lane whose retries ran out, `true` if another lane lives (its work flushed from now on
+    /// is ignored), else `false` and the caller fails the comm.
+    pub fn lane_error(&mut self, lane: usize, why: &str) -> bool {
+        let bit = 1u128 << lane;
+        if self.alive & bit == 0 {
+            return true;
+        }
+        if self.alive & !bit == 0 || self.health.fatal.is_some() {
+            return false;
+        }
+        self.drop_lane(lane, why);
+        true
+    }
+
+    /// Takes lane `lane` out: its chunks in flight go again on live lanes, one WARN.
+    fn drop_lane(&mut self, lane: usize, why: &str) {
+        self.alive &= !(1u128 << lane);
         self.health.lane_lost(lane);
         self.lanes[lane].failed();
         let nqps = self.p.nqps;
@@ -1302,8 +1326,7 @@ impl SendCore {
         let live = (0..nqps).filter(|&q| self.alive & (1 << q) != 0).count();
         let what = format!("the send comm to {}", self.p.path.peer);
         let then = format!("its {chunks} chunk(s) in flight go again on the {live} lane(s) left");
-        self.warnings.push_back(lane_warning(&self.p.path, &what, lane, c, &then));
-        true
+        self.warnings.push_back(lane_warning(&self.p.path, &what, lane, why, &then));
     }
 
     /// Takes in one completion of the comm's CQ.
@@ -1631,6 +1654,28 @@ impl RecvCore {
         if !ours || c.status != 12 || self.alive & !bit == 0 || self.health.fatal.is_some() {
             return false;
         }
+        self.drop_lane(lane, &completion_why(c), sizes);
+        true
+    }
+
+    /// Lane `lane`'s queue pair failed on its own (an asynchronous error event: `why`): `true`
+    /// if another lane lives (the lane's flushed work is ignored from now on), else `false`
+    /// and the caller fails the comm.
+    pub fn lane_error(&mut self, lane: usize, why: &str, sizes: &impl Words) -> bool {
+        let bit = 1u128 << lane;
+        if self.alive & bit == 0 {
+            return true;
+        }
+        if self.alive & !bit == 0 || self.health.fatal.is_some() {
+            return false;
+        }
+        self.drop_lane(lane, why, sizes);
+        true
+    }
+
+    /// Takes lane `lane` out; where it carried the CTS rows, they go again on the next.
+    fn drop_lane(&mut self, lane: usize, why: &str, sizes: &impl Words) {
+        let bit = 1u128 << lane;
         let control = lane == self.control_lane();
         self.alive &= !bit;
         // The signaled CTS writes in flight on the lane will not complete now (a probe among
@@ -1648,10 +1693,9 @@ impl RecvCore {
             self.advertised = self.advertised.min(self.known_consumed(sizes));
             format!("its CTS rows move to lane {}", self.control_lane())
         } else {
-            format!("it carried only probes; the CTS rows stay on lane {}", self.control_lane())
+            format!("it carried no CTS rows; they stay on lane {}", self.control_lane())
         };
-        self.warnings.push_back(lane_warning(&self.p.path, &what, lane, c, &then));
-        true
+        self.warnings.push_back(lane_warning(&self.p.path, &what, lane, why, &then));
     }
 
     /// A warning for the log: each lane whose path failed our CTS rows or probes.

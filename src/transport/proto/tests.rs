@@ -31,7 +31,10 @@
 //! - a chunk known by the lane it arrived on instead of its immediate:
 //!   `a_chunk_delivered_twice_is_counted_once`;
 //! - no check of the slot's use in the immediate:
-//!   `an_immediate_of_another_use_of_the_slot_is_not_counted`.
+//!   `an_immediate_of_another_use_of_the_slot_is_not_counted`;
+//! - a queue pair's async error taken without dropping its lane:
+//!   `a_queue_pair_error_fails_over_like_a_dead_path`;
+//! - path-aware placement off (strict rotation, equal chunks): `a_slow_lane_gets_less_of_the_work`.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -247,7 +250,9 @@ impl Wire {
 
     /// Executes the head work request of `side`'s QP `q`.
     fn step(&mut self, mem: &Mem, side: usize, q: usize) {
-        if self.failed[side][q] || self.black_hole[q].is_some() {
+        let nqps = self.sq[side].len() - 1;
+        let peer_failed = q < nqps && self.failed[1 - side][q];
+        if self.failed[side][q] || self.black_hole[q].is_some() || peer_failed {
             return self.fail_head(mem, side, q);
         }
         self.step_ok(mem, side, q)
@@ -526,6 +531,9 @@ struct Run {
     path_aware: bool,
     /// A sender lane whose path is slow: its work moves one step in 8 of those it is offered.
     slow: Option<usize>,
+    /// Queue pairs that fail on their own (an async error event): after this many scheduler
+    /// steps, lane, and side.
+    qp_errors: Vec<(u64, usize, usize)>,
 }
 
 fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
@@ -573,6 +581,7 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         kills: Vec::new(),
         path_aware: rng.below(4) != 0,
         slow: (rng.below(3) == 0).then(|| rng.below(nqps as u64) as usize),
+        qp_errors: Vec::new(),
     }
 }
 
@@ -666,6 +675,17 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         }
         for &(_, lane, landed) in run.kills.iter().filter(|k| k.0 == steps) {
             wire.borrow_mut().kill_lane(lane, landed);
+        }
+        for &(_, lane, side) in run.qp_errors.iter().filter(|k| k.0 == steps) {
+            // The queue pair fails on its own (an async event): it flushes, its peer's work
+            // on the lane finds nobody, and the core hears of it.
+            wire.borrow_mut().failed[side][lane] = true;
+            let ok = if side == 0 {
+                sender.lane_error(lane, "QP_FATAL")
+            } else {
+                receiver.lane_error(lane, "QP_FATAL", &rsizes)
+            };
+            assert!(ok, "a lane error with another lane alive is taken");
         }
         while let Some(w) = sender.take_warning() {
             if w.starts_with("lane ") {
@@ -1065,6 +1085,30 @@ fn a_slow_lane_gets_less_of_the_work() {
         if !cfg!(miri) {
             assert!(aware < 0.1, "split {split}: path-aware gives the slow lane {aware:.3}");
         }
+    }
+}
+
+/// A lane's queue pair fails on its own (an async `QP_FATAL`, either end): the core takes it
+/// as that lane's failure while another lives, the lane's flushed work is ignored, the peer's
+/// work on it runs out of retries, and every request completes once with its bytes.
+#[test]
+fn a_queue_pair_error_fails_over_like_a_dead_path() {
+    let mut rng = Rng(0x0a5c_e11e);
+    for seed in 0..miri_or(60u64, 2) {
+        let mut run =
+            random_run(&mut rng, miri_or(150, 40), [0, 100, 4096, CAP][seed as usize % 4]);
+        run.nqps = 2 + rng.below(7) as usize;
+        // Every lane but one, at random points, on either end.
+        let spared = rng.below(run.nqps as u64) as usize;
+        for lane in (0..run.nqps).filter(|&l| l != spared) {
+            if rng.below(2) == 0 {
+                let at = 50 + rng.below(miri_or(4000, 300));
+                run.qp_errors.push((at, lane, rng.below(2) as usize));
+            }
+        }
+        let o = drive(&run, seed + 5);
+        let n = run.groups.len();
+        assert_eq!((o.recvs_done, o.sends_done), (n, n), "seed {seed}: {:?}", run.qp_errors);
     }
 }
 
