@@ -24,6 +24,12 @@
 //!    its bit twice and counts once, and a chunk of another use of the slot is not counted. So
 //!    no chunk needs a particular lane: the ground for moving chunks between lanes.
 //!
+//! Lanes: a lane whose path dies (retries exhausted) or whose QP fails on its own (an async
+//! error) is dropped while another lives; its chunks in flight go again on live lanes, and
+//! the receiver's CTS rows move to its next live lane if they rode on it. Where messages go
+//! is path-aware ([`place`]): a lane's measured rate and queue steer whole messages, and a lane
+//! under half the best rate gets no new work.
+//!
 //! Optional receive completions: NCCL marks LL/LL128 receives (one buffer) whose arrival it
 //! detects itself through flags in the data. Their CTS says so; the sender then sends a plain
 //! RDMA write (no immediate, so the receiver posts no WQE and polls no completion), followed,
