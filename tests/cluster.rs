@@ -5,8 +5,8 @@
 //! - **Collectives:** all-reduce, all-gather and reduce-scatter over 4 ranks at 8 B, 32 KiB and
 //!   2 MiB; every element of every rank is checked by the ranks (a wrong one fails the rank),
 //!   and the table must show each size with `#wrong` 0.
-//! - **A path that dies mid-all-reduce:** 4 ranks, 2 lanes per connection (the default); a few
-//!   seconds in, a u32 filter on every rank's veth drops each RoCE packet whose UDP source port
+//! - **A path that dies mid-all-reduce:** 4 ranks, 2 lanes per connection (the default); once
+//!   rank 0 has received 4 MiB of the run's ~18, a u32 filter on every rank's veth drops each RoCE packet whose UDP source port
 //!   is odd: one lane of every connection (its two ports are consecutive), both ways. The
 //!   all-reduce finishes with `#wrong` 0, and the ranks warn of failed lanes.
 //! - **A rank that cannot start** (a device that does not exist): it fails naming the device,
@@ -166,8 +166,24 @@ fn a_dying_path() -> Result<(), String> {
     let env = [("NCCL_IB_TIMEOUT", "17"), ("NCCL_IB_RETRY_CNT", "4")];
     let mut c = ferroce(&["allreduce", "--nranks", &n, "-b", "1M", "-e", "1M", "-n", "12"]);
     c.envs(env).stdout(Stdio::piped()).stderr(Stdio::piped());
-    let child = c.spawn().map_err(|e| format!("ferroce collective: {e}"))?;
-    std::thread::sleep(Duration::from_secs(4));
+    // The drop comes once rank 0 has received 4 MiB (of about 18): two or three all-reduces
+    // in, whatever the machine's pace.
+    let rx = || {
+        let dev = vm_list("FERROCE_VM_NETDEVS").into_iter().next().unwrap_or_default();
+        let path = format!("/sys/class/net/{dev}/statistics/rx_bytes");
+        std::fs::read_to_string(path).ok().and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    let start = rx().ok_or("no rx_bytes for the first rank's veth")?;
+    let mut child = c.spawn().map_err(|e| format!("ferroce collective: {e}"))?;
+    let t0 = Instant::now();
+    while rx().unwrap_or(start) < start + (4 << 20) {
+        if t0.elapsed() > Duration::from_secs(120) || matches!(child.try_wait(), Ok(Some(_))) {
+            let _ = child.kill();
+            return Err("the all-reduce ended (or moved nothing for 120 s) before the drop".into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let at = t0.elapsed();
     let dropped = odd_ports_dropped(true);
     let out = child.wait_with_output().map_err(|e| e.to_string());
     odd_ports_dropped(false)?;
@@ -194,7 +210,8 @@ fn a_dying_path() -> Result<(), String> {
     }
     eprintln!(
         "cluster: all-reduce of 1 MiB x 12 on {RANKS} ranks with one lane of every connection \
-         dropped 4 s in: #wrong 0, {} lane WARNs, {:.1} s",
+         dropped {:.1} s in (4 MiB received by rank 0): #wrong 0, {} lane WARNs, {:.1} s",
+        at.as_secs_f64(),
         lanes.len(),
         t.elapsed().as_secs_f64()
     );

@@ -520,6 +520,8 @@ pub struct Traffic {
     pub errors: Vec<u64>,
     /// The sender's estimate of each QP's path: bytes per second retired while busy.
     pub rate: Vec<Option<f64>>,
+    /// The lanes taken out (their path or queue pair failed): they stay out.
+    pub down: Vec<bool>,
 }
 
 impl Traffic {
@@ -531,6 +533,7 @@ impl Traffic {
             chunks: vec![0; nqps],
             errors: vec![0; nqps],
             rate: vec![None; nqps],
+            down: vec![false; nqps],
         }
     }
 
@@ -678,6 +681,7 @@ impl Health {
     /// bound per lane, not one probe interval too.
     fn lane_lost(&mut self, lane: usize) {
         self.traffic.errors[lane] += 1;
+        self.traffic.down[lane] = true;
         self.prober.activity += 1;
         self.prober.quiet = Some((Duration::ZERO, self.prober.activity));
         if self.prober.out & (1 << lane) != 0 {

@@ -55,6 +55,9 @@ pub fn line(
         if let Some(Some(rate)) = t.rate.get(q) {
             let _ = write!(s, ", path {:.1} MiB/s", rate / f64::from(1 << 20));
         }
+        if t.down.get(q).copied().unwrap_or(false) {
+            s.push_str(", out (failed; it stays out)");
+        }
     }
     if counters.is_empty() {
         let _ = write!(s, "; {device} hw_counters: none moved (or none exposed)");
@@ -89,6 +92,7 @@ mod tests {
             chunks: vec![9, 3],
             errors: vec![0, 2],
             rate: vec![Some(2.5 * f64::from(1 << 20)), None],
+            down: vec![false, true],
             ..Traffic::default()
         };
         let l = line(
@@ -103,7 +107,8 @@ mod tests {
             l,
             "send comm to 198.18.0.2:4000: 12 messages, 4.0 MiB in 2.0 s (2.0 MiB/s); \
              QP 0 sport 49152: 3.0 MiB (75.0%), 0 failed completions, 9 chunks, path 2.5 MiB/s; \
-             QP 1 sport 49153: 1.0 MiB (25.0%), 2 failed completions, 3 chunks; \
+             QP 1 sport 49153: 1.0 MiB (25.0%), 2 failed completions, 3 chunks, out (failed; it \
+             stays out); \
              rxe0 hw_counters over this time: rcvd_seq_err +4"
         );
         // The receiver's: bytes delivered, and per QP the chunks that arrived on it.
@@ -114,6 +119,7 @@ mod tests {
             chunks: vec![2, 1],
             errors: vec![0, 0],
             rate: vec![None, None],
+            down: vec![false, false],
         };
         let l = line("receive comm from x", &t, &[7, 8], Duration::from_secs(1), "rxe1", &[]);
         assert!(

@@ -945,6 +945,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         assert_eq!(st.messages, items, "sender stats");
         assert_eq!((rt.messages, rt.delivered), (items, seen), "receiver stats");
         assert_eq!(st.errors.iter().sum::<u64>(), killed as u64, "sender errors: failed lanes");
+        assert_eq!(st.down.iter().filter(|&&d| d).count(), killed, "the line marks them out");
         let rkilled = wire.borrow().lanes_failed(1) as u64;
         assert_eq!(recv_lane_warnings, rkilled, "one receiver warning per failed lane");
         assert_eq!(rt.errors.iter().sum::<u64>(), rkilled, "receiver errors: failed lanes");
