@@ -928,21 +928,23 @@ fn slow_run(split: &str, lanes: usize, slow: bool, aware: &str) -> Result<(f64, 
 
 /// A slow path (5 ms and 1% loss on lane 1's source port). In whole-message mode, path-aware:
 /// the healthy lanes carry at least 80% of the bytes and, once the paths are learnt (8
-/// messages), the median of 3 runs keeps at least 0.9x the bandwidth of the median of 3
+/// messages), the median of 5 runs keeps at least 0.9x the bandwidth of the median of 5
 /// clean 3-lane runs; with `FERROCE_PATH_AWARE=0` the slow lane keeps its quarter (the
 /// comparison). In split mode every message is verified and the numbers are printed: there
-/// the lanes' rates do not tell the slow path apart reliably yet (see the README). 78 MiB.
+/// the lanes' rates do not tell the slow path apart reliably yet (see the README). 102 MiB.
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn a_slow_path_loses_its_work_to_the_healthy_ones() {
     require_vm();
     let _g = serial();
     for split in ["0", "1"] {
-        // Clean and slowed runs alternate, 3 of each (a run under emulation varies by a third
-        // from one to the next); the medians are compared.
+        // Clean and slowed runs alternate, 5 of each where the bar is asserted, 3 where the
+        // numbers are only printed (a run under emulation varies by a third from one to the
+        // next; with 3 the medians missed the bar in 1 of 7 runs); the medians are compared.
+        let rounds = if split == "0" { 5 } else { 3 };
         let runs = (|| {
             let (mut clean, mut aware) = (Vec::new(), Vec::new());
-            for _ in 0..3 {
+            for _ in 0..rounds {
                 clean.push(slow_run(split, 3, false, "1")?);
                 aware.push(slow_run(split, 4, true, "1")?);
             }
@@ -950,7 +952,8 @@ fn a_slow_path_loses_its_work_to_the_healthy_ones() {
             aware.sort_by(|a, b| a.0.total_cmp(&b.0));
             eprintln!("split {split}: clean {clean:.1?}\n  path-aware {aware:.1?}");
             let rotating = slow_run(split, 4, true, "0")?;
-            Ok::<_, String>((clean.swap_remove(1), aware.swap_remove(1), rotating))
+            let mid = rounds / 2;
+            Ok::<_, String>((clean.swap_remove(mid), aware.swap_remove(mid), rotating))
         })();
         clear_paths();
         set_env(&[

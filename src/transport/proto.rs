@@ -781,8 +781,8 @@ struct SendSlot {
     nreqs: u8,
     /// Chunks posted whose final completion has not arrived yet.
     pending: u128,
-    /// Its chunks are cut by the weights in `SendCore::weights`, not equally.
-    weighted: bool,
+    /// Chunks left empty (their lane is dead or avoided): the others share the bytes.
+    empty: u128,
 }
 
 /// The sending end's protocol state.
@@ -804,15 +804,11 @@ pub struct SendCore {
     resend: VecDeque<(usize, usize)>,
     /// Where [`Self::live_lane`] looks for the next live lane.
     spread: usize,
-    /// Per lane: its chunks in flight and measured rate; per slot and chunk, the chunk's
-    /// weight (for weighted slots).
+    /// Per lane: its chunks in flight and measured rate.
     lanes: Vec<place::Lane>,
-    weights: Vec<u8>,
     /// The precise time of the last timed post or batch of completions (path-aware with
-    /// several lanes only; else never read), whether the chunks being posted are timed, and
-    /// the state of the lane draw.
+    /// several lanes only; else never read), and the state of the lane draw.
     clock: Option<Duration>,
-    timed: bool,
     draw: u64,
     /// The last isend found no CTS for its slot: the sender waits on the receiver.
     wants_cts: bool,
@@ -845,9 +841,7 @@ impl SendCore {
             resend: VecDeque::new(),
             spread: 0,
             lanes: (0..p.nqps).map(|_| place::Lane::new()).collect(),
-            weights: vec![place::FULL; SLOTS * p.nqps],
             clock: None,
-            timed: false,
             draw: 0x9e37_79b9_7f4a_7c15,
             wants_cts: false,
             in_flight: 0,
@@ -892,6 +886,17 @@ impl SendCore {
         self.places() && self.lanes.iter().any(place::Lane::timing)
     }
 
+    /// The post time of chunks about to be posted: the clock, read now, if they are `worth`
+    /// timing and placement measures; else [`place::UNTIMED`].
+    fn timestamp(&mut self, io: &impl Post, worth: bool) -> Duration {
+        if !(worth && self.places()) {
+            return place::UNTIMED;
+        }
+        let now = io.now();
+        self.clock = Some(now);
+        now
+    }
+
     /// The precise time at which the completions about to be taken in were polled.
     pub fn stamp(&mut self, now: Duration) {
         self.clock = Some(now);
@@ -919,39 +924,43 @@ impl SendCore {
     }
 
     /// The lane for chunk `c` of a split message: its own, unless that lane is dead or its
-    /// weight is none; then a live lane with a weight, taken in turn.
+    /// chunk empty; then a lane whose chunk is not, taken in turn.
     fn split_lane(&mut self, slot: usize, c: usize) -> usize {
-        let n = self.p.nqps;
-        let w = &self.weights[slot * n..(slot + 1) * n];
-        if !self.slots[slot].weighted || w[c] > 0 {
+        let (n, empty) = (self.p.nqps, self.slots[slot].empty);
+        if empty & (1 << c) == 0 {
             return self.live_lane(c);
         }
-        let next = (0..n).map(|k| (self.spread + k) % n).find(|&l| w[l] > 0);
+        let next = (0..n).map(|k| (self.spread + k) % n).find(|&l| empty & (1 << l) == 0);
         let l = next.unwrap_or(c);
         self.spread = l + 1;
         self.live_lane(l)
     }
 
-    /// Decides how slot `slot`'s chunks are cut: path-aware in split mode, by the lanes'
-    /// rates (a dead lane's chunk empty), else equally.
+    /// Decides which of slot `slot`'s chunks stay empty: path-aware in split mode, those of
+    /// dead and avoided lanes; else none (a dead lane's chunk rides on a live lane).
     fn plan(&mut self, slot: usize, optional: bool) {
-        let n = self.p.nqps;
         let split = self.p.split && !optional;
-        let w = &mut self.weights[slot * n..(slot + 1) * n];
         let now = self.clock.unwrap_or_default();
-        self.slots[slot].weighted =
-            split && self.p.path_aware && place::weights(&self.lanes, self.alive, now, w);
+        self.slots[slot].empty = if split && self.p.path_aware {
+            place::avoided(&self.lanes, self.alive, now) & lanes_mask(self.p.nqps)
+        } else {
+            0
+        };
     }
 
     /// The byte range `(offset, len)` of a `size`-byte buffer that chunk `c` of slot `slot`
-    /// carries.
+    /// carries: the equal split over the chunks that are not empty.
     fn part(&self, slot: usize, size: u64, split: bool, c: usize) -> (u64, u64) {
-        let n = self.p.nqps;
-        if split && self.slots[slot].weighted {
-            place::part(size, &self.weights[slot * n..(slot + 1) * n], c)
-        } else {
-            lane_part(size, split, n, c)
+        let (n, empty) = (self.p.nqps, self.slots[slot].empty);
+        if !split || empty == 0 {
+            return lane_part(size, split, n, c);
         }
+        if empty & (1 << c) != 0 {
+            return (0, 0);
+        }
+        let full = lanes_mask(n) & !empty;
+        let before = (full & ((1u128 << c) - 1)).count_ones() as usize;
+        lane_part(size, true, full.count_ones() as usize, before)
     }
 
     pub fn check(&self) -> Result<()> {
@@ -1103,10 +1112,7 @@ impl SendCore {
         }
         // Only messages of `timed_from` bytes and up are timed: a clock read may cost microseconds
         // (in a VM), which small messages would feel and their rates would not repay.
-        self.timed = self.places() && sizes.iter().sum::<u64>() >= self.p.timed_from;
-        if self.timed {
-            self.clock = Some(io.now());
-        }
+        let at = self.timestamp(io, sizes.iter().sum::<u64>() >= self.p.timed_from);
         let lanes = if optional { 0..1 } else { lanes(self.p.split, self.p.nqps, slot) };
         // A split message's chunks go out starting at a different one each time: the NIC
         // serves a post's lanes in order, and each lane should wait behind the others as
@@ -1120,7 +1126,7 @@ impl SendCore {
             } else {
                 self.whole_lane(slot, sizes.iter().sum())
             };
-            self.post_chunk(Some(fifo as &dyn Words), stage, io, slot, c, q)?;
+            self.post_chunk(Some(fifo as &dyn Words), stage, io, (slot, c, q), at)?;
         }
         self.slots[slot].pending = lanes_mask(lanes.len());
         self.in_flight += 1;
@@ -1128,17 +1134,17 @@ impl SendCore {
         Ok(())
     }
 
-    /// Posts chunk `c` of the slot on lane `q`: the data writes of its part, the size record
-    /// (chunk 0, when needed), and its final write-with-immediate; or, for an optional
-    /// receive, the data and (when due, always with no `fifo` to look ahead in) the ack.
+    /// Posts chunk `c` of the slot on lane `q`, as of `at` (for placement): the data writes of
+    /// its part, the size record (chunk 0, when needed), and its final write-with-immediate;
+    /// or, for an optional receive, the data and (when due, always with no `fifo` to look
+    /// ahead in) the ack.
     fn post_chunk(
         &mut self,
         fifo: Option<&dyn Words>,
         stage: &impl Words,
         io: &mut impl Post,
-        slot: usize,
-        c: usize,
-        q: usize,
+        (slot, c, q): (usize, usize, usize),
+        at: Duration,
     ) -> Result<()> {
         let (nqps, max_msg, inline) = (self.p.nqps, self.p.max_msg, self.p.max_inline);
         let s = self.slots[slot];
@@ -1254,7 +1260,6 @@ impl SendCore {
         }
         chain.flush(io)?;
         self.chunk_lane[slot * nqps + c] = q as u8;
-        let at = if self.timed { self.clock.unwrap_or(place::UNTIMED) } else { place::UNTIMED };
         self.lanes[q].posted(at, data);
         let t = &mut self.health.traffic;
         t.bytes[q] += data;
@@ -1264,10 +1269,7 @@ impl SendCore {
 
     /// Sends again, on live lanes, the chunks whose lane failed; those that do not fit wait.
     fn resend(&mut self, stage: &impl Words, io: &mut impl Post) -> Result<()> {
-        self.timed = !self.resend.is_empty() && self.places();
-        if self.timed {
-            self.clock = Some(io.now());
-        }
+        let at = self.timestamp(io, !self.resend.is_empty());
         while let Some(&(slot, c)) = self.resend.front() {
             if self.slots[slot].pending & (1 << c) == 0 {
                 self.resend.pop_front();
@@ -1279,7 +1281,8 @@ impl SendCore {
             if !self.sq[q].fits(self.wrs_for(slot, &s.bufs[..usize::from(s.nreqs)], split, c)) {
                 return Ok(());
             }
-            self.post_chunk(None, stage, io, slot, c, q).map_err(|e| self.health.post_failed(e))?;
+            let posted = self.post_chunk(None, stage, io, (slot, c, q), at);
+            posted.map_err(|e| self.health.post_failed(e))?;
             self.resend.pop_front();
         }
         Ok(())

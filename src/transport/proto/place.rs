@@ -35,8 +35,6 @@ const CHEAPER: f64 = 0.75;
 /// its rate is forgotten): a path that slow is usually lossy, and its mean rate hides the
 /// tail: a lost last packet stalls the message for a whole ACK timeout.
 const AVOID: f64 = 0.5;
-/// A chunk's weight, in sixteenths of a full one.
-pub const FULL: u8 = 16;
 /// The post time of a chunk not timed (too small to be worth a clock read): it gives no
 /// sample.
 pub const UNTIMED: Duration = Duration::MAX;
@@ -164,34 +162,12 @@ pub fn choose(
     if load(other) < CHEAPER * load(rotation) { other } else { rotation }
 }
 
-/// Split mode: each lane's chunk weight: none for dead lanes and lanes to avoid
-/// ([`AVOID`]), [`FULL`] for the others. `false` if every lane gets a full chunk (the plain
-/// equal split).
-pub fn weights(lanes: &[Lane], alive: u128, now: Duration, w: &mut [u8]) -> bool {
+/// Split mode: the lanes whose chunk is empty: the dead ones and those to avoid ([`AVOID`]).
+pub fn avoided(lanes: &[Lane], alive: u128, now: Duration) -> u128 {
     let best = best(lanes, alive, now);
-    let mut weighted = false;
-    for (q, w) in w.iter_mut().enumerate().take(lanes.len()) {
-        let out = alive & (1 << q) == 0 || slow(lanes, q, now, best);
-        *w = if out { 0 } else { FULL };
-        weighted |= out;
-    }
-    weighted
-}
-
-/// The byte range `(offset, len)` of a `size`-byte buffer that chunk `c` carries when the
-/// chunks have weights `w`: boundaries at the weights' running sums, 128-byte aligned.
-pub fn part(size: u64, w: &[u8], c: usize) -> (u64, u64) {
-    let total: u64 = w.iter().map(|&x| u64::from(x)).sum();
-    let upto: u64 = w[..c].iter().map(|&x| u64::from(x)).sum();
-    let cut = |k: u64| {
-        if k >= total {
-            size
-        } else {
-            (u128::from(size) * u128::from(k) / u128::from(total)) as u64 / 128 * 128
-        }
-    };
-    let (a, b) = (cut(upto), cut(upto + u64::from(w[c])));
-    (a, b - a)
+    (0..lanes.len())
+        .filter(|&q| alive & (1 << q) == 0 || slow(lanes, q, now, best))
+        .fold(0, |m, q| m | 1 << q)
 }
 
 #[cfg(test)]
@@ -275,35 +251,11 @@ mod tests {
 
     #[test]
     fn a_lane_under_half_the_fastest_gets_no_chunk_nor_does_a_dead_one() {
-        let (mut w, now) = ([0; 4], Duration::ZERO);
+        let now = Duration::ZERO;
         let clean = [lane(0, Some(1e8)), lane(0, Some(0.6e8)), lane(0, None), lane(0, Some(1e8))];
-        assert!(!weights(&clean, 0b1111, now, &mut w));
-        assert_eq!(w, [FULL; 4]);
+        assert_eq!(avoided(&clean, 0b1111, now), 0);
         let slower = [lane(0, Some(1e8)), lane(0, Some(4e7)), lane(0, Some(1e8)), lane(0, None)];
-        assert!(weights(&slower, 0b1111, now, &mut w));
-        assert_eq!(w, [FULL, 0, FULL, FULL]);
-        assert!(weights(&clean, 0b1011, now, &mut w));
-        assert_eq!(w, [FULL, FULL, 0, FULL]);
-    }
-
-    #[test]
-    fn weighted_parts_tile_the_buffer_in_aligned_pieces() {
-        for size in [0, 1, 127, 128, 4096, 1 << 20, 300_000, 12_345_678] {
-            for w in [[16u8, 4, 16, 16], [16, 16, 0, 16], [1, 1, 1, 1], [0, 0, 0, 16]] {
-                let mut at = 0;
-                for c in 0..4 {
-                    let (off, len) = part(size, &w, c);
-                    assert_eq!(off, at, "size {size} weights {w:?} chunk {c}");
-                    assert!(off % 128 == 0 || off == size);
-                    if w[c] == 0 {
-                        assert_eq!(len, 0);
-                    }
-                    at += len;
-                }
-                assert_eq!(at, size);
-            }
-        }
-        let (_, slow) = part(1 << 20, &[16, 4, 16, 16], 1);
-        assert!(slow.abs_diff((1 << 20) * 4 / 52) < 128, "{slow}");
+        assert_eq!(avoided(&slower, 0b1111, now), 0b0010);
+        assert_eq!(avoided(&clean, 0b1011, now), 0b0100);
     }
 }

@@ -1039,6 +1039,13 @@ fn the_fifo_and_every_sequence_wrap_over_a_hundred_thousand_messages() {
     assert!(o.batches < n as u64, "{} batches for {n} rows: rows are not batched", o.batches);
 }
 
+/// A random program over 2 to 8 lanes, its largest size by `seed`: for the lane-failure tests.
+fn lanes_run(rng: &mut Rng, seed: u64) -> Run {
+    let mut run = random_run(rng, miri_or(150, 40), [0, 100, 4096, CAP][seed as usize % 4]);
+    run.nqps = 2 + rng.below(7) as usize;
+    run
+}
+
 /// A lane whose path dies (1 to all but one of its lanes, lane 0 too, whose path also carries
 /// the receiver's CTS rows; at random points, the sender's failing request landed or not) no
 /// longer fails the comm: the sender's chunks in flight go again on the live lanes, the
@@ -1049,9 +1056,7 @@ fn the_fifo_and_every_sequence_wrap_over_a_hundred_thousand_messages() {
 fn a_failed_lane_moves_its_chunks_to_the_live_lanes() {
     let mut rng = Rng(0x1a7e_f0e5);
     for seed in 0..miri_or(80u64, 2) {
-        let mut run =
-            random_run(&mut rng, miri_or(150, 40), [0, 100, 4096, CAP][seed as usize % 4]);
-        run.nqps = 2 + rng.below(7) as usize;
+        let mut run = lanes_run(&mut rng, seed);
         let mut lanes: Vec<usize> = (0..run.nqps).collect();
         let dead = 1 + rng.below(lanes.len() as u64 - 1) as usize;
         for _ in 0..dead {
@@ -1096,9 +1101,7 @@ fn a_slow_lane_gets_less_of_the_work() {
 fn a_queue_pair_error_fails_over_like_a_dead_path() {
     let mut rng = Rng(0x0a5c_e11e);
     for seed in 0..miri_or(60u64, 2) {
-        let mut run =
-            random_run(&mut rng, miri_or(150, 40), [0, 100, 4096, CAP][seed as usize % 4]);
-        run.nqps = 2 + rng.below(7) as usize;
+        let mut run = lanes_run(&mut rng, seed);
         // Every lane but one, at random points, on either end.
         let spared = rng.below(run.nqps as u64) as usize;
         for lane in (0..run.nqps).filter(|&l| l != spared) {
