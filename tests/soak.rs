@@ -68,8 +68,8 @@ const KNOBS: [(&str, &str); 5] = [
     ("FERROCE_PROGRESS_TIMEOUT_MS", "60000"),
     ("FERROCE_PROBE_INTERVAL_MS", "5000"),
 ];
-/// The phases: a name, the impairment (`tc qdisc replace dev <veth> root netem <args>`, both
-/// veths), and the largest message.
+/// The phases: a name, the impairment (netem's arguments, for the packets arriving at either
+/// veth; see [`Netem`]), and the largest message.
 ///
 /// Lossy and reordering phases keep messages to 8 KiB. rxe (6.1) requests an ACK only every 64
 /// packets or at the end of a work request, and resets a QP's retry counter only on a positive
@@ -86,7 +86,6 @@ const PHASES: [(&str, &str, usize); 4] = [
     ("reorder", "delay 2ms reorder 25% 50%", 8 << 10),
     ("jitter", "delay 2ms 1ms rate 1gbit", MAX_SIZE),
 ];
-const NETDEVS: [&str; 2] = ["vethA", "vethB"];
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -599,81 +598,106 @@ fn finish(mut recv: Proc, mut send: Proc) -> Result<(Totals, Totals), String> {
     Ok((got, sent))
 }
 
-/// The netem qdiscs and the pinned neighbours; removed again however the soak ends, so later
+/// The impairment and the pinned neighbours; removed again however the soak ends, so later
 /// tests in the same VM run on a clean link.
+///
+/// The IP packets arriving at each veth are redirected to an ifb device, and netem impairs them
+/// there. netem as a veth's root qdisc would reorder on its own: a veth with a queue hands each
+/// packet to the backlog of whichever CPU dequeued it, so one QP's packets could arrive out of
+/// order (rxe's responder answers some such orders with an invalid-request NAK, which ended a
+/// jitter phase once in about a dozen soaks). An ifb delivers its queue in order.
 struct Netem;
+
+/// Each veth, and the ifb that impairs what arrives at it.
+const IFBS: [(&str, &str); 2] = [("vethA", "ifbA"), ("vethB", "ifbB")];
+
+/// Runs a system command; its failure, with what it printed, is the error.
+fn sh(cmd: &str, args: &[&str]) -> Result<(), String> {
+    let out = Command::new(cmd).args(args).output().map_err(|e| format!("{cmd}: {e}"))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(format!("{cmd} {}: {}", args.join(" "), err.trim()));
+    }
+    Ok(())
+}
 
 impl Netem {
     fn load() -> Result<Netem, String> {
-        let st = Command::new("modprobe")
-            .arg("sch_netem")
-            .status()
-            .map_err(|e| format!("modprobe: {e}"))?;
-        if !st.success() || !std::path::Path::new("/sys/module/sch_netem").exists() {
-            return Err(format!(
-                "modprobe sch_netem failed ({st}): the soak needs tc netem in the VM kernel"
-            ));
+        sh("modprobe", &["sch_netem"])
+            .map_err(|e| format!("{e}: the soak needs tc netem in the VM kernel"))?;
+        Netem.remove();
+        let netem = Netem;
+        for (veth, ifb) in IFBS {
+            sh("ip", &["link", "add", ifb, "type", "ifb"])?;
+            sh("ip", &["link", "set", ifb, "up"])?;
+            sh("tc", &["qdisc", "add", "dev", veth, "clsact"])?;
+            sh(
+                "tc",
+                &[
+                    "filter", "add", "dev", veth, "ingress", "protocol", "ip", "prio", "1", "u32",
+                    "match", "u32", "0", "0", "action", "mirred", "egress", "redirect", "dev", ifb,
+                ],
+            )?;
         }
-        Netem.clear();
         // netem drops ARP as well as RoCE. Once the kernel's neighbour entry for the peer
         // lapses under loss, rxe (Linux 6.1) can stop a QP's retransmissions for good: 3 of 3
         // 480 s soaks stalled in a 5% loss phase (in either split mode) until the progress
-        // deadline, none with permanent entries. A fabric's loss is the packets', so the
-        // neighbours are pinned while the soak runs.
+        // deadline, none with permanent entries. Only IP goes through the ifbs now, but a
+        // fabric's loss is the packets', so the neighbours stay pinned while the soak runs.
         for (dev, peer_ip, peer_dev) in
             [("vethA", "198.18.0.2", "vethB"), ("vethB", "198.18.0.1", "vethA")]
         {
             let mac = std::fs::read_to_string(format!("/sys/class/net/{peer_dev}/address"))
                 .map_err(|e| format!("{peer_dev}'s address: {e}"))?;
-            let args = ["neigh", "replace", peer_ip, "lladdr", mac.trim(), "dev", dev];
-            let st = Command::new("ip")
-                .args(args)
-                .args(["nud", "permanent"])
-                .status()
-                .map_err(|e| format!("ip: {e}"))?;
-            if !st.success() {
-                return Err(format!("ip {}: {st}", args.join(" ")));
-            }
+            sh(
+                "ip",
+                &[
+                    "neigh",
+                    "replace",
+                    peer_ip,
+                    "lladdr",
+                    mac.trim(),
+                    "dev",
+                    dev,
+                    "nud",
+                    "permanent",
+                ],
+            )?;
         }
-        Ok(Netem)
+        Ok(netem)
     }
 
     fn apply(&self, spec: &str) -> Result<(), String> {
-        for dev in NETDEVS {
-            let args: Vec<&str> = ["qdisc", "replace", "dev", dev, "root", "netem"]
+        for (_, ifb) in IFBS {
+            let args: Vec<&str> = ["qdisc", "replace", "dev", ifb, "root", "netem"]
                 .into_iter()
                 .chain(spec.split(' '))
                 .collect();
-            let out = Command::new("tc").args(&args).output().map_err(|e| format!("tc: {e}"))?;
-            if !out.status.success() {
-                return Err(format!(
-                    "tc {}: {}",
-                    args.join(" "),
-                    String::from_utf8_lossy(&out.stderr)
-                ));
-            }
+            sh("tc", &args)?;
         }
         Ok(())
     }
 
     fn clear(&self) {
-        for dev in NETDEVS {
-            let _ = Command::new("tc")
-                .args(["qdisc", "del", "dev", dev, "root"])
-                .stderr(Stdio::null())
-                .status();
+        for (_, ifb) in IFBS {
+            let _ = sh("tc", &["qdisc", "del", "dev", ifb, "root"]);
+        }
+    }
+
+    /// The redirects and the ifbs, whatever is left of them.
+    fn remove(&self) {
+        for (veth, ifb) in IFBS {
+            let _ = sh("tc", &["qdisc", "del", "dev", veth, "clsact"]);
+            let _ = sh("ip", &["link", "del", ifb]);
         }
     }
 }
 
 impl Drop for Netem {
     fn drop(&mut self) {
-        self.clear();
+        self.remove();
         for (dev, peer_ip) in [("vethA", "198.18.0.2"), ("vethB", "198.18.0.1")] {
-            let _ = Command::new("ip")
-                .args(["neigh", "del", peer_ip, "dev", dev])
-                .stderr(Stdio::null())
-                .status();
+            let _ = sh("ip", &["neigh", "del", peer_ip, "dev", dev]);
         }
     }
 }
