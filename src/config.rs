@@ -51,6 +51,9 @@ knobs! {
     "NCCL_IB_QPS_PER_CONNECTION", "2", "queue pairs per connection (1..=128), each with its own UDP source port; 2 (NCCL's is 1): a second ECMP path, and a lane to fail over to";
     "NCCL_IB_SPLIT_DATA_ON_QPS", "0", "1: split every message across the QPs; 0: whole messages round-robin";
     "FERROCE_PATH_AWARE", "1", "1: place work by each QP's measured path (a whole message on the cheaper of two QPs; a QP under half the fastest one's rate gets no new work); 0: strict rotation and equal chunks";
+    "NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", "5", "lane repair: attempts to rebuild a failed lane (a new queue pair at both ends, proven by a probe) before it stays out; 0: failed lanes stay out";
+    "NCCL_IB_RESILIENCY_PORT_RECOVERY_START_DELAY", "200", "lane repair: ms from a lane's failure to its first repair attempt; each failed attempt doubles the wait";
+    "NCCL_IB_RESILIENCY_PORT_RECOVERY_ACK_TIMEOUT", "5000", "lane repair: ms an attempt waits for the peer's answer, then for the probe of the rebuilt lane, before it counts as failed";
     "FERROCE_SPORT_BASE", "49152", "first RoCEv2 UDP source port (49152..=65535)";
     "FERROCE_SPORT_RANGE", "65536 - base", "number of source ports used from the base (at most 16384)";
     "FERROCE_SPORT_SPREAD", "1", "1: the connections of a process to one peer get disjoint port blocks (each direction its own half of the range); 0: every connection uses base+i";
@@ -119,6 +122,10 @@ pub struct Config {
     pub qps_per_conn: usize,
     pub split_data: bool,
     pub path_aware: bool,
+    /// Lane repair: attempts (0: none), the first delay, the bound of each wait.
+    pub repair_attempts: u32,
+    pub repair_delay: Duration,
+    pub repair_timeout: Duration,
     pub sport_base: u16,
     pub sport_range: u16,
     pub sport_spread: bool,
@@ -337,6 +344,18 @@ impl Config {
         let qps_per_conn = r.int("NCCL_IB_QPS_PER_CONNECTION", 2usize, 1..=128)?;
         let split_data = r.int("NCCL_IB_SPLIT_DATA_ON_QPS", 0u8, 0..=1)? == 1;
         let path_aware = r.int("FERROCE_PATH_AWARE", 1u8, 0..=1)? == 1;
+        let repair_attempts =
+            r.int("NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", 5u32, 0..=100)?;
+        let repair_delay = Duration::from_millis(r.int(
+            "NCCL_IB_RESILIENCY_PORT_RECOVERY_START_DELAY",
+            200u64,
+            1..=3_600_000,
+        )?);
+        let repair_timeout = Duration::from_millis(r.int(
+            "NCCL_IB_RESILIENCY_PORT_RECOVERY_ACK_TIMEOUT",
+            5000u64,
+            10..=3_600_000,
+        )?);
         let sport_base = r.int("FERROCE_SPORT_BASE", 0xc000u16, 0xc000..=0xffff)?;
         // By default the range runs from the base to the top of the port space.
         let top = (0x1_0000 - u32::from(sport_base)) as u16;
@@ -388,6 +407,9 @@ impl Config {
             qps_per_conn,
             split_data,
             path_aware,
+            repair_attempts,
+            repair_delay,
+            repair_timeout,
             sport_base,
             sport_range,
             sport_spread,
@@ -516,6 +538,10 @@ mod tests {
         assert_eq!(
             (d.qps_per_conn, d.split_data, d.sport_base, d.sport_range, d.sport_spread),
             (2, false, 49152, 16384, true)
+        );
+        assert_eq!(
+            (d.repair_attempts, d.repair_delay, d.repair_timeout),
+            (5, Duration::from_millis(200), Duration::from_secs(5))
         );
         assert_eq!(
             (d.tc, d.fifo_tc, d.sl, d.addr_family, d.roce_version),
@@ -704,5 +730,10 @@ mod tests {
             1500
         );
         assert_eq!(retry_bound(14, 3).as_micros(), 268_435);
+        let c = with("NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", "0").unwrap();
+        assert_eq!(c.repair_attempts, 0);
+        let c = with("NCCL_IB_RESILIENCY_PORT_RECOVERY_START_DELAY", "50").unwrap();
+        assert_eq!(c.repair_delay, Duration::from_millis(50));
+        assert!(with("NCCL_IB_RESILIENCY_PORT_RECOVERY_ACK_TIMEOUT", "5").is_err());
     }
 }

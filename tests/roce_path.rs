@@ -340,6 +340,180 @@ fn a_dead_lane_fails_over_to_the_live_ones() {
     }
 }
 
+/// A dead lane comes back: 4 lanes, strict rotation (`FERROCE_PATH_AWARE=0`, so the lane's
+/// bytes are known), lane 2's source port dropped on vethB's ingress after 12 messages, the
+/// drop lifted once the sender has warned and sent 8 more. The lane is rebuilt at both ends
+/// (an attempt under way while the path is dead retries its probe, or fails), rejoins, and
+/// then carries its share of
+/// 24 more messages: its bytes at close exceed what it carried before the drop by at least
+/// half that share. Every message is verified, in both split modes; the throughput before,
+/// while the lane is dead, while it is repaired and after is printed. 64 MiB.
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn a_dead_lane_is_repaired_once_its_path_answers_again() {
+    require_vm();
+    let _g = serial();
+    for split in ["0", "1"] {
+        set_env(&[
+            ("NCCL_IB_QPS_PER_CONNECTION", Some("4")),
+            ("NCCL_IB_SPLIT_DATA_ON_QPS", Some(split)),
+            ("NCCL_IB_TIMEOUT", Some("17")),
+            ("NCCL_IB_RETRY_CNT", Some("4")),
+            ("FERROCE_PATH_AWARE", Some("0")),
+        ]);
+        let r = repair_run(2, split == "1");
+        clear_paths();
+        set_env(&[
+            ("NCCL_IB_QPS_PER_CONNECTION", None),
+            ("NCCL_IB_SPLIT_DATA_ON_QPS", None),
+            ("NCCL_IB_TIMEOUT", None),
+            ("NCCL_IB_RETRY_CNT", None),
+            ("FERROCE_PATH_AWARE", None),
+        ]);
+        let r = r.unwrap_or_else(|e| panic!("split {split}: {e}"));
+        eprintln!("split {split}: {r:#?}");
+        let (before, after) = r.lane_mib;
+        assert!(
+            after >= before + r.share_after / 2.0,
+            "split {split}: lane 2 carried {before:.2} MiB before the drop and {after:.2} at \
+             close; its share after the repair was {:.2}",
+            r.share_after
+        );
+        let sent: Vec<&String> =
+            r.warns.iter().filter(|w| w.contains("of the send comm")).collect();
+        assert_eq!(sent.len(), 1, "one sender WARN, for the failure: {:#?}", r.warns);
+    }
+}
+
+/// When a phase of [`repair_run`] ends: given its messages so far, the WARNs and the INFOs.
+type PhaseEnd<'a> = dyn FnMut(usize, &[String], &[String]) -> bool + 'a;
+
+/// What [`repair_run`] measured.
+#[derive(Debug)]
+#[allow(dead_code)] // printed
+struct Repaired {
+    /// MiB/s: before the drop, while the lane was dead, from the lift to the repair, after.
+    mibs: [f64; 4],
+    /// Seconds from the lift to the INFO that the lane is repaired.
+    repaired_in: f64,
+    /// The lane's MiB as expected before the drop (rotation), and at close (its statistics).
+    lane_mib: (f64, f64),
+    /// Its expected MiB of the 24 messages after the repair.
+    share_after: f64,
+    warns: Vec<String>,
+    infos: Vec<String>,
+}
+
+fn repair_run(lane: usize, split: bool) -> Result<Repaired, String> {
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12)?;
+    let ctx = drv.init(1)?;
+    take_captured();
+    let (send, recv) = pair(&drv, ctx, 1, 0)?;
+    let info: Vec<String> = take_captured().into_iter().filter(|l| l.0 == 3).map(|l| l.2).collect();
+    let port = logged_ports(&info)[lane].to_string();
+    let sizes = [4096usize, 65536, 1 << 20, 300_000];
+    // The lane's part of message `i`: whole messages rotate over the 4 lanes (message i on
+    // lane i % 4), split ones give each lane a quarter.
+    let part = |i: usize| {
+        let size = sizes[i % 4] as f64 / f64::from(1 << 20);
+        if split {
+            size / 4.0
+        } else if i % 4 == lane {
+            size
+        } else {
+            0.0
+        }
+    };
+    let (mut warns, mut infos) = (Vec::new(), Vec::new());
+    let log = |warns: &mut Vec<String>, infos: &mut Vec<String>| {
+        for (level, _, line) in take_captured() {
+            match level {
+                2 => warns.push(line),
+                3 if line.contains(" is repaired") || line.contains("repair attempt") => {
+                    infos.push(line)
+                }
+                _ => {}
+            }
+        }
+    };
+    let next = std::cell::Cell::new(0usize);
+    let phase = |until: &mut PhaseEnd,
+                 warns: &mut Vec<String>,
+                 infos: &mut Vec<String>|
+     -> Result<f64, String> {
+        let (t, first) = (Instant::now(), next.get());
+        let mut bytes = 0;
+        while !until(next.get() - first, warns, infos) {
+            let i = next.get();
+            if t.elapsed() > Duration::from_secs(60) {
+                return Err(format!("no end of the phase in 60 s: {warns:#?} {infos:#?}"));
+            }
+            transfer_polling(&drv, send, recv, sizes[i % 4], i as u8)
+                .map_err(|e| format!("message {i}: {e}; {warns:#?} {infos:#?}"))?;
+            bytes += sizes[i % 4];
+            next.set(i + 1);
+            log(warns, infos);
+        }
+        Ok(bytes as f64 / f64::from(1 << 20) / t.elapsed().as_secs_f64())
+    };
+    let clean = phase(&mut |n, _, _| n == 12, &mut warns, &mut infos)?;
+    let before: f64 = (0..12).map(part).sum();
+    run("tc", &["qdisc", "add", "dev", "vethB", "clsact"]);
+    run(
+        "tc",
+        &[
+            "filter", "add", "dev", "vethB", "ingress", "protocol", "ip", "prio", "1", "u32",
+            "match", "ip", "protocol", "17", "0xff", "match", "ip", "sport", &port, "0xffff",
+            "action", "drop",
+        ],
+    );
+    let mut warned = None;
+    let dead = phase(
+        &mut |n, w, _| {
+            if warned.is_none() && !w.is_empty() {
+                warned = Some(n);
+            }
+            warned.is_some_and(|at| n >= at + 8)
+        },
+        &mut warns,
+        &mut infos,
+    )?;
+    clear_paths();
+    let lifted = Instant::now();
+    let repairing = phase(
+        &mut |_, _, inf| inf.iter().any(|l| l.contains(" is repaired")),
+        &mut warns,
+        &mut infos,
+    )?;
+    let repaired_in = lifted.elapsed().as_secs_f64();
+    let from = next.get();
+    let after = phase(&mut |n, _, _| n == 24, &mut warns, &mut infos)?;
+    let share_after: f64 = (from..from + 24).map(part).sum();
+    drv.close(Close::Send, send)?;
+    drv.close(Close::Recv, recv)?;
+    drv.finalize(ctx)?;
+    let closed: Vec<String> =
+        take_captured().into_iter().filter(|l| l.0 == 3).map(|l| l.2).collect();
+    let line = closed.iter().find(|l| l.contains("send comm to") && l.contains("closed"));
+    let line = line.ok_or_else(|| format!("no sender statistics line: {closed:#?}"))?;
+    let at_close = line
+        .split(&format!("; QP {lane} sport "))
+        .nth(1)
+        .and_then(|r| r.split(": ").nth(1))
+        .and_then(|r| r.split(" MiB").next())
+        .and_then(|m| m.parse().ok())
+        .ok_or_else(|| format!("no bytes of lane {lane} in {line}"))?;
+    Ok(Repaired {
+        mibs: [clean, dead, repairing, after],
+        repaired_in,
+        lane_mib: (before, at_close),
+        share_after,
+        warns,
+        infos,
+    })
+}
+
 /// Sends `size` bytes over a connected pair as NCCL's proxy drives the two comms from one
 /// thread: each pass posts or tests the send and tests the receive, so that both ends see a
 /// lane fail (the sender moves its chunks, the receiver its CTS rows); the bytes are checked.

@@ -20,11 +20,11 @@ use super::device::{NetDevice, Queue, Watch};
 use super::mr_cache::MemKind;
 use super::net::Net;
 use super::proto::{
-    FIFO_WORDS, Fault, Grant, Post, RECV_SEND_QUEUE, RecvCore, SIZE_WORDS, SendCore, Words,
+    FIFO_AREA, Fault, Grant, Line, Post, RECV_SEND_QUEUE, RecvCore, SIZE_AREA, SendCore, Words,
     recv_grant, send_grant,
 };
 use crate::error::{Error, Result};
-use crate::verbs::{self, Cq, Mr, Qp, RegisteredBuf};
+use crate::verbs::{self, Cq, Mr, Qp, RegisteredBuf, RtrAttr, RtsAttr};
 use crate::wr::{Completion, SendWr};
 
 pub use super::proto::{Buf, FLUSH_BASE, MAX_RECVS, Params, Path, SEND_QUEUE, SLOTS};
@@ -93,10 +93,30 @@ impl Words for RegisteredBuf {
     }
 }
 
+/// How a lane's queue pair was brought up, so that lane repair can bring it up again: the
+/// access it grants and its RTR and RTS attributes (the repair gives new PSNs).
+#[derive(Clone, Copy, Debug)]
+struct Link {
+    access: u32,
+    rtr: RtrAttr,
+    rts: RtsAttr,
+}
+
+/// The links of a comm's lanes: setup's attributes, with the access `grant` gives each.
+fn links(attrs: &[(RtrAttr, RtsAttr)], grant: impl Fn(usize) -> Grant) -> Vec<Link> {
+    let link = |(q, &(rtr, rts)): (usize, &(RtrAttr, RtsAttr))| Link {
+        access: qp_access(grant(q)),
+        rtr,
+        rts,
+    };
+    attrs.iter().enumerate().map(link).collect()
+}
+
 /// A comm's queue pairs as the core's [`Post`]; index `qps.len()` is the flush QP.
 struct Qps<'a> {
     qps: &'a [Qp],
     flush: Option<&'a Qp>,
+    links: &'a [Link],
 }
 
 impl Qps<'_> {
@@ -118,6 +138,14 @@ impl Post for Qps<'_> {
     fn now(&self) -> Duration {
         crate::os::precise_now()
     }
+    fn renew(&mut self, qp: usize, (sq_psn, rq_psn): (u32, u32)) -> Result<()> {
+        let l = self.links.get(qp).ok_or_else(|| Error::Internal(format!("no lane {qp}")))?;
+        let q = self.qp(qp)?;
+        q.to_reset()?;
+        q.to_init(l.rtr.port, l.access)?;
+        q.to_rtr(&RtrAttr { rq_psn, ..l.rtr })?;
+        q.to_rts(&RtsAttr { sq_psn, ..l.rts })
+    }
 }
 
 /// One end's core, as the progress loop feeds it.
@@ -135,6 +163,7 @@ trait Drain {
 struct SendDrain<'a> {
     core: &'a mut SendCore,
     stage: &'a RegisteredBuf,
+    fifo: &'a RegisteredBuf,
 }
 
 impl Drain for SendDrain<'_> {
@@ -150,7 +179,7 @@ impl Drain for SendDrain<'_> {
         self.core.lane_error(lane, why)
     }
     fn idle(&mut self, now: Duration, elsewhere: Option<Fault>, io: &mut Qps) -> Result<()> {
-        self.core.idle(now, elsewhere, io, self.stage)
+        self.core.idle(now, elsewhere, io, (self.fifo, self.stage))
     }
 }
 
@@ -279,6 +308,14 @@ impl Life {
     }
 }
 
+/// Logs a line the core left.
+fn log(l: Line) {
+    match l {
+        Line::Warn(w) => log::warn!("{w}"),
+        Line::Info(i) => log::info!("{i}"),
+    }
+}
+
 /// The core's parameters for a comm on `net`'s device with these QPs.
 fn params(net: &Net, qps: &[Qp], split: bool, max_msg: u64, path: &Path) -> Params {
     Params {
@@ -291,6 +328,11 @@ fn params(net: &Net, qps: &[Qp], split: bool, max_msg: u64, path: &Path) -> Para
         mark: super::proto::MARK_BYTES,
         path_aware: net.config.path_aware,
         timed_from: super::proto::TIMED_FROM,
+        repair: super::proto::Repair {
+            attempts: net.config.repair_attempts,
+            delay: net.config.repair_delay,
+            timeout: net.config.repair_timeout,
+        },
         path: path.clone(),
     }
 }
@@ -306,6 +348,7 @@ pub struct SendComm {
     sizes_stage: RegisteredBuf,
     pub path: Path,
     qps: Vec<Qp>,
+    links: Vec<Link>,
     cq: Arc<Cq>,
     watch: Watch,
     life: Life,
@@ -331,8 +374,8 @@ impl SendParts {
         // The CTS FIFO is registered without IBV_ACCESS_RELAXED_ORDERING, always: isend reads an
         // entry as valid once its last word (idx) has landed, which is only sound if the
         // receiver's RDMA write lands in order. Relaxed ordering is for NCCL's buffers only.
-        let fifo = RegisteredBuf::new(&d.pd, FIFO_WORDS * 8, CONTROL_IN)?;
-        let sizes_stage = RegisteredBuf::new(&d.pd, SIZE_WORDS * 8, STAGE)?;
+        let fifo = RegisteredBuf::new(&d.pd, FIFO_AREA * 8, CONTROL_IN)?;
+        let sizes_stage = RegisteredBuf::new(&d.pd, SIZE_AREA * 8, STAGE)?;
         Ok(SendParts { qps, cq, fifo, sizes_stage })
     }
 }
@@ -341,6 +384,7 @@ impl SendComm {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         parts: SendParts,
+        attrs: &[(RtrAttr, RtsAttr)],
         net: Arc<Net>,
         dev: usize,
         path: Path,
@@ -357,6 +401,7 @@ impl SendComm {
             sizes_stage: parts.sizes_stage,
             path,
             qps: parts.qps,
+            links: links(attrs, send_grant),
             cq: parts.cq,
             watch,
             life: Life::start(&net, dev),
@@ -372,10 +417,10 @@ impl SendComm {
 
     /// Matches a send against the receiver's posted buffers. `Ok(None)`: not yet.
     pub fn isend(&mut self, buf: Buf, tag: i32) -> Result<Option<usize>> {
-        let mut io = Qps { qps: &self.qps, flush: None };
+        let mut io = Qps { qps: &self.qps, flush: None, links: &self.links };
         let r = self.core.isend(&self.fifo, &self.sizes_stage, &mut io, buf, tag)?;
-        while let Some(w) = self.core.take_warning() {
-            log::warn!("{w}");
+        while let Some(l) = self.core.take_line() {
+            log(l);
         }
         if r.is_none() {
             self.progress()?; // what frees a slot or the send queue is a completion
@@ -384,12 +429,13 @@ impl SendComm {
     }
 
     pub fn progress(&mut self) -> Result<()> {
-        let mut io = Qps { qps: &self.qps, flush: None };
+        let mut io = Qps { qps: &self.qps, flush: None, links: &self.links };
         let dev = &self.net.devices[self.dev];
-        let mut side = SendDrain { core: &mut self.core, stage: &self.sizes_stage };
+        let mut side =
+            SendDrain { core: &mut self.core, stage: &self.sizes_stage, fifo: &self.fifo };
         let r = progress(&self.cq, dev, &self.watch, &mut side, &mut io);
-        while let Some(w) = self.core.take_warning() {
-            log::warn!("{w}");
+        while let Some(l) = self.core.take_line() {
+            log(l);
         }
         self.life.tick("send comm to", self.core.traffic(), &self.path, dev);
         r
@@ -442,6 +488,7 @@ pub struct RecvComm {
     pub path: Path,
     flusher: Option<Flusher>,
     qps: Vec<Qp>,
+    links: Vec<Link>,
     cq: Arc<Cq>,
     watch: Watch,
     life: Life,
@@ -475,16 +522,18 @@ impl RecvParts {
             max_inline: INLINE,
         };
         let qps = create_qps(d, &cq, nqps, caps, |q| recv_grant(q, nqps))?;
-        let cts_stage = RegisteredBuf::new(&d.pd, FIFO_WORDS * 8, STAGE)?;
-        let sizes = RegisteredBuf::new(&d.pd, SIZE_WORDS * 8, CONTROL_IN)?;
+        let cts_stage = RegisteredBuf::new(&d.pd, FIFO_AREA * 8, STAGE)?;
+        let sizes = RegisteredBuf::new(&d.pd, SIZE_AREA * 8, CONTROL_IN)?;
         Ok(RecvParts { qps, cq, cts_stage, sizes })
     }
 }
 
 impl RecvComm {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         parts: RecvParts,
         flusher: Option<Flusher>,
+        attrs: &[(RtrAttr, RtsAttr)],
         net: Arc<Net>,
         dev: usize,
         path: Path,
@@ -492,6 +541,7 @@ impl RecvComm {
         remote_fifo: (u64, u32),
     ) -> Box<RecvComm> {
         // The receiver only sends CTS rows and probes, on QP 0; all its QPs are created alike.
+        let nqps = parts.qps.len();
         let core = RecvCore::new(params(&net, &parts.qps, split, 0, &path), remote_fifo);
         let qps: Vec<&Qp> = parts.qps.iter().chain(flusher.as_ref().map(|f| &f.qp)).collect();
         let name = format!("receive comm from {}", path.peer);
@@ -503,6 +553,7 @@ impl RecvComm {
             path,
             flusher,
             qps: parts.qps,
+            links: links(attrs, |q| recv_grant(q, nqps)),
             cq: parts.cq,
             watch,
             life: Life::start(&net, dev),
@@ -527,7 +578,7 @@ impl RecvComm {
         if polled {
             self.progress()?;
         }
-        let mut io = Qps { qps: &self.qps, flush: None };
+        let mut io = Qps { qps: &self.qps, flush: None, links: &self.links };
         let r = self.core.irecv(&self.cts_stage, &self.sizes, &mut io, bufs, optional)?;
         if r.is_none() && !polled {
             self.progress()?;
@@ -543,7 +594,7 @@ impl RecvComm {
         let force = self.net.config.force_flush;
         let target = bufs.iter().rev().find(|b| b.size > 0 && (force || !b.host));
         let (Some(f), Some(&b)) = (&self.flusher, target) else { return Ok(None) };
-        let mut io = Qps { qps: &self.qps, flush: Some(&f.qp) };
+        let mut io = Qps { qps: &self.qps, flush: Some(&f.qp), links: &self.links };
         let scratch = (f.target.addr(0), f.target.lkey());
         self.core.iflush(&mut io, b, scratch).map(Some)
     }
@@ -551,11 +602,11 @@ impl RecvComm {
     pub fn progress(&mut self) -> Result<()> {
         let mut side =
             RecvDrain { core: &mut self.core, stage: &self.cts_stage, sizes: &self.sizes };
-        let mut io = Qps { qps: &self.qps, flush: None };
+        let mut io = Qps { qps: &self.qps, flush: None, links: &self.links };
         let dev = &self.net.devices[self.dev];
         let r = progress(&self.cq, dev, &self.watch, &mut side, &mut io);
-        while let Some(w) = self.core.take_warning() {
-            log::warn!("{w}");
+        while let Some(l) = self.core.take_line() {
+            log(l);
         }
         self.life.tick("receive comm from", self.core.traffic(), &self.path, dev);
         r

@@ -63,7 +63,10 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::wr::{Completion, MAX_CHAIN, Op, SendWr, status_name};
 
+mod mend;
 mod place;
+
+pub use mend::Policy as Repair;
 
 /// Messages of this many bytes and more are timed for path-aware placement (a comm's
 /// [`Params::timed_from`]).
@@ -80,6 +83,10 @@ const ENTRY_WORDS: usize = ENTRY / 8;
 /// entries (entry 0 of every slot, dense, so that a batch of consecutive rows is one small
 /// write), then the other entries of multi-receives, `MAX_RECVS - 1` per slot.
 pub const FIFO_WORDS: usize = SLOTS * MAX_RECVS * ENTRY_WORDS;
+/// After the FIFO, the sender's mailbox word: the receiver's answers about lane repair.
+const FIFO_MAIL: usize = FIFO_WORDS;
+/// The FIFO and its mailbox word (and the receiver's staging area, which mirrors them).
+pub const FIFO_AREA: usize = FIFO_WORDS + 1;
 /// Most rows one CTS batch carries: their head entries are one write of 256 bytes, inline.
 pub const BATCH: u64 = 8;
 /// The receiver writes its staged rows at `irecv` once the sender holds at most this many
@@ -98,6 +105,10 @@ const ACK_EVERY: u64 = 8;
 pub const SIZE_WORDS: usize = SLOTS * MAX_RECVS + 1;
 /// The word of the size records that holds the last optional row the sender consumed.
 const ACK_WORD: usize = SLOTS * MAX_RECVS;
+/// After the size records, the receiver's mailbox word: the sender's lane repair requests.
+const SIZE_MAIL: usize = SIZE_WORDS;
+/// The size records and the mailbox word (and the sender's staging area, which mirrors them).
+pub const SIZE_AREA: usize = SIZE_WORDS + 1;
 /// Flag in a CTS entry's `nreqs` word: the receiver wants no completion.
 const CTS_OPTIONAL: u64 = 1 << 8;
 /// The sender's send-queue depth per QP; a slot whose chain does not fit waits.
@@ -139,6 +150,9 @@ pub const WR_PROBE: u64 = 5 << 32;
 /// A signaled data write in the middle of a long chain: progress the watchdog and the prober
 /// can see while a large message is still on the wire.
 pub const WR_MARK: u64 = 6 << 32;
+/// A write into the peer's mailbox word (lane repair), and the probe of a rebuilt lane.
+pub const WR_MAIL: u64 = 7 << 32;
+pub const WR_MEND: u64 = 8 << 32;
 /// The most bytes of one message a lane sends without a signaled write: the data write that
 /// reaches this many unsignaled bytes is signaled (a [`WR_MARK`]), and no single write is
 /// larger.
@@ -151,6 +165,16 @@ fn wr_id(kind: u64, lane: usize, slot: usize) -> u64 {
 /// A sender's data work request: also the chunk it carries (bits 16-23).
 fn data_wr_id(kind: u64, lane: usize, slot: usize, chunk: usize) -> u64 {
     wr_id(kind, lane, slot) | (chunk as u64 & 0xff) << 16
+}
+
+/// A work request of the `life`-th life of its lane: each repair of a lane starts a new one,
+/// and the completions of an earlier one are ignored (bits 24-31).
+fn tagged(id: u64, life: u8) -> u64 {
+    id | u64::from(life) << 24
+}
+
+fn wr_life(id: u64) -> u8 {
+    (id >> 24) as u8
 }
 
 fn wr_chunk(id: u64) -> usize {
@@ -258,6 +282,10 @@ pub trait Post {
     fn now(&self) -> Duration {
         Duration::ZERO
     }
+    /// Rebuilds lane `qp`'s queue pair for lane repair: through RESET (its posted work is
+    /// dropped, without completions) back to RTS towards the same peer QP, sending from PSN
+    /// `psns.0` and expecting `psns.1`.
+    fn renew(&mut self, qp: usize, psns: (u32, u32)) -> Result<()>;
 }
 
 /// A local buffer registered for a transfer: its address range, keys, and whether the CPU may
@@ -436,6 +464,13 @@ fn completion_why(c: &Completion) -> String {
     format!("{} (status {})", status_name(c.status), c.status)
 }
 
+/// A line for the log: what failed (WARN), or what came back (INFO).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Line {
+    Warn(String),
+    Info(String),
+}
+
 /// Where a comm's traffic goes, for error messages and statistics.
 #[derive(Clone, Debug, Default)]
 pub struct Path {
@@ -520,8 +555,11 @@ pub struct Traffic {
     pub errors: Vec<u64>,
     /// The sender's estimate of each QP's path: bytes per second retired while busy.
     pub rate: Vec<Option<f64>>,
-    /// The lanes taken out (their path or queue pair failed): they stay out.
+    /// The lanes out now (their path or queue pair failed), those that stay out (every repair
+    /// attempt failed, or repair is off), and how often each was repaired.
     pub down: Vec<bool>,
+    pub kept_out: Vec<bool>,
+    pub repaired: Vec<u64>,
 }
 
 impl Traffic {
@@ -534,6 +572,8 @@ impl Traffic {
             errors: vec![0; nqps],
             rate: vec![None; nqps],
             down: vec![false; nqps],
+            kept_out: vec![false; nqps],
+            repaired: vec![0; nqps],
         }
     }
 
@@ -576,6 +616,8 @@ impl Prober {
 /// the liveness prober.
 struct Health {
     fatal: Option<Fault>,
+    /// Per lane: its life, tagged into every work request posted on it ([`tagged`]).
+    life: Vec<u8>,
     watchdog: Watchdog,
     prober: Prober,
     path: Path,
@@ -587,6 +629,7 @@ impl Health {
         Health {
             traffic: Traffic::new(p.nqps),
             fatal: None,
+            life: vec![0; p.nqps],
             watchdog: Watchdog::new(p.progress_timeout),
             prober: Prober { interval: p.probe_interval, activity: 0, quiet: None, out: 0 },
             path: p.path.clone(),
@@ -662,7 +705,7 @@ impl Health {
         }
         for lane in (0..MAX_CHUNKS).filter(|&q| lanes & (1 << q) != 0) {
             let probe = SendWr {
-                wr_id: wr_id(WR_PROBE, lane, 0),
+                wr_id: tagged(wr_id(WR_PROBE, lane, 0), self.life[lane]),
                 signaled: true,
                 remote_addr: target.0,
                 rkey: target.1,
@@ -758,6 +801,8 @@ pub struct Params {
     pub path_aware: bool,
     /// Messages of this many bytes and up are timed for placement ([`TIMED_FROM`]).
     pub timed_from: u64,
+    /// Lane repair (`NCCL_IB_RESILIENCY_PORT_RECOVERY_*`).
+    pub repair: Repair,
     pub path: Path,
 }
 
@@ -806,6 +851,8 @@ pub struct SendCore {
     spread: usize,
     /// Per lane: its chunks in flight and measured rate.
     lanes: Vec<place::Lane>,
+    /// The repair of failed lanes.
+    mend: mend::Mend,
     /// The precise time of the last timed post or batch of completions (path-aware with
     /// several lanes only; else never read), and the state of the lane draw.
     clock: Option<Duration>,
@@ -821,7 +868,7 @@ pub struct SendCore {
     /// A send of this comm was truncated (reported once).
     truncated: bool,
     /// Warnings for the log not yet taken: the first truncation, each lane that failed.
-    warnings: VecDeque<String>,
+    warnings: VecDeque<Line>,
 }
 
 impl SendCore {
@@ -841,6 +888,7 @@ impl SendCore {
             resend: VecDeque::new(),
             spread: 0,
             lanes: (0..p.nqps).map(|_| place::Lane::new()).collect(),
+            mend: mend::Mend::new(p.nqps, p.repair),
             clock: None,
             draw: 0x9e37_79b9_7f4a_7c15,
             wants_cts: false,
@@ -853,8 +901,8 @@ impl SendCore {
         }
     }
 
-    /// A warning for the log: the first truncated send, and each lane that failed.
-    pub fn take_warning(&mut self) -> Option<String> {
+    /// A line for the log: the first truncated send, each lane that failed or came back.
+    pub fn take_line(&mut self) -> Option<Line> {
         self.warnings.pop_front()
     }
 
@@ -1022,12 +1070,12 @@ impl SendCore {
         if buf.size > row[r].size {
             if !self.truncated {
                 self.truncated = true;
-                self.warnings.push_back(format!(
+                self.warnings.push_back(Line::Warn(format!(
                     "send of {} bytes (tag {tag}) to {} is larger than the posted receive of {} \
                      bytes: truncated to {} bytes, as NCCL's own transport does (a size mismatch \
                      between the ranks' calls; later truncations on this comm are not reported)",
                     buf.size, self.p.path.peer, row[r].size, row[r].size
-                ));
+                )));
             }
             buf.size = row[r].size;
         }
@@ -1155,7 +1203,8 @@ impl SendCore {
         let sizes: [u64; MAX_RECVS] = std::array::from_fn(|r| s.bufs[r].map_or(0, |b| b.size));
         let size = if optional { None } else { size_in_imm(&sizes[..nreqs]) };
         let single = size.is_some();
-        let id = data_wr_id(WR_SEND, q, slot, c);
+        let life = self.health.life[q];
+        let id = tagged(data_wr_id(WR_SEND, q, slot, c), life);
         let parts: [(u64, u64); MAX_RECVS] = std::array::from_fn(|r| {
             s.bufs[r].map_or((0, 0), |b| self.part(slot, b.size, split, c))
         });
@@ -1176,7 +1225,11 @@ impl SendCore {
                 chain.push(
                     io,
                     SendWr {
-                        wr_id: if mark { data_wr_id(WR_MARK, q, slot, c) } else { id },
+                        wr_id: if mark {
+                            tagged(data_wr_id(WR_MARK, q, slot, c), life)
+                        } else {
+                            id
+                        },
                         op: Op::Write,
                         signaled: mark,
                         local: Some((b.addr + at, n as u32, b.lkey)),
@@ -1338,18 +1391,129 @@ impl SendCore {
         }
         let live = (0..nqps).filter(|&q| self.alive & (1 << q) != 0).count();
         let what = format!("the send comm to {}", self.p.path.peer);
-        let then = format!("its {chunks} chunk(s) in flight go again on the {live} lane(s) left");
-        self.warnings.push_back(lane_warning(&self.p.path, &what, lane, why, &then));
+        let repair = if self.mend.failed(lane) {
+            format!("; it is rebuilt in {} ms", self.p.repair.delay.as_millis())
+        } else {
+            self.health.traffic.kept_out[lane] = true;
+            "; it stays out (lane repair is off)".to_string()
+        };
+        let then =
+            format!("its {chunks} chunk(s) in flight go again on the {live} lane(s) left{repair}");
+        self.warnings.push_back(Line::Warn(lane_warning(&self.p.path, &what, lane, why, &then)));
+    }
+
+    /// Lane `lane`'s repair attempt failed (`why`): the next follows, or the lane stays out.
+    fn attempt_failed(&mut self, lane: usize, why: &str) {
+        let tries = self.mend.tries(lane) + 1;
+        let sport = self.p.path.sports.get(lane).copied().unwrap_or(0);
+        let peer = &self.p.path.peer;
+        if self.mend.failed(lane) {
+            self.warnings.push_back(Line::Info(format!(
+                "repair attempt {tries} of lane {lane} (UDP source port {sport}) of the send \
+                 comm to {peer} failed: {why}; the next in {} ms",
+                (self.p.repair.delay * (1 << tries.min(16))).as_millis()
+            )));
+            return;
+        }
+        self.health.traffic.kept_out[lane] = true;
+        self.warnings.push_back(Line::Warn(format!(
+            "lane {lane} (UDP source port {sport}) of the send comm to {peer} stays out: {tries} \
+             repair attempt(s) failed (NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX), the last \
+             as {why}. Its path still fails: check the link or ECMP member that carries this \
+             source port on {}",
+            self.p.path.describe
+        )));
+    }
+
+    /// Lane repair after an idle poll: attempts whose wait ran out fail; a lane whose peer end
+    /// is rebuilt gets its probe; the next due attempt rebuilds our end and asks the peer,
+    /// through a live lane, to rebuild its own.
+    fn repair(&mut self, now: Duration, fifo: &impl Words, stage: &impl Words, io: &mut impl Post) {
+        while let Some((lane, why)) = self.mend.tick(now) {
+            self.attempt_failed(lane, why);
+        }
+        let target = self.remote_sizes;
+        if let Some(lane) = self.mend.answered(fifo.load(FIFO_MAIL)) {
+            let probe = SendWr {
+                wr_id: tagged(wr_id(WR_MEND, lane, 0), self.health.life[lane]),
+                signaled: true,
+                remote_addr: target.0,
+                rkey: target.1,
+                ..SendWr::default()
+            };
+            match io.send(lane, &[probe]) {
+                Ok(()) => {
+                    self.sq[lane].posted(1, true);
+                    self.mend.proving(lane, now);
+                }
+                Err(e) => self.attempt_failed(lane, &format!("its probe was refused: {e}")),
+            }
+        }
+        let Some(lane) = self.mend.due(now) else { return };
+        let ctl = self.control_lane();
+        if self.alive & (1 << ctl) == 0 || !self.sq[ctl].fits(1) {
+            return; // no live lane to ask through, or no room on it yet
+        }
+        let seq = self.mend.ask(lane, now);
+        if let Err(e) = io.renew(lane, mend::psns(seq)) {
+            return self.attempt_failed(lane, &format!("rebuilding its queue pair failed: {e}"));
+        }
+        self.health.life[lane] = self.health.life[lane].wrapping_add(1);
+        self.sq[lane] = SqCount::new(SEND_QUEUE);
+        stage.store(SIZE_MAIL, mend::Msg::Ask { lane, seq }.encode());
+        let ask = SendWr {
+            wr_id: tagged(wr_id(WR_MAIL, ctl, 0), self.health.life[ctl]),
+            op: Op::Write,
+            signaled: true,
+            local: Some((stage.addr(SIZE_MAIL), 8, stage.lkey())),
+            remote_addr: target.0 + (SIZE_MAIL * 8) as u64,
+            rkey: target.1,
+            inline: 8 <= self.p.max_inline,
+        };
+        match io.send(ctl, &[ask]) {
+            Ok(()) => self.sq[ctl].posted(1, true),
+            Err(e) => self.attempt_failed(lane, &format!("the request was refused: {e}")),
+        }
+    }
+
+    /// The probe of rebuilt lane `lane` completed (`c`): the lane rejoins, or the attempt
+    /// failed.
+    fn proven(&mut self, lane: usize, c: &Completion) {
+        if !matches!(self.mend.stage[lane], mend::Stage::Proving { .. }) {
+            return;
+        }
+        if c.status != 0 {
+            return self.attempt_failed(lane, &format!("its probe failed: {}", completion_why(c)));
+        }
+        self.sq[lane].completed();
+        self.mend.proven(lane);
+        self.alive |= 1 << lane;
+        self.lanes[lane] = place::Lane::new();
+        let t = &mut self.health.traffic;
+        t.down[lane] = false;
+        t.repaired[lane] += 1;
+        let sport = self.p.path.sports.get(lane).copied().unwrap_or(0);
+        self.warnings.push_back(Line::Info(format!(
+            "lane {lane} (UDP source port {sport}) of the send comm to {} is repaired: a new \
+             queue pair at both ends, proven by a probe; it carries traffic again",
+            self.p.path.peer
+        )));
     }
 
     /// Takes in one completion of the comm's CQ.
     pub fn complete(&mut self, c: &Completion) {
         let lane = wr_lane(c.wr_id) % self.p.nqps;
+        if wr_life(c.wr_id) != self.health.life[lane] {
+            return; // work of an earlier life of a rebuilt lane: dropped, or sent again
+        }
+        let kind = wr_kind(c.wr_id);
+        if kind == WR_MEND {
+            return self.proven(lane, c);
+        }
         if c.status != 0 && self.lane_failed(lane, c) {
             return;
         }
-        let kind = wr_kind(c.wr_id);
-        if c.status == 0 && matches!(kind, WR_SEND | WR_MARK | WR_PROBE) {
+        if c.status == 0 && matches!(kind, WR_SEND | WR_MARK | WR_PROBE | WR_MAIL) {
             self.sq[lane].completed();
         }
         if !self.health.completion(c) {
@@ -1382,17 +1546,19 @@ impl SendCore {
     }
 
     /// After a poll found no more completions at `now` (any monotonic clock): chunks of a
-    /// failed lane go again on live ones, then the watchdog, the device, and a liveness probe
-    /// (on the first live lane) if the sender has been waiting quietly.
+    /// failed lane go again on live ones, failed lanes are repaired ([`mend`]), then the
+    /// watchdog, the device, and a liveness probe (on every live lane) if the sender has been
+    /// waiting quietly. `fifo` holds the receiver's answers, `stage` the sender's requests.
     pub fn idle(
         &mut self,
         now: Duration,
         elsewhere: Option<Fault>,
         io: &mut impl Post,
-        stage: &impl Words,
+        (fifo, stage): (&impl Words, &impl Words),
     ) -> Result<()> {
         if self.health.fatal.is_none() {
             self.resend(stage, io)?;
+            self.repair(now, fifo, stage, io);
         }
         for (q, l) in self.lanes.iter().enumerate() {
             self.health.traffic.rate[q] = l.rate;
@@ -1474,12 +1640,17 @@ pub struct RecvCore {
     sq: Vec<SqCount>,
     /// The lanes whose path still answers our CTS writes and probes.
     alive: u128,
+    /// The lane that carries CTS rows, probes and repair answers: a live one, moved only when
+    /// it fails or is rebuilt (rows that moved must not overtake each other).
+    ctl: usize,
+    /// The last repair request served.
+    served: Option<u16>,
     /// Where batches are built before posting.
     chain: Box<[SendWr; MAX_CHAIN]>,
     /// Receive WQEs posted on each lane and not yet used.
     pool: Vec<usize>,
     /// Warnings for the log not yet taken: each lane that failed.
-    warnings: VecDeque<String>,
+    warnings: VecDeque<Line>,
     health: Health,
 }
 
@@ -1554,6 +1725,8 @@ impl RecvCore {
             consumed: 0,
             sq: (0..p.nqps).map(|_| SqCount::new(RECV_SEND_QUEUE)).collect(),
             alive: lanes_mask(p.nqps),
+            ctl: 0,
+            served: None,
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
             pool: vec![0; p.nqps],
             warnings: VecDeque::new(),
@@ -1649,9 +1822,9 @@ impl RecvCore {
         Ok(Some(slot))
     }
 
-    /// The first live lane: the one for CTS rows and probes.
+    /// The lane for CTS rows, probes and repair answers.
     fn control_lane(&self) -> usize {
-        first_live(self.alive, self.p.nqps)
+        self.ctl
     }
 
     /// A failed completion on lane `lane`: `true` if it is the lane's failure (our CTS write or
@@ -1663,7 +1836,7 @@ impl RecvCore {
         if self.alive & bit == 0 {
             return true;
         }
-        let ours = matches!(wr_kind(c.wr_id), WR_CTS | WR_PROBE);
+        let ours = matches!(wr_kind(c.wr_id), WR_CTS | WR_PROBE | WR_MAIL);
         if !ours || c.status != 12 || self.alive & !bit == 0 || self.health.fatal.is_some() {
             return false;
         }
@@ -1688,8 +1861,22 @@ impl RecvCore {
 
     /// Takes lane `lane` out; where it carried the CTS rows, they go again on the next.
     fn drop_lane(&mut self, lane: usize, why: &str, sizes: &impl Words) {
+        let control = lane == self.ctl;
+        self.forget(lane, sizes);
+        self.health.lane_lost(lane);
+        let what = format!("the receive comm from {}", self.p.path.peer);
+        let then = if control {
+            format!("its CTS rows move to lane {}", self.ctl)
+        } else {
+            format!("it carried no CTS rows; they stay on lane {}", self.ctl)
+        };
+        self.warnings.push_back(Line::Warn(lane_warning(&self.p.path, &what, lane, why, &then)));
+    }
+
+    /// Lane `lane` is out (failed, or about to be rebuilt): its signaled work in flight will
+    /// not complete, and where it carried the CTS rows, they go again on the next live lane.
+    fn forget(&mut self, lane: usize, sizes: &impl Words) {
         let bit = 1u128 << lane;
-        let control = lane == self.control_lane();
         self.alive &= !bit;
         // The signaled CTS writes in flight on the lane will not complete now (a probe among
         // them is the prober's).
@@ -1698,21 +1885,74 @@ impl RecvCore {
             self.health.watchdog.completed(true);
         }
         self.sq[lane].signaled.clear();
-        self.health.lane_lost(lane);
-        let what = format!("the receive comm from {}", self.p.path.peer);
-        let then = if control {
+        if lane == self.ctl {
             // Every row the sender may not have consumed is written again (the same bytes:
             // the sender takes a row by its idx, once).
             self.advertised = self.advertised.min(self.known_consumed(sizes));
-            format!("its CTS rows move to lane {}", self.control_lane())
-        } else {
-            format!("it carried no CTS rows; they stay on lane {}", self.control_lane())
-        };
-        self.warnings.push_back(lane_warning(&self.p.path, &what, lane, why, &then));
+            self.ctl = first_live(self.alive, self.p.nqps);
+        }
     }
 
-    /// A warning for the log: each lane whose path failed our CTS rows or probes.
-    pub fn take_warning(&mut self) -> Option<String> {
+    /// Serves the sender's repair request in the mailbox word of `sizes`, once: rebuilds our
+    /// end of its lane (moving the CTS rows off it first, where another lane lives), posts
+    /// the lane's receives again, and answers through the control lane.
+    fn serve(&mut self, stage: &impl Words, sizes: &impl Words, io: &mut impl Post) -> Result<()> {
+        let Some(mend::Msg::Ask { lane, seq }) = mend::Msg::decode(sizes.load(SIZE_MAIL)) else {
+            return Ok(());
+        };
+        let bit = 1u128 << lane;
+        if self.served == Some(seq) || lane >= self.p.nqps {
+            return Ok(());
+        }
+        let ctl =
+            if self.ctl == lane { first_live(self.alive & !bit, self.p.nqps) } else { self.ctl };
+        if ctl != lane && !self.sq[ctl].fits(1) {
+            return Ok(()); // no room for the answer yet
+        }
+        self.served = Some(seq);
+        if self.alive & bit != 0 || self.ctl == lane {
+            self.forget(lane, sizes);
+            self.health.prober.out &= !bit;
+        }
+        let (send, recv) = mend::psns(seq);
+        if let Err(e) = io.renew(lane, (recv, send)) {
+            let what = format!("the receive comm from {}", self.p.path.peer);
+            let why = format!("rebuilding its queue pair failed: {e}");
+            let then = "the sender's repair attempt fails".to_string();
+            let w = lane_warning(&self.p.path, &what, lane, &why, &then);
+            self.warnings.push_back(Line::Warn(w));
+            return Ok(());
+        }
+        self.health.life[lane] = self.health.life[lane].wrapping_add(1);
+        self.sq[lane] = SqCount::new(RECV_SEND_QUEUE);
+        self.pool[lane] = 0;
+        self.alive |= bit;
+        if self.alive & (1 << self.ctl) == 0 {
+            self.ctl = lane;
+        }
+        let t = &mut self.health.traffic;
+        t.down[lane] = false;
+        t.repaired[lane] += 1;
+        self.refill(io)?;
+        let ctl = self.ctl;
+        stage.store(FIFO_MAIL, mend::Msg::Done { lane, seq }.encode());
+        let done = SendWr {
+            wr_id: tagged(wr_id(WR_MAIL, ctl, 0), self.health.life[ctl]),
+            op: Op::Write,
+            signaled: true,
+            local: Some((stage.addr(FIFO_MAIL), 8, stage.lkey())),
+            remote_addr: self.remote_fifo.0 + (FIFO_MAIL * 8) as u64,
+            rkey: self.remote_fifo.1,
+            inline: 8 <= self.p.max_inline,
+        };
+        io.send(ctl, &[done]).map_err(|e| self.health.post_failed(e))?;
+        self.sq[ctl].posted(1, true);
+        Ok(())
+    }
+
+    /// A line for the log: each lane whose path failed our CTS rows or probes, or that the
+    /// sender had rebuilt.
+    pub fn take_line(&mut self) -> Option<Line> {
         self.warnings.pop_front()
     }
 
@@ -1721,7 +1961,8 @@ impl RecvCore {
         let want = recv_pool(self.p.nqps);
         for (q, n) in self.pool.iter_mut().enumerate() {
             while self.alive & (1 << q) != 0 && *n < want {
-                io.recv(q, wr_id(WR_RECV, q, 0)).map_err(|e| self.health.post_failed(e))?;
+                let id = tagged(wr_id(WR_RECV, q, 0), self.health.life[q]);
+                io.recv(q, id).map_err(|e| self.health.post_failed(e))?;
                 *n += 1;
             }
         }
@@ -1758,7 +1999,7 @@ impl RecvCore {
             let first = (self.advertised % SLOTS as u64) as usize;
             let remote = |w: usize| self.remote_fifo.0 + (w * 8) as u64;
             let write = |w: usize, entries: usize| SendWr {
-                wr_id: wr_id(WR_CTS, lane, 0),
+                wr_id: tagged(wr_id(WR_CTS, lane, 0), self.health.life[lane]),
                 op: Op::Write,
                 signaled: false,
                 local: Some((stage.addr(w), (entries * ENTRY) as u32, stage.lkey())),
@@ -1838,10 +2079,16 @@ impl RecvCore {
     pub fn complete(&mut self, c: &Completion, sizes: &impl Words) {
         let kind = wr_kind(c.wr_id);
         let lane = wr_lane(c.wr_id) % self.p.nqps.max(1);
+        // Work of an earlier life of a rebuilt lane is dropped: only a chunk that landed counts
+        // (counting is idempotent), and not against the lane's new pool.
+        let stale = kind != WR_FLUSH && wr_life(c.wr_id) != self.health.life[lane];
+        if stale && !(c.status == 0 && kind == WR_RECV) {
+            return;
+        }
         if c.status != 0 && kind != WR_FLUSH && self.lane_failed(lane, c, sizes) {
             return;
         }
-        if c.status == 0 && (kind == WR_CTS || kind == WR_PROBE) {
+        if c.status == 0 && matches!(kind, WR_CTS | WR_PROBE | WR_MAIL) {
             self.sq[lane].completed();
         }
         if !self.health.completion(c) {
@@ -1852,7 +2099,7 @@ impl RecvCore {
             WR_RECV => {
                 // A WQE of the lane's pool was used; the immediate names the slot and chunk.
                 let q = wr_lane(c.wr_id);
-                if let Some(n) = self.pool.get_mut(q) {
+                if let Some(n) = self.pool.get_mut(q).filter(|_| !stale) {
                     *n = n.saturating_sub(1);
                 }
                 let imm = Imm::decode(c.imm.unwrap_or(0));
@@ -1908,6 +2155,7 @@ impl RecvCore {
                 self.flushes[i] = State::Done;
                 self.health.watchdog.completed(true);
             }
+            WR_MAIL => {}
             _ => self.health.watchdog.completed(true), // the signaled CTS write
         }
     }
@@ -1924,6 +2172,7 @@ impl RecvCore {
         sizes: &impl Words,
     ) -> Result<()> {
         if self.health.fatal.is_none() {
+            self.serve(stage, sizes, io)?;
             if self.waiting > 0 {
                 self.refill(io)?;
             }

@@ -146,13 +146,19 @@ fn endpoint(net: &Net, dev: usize, qps: &[verbs::Qp], buf: &RegisteredBuf) -> Re
 
 /// RTR then RTS of each QP along the plan: towards its remote QP, with its flow label (so its
 /// UDP source port), the plan's traffic class and service level. The path MTU is the smaller
-/// of the two ports' active MTUs.
-fn connect_qps(net: &Net, dev: usize, qps: &[verbs::Qp], plan: &QpPlan) -> Result<()> {
+/// of the two ports' active MTUs. The attributes each QP got, for lane repair.
+fn connect_qps(
+    net: &Net,
+    dev: usize,
+    qps: &[verbs::Qp],
+    plan: &QpPlan,
+) -> Result<Vec<(RtrAttr, RtsAttr)>> {
     let d = &net.devices[dev];
     let gid = gid_of(net, dev)?;
     let c = &net.config;
+    let mut links = Vec::with_capacity(qps.len());
     for (i, qp) in qps.iter().enumerate() {
-        qp.to_rtr(&RtrAttr {
+        let rtr = RtrAttr {
             port: d.port,
             path_mtu: d.active_mtu.min(u32::from(plan.remote_mtu)),
             dest_qpn: plan.remote_qpns[i],
@@ -161,14 +167,19 @@ fn connect_qps(net: &Net, dev: usize, qps: &[verbs::Qp], plan: &QpPlan) -> Resul
             flow_label: ecmp::label_of_port(plan.sports[i]),
             traffic_class: plan.traffic_class,
             sl: plan.sl,
-        })?;
-        qp.to_rts(&RtsAttr {
+            rq_psn: 0,
+        };
+        let rts = RtsAttr {
             timeout: c.ib_timeout,
             retry_cnt: c.ib_retry_cnt,
             rnr_retry: c.rnr_retry,
-        })?;
+            sq_psn: 0,
+        };
+        qp.to_rtr(&rtr)?;
+        qp.to_rts(&rts)?;
+        links.push((rtr, rts));
     }
-    Ok(())
+    Ok(links)
 }
 
 /// What to show when this connection fails, and its INFO line; `peer` names the peer.
@@ -277,6 +288,7 @@ struct Conn {
 struct Accepted {
     parts: RecvParts,
     flusher: Option<Flusher>,
+    links: Vec<(RtrAttr, RtsAttr)>,
 }
 
 impl Listener {
@@ -444,6 +456,7 @@ impl Listener {
         RecvComm::new(
             acc.parts,
             acc.flusher,
+            &acc.links,
             self.net.clone(),
             self.dev,
             path,
@@ -463,10 +476,10 @@ impl Drop for Listener {
 /// The proven peer's queue pairs, at RTS along `plan`, and the flush QP where one is needed.
 fn accept_parts(net: &Arc<Net>, dev: usize, plan: &QpPlan) -> Result<Accepted> {
     let parts = RecvParts::new(net, dev, plan.nqps)?;
-    connect_qps(net, dev, &parts.qps, plan)?;
+    let links = connect_qps(net, dev, &parts.qps, plan)?;
     // Only devices that can write GPU memory need the flush QP (or FERROCE_FORCE_FLUSH=1).
     let flusher = if net.devices[dev].gdr.flush { Some(flusher(net, dev, &parts)?) } else { None };
-    Ok(Accepted { parts, flusher })
+    Ok(Accepted { parts, flusher, links })
 }
 
 /// A queue pair connected to itself, for the RDMA-read flush.
@@ -505,6 +518,8 @@ pub struct Connector {
     stream: TcpStream,
     core: Dial,
     parts: Option<SendParts>,
+    /// What each QP was connected with, once it is (for lane repair).
+    links: Vec<(RtrAttr, RtsAttr)>,
 }
 
 impl Connector {
@@ -536,7 +551,7 @@ impl Connector {
             .map_err(ours(format!("connect to {peer}: create queue pairs")))?;
         let parts = Some(parts);
         let core = Dial::new(handle, policy, net.config.setup_timeout, Instant::now());
-        Ok(Connector { net, dev, policy, handle, stream, core, parts })
+        Ok(Connector { net, dev, policy, handle, stream, core, parts, links: Vec::new() })
     }
 
     /// The listener this connector is connecting to.
@@ -565,7 +580,10 @@ impl Connector {
                 Cmd::Recv(n) => read(&mut self.stream, &mut buf[..n]),
                 Cmd::ConnectQps(plan) => {
                     match connect_qps(&self.net, self.dev, &parts().qps, &plan) {
-                        Ok(()) => Input::QpsReady,
+                        Ok(links) => {
+                            self.links = links;
+                            Input::QpsReady
+                        }
                         Err(e) => Input::Local(e),
                     }
                 }
@@ -587,6 +605,7 @@ impl Connector {
         log_connection("connected to", &path, p);
         SendComm::new(
             parts,
+            &self.links,
             self.net.clone(),
             self.dev,
             path,

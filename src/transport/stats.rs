@@ -55,8 +55,14 @@ pub fn line(
         if let Some(Some(rate)) = t.rate.get(q) {
             let _ = write!(s, ", path {:.1} MiB/s", rate / f64::from(1 << 20));
         }
-        if t.down.get(q).copied().unwrap_or(false) {
-            s.push_str(", out (failed; it stays out)");
+        let repaired = t.repaired.get(q).copied().unwrap_or(0);
+        if repaired > 0 {
+            let _ = write!(s, ", repaired {repaired} time(s)");
+        }
+        match (t.down.get(q), t.kept_out.get(q)) {
+            (Some(true), Some(true)) => s.push_str(", out (failed; it stays out)"),
+            (Some(true), _) => s.push_str(", out (failed)"),
+            _ => {}
         }
     }
     if counters.is_empty() {
@@ -93,6 +99,8 @@ mod tests {
             errors: vec![0, 2],
             rate: vec![Some(2.5 * f64::from(1 << 20)), None],
             down: vec![false, true],
+            kept_out: vec![false, true],
+            repaired: vec![1, 0],
             ..Traffic::default()
         };
         let l = line(
@@ -106,7 +114,8 @@ mod tests {
         assert_eq!(
             l,
             "send comm to 198.18.0.2:4000: 12 messages, 4.0 MiB in 2.0 s (2.0 MiB/s); \
-             QP 0 sport 49152: 3.0 MiB (75.0%), 0 failed completions, 9 chunks, path 2.5 MiB/s; \
+             QP 0 sport 49152: 3.0 MiB (75.0%), 0 failed completions, 9 chunks, path 2.5 MiB/s, \
+             repaired 1 time(s); \
              QP 1 sport 49153: 1.0 MiB (25.0%), 2 failed completions, 3 chunks, out (failed; it \
              stays out); \
              rxe0 hw_counters over this time: rcvd_seq_err +4"
@@ -120,6 +129,7 @@ mod tests {
             errors: vec![0, 0],
             rate: vec![None, None],
             down: vec![false, false],
+            ..Traffic::default()
         };
         let l = line("receive comm from x", &t, &[7, 8], Duration::from_secs(1), "rxe1", &[]);
         assert!(

@@ -46,6 +46,8 @@ pub struct RtrAttr {
     pub flow_label: u32,
     pub traffic_class: u8,
     pub sl: u8,
+    /// The first packet sequence number expected from the peer.
+    pub rq_psn: u32,
 }
 
 /// What the RTS transition needs: the retry policy.
@@ -54,6 +56,8 @@ pub struct RtsAttr {
     pub timeout: u8,
     pub retry_cnt: u8,
     pub rnr_retry: u8,
+    /// The first packet sequence number this QP sends.
+    pub sq_psn: u32,
 }
 
 fn modify(qp: *mut sys::ibv_qp, attr: &mut sys::ibv_qp_attr, mask: u32, what: &str) -> Result<()> {
@@ -137,7 +141,7 @@ impl Qp {
         a.qp_state = sys::ibv_qp_state::IBV_QPS_RTR;
         a.path_mtu = r.path_mtu;
         a.dest_qp_num = r.dest_qpn;
-        a.rq_psn = 0;
+        a.rq_psn = r.rq_psn & 0xff_ffff;
         a.max_dest_rd_atomic = 1;
         a.min_rnr_timer = 12;
         a.ah_attr.is_global = 1;
@@ -161,7 +165,7 @@ impl Qp {
     pub fn to_rts(&self, r: &RtsAttr) -> Result<()> {
         let mut a = zeroed_attr();
         a.qp_state = sys::ibv_qp_state::IBV_QPS_RTS;
-        a.sq_psn = 0;
+        a.sq_psn = r.sq_psn & 0xff_ffff;
         a.timeout = r.timeout;
         a.retry_cnt = r.retry_cnt;
         a.rnr_retry = r.rnr_retry;
@@ -173,6 +177,14 @@ impl Qp {
             | M::IBV_QP_RNR_RETRY.0
             | M::IBV_QP_MAX_QP_RD_ATOMIC.0;
         modify(self.raw, &mut a, mask, &self.what("RTS"))
+    }
+
+    /// Moves the QP to RESET: its queues are emptied, with no completions, and it may be brought
+    /// up again (INIT, RTR, RTS) with new sequence numbers.
+    pub fn to_reset(&self) -> Result<()> {
+        let mut a = zeroed_attr();
+        a.qp_state = sys::ibv_qp_state::IBV_QPS_RESET;
+        modify(self.raw, &mut a, M::IBV_QP_STATE.0, &self.what("RESET"))
     }
 
     /// Moves the QP to ERR so outstanding work requests flush before it is destroyed.

@@ -13,7 +13,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use ferroce::transport::proto::{
-    Buf, FIFO_WORDS, Params, Path, Post, RecvCore, SIZE_WORDS, SendCore, Words,
+    Buf, FIFO_AREA, Params, Path, Post, RecvCore, Repair, SIZE_AREA, SendCore, Words,
 };
 use ferroce::wr::{Completion, Op, SendWr};
 
@@ -101,6 +101,9 @@ impl Post for Loopback<'_> {
         self.rq.borrow_mut().push_back(wr_id);
         Ok(())
     }
+    fn renew(&mut self, qp: usize, _psns: (u32, u32)) -> ferroce::error::Result<()> {
+        Err(ferroce::error::Error::Internal(format!("core-bench has one lane, no repair of {qp}")))
+    }
 }
 
 /// What `n` messages cost: the time, and per message the doorbells (send-queue posts) of
@@ -117,10 +120,10 @@ struct Cost {
 /// the window. `optional`: the receives are optional (no immediate, no receive WQE, no
 /// receiver completion).
 fn run(n: usize, size: u64, inline: u32, optional: bool, depth: usize) -> Result<Cost, String> {
-    let fifo = Region::new(FIFO, FIFO_WORDS);
-    let rstage = Region::new(RECV_STAGE, FIFO_WORDS);
-    let sstage = Region::new(SEND_STAGE, SIZE_WORDS);
-    let sizes = Region::new(SIZES, SIZE_WORDS);
+    let fifo = Region::new(FIFO, FIFO_AREA);
+    let rstage = Region::new(RECV_STAGE, FIFO_AREA);
+    let sstage = Region::new(SEND_STAGE, SIZE_AREA);
+    let sizes = Region::new(SIZES, SIZE_AREA);
     let regions = [&fifo, &rstage, &sstage, &sizes];
     let cq = RefCell::new([VecDeque::new(), VecDeque::new()]);
     let rq = RefCell::new(VecDeque::new());
@@ -134,6 +137,11 @@ fn run(n: usize, size: u64, inline: u32, optional: bool, depth: usize) -> Result
         mark: ferroce::transport::proto::MARK_BYTES,
         path_aware: true,
         timed_from: ferroce::transport::proto::TIMED_FROM,
+        repair: Repair {
+            attempts: 0,
+            delay: Duration::from_secs(1),
+            timeout: Duration::from_secs(1),
+        },
         path: Path::default(),
     };
     let mut send = SendCore::new(params.clone(), (SIZES, 1));
@@ -159,7 +167,7 @@ fn run(n: usize, size: u64, inline: u32, optional: bool, depth: usize) -> Result
         while let Some(c) = cq.borrow_mut()[0].pop_front() {
             send.complete(&c);
         }
-        send.idle(Duration::ZERO, None, &mut sio, &sstage).map_err(e)?;
+        send.idle(Duration::ZERO, None, &mut sio, (&fifo, &sstage)).map_err(e)?;
         while let Some(c) = cq.borrow_mut()[1].pop_front() {
             recv.complete(&c, &sizes);
         }

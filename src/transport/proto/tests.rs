@@ -61,10 +61,10 @@ impl Mem {
         let mem = Mem::new();
         mem.add(SEND_DATA, 11, data_len);
         mem.add(RECV_DATA, 12, data_len);
-        mem.add(FIFO, 13, FIFO_WORDS * 8);
-        mem.add(SEND_STAGE, 14, SIZE_WORDS * 8);
-        mem.add(RECV_STAGE, 15, FIFO_WORDS * 8);
-        mem.add(RECV_SIZES, 16, SIZE_WORDS * 8);
+        mem.add(FIFO, 13, FIFO_AREA * 8);
+        mem.add(SEND_STAGE, 14, SIZE_AREA * 8);
+        mem.add(RECV_STAGE, 15, FIFO_AREA * 8);
+        mem.add(RECV_SIZES, 16, SIZE_AREA * 8);
         mem.add(SCRATCH, 17, 8);
         mem
     }
@@ -151,8 +151,13 @@ struct Wire {
     /// executed since the last signaled one.
     held: [Vec<(usize, usize)>; 2],
     /// Per side, in completion order: what polling each signaled send's completion frees
-    /// (`wr_id`, QP, entries).
-    frees: [VecDeque<(u64, usize, usize)>; 2],
+    /// (`wr_id`, QP, entries, the QP's life then).
+    frees: [VecDeque<(u64, usize, usize, u32)>; 2],
+    /// Per side and QP: how often it was rebuilt (lane repair). A QP whose peer's count
+    /// differs talks to a QP that expects other PSNs: its work fails as on a dead path.
+    life: [Vec<u32>; 2],
+    /// Rebuilds per side.
+    renewed: [u64; 2],
     broken: bool,
     /// Every post fails (as `ibv_post_send` does with ENOMEM or a QP in a bad state).
     posts_fail: bool,
@@ -190,6 +195,8 @@ impl Wire {
             cq: [VecDeque::new(), VecDeque::new()],
             held: [vec![(0, 0); nqps + 1], vec![(0, 0); nqps + 1]],
             frees: [VecDeque::new(), VecDeque::new()],
+            life: [vec![0; nqps + 1], vec![0; nqps + 1]],
+            renewed: [0, 0],
             broken: false,
             posts_fail: false,
             lying: false,
@@ -209,6 +216,11 @@ impl Wire {
     /// (after landing, if `landed`), and everything after it is flushed.
     fn kill_lane(&mut self, q: usize, landed: bool) {
         self.black_hole[q] = Some(landed);
+    }
+
+    /// Lane `q`'s path answers again (its QPs stay failed until rebuilt).
+    fn heal_lane(&mut self, q: usize) {
+        self.black_hole[q] = None;
     }
 
     /// Every lane's path is dead: the comm must fail.
@@ -235,7 +247,8 @@ impl Wire {
             let cts = Cts::decode(w);
             // Once the receiver lost a lane it writes the rows the sender may not have seen
             // again, on the next: the same rows, in their slots.
-            let again = self.failed[1].contains(&true) && cts.idx <= self.rows_landed;
+            let moved = self.failed[1].contains(&true) || self.renewed[1] > 0;
+            let again = moved && cts.idx <= self.rows_landed;
             if word < SLOTS * ENTRY_WORDS {
                 assert_eq!(word, entry_word((cts.idx as usize - 1) % SLOTS, 0), "row's slot");
                 if !again {
@@ -252,7 +265,8 @@ impl Wire {
     fn step(&mut self, mem: &Mem, side: usize, q: usize) {
         let nqps = self.sq[side].len() - 1;
         let peer_failed = q < nqps && self.failed[1 - side][q];
-        if self.failed[side][q] || self.black_hole[q].is_some() || peer_failed {
+        let strangers = q < nqps && self.life[0][q] != self.life[1][q];
+        if self.failed[side][q] || self.black_hole[q].is_some() || peer_failed || strangers {
             return self.fail_head(mem, side, q);
         }
         self.step_ok(mem, side, q)
@@ -310,7 +324,7 @@ impl Wire {
         let held = &mut self.held[side][q];
         held.1 += 1;
         if wr.signaled {
-            self.frees[side].push_back((wr.wr_id, q, held.1));
+            self.frees[side].push_back((wr.wr_id, q, held.1, self.life[side][q]));
             held.1 = 0;
             self.cq[side].push_back(Completion { wr_id: wr.wr_id, ..Default::default() });
         }
@@ -329,7 +343,8 @@ impl Wire {
             return;
         }
         let Some(&Queued { wr, .. }) = self.sq[side][q].front() else { return };
-        if side == 0 && self.black_hole[q] == Some(true) && !self.failed[1][q] {
+        let met = self.life[0][q] == self.life[1][q] && !self.failed[1][q];
+        if side == 0 && self.black_hole[q] == Some(true) && met {
             // It lands (data, immediate), but its ACK is lost: the sender's retries run out.
             self.sq[0][q].front_mut().expect("checked").wr.signaled = false;
             self.step_ok(mem, 0, q);
@@ -422,6 +437,23 @@ impl Post for Io<'_> {
     }
     fn now(&self) -> Duration {
         self.wire.borrow().now
+    }
+    fn renew(&mut self, qp: usize, _psns: (u32, u32)) -> Result<()> {
+        let mut w = self.wire.borrow_mut();
+        let side = self.side;
+        assert!(qp < w.sq[side].len() - 1, "only a lane's QP is rebuilt");
+        if w.posts_fail {
+            return Err(Error::verbs("ibv_modify_qp", libc::EINVAL, "sim"));
+        }
+        // RESET drops the queued work with no completions; what already completed stays in
+        // the CQ.
+        w.sq[side][qp].clear();
+        w.rq[side][qp].clear();
+        w.held[side][qp] = (0, 0);
+        w.failed[side][qp] = false;
+        w.life[side][qp] += 1;
+        w.renewed[side] += 1;
+        Ok(())
     }
     fn recv(&mut self, qp: usize, wr_id: u64) -> Result<()> {
         let mut w = self.wire.borrow_mut();
@@ -534,6 +566,10 @@ struct Run {
     /// Queue pairs that fail on their own (an async error event): after this many scheduler
     /// steps, lane, and side.
     qp_errors: Vec<(u64, usize, usize)>,
+    /// Killed paths that answer again: after this many scheduler steps, lane.
+    heals: Vec<(u64, usize)>,
+    /// Lane repair attempts (0: off), with the sim clock's 1 ms per empty poll.
+    repairs: u32,
 }
 
 fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
@@ -582,6 +618,8 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         path_aware: rng.below(4) != 0,
         slow: (rng.below(3) == 0).then(|| rng.below(nqps as u64) as usize),
         qp_errors: Vec::new(),
+        heals: Vec::new(),
+        repairs: 0,
     }
 }
 
@@ -598,6 +636,51 @@ struct Outcome {
     dups: u64,
     /// The sender's bytes posted per lane.
     sent: Vec<u64>,
+    /// Lanes repaired, and lanes the sender gave up on.
+    repaired: usize,
+    kept_out: usize,
+    /// The sender's bytes per lane when the first repair was logged.
+    sent_at_repair: Option<Vec<u64>>,
+}
+
+/// The log lines of both ends, by what they say.
+#[derive(Debug, Default)]
+struct Lines {
+    truncations: usize,
+    /// The sender's lanes that failed in use, the attempts that failed, the lanes repaired and
+    /// those given up on.
+    lanes: usize,
+    attempts: usize,
+    repaired: usize,
+    kept_out: usize,
+    /// The receiver's lanes that failed.
+    recv_lanes: usize,
+}
+
+fn take_lines(sender: &mut SendCore, receiver: &mut RecvCore, l: &mut Lines) {
+    while let Some(line) = sender.take_line() {
+        match line {
+            Line::Warn(w) if w.starts_with("lane ") && w.contains(" stays out: ") => {
+                l.kept_out += 1
+            }
+            Line::Warn(w) if w.starts_with("lane ") => l.lanes += 1,
+            Line::Warn(_) => l.truncations += 1,
+            Line::Info(i) if i.starts_with("lane ") && i.contains(" is repaired") => {
+                l.repaired += 1
+            }
+            Line::Info(i) => {
+                assert!(i.starts_with("repair attempt "), "{i}");
+                l.attempts += 1;
+            }
+        }
+    }
+    while let Some(line) = receiver.take_line() {
+        match line {
+            Line::Warn(w) => assert!(w.starts_with("lane ") && w.contains("CTS rows"), "{w}"),
+            Line::Info(i) => panic!("the receiver logs no repair: {i}"),
+        }
+        l.recv_lanes += 1;
+    }
 }
 
 fn drive(run: &Run, seed: u64) -> Outcome {
@@ -620,6 +703,11 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         mark: run.mark,
         path_aware: run.path_aware,
         timed_from: 0,
+        repair: Repair {
+            attempts: run.repairs,
+            delay: Duration::from_millis(5),
+            timeout: Duration::from_millis(60),
+        },
         path: Path { peer: "sim".into(), ..Default::default() },
     };
     let mut sender = SendCore::new(params.clone(), (RECV_SIZES, 16));
@@ -643,9 +731,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
     let mut out = Outcome::default();
     let mut steps = 0u64;
     let mut idle = 0u64;
-    let mut warnings = 0;
-    let mut lane_warnings = 0;
-    let mut recv_lane_warnings = 0;
+    let mut lines = Lines::default();
     // A fake clock for the cores' idle checks (and so their liveness probes).
     let mut now = Duration::ZERO;
     let done = |o: &Outcome| o.recvs_done == n && o.sends_done == n;
@@ -676,6 +762,9 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         for &(_, lane, landed) in run.kills.iter().filter(|k| k.0 == steps) {
             wire.borrow_mut().kill_lane(lane, landed);
         }
+        for &(_, lane) in run.heals.iter().filter(|k| k.0 == steps) {
+            wire.borrow_mut().heal_lane(lane);
+        }
         for &(_, lane, side) in run.qp_errors.iter().filter(|k| k.0 == steps) {
             // The queue pair fails on its own (an async event): it flushes, its peer's work
             // on the lane finds nobody, and the core hears of it.
@@ -687,16 +776,9 @@ fn drive(run: &Run, seed: u64) -> Outcome {
             };
             assert!(ok, "a lane error with another lane alive is taken");
         }
-        while let Some(w) = sender.take_warning() {
-            if w.starts_with("lane ") {
-                lane_warnings += 1;
-            } else {
-                warnings += 1;
-            }
-        }
-        while let Some(w) = receiver.take_warning() {
-            assert!(w.starts_with("lane ") && w.contains("CTS rows"), "{w}");
-            recv_lane_warnings += 1;
+        take_lines(&mut sender, &mut receiver, &mut lines);
+        if lines.repaired > 0 && out.sent_at_repair.is_none() {
+            out.sent_at_repair = Some(sender.traffic().bytes.clone());
         }
         // A lie fails the receiving comm: once NCCL has seen every receive fail or complete,
         // it gives up on the connection (the sender, still healthy, is closed with it).
@@ -721,7 +803,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                 assert_eq!(sender.in_flight, posted, "slots in flight");
                 now += Duration::from_millis(1);
                 wire.borrow_mut().now = now;
-                let s = sender.idle(now, None, &mut sio, &sstage);
+                let s = sender.idle(now, None, &mut sio, (&fifo, &sstage));
                 let r = receiver.idle(now, None, &mut rio, &rstage, &rsizes);
                 if !wire.borrow().failing() {
                     s.and(r).expect("idle on a healthy link");
@@ -922,10 +1004,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
             }
         }
     }
-    while let Some(w) = receiver.take_warning() {
-        assert!(w.starts_with("lane ") && w.contains("CTS rows"), "{w}");
-        recv_lane_warnings += 1;
-    }
+    take_lines(&mut sender, &mut receiver, &mut lines);
     // Every request was seen complete exactly once (the counters would have gone past n
     // otherwise, and tests of freed requests are errors), and nothing is left queued.
     if !wire.borrow().failing() {
@@ -937,35 +1016,45 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         let seen: u64 =
             run.groups.iter().zip(&run.optional).filter(|(_, o)| !**o).map(|(g, _)| size(g)).sum();
         let (st, rt) = (sender.traffic(), receiver.traffic());
-        let killed = wire.borrow().lanes_failed(0);
-        assert_eq!(lane_warnings, killed, "one warning per failed lane");
+        let failures = lines.lanes;
+        if run.repairs == 0 {
+            let killed = wire.borrow().lanes_failed(0);
+            assert_eq!(failures, killed, "one warning per failed lane");
+            let rkilled = wire.borrow().lanes_failed(1);
+            assert_eq!(lines.recv_lanes, rkilled, "one receiver warning per failed lane");
+        }
         let sent_bytes = st.bytes.iter().sum::<u64>();
         // Chunks of a failed lane are sent again: the sender counts them twice.
-        assert!(sent_bytes == sent || killed > 0 && sent_bytes >= sent, "sender bytes");
+        assert!(sent_bytes == sent || failures > 0 && sent_bytes >= sent, "sender bytes");
         assert_eq!(st.messages, items, "sender stats");
         assert_eq!((rt.messages, rt.delivered), (items, seen), "receiver stats");
-        assert_eq!(st.errors.iter().sum::<u64>(), killed as u64, "sender errors: failed lanes");
-        assert_eq!(st.down.iter().filter(|&&d| d).count(), killed, "the line marks them out");
-        let rkilled = wire.borrow().lanes_failed(1) as u64;
-        assert_eq!(recv_lane_warnings, rkilled, "one receiver warning per failed lane");
-        assert_eq!(rt.errors.iter().sum::<u64>(), rkilled, "receiver errors: failed lanes");
-        if !run.optional.contains(&true) && killed == 0 {
+        assert_eq!(st.errors.iter().sum::<u64>(), failures as u64, "sender errors: failures");
+        // Each failure ends repaired, or the lane is out still (for good, or until its repair).
+        let down = st.down.iter().filter(|&&d| d).count();
+        assert_eq!(down + lines.repaired, failures, "the line marks the lanes out");
+        assert_eq!(st.repaired.iter().sum::<u64>(), lines.repaired as u64, "repairs counted");
+        let kept = st.kept_out.iter().zip(&st.down).filter(|(k, d)| **k && **d).count();
+        assert_eq!(kept, lines.kept_out + usize::from(run.repairs == 0) * failures, "kept out");
+        assert_eq!(rt.errors.iter().sum::<u64>(), lines.recv_lanes as u64, "receiver errors");
+        if !run.optional.contains(&true) && failures == 0 {
             assert_eq!(st.chunks, rt.chunks, "both ends count the same chunks per QP");
         }
-        // Only a liveness probe may still be in flight: it was due when the last request
-        // completed.
+        // Only a liveness probe may still be in flight (it was due when the last request
+        // completed), and a repair under way.
         let w = wire.borrow();
         let left: Vec<u64> = (w.sq.iter().flatten().flatten())
             .map(|q| q.wr.wr_id)
-            .filter(|&id| wr_kind(id) != WR_PROBE)
+            .filter(|&id| !matches!(wr_kind(id), WR_PROBE | WR_MAIL | WR_MEND))
             .collect();
         assert!(left.is_empty(), "work left on the wire: {left:x?}");
         drop(w);
         assert!(sender.test(0).is_err() && receiver.test(0, &mut [0; MAX_RECVS]).is_err());
         assert_eq!(wire.borrow().rows_landed, n as u64, "every row reached the sender");
         let truncating = run.groups.iter().flatten().any(|i| i.size > i.capacity);
-        assert_eq!(warnings, usize::from(truncating), "one truncation warning per comm");
+        assert_eq!(lines.truncations, usize::from(truncating), "one truncation warning per comm");
     }
+    out.repaired = lines.repaired;
+    out.kept_out = lines.kept_out;
     (out.batches, out.wrapped) = (wire.borrow().batches, wire.borrow().wrapped);
     out.sent = sender.traffic().bytes.clone();
     out.dups = wire.borrow().dups;
@@ -980,9 +1069,11 @@ fn poll(wire: &RefCell<Wire>, side: usize, mut f: impl FnMut(&Completion)) {
             let mut w = wire.borrow_mut();
             let c = w.cq[side].pop_front();
             if let Some(c) = c.filter(|c| c.status == 0 && wr_kind(c.wr_id) != WR_RECV) {
-                let (id, q, n) = w.frees[side].pop_front().expect("a signaled send");
+                let (id, q, n, life) = w.frees[side].pop_front().expect("a signaled send");
                 assert_eq!(id, c.wr_id, "send completions arrive in order");
-                w.held[side][q].0 -= n;
+                if life == w.life[side][q] {
+                    w.held[side][q].0 -= n; // a rebuilt QP's entries were freed with it
+                }
             }
             c
         };
@@ -1066,6 +1157,55 @@ fn a_failed_lane_moves_its_chunks_to_the_live_lanes() {
         let o = drive(&run, seed + 11);
         let n = run.groups.len();
         assert_eq!((o.recvs_done, o.sends_done), (n, n), "seed {seed}: {:?}", run.kills);
+    }
+}
+
+/// Lanes die and come back while messages flow: the repairs (a request through a live lane,
+/// both ends rebuilt, the answer, the probe) race new messages, resent chunks, CTS rows and
+/// probes, and a path may come back at any point of an attempt, or never. Every request
+/// still completes once with its bytes; each lane failure ends repaired, given up, or still
+/// out at the end; work of a lane's earlier life is never taken for the new one's.
+#[test]
+fn repairs_race_new_messages() {
+    let mut rng = Rng(0x4e9a_14ed);
+    let (mut repaired, mut kept_out) = (0, 0);
+    for seed in 0..miri_or(100u64, 2) {
+        let mut run = lanes_run(&mut rng, seed);
+        run.repairs = 1 + rng.below(4) as u32;
+        let mut lanes: Vec<usize> = (0..run.nqps).collect();
+        let dead = 1 + rng.below(lanes.len() as u64 - 1) as usize;
+        for _ in 0..dead {
+            let lane = lanes.swap_remove(rng.below(lanes.len() as u64) as usize);
+            let at = 50 + rng.below(miri_or(3000, 300));
+            run.kills.push((at, lane, rng.below(2) == 0));
+            if rng.below(4) != 0 {
+                run.heals.push((at + rng.below(miri_or(1500, 150)), lane));
+            }
+        }
+        let o = drive(&run, seed + 23);
+        let n = run.groups.len();
+        let what = format!("seed {seed}: kills {:?} heals {:?}", run.kills, run.heals);
+        assert_eq!((o.recvs_done, o.sends_done), (n, n), "{what}");
+        (repaired, kept_out) = (repaired + o.repaired, kept_out + o.kept_out);
+    }
+    eprintln!("{repaired} lanes repaired, {kept_out} given up on");
+    assert!(cfg!(miri) || repaired > 20 && kept_out > 0, "{repaired} repaired, {kept_out} out");
+}
+
+/// A lane whose path died comes back: the sender's attempts fail while the path is dead,
+/// then the lane is rebuilt at both ends, rejoins, and carries traffic again, in both modes.
+#[test]
+fn a_lane_whose_path_comes_back_is_repaired_and_carries_traffic_again() {
+    for split in [false, true] {
+        let mut rng = Rng(0x2e9a_12ed);
+        let mut run = random_run(&mut rng, miri_or(600, 100), CAP);
+        (run.nqps, run.split, run.repairs, run.path_aware) = (4, split, 5, false);
+        run.kills.push((200, 1, false));
+        run.heals.push((600, 1));
+        let o = drive(&run, 5);
+        assert_eq!((o.repaired, o.kept_out), (1, 0), "split {split}");
+        let before = o.sent_at_repair.expect("a repair");
+        assert!(o.sent[1] > before[1], "split {split}: lane 1 carries nothing after its repair");
     }
 }
 
@@ -1388,9 +1528,14 @@ fn one_qp(path: Path) -> Params {
         mark: MARK_BYTES,
         path_aware: true,
         timed_from: TIMED_FROM,
+        repair: NO_REPAIR,
         path,
     }
 }
+
+/// Lane repair off.
+const NO_REPAIR: Repair =
+    Repair { attempts: 0, delay: Duration::from_secs(1), timeout: Duration::from_secs(1) };
 
 #[test]
 fn failed_completions_carry_a_hint_and_the_first_is_kept() {
@@ -1443,9 +1588,9 @@ fn completion_errors_are_classed_by_who_caused_them() {
 #[test]
 fn a_quiet_wait_probes_the_peer_and_only_a_dead_peer_fails() {
     let mem = Mem::new();
-    mem.add(FIFO, 13, FIFO_WORDS * 8);
-    mem.add(RECV_STAGE, 15, FIFO_WORDS * 8);
-    mem.add(RECV_SIZES, 16, SIZE_WORDS * 8);
+    mem.add(FIFO, 13, FIFO_AREA * 8);
+    mem.add(RECV_STAGE, 15, FIFO_AREA * 8);
+    mem.add(RECV_SIZES, 16, SIZE_AREA * 8);
     mem.add(RECV_DATA, 12, 4096);
     let rstage = Area { mem: &mem, base: RECV_STAGE, key: 15 };
     let rsizes = Area { mem: &mem, base: RECV_SIZES, key: 16 };
@@ -1460,6 +1605,7 @@ fn a_quiet_wait_probes_the_peer_and_only_a_dead_peer_fails() {
         mark: MARK_BYTES,
         path_aware: true,
         timed_from: TIMED_FROM,
+        repair: NO_REPAIR,
         path: Path { peer: "peer".into(), ..Default::default() },
     };
     let mut receiver = RecvCore::new(params, (FIFO, 13));
@@ -1628,7 +1774,7 @@ fn a_long_message_on_a_slow_link_is_not_a_dead_peer() {
             pair.wire.borrow_mut().step(&pair.mem, 0, 0);
             now += Duration::from_millis(300);
             poll(&pair.wire, 0, |c| sender.complete(c));
-            sender.idle(now, None, &mut sio, &pair.area(SEND_STAGE, 14))?;
+            sender.idle(now, None, &mut sio, (&fifo, &pair.area(SEND_STAGE, 14)))?;
         }
         poll(&pair.wire, 1, |c| receiver.complete(c, &rsizes));
         assert_eq!(sender.test(sid)?, Some(256 << 10));
