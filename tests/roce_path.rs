@@ -300,21 +300,7 @@ fn a_dead_lane_fails_over_to_the_live_ones() {
     require_vm();
     let _g = serial();
     for (split, lane) in [("1", 2), ("0", 0), ("1", 0), ("0", 3)] {
-        set_env(&[
-            ("NCCL_IB_QPS_PER_CONNECTION", Some("4")),
-            ("NCCL_IB_SPLIT_DATA_ON_QPS", Some(split)),
-            // A bound of 2.7 s: a shorter one may run out on a live lane under emulation.
-            ("NCCL_IB_TIMEOUT", Some("17")),
-            ("NCCL_IB_RETRY_CNT", Some("4")),
-        ]);
-        let r = failover_run(lane);
-        let _ = Command::new("tc").args(["qdisc", "del", "dev", "vethB", "clsact"]).status();
-        set_env(&[
-            ("NCCL_IB_QPS_PER_CONNECTION", None),
-            ("NCCL_IB_SPLIT_DATA_ON_QPS", None),
-            ("NCCL_IB_TIMEOUT", None),
-            ("NCCL_IB_RETRY_CNT", None),
-        ]);
+        let r = with_four_lanes(split, None, || failover_run(lane));
         let (port, took, warns) = r.unwrap_or_else(|e| panic!("split {split}, lane {lane}: {e}"));
         eprintln!(
             "split {split}: lane {lane} (sport {port}) dropped after 12 messages; 48 messages \
@@ -354,22 +340,9 @@ fn a_dead_lane_is_repaired_once_its_path_answers_again() {
     require_vm();
     let _g = serial();
     for split in ["0", "1"] {
-        set_env(&[
-            ("NCCL_IB_QPS_PER_CONNECTION", Some("4")),
-            ("NCCL_IB_SPLIT_DATA_ON_QPS", Some(split)),
-            ("NCCL_IB_TIMEOUT", Some("17")),
-            ("NCCL_IB_RETRY_CNT", Some("4")),
-            ("FERROCE_PATH_AWARE", Some("0")),
-        ]);
-        let r = repair_run(2, split == "1");
-        clear_paths();
-        set_env(&[
-            ("NCCL_IB_QPS_PER_CONNECTION", None),
-            ("NCCL_IB_SPLIT_DATA_ON_QPS", None),
-            ("NCCL_IB_TIMEOUT", None),
-            ("NCCL_IB_RETRY_CNT", None),
-            ("FERROCE_PATH_AWARE", None),
-        ]);
+        let r = with_four_lanes(split, Some(("FERROCE_PATH_AWARE", "0")), || {
+            repair_run(2, split == "1")
+        });
         let r = r.unwrap_or_else(|e| panic!("split {split}: {e}"));
         eprintln!("split {split}: {r:#?}");
         let (before, after) = r.lane_mib;
@@ -459,15 +432,7 @@ fn repair_run(lane: usize, split: bool) -> Result<Repaired, String> {
     };
     let clean = phase(&mut |n, _, _| n == 12, &mut warns, &mut infos)?;
     let before: f64 = (0..12).map(part).sum();
-    run("tc", &["qdisc", "add", "dev", "vethB", "clsact"]);
-    run(
-        "tc",
-        &[
-            "filter", "add", "dev", "vethB", "ingress", "protocol", "ip", "prio", "1", "u32",
-            "match", "ip", "protocol", "17", "0xff", "match", "ip", "sport", &port, "0xffff",
-            "action", "drop",
-        ],
-    );
+    drop_on_vethb(&["sport", &port]);
     let mut warned = None;
     let dead = phase(
         &mut |n, w, _| {
@@ -495,15 +460,7 @@ fn repair_run(lane: usize, split: bool) -> Result<Repaired, String> {
     drv.finalize(ctx)?;
     let closed: Vec<String> =
         take_captured().into_iter().filter(|l| l.0 == 3).map(|l| l.2).collect();
-    let line = closed.iter().find(|l| l.contains("send comm to") && l.contains("closed"));
-    let line = line.ok_or_else(|| format!("no sender statistics line: {closed:#?}"))?;
-    let at_close = line
-        .split(&format!("; QP {lane} sport "))
-        .nth(1)
-        .and_then(|r| r.split(": ").nth(1))
-        .and_then(|r| r.split(" MiB").next())
-        .and_then(|m| m.parse().ok())
-        .ok_or_else(|| format!("no bytes of lane {lane} in {line}"))?;
+    let at_close = sender_stats(&closed)[lane].0;
     Ok(Repaired {
         mibs: [clean, dead, repairing, after],
         repaired_in,
@@ -570,21 +527,7 @@ fn failover_run(lane: usize) -> Result<(u16, Duration, Vec<String>), String> {
     let mut took = Duration::ZERO;
     for i in 0..48 {
         if i == 12 {
-            // The packets vanish where they arrive, on vethB's ingress, as in a fabric that
-            // black-holes them. A drop on vethA's egress is no black hole: under a clsact hook
-            // rxe sees a failed send and resends at once, forever, spending no retries; under a
-            // root qdisc vethA is no longer `noqueue`, another CPU may dequeue a QP's packets
-            // into its own backlog, and the reordering costs retries on the healthy lanes too.
-            run("tc", &["qdisc", "add", "dev", "vethB", "clsact"]);
-            let p = port.to_string();
-            run(
-                "tc",
-                &[
-                    "filter", "add", "dev", "vethB", "ingress", "protocol", "ip", "prio", "1",
-                    "u32", "match", "ip", "protocol", "17", "0xff", "match", "ip", "sport", &p,
-                    "0xffff", "action", "drop",
-                ],
-            );
+            drop_on_vethb(&["sport", &port.to_string()]);
         }
         let t = Instant::now();
         if let Err(e) = transfer_polling(&drv, send, recv, sizes[i % sizes.len()], i as u8) {
@@ -1032,13 +975,21 @@ fn stream(
 
 /// The sender's share of the bytes per QP, from its statistics line at close.
 fn shares(info: &[String]) -> Vec<f64> {
+    sender_stats(info).into_iter().map(|(_, share)| share).collect()
+}
+
+/// The sender's MiB and share of the bytes per QP, from its statistics line at close.
+fn sender_stats(info: &[String]) -> Vec<(f64, f64)> {
     let line = info.iter().find(|l| l.contains("send comm to") && l.contains("closed"));
     let line = line.unwrap_or_else(|| panic!("no sender statistics line: {info:#?}"));
     line.split("; QP ")
         .skip(1)
         .map(|qp| {
-            let pct = qp.split(" MiB (").nth(1).and_then(|r| r.split('%').next());
-            pct.and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("no share in {qp}"))
+            let bytes = qp.split(": ").nth(1).and_then(|r| r.split_once(" MiB ("));
+            let (mib, rest) = bytes.unwrap_or_else(|| panic!("no bytes in {qp}"));
+            let share = rest.split('%').next().and_then(|p| p.parse().ok());
+            let mib = mib.parse().ok();
+            mib.zip(share).unwrap_or_else(|| panic!("no bytes or share in {qp}"))
         })
         .collect()
 }
@@ -1069,6 +1020,42 @@ fn clear_paths() {
     };
     quiet("tc", &["qdisc", "del", "dev", "vethB", "clsact"]);
     quiet("ip", &["link", "del", "ifb0"]);
+}
+
+/// Runs `f` on 4 lanes in split mode `split` (and `extra`), with a retry bound of 2.7 s
+/// (`NCCL_IB_TIMEOUT=17`, `NCCL_IB_RETRY_CNT=4`: a shorter one may run out on a live lane
+/// under emulation); then the paths are clear and the knobs unset again, however `f` ended.
+fn with_four_lanes<T>(split: &str, extra: Option<(&str, &str)>, f: impl FnOnce() -> T) -> T {
+    let mut knobs = vec![
+        ("NCCL_IB_QPS_PER_CONNECTION", Some("4")),
+        ("NCCL_IB_SPLIT_DATA_ON_QPS", Some(split)),
+        ("NCCL_IB_TIMEOUT", Some("17")),
+        ("NCCL_IB_RETRY_CNT", Some("4")),
+    ];
+    knobs.extend(extra.map(|(k, v)| (k, Some(v))));
+    set_env(&knobs);
+    let r = f();
+    clear_paths();
+    set_env(&knobs.iter().map(|&(k, _)| (k, None)).collect::<Vec<_>>());
+    r
+}
+
+/// The RoCE packets arriving at vethB whose UDP header matches `field value` (`sport 49153`,
+/// `dport 4791`) vanish there, as in a fabric that black-holes them ([`clear_paths`] lifts
+/// it). A drop on vethA's egress is no black hole: under a clsact hook rxe sees a failed send
+/// and resends at once, forever, spending no retries; under a root qdisc vethA is no longer
+/// `noqueue`, another CPU may dequeue a QP's packets into its own backlog, and the reordering
+/// costs retries on the healthy lanes too.
+fn drop_on_vethb(&[field, value]: &[&str; 2]) {
+    run("tc", &["qdisc", "add", "dev", "vethB", "clsact"]);
+    run(
+        "tc",
+        &[
+            "filter", "add", "dev", "vethB", "ingress", "protocol", "ip", "prio", "1", "u32",
+            "match", "ip", "protocol", "17", "0xff", "match", "ip", field, value, "0xffff",
+            "action", "drop",
+        ],
+    );
 }
 
 /// One streaming run over `lanes` lanes (lane 1's path slowed if `slow`), in split mode or
@@ -1175,27 +1162,13 @@ fn every_path_dead_fails_the_comm_within_the_bound() {
     require_vm();
     let _g = serial();
     for split in ["0", "1"] {
-        set_env(&[
-            ("NCCL_IB_QPS_PER_CONNECTION", Some("4")),
-            ("NCCL_IB_SPLIT_DATA_ON_QPS", Some(split)),
-            ("NCCL_IB_TIMEOUT", Some("17")),
-            ("NCCL_IB_RETRY_CNT", Some("4")),
-        ]);
-        let r = (|| {
+        let r = with_four_lanes(split, None, || {
             let lib = open_plugin();
             let drv = Driver::new(&lib, 12)?;
             let ctx = drv.init(1)?;
             let comms = pair(&drv, ctx, 1, 0)?;
             stream(&drv, comms, 256 << 10, 4, 4)?;
-            run("tc", &["qdisc", "add", "dev", "vethB", "clsact"]);
-            run(
-                "tc",
-                &[
-                    "filter", "add", "dev", "vethB", "ingress", "protocol", "ip", "prio", "1",
-                    "u32", "match", "ip", "protocol", "17", "0xff", "match", "ip", "dport", "4791",
-                    "0xffff", "action", "drop",
-                ],
-            );
+            drop_on_vethb(&["dport", "4791"]);
             let t = Instant::now();
             let e = match stream(&drv, comms, 256 << 10, 8, 4) {
                 Ok(_) => return Err("the run completed with every path dead".into()),
@@ -1206,14 +1179,7 @@ fn every_path_dead_fails_the_comm_within_the_bound() {
             let _ = drv.close(Close::Recv, comms.1);
             drv.finalize(ctx)?;
             Ok::<_, String>((e, took, warnings()))
-        })();
-        clear_paths();
-        set_env(&[
-            ("NCCL_IB_QPS_PER_CONNECTION", None),
-            ("NCCL_IB_SPLIT_DATA_ON_QPS", None),
-            ("NCCL_IB_TIMEOUT", None),
-            ("NCCL_IB_RETRY_CNT", None),
-        ]);
+        });
         let (e, took, warns) = r.unwrap_or_else(|e| panic!("split {split}: {e}"));
         let bound = ferroce::config::retry_bound(17, 4);
         eprintln!(

@@ -459,6 +459,38 @@ fn lane_warning(path: &Path, what: &str, lane: usize, why: &str, then: &str) -> 
     )
 }
 
+/// A signaled zero-length RDMA write on lane `lane` (a liveness probe, or the probe of a
+/// rebuilt lane): `target` is a region of the peer's this comm may write; no key is checked.
+fn zero_write(kind: u64, (lane, life): (usize, u8), target: (u64, u32)) -> SendWr {
+    SendWr {
+        wr_id: tagged(wr_id(kind, lane, 0), life),
+        signaled: true,
+        remote_addr: target.0,
+        rkey: target.1,
+        ..SendWr::default()
+    }
+}
+
+/// The signaled write of mailbox word `word` of `stage` (just stored) into the same word of
+/// the peer's `target` area, on lane `lane` (lane repair's requests and answers).
+fn mail_wr(
+    stage: &impl Words,
+    word: usize,
+    (lane, life): (usize, u8),
+    target: (u64, u32),
+    max_inline: u32,
+) -> SendWr {
+    SendWr {
+        wr_id: tagged(wr_id(WR_MAIL, lane, 0), life),
+        op: Op::Write,
+        signaled: true,
+        local: Some((stage.addr(word), 8, stage.lkey())),
+        remote_addr: target.0 + (word * 8) as u64,
+        rkey: target.1,
+        inline: 8 <= max_inline,
+    }
+}
+
 /// Why a completion failed a lane, for its WARN.
 fn completion_why(c: &Completion) -> String {
     format!("{} (status {})", status_name(c.status), c.status)
@@ -704,13 +736,7 @@ impl Health {
             return Ok(0);
         }
         for lane in (0..MAX_CHUNKS).filter(|&q| lanes & (1 << q) != 0) {
-            let probe = SendWr {
-                wr_id: tagged(wr_id(WR_PROBE, lane, 0), self.life[lane]),
-                signaled: true,
-                remote_addr: target.0,
-                rkey: target.1,
-                ..SendWr::default()
-            };
+            let probe = zero_write(WR_PROBE, (lane, self.life[lane]), target);
             io.send(lane, &[probe]).map_err(|e| self.post_failed(e))?;
             self.prober.out |= 1 << lane;
             self.watchdog.posted();
@@ -1411,7 +1437,7 @@ impl SendCore {
             self.warnings.push_back(Line::Info(format!(
                 "repair attempt {tries} of lane {lane} (UDP source port {sport}) of the send \
                  comm to {peer} failed: {why}; the next in {} ms",
-                (self.p.repair.delay * (1 << tries.min(16))).as_millis()
+                self.mend.wait(lane).as_millis()
             )));
             return;
         }
@@ -1434,13 +1460,7 @@ impl SendCore {
         }
         let target = self.remote_sizes;
         if let Some(lane) = self.mend.answered(fifo.load(FIFO_MAIL)) {
-            let probe = SendWr {
-                wr_id: tagged(wr_id(WR_MEND, lane, 0), self.health.life[lane]),
-                signaled: true,
-                remote_addr: target.0,
-                rkey: target.1,
-                ..SendWr::default()
-            };
+            let probe = zero_write(WR_MEND, (lane, self.health.life[lane]), target);
             match io.send(lane, &[probe]) {
                 Ok(()) => {
                     self.sq[lane].posted(1, true);
@@ -1461,15 +1481,8 @@ impl SendCore {
         self.health.life[lane] = self.health.life[lane].wrapping_add(1);
         self.sq[lane] = SqCount::new(SEND_QUEUE);
         stage.store(SIZE_MAIL, mend::Msg::Ask { lane, seq }.encode());
-        let ask = SendWr {
-            wr_id: tagged(wr_id(WR_MAIL, ctl, 0), self.health.life[ctl]),
-            op: Op::Write,
-            signaled: true,
-            local: Some((stage.addr(SIZE_MAIL), 8, stage.lkey())),
-            remote_addr: target.0 + (SIZE_MAIL * 8) as u64,
-            rkey: target.1,
-            inline: 8 <= self.p.max_inline,
-        };
+        let ask =
+            mail_wr(stage, SIZE_MAIL, (ctl, self.health.life[ctl]), target, self.p.max_inline);
         match io.send(ctl, &[ask]) {
             Ok(()) => self.sq[ctl].posted(1, true),
             Err(e) => self.attempt_failed(lane, &format!("the request was refused: {e}")),
@@ -1878,13 +1891,13 @@ impl RecvCore {
     fn forget(&mut self, lane: usize, sizes: &impl Words) {
         let bit = 1u128 << lane;
         self.alive &= !bit;
-        // The signaled CTS writes in flight on the lane will not complete now (a probe among
-        // them is the prober's).
-        let probe = usize::from(self.health.prober.out & bit != 0);
-        for _ in 0..self.sq[lane].signaled.len().saturating_sub(probe) {
+        // The signaled requests in flight on the lane (CTS writes, a probe, a repair answer)
+        // will not complete now: the watchdog stops counting them.
+        for _ in 0..self.sq[lane].signaled.len() {
             self.health.watchdog.completed(true);
         }
         self.sq[lane].signaled.clear();
+        self.health.prober.out &= !bit;
         if lane == self.ctl {
             // Every row the sender may not have consumed is written again (the same bytes:
             // the sender takes a row by its idx, once).
@@ -1900,10 +1913,11 @@ impl RecvCore {
         let Some(mend::Msg::Ask { lane, seq }) = mend::Msg::decode(sizes.load(SIZE_MAIL)) else {
             return Ok(());
         };
-        let bit = 1u128 << lane;
+        // A lane the comm does not have is a corrupt word, not a request.
         if self.served == Some(seq) || lane >= self.p.nqps {
             return Ok(());
         }
+        let bit = 1u128 << lane;
         let ctl =
             if self.ctl == lane { first_live(self.alive & !bit, self.p.nqps) } else { self.ctl };
         if ctl != lane && !self.sq[ctl].fits(1) {
@@ -1912,7 +1926,6 @@ impl RecvCore {
         self.served = Some(seq);
         if self.alive & bit != 0 || self.ctl == lane {
             self.forget(lane, sizes);
-            self.health.prober.out &= !bit;
         }
         let (send, recv) = mend::psns(seq);
         if let Err(e) = io.renew(lane, (recv, send)) {
@@ -1936,17 +1949,11 @@ impl RecvCore {
         self.refill(io)?;
         let ctl = self.ctl;
         stage.store(FIFO_MAIL, mend::Msg::Done { lane, seq }.encode());
-        let done = SendWr {
-            wr_id: tagged(wr_id(WR_MAIL, ctl, 0), self.health.life[ctl]),
-            op: Op::Write,
-            signaled: true,
-            local: Some((stage.addr(FIFO_MAIL), 8, stage.lkey())),
-            remote_addr: self.remote_fifo.0 + (FIFO_MAIL * 8) as u64,
-            rkey: self.remote_fifo.1,
-            inline: 8 <= self.p.max_inline,
-        };
+        let life = (ctl, self.health.life[ctl]);
+        let done = mail_wr(stage, FIFO_MAIL, life, self.remote_fifo, self.p.max_inline);
         io.send(ctl, &[done]).map_err(|e| self.health.post_failed(e))?;
         self.sq[ctl].posted(1, true);
+        self.health.watchdog.posted();
         Ok(())
     }
 
@@ -2155,8 +2162,7 @@ impl RecvCore {
                 self.flushes[i] = State::Done;
                 self.health.watchdog.completed(true);
             }
-            WR_MAIL => {}
-            _ => self.health.watchdog.completed(true), // the signaled CTS write
+            _ => self.health.watchdog.completed(true), // a signaled CTS write, or an answer
         }
     }
 

@@ -88,6 +88,11 @@ pub fn psns(seq: u16) -> (u32, u32) {
     (a, a ^ 0x80_0000)
 }
 
+/// The wait before the attempt that follows `tries` failed ones: the delay, doubled by each.
+fn wait(policy: Policy, tries: u32) -> Duration {
+    policy.delay * (1 << tries.min(16))
+}
+
 /// The sender's repair state of every lane.
 pub struct Mend {
     pub stage: Vec<Stage>,
@@ -113,6 +118,11 @@ impl Mend {
         !out
     }
 
+    /// How long lane `lane` waits for its next attempt.
+    pub fn wait(&self, lane: usize) -> Duration {
+        wait(self.policy, self.tries[lane])
+    }
+
     /// The failed attempts so far on `lane`.
     pub fn tries(&self, lane: usize) -> u32 {
         self.tries[lane]
@@ -130,8 +140,7 @@ impl Mend {
         for (lane, s) in self.stage.iter_mut().enumerate() {
             match *s {
                 Stage::Wait { at: None } => {
-                    let k = self.tries[lane].min(16);
-                    *s = Stage::Wait { at: Some(now + self.policy.delay * (1 << k)) };
+                    *s = Stage::Wait { at: Some(now + wait(self.policy, self.tries[lane])) };
                 }
                 Stage::Asked { since, .. } if now.saturating_sub(since) > self.policy.timeout => {
                     return Some((lane, "the peer did not answer the repair request"));

@@ -1048,6 +1048,20 @@ fn drive(run: &Run, seed: u64) -> Outcome {
             .collect();
         assert!(left.is_empty(), "work left on the wire: {left:x?}");
         drop(w);
+        // The receiver's watchdog counts exactly its signaled work still out on its live
+        // lanes: a lane it rebuilt or lost leaves nothing counted (a count left over would
+        // fail an idle comm after the progress timeout).
+        poll(&wire, 1, |c| receiver.complete(c, &rsizes));
+        let counted = |id: u64| matches!(wr_kind(id), WR_CTS | WR_PROBE | WR_MAIL);
+        let out = (wire.borrow().sq[1].iter().enumerate())
+            .filter(|&(q, _)| receiver.alive & (1 << q) != 0)
+            .flat_map(|(_, queue)| queue.iter())
+            .filter(|queued| queued.wr.signaled && counted(queued.wr.wr_id))
+            .count();
+        assert_eq!(
+            receiver.health.watchdog.outstanding, out,
+            "the receiver's watchdog, seed {seed}"
+        );
         assert!(sender.test(0).is_err() && receiver.test(0, &mut [0; MAX_RECVS]).is_err());
         assert_eq!(wire.borrow().rows_landed, n as u64, "every row reached the sender");
         let truncating = run.groups.iter().flatten().any(|i| i.size > i.capacity);
@@ -1637,6 +1651,52 @@ fn a_quiet_wait_probes_the_peer_and_only_a_dead_peer_fails() {
     poll(&wire, 1, |c| receiver.complete(c, &rsizes));
     let e = receiver.test(id, &mut [0; MAX_RECVS]).unwrap_err().to_string();
     assert!(e.contains("liveness probe") && e.contains("peer"), "{e}");
+}
+
+/// The receiver serves repair requests as they come: a request naming a lane the comm does
+/// not have is a corrupt word and changes nothing; one for the lane that carries its CTS rows
+/// and its probe moves them to another lane, rebuilds the lane with its receive WQEs, and
+/// answers; the probe the rebuild dropped is no longer counted, so once the answer completes
+/// the watchdog has nothing outstanding (a count left over would fail the idle comm later).
+#[test]
+fn the_receiver_serves_a_repair_request_and_counts_nothing_it_dropped() {
+    let mem = Mem::both_ends(4096);
+    let rstage = Area { mem: &mem, base: RECV_STAGE, key: 15 };
+    let rsizes = Area { mem: &mem, base: RECV_SIZES, key: 16 };
+    let fifo = Area { mem: &mem, base: FIFO, key: 13 };
+    let ms = Duration::from_millis;
+    let repair = Repair { attempts: 3, ..NO_REPAIR };
+    let params = Params { nqps: 2, probe_interval: ms(100), repair, ..one_qp(Path::default()) };
+    let mut receiver = RecvCore::new(params, (FIFO, 13));
+    let wire = RefCell::new(Wire::new(2));
+    let mut rio = Io { wire: &wire, mem: &mem, side: 1, depth: RECV_SEND_QUEUE };
+    let buf = Buf { addr: RECV_DATA, size: 4096, lkey: 12, rkey: 12, host: true };
+    receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
+    receiver.idle(ms(0), None, &mut rio, &rstage, &rsizes).unwrap();
+    receiver.idle(ms(200), None, &mut rio, &rstage, &rsizes).unwrap();
+    let kinds = |w: &RefCell<Wire>, q: usize| -> Vec<u64> {
+        w.borrow().sq[1][q].iter().map(|x| wr_kind(x.wr.wr_id)).collect()
+    };
+    assert!(kinds(&wire, 0).contains(&WR_PROBE), "a probe on the control lane");
+    rsizes.store(SIZE_MAIL, mend::Msg::Ask { lane: 200, seq: 1 }.encode());
+    receiver.idle(ms(201), None, &mut rio, &rstage, &rsizes).unwrap();
+    assert_eq!(wire.borrow().renewed[1], 0, "a lane the comm does not have");
+    rsizes.store(SIZE_MAIL, mend::Msg::Ask { lane: 0, seq: 2 }.encode());
+    receiver.idle(ms(202), None, &mut rio, &rstage, &rsizes).unwrap();
+    assert_eq!(wire.borrow().renewed[1], 1);
+    assert_eq!(receiver.ctl, 1, "the CTS rows move off the rebuilt lane");
+    assert!(kinds(&wire, 0).is_empty(), "the rebuild dropped the probe");
+    assert_eq!(wire.borrow().rq[1][0].len(), recv_pool(2), "the lane's receives again");
+    assert!(kinds(&wire, 1).contains(&WR_MAIL), "the answer, on lane 1");
+    // Served once: the same word read again changes nothing.
+    receiver.idle(ms(203), None, &mut rio, &rstage, &rsizes).unwrap();
+    assert_eq!(wire.borrow().renewed[1], 1);
+    while !wire.borrow().sq[1][1].is_empty() {
+        wire.borrow_mut().step(&mem, 1, 1);
+    }
+    assert_eq!(mend::Msg::decode(fifo.load(FIFO_MAIL)), Some(mend::Msg::Done { lane: 0, seq: 2 }));
+    poll(&wire, 1, |c| receiver.complete(c, &rsizes));
+    assert_eq!(receiver.health.watchdog.outstanding, 0, "nothing is out");
 }
 
 /// A [`Pair`]'s two cores, their posts and their areas.
