@@ -332,7 +332,7 @@ launch() {
         virtfs+=(-virtfs "local,path=${SHARES[i]},mount_tag=share$i,security_model=none,multidevs=remap")
         append+="${append:+,}share$i=${SHARES[i]}"
     done
-    append="console=ttyS0 loglevel=4 panic=-1 oops=panic nokaslr mitigations=off \
+    append="console=ttyS0 loglevel=5 panic=-1 oops=panic softlockup_panic=1 nokaslr mitigations=off \
 ferroce.run=$RUN ferroce.shares=$append ferroce.mtu=$MTU ferroce.rxe=$RXE ferroce.ranks=$RANKS"
 
     # The readers must exist before QEMU opens the FIFOs for writing (that

@@ -68,6 +68,14 @@ setup() {
     [[ -r /etc/hostname ]] && read -r name </etc/hostname
     [[ -n $name ]] && echo "$name" >/proc/sys/kernel/hostname
     step "ip link set lo up" ip link set lo up || return 1
+    # The first clsact qdisc of the system switches on the kernel's ingress and
+    # egress static keys, which patches the code of the receive path (int3,
+    # then IPIs). Under TCG, a vCPU then busy in that path can spin on the
+    # patch site for good: the tests that add a clsact to a veth under load
+    # locked the guest up (soft lockup in __netif_receive_skb_core). One
+    # filterless clsact on lo, before any traffic, keeps both keys on for the
+    # whole run, so the tests' own qdiscs never patch code.
+    step "tc qdisc add dev lo clsact" tc qdisc add dev lo clsact || return 1
 
     # Memory registration pins pages against RLIMIT_MEMLOCK; NCCL-style tests
     # also open many fds (QPs, CQs, sockets).
