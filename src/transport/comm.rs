@@ -55,6 +55,19 @@ pub const FLUSH_TARGET: u32 = verbs::ACCESS_LOCAL_WRITE;
 /// other 7 entries of a multi-receive), and small sends.
 const INLINE: u32 = 512;
 
+/// A send comm's queue pairs: room for the core's send queue; the one receive WQE verbs wants.
+const SEND_CAPS: verbs::QpCaps =
+    verbs::QpCaps { max_send_wr: SEND_QUEUE as u32, max_recv_wr: 1, max_inline: INLINE };
+
+/// A receive comm's queue pairs: CTS writes and probes, and every receive WQE of the lane.
+fn recv_caps(nqps: usize) -> verbs::QpCaps {
+    verbs::QpCaps {
+        max_send_wr: RECV_SEND_QUEUE as u32,
+        max_recv_wr: super::proto::recv_pool(nqps) as u32,
+        max_inline: INLINE,
+    }
+}
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(u8)]
 pub enum ReqKind {
@@ -93,18 +106,25 @@ impl Words for RegisteredBuf {
     }
 }
 
-/// How a lane's queue pair was brought up, so that lane repair can bring it up again: the
-/// access it grants and its RTR and RTS attributes (the repair gives new PSNs).
+/// How a lane's queue pair was brought up, so that lane repair can bring a new one up alike:
+/// its capabilities, the access it grants, and its RTR and RTS attributes (the repair gives
+/// another peer QP and new PSNs).
 #[derive(Clone, Copy, Debug)]
 struct Link {
+    caps: verbs::QpCaps,
     access: u32,
     rtr: RtrAttr,
     rts: RtsAttr,
 }
 
 /// The links of a comm's lanes: setup's attributes, with the access `grant` gives each.
-fn links(attrs: &[(RtrAttr, RtsAttr)], grant: impl Fn(usize) -> Grant) -> Vec<Link> {
+fn links(
+    caps: verbs::QpCaps,
+    attrs: &[(RtrAttr, RtsAttr)],
+    grant: impl Fn(usize) -> Grant,
+) -> Vec<Link> {
     let link = |(q, &(rtr, rts)): (usize, &(RtrAttr, RtsAttr))| Link {
+        caps,
         access: qp_access(grant(q)),
         rtr,
         rts,
@@ -112,11 +132,29 @@ fn links(attrs: &[(RtrAttr, RtsAttr)], grant: impl Fn(usize) -> Grant) -> Vec<Li
     attrs.iter().enumerate().map(link).collect()
 }
 
-/// A comm's queue pairs as the core's [`Post`]; index `qps.len()` is the flush QP.
+/// A comm's queue pairs as the core's [`Post`]; index `qps.len()` is the flush QP. Lane repair
+/// replaces a lane's QP with a new one on the same device and CQ, watched like the old.
 struct Qps<'a> {
-    qps: &'a [Qp],
+    qps: &'a mut [Qp],
     flush: Option<&'a Qp>,
     links: &'a [Link],
+    dev: &'a NetDevice,
+    cq: &'a Arc<Cq>,
+    watch: &'a Watch,
+}
+
+/// A comm's [`Qps`], with flush QP `flush`.
+macro_rules! qps {
+    ($comm:expr, $flush:expr) => {
+        Qps {
+            qps: &mut $comm.qps,
+            flush: $flush,
+            links: &$comm.links,
+            dev: &$comm.net.devices[$comm.dev],
+            cq: &$comm.cq,
+            watch: &$comm.watch,
+        }
+    };
 }
 
 impl Qps<'_> {
@@ -138,12 +176,22 @@ impl Post for Qps<'_> {
     fn now(&self) -> Duration {
         crate::os::precise_now()
     }
-    fn renew(&mut self, qp: usize, (sq_psn, rq_psn): (u32, u32)) -> Result<()> {
+    fn fresh(&mut self, qp: usize) -> Result<u32> {
+        let l = self.links.get(qp).ok_or_else(|| Error::Internal(format!("no lane {qp}")))?;
+        let new = Qp::create_rc(&self.dev.pd, self.cq, l.caps)?;
+        new.to_init(l.rtr.port, l.access)?;
+        let old = std::mem::replace(&mut self.qps[qp], new);
+        self.watch.swap(Queue::Qp(old.qpn()), Queue::Qp(self.qps[qp].qpn()));
+        // ERR first, as at close: the old QP's work flushes before it is destroyed (dropped).
+        if let Err(e) = old.to_error() {
+            log::debug!("lane {qp}'s old queue pair: {e}");
+        }
+        Ok(self.qps[qp].qpn())
+    }
+    fn join(&mut self, qp: usize, peer: u32, (sq_psn, rq_psn): (u32, u32)) -> Result<()> {
         let l = self.links.get(qp).ok_or_else(|| Error::Internal(format!("no lane {qp}")))?;
         let q = self.qp(qp)?;
-        q.to_reset()?;
-        q.to_init(l.rtr.port, l.access)?;
-        q.to_rtr(&RtrAttr { rq_psn, ..l.rtr })?;
+        q.to_rtr(&RtrAttr { dest_qpn: peer, rq_psn, ..l.rtr })?;
         q.to_rts(&RtsAttr { sq_psn, ..l.rts })
     }
 }
@@ -367,10 +415,8 @@ pub struct SendParts {
 impl SendParts {
     pub fn new(net: &Arc<Net>, dev: usize, nqps: usize) -> Result<SendParts> {
         let d = &net.devices[dev];
-        let cq = Cq::new(&d.ctx, (nqps * SEND_QUEUE + 64).min(32767) as i32)?;
-        let caps =
-            verbs::QpCaps { max_send_wr: SEND_QUEUE as u32, max_recv_wr: 1, max_inline: INLINE };
-        let qps = create_qps(d, &cq, nqps, caps, send_grant)?;
+        let cq = Cq::new(&d.ctx, ((nqps + 1) * SEND_QUEUE + 64).min(32767) as i32)?;
+        let qps = create_qps(d, &cq, nqps, SEND_CAPS, send_grant)?;
         // The CTS FIFO is registered without IBV_ACCESS_RELAXED_ORDERING, always: isend reads an
         // entry as valid once its last word (idx) has landed, which is only sound if the
         // receiver's RDMA write lands in order. Relaxed ordering is for NCCL's buffers only.
@@ -401,7 +447,7 @@ impl SendComm {
             sizes_stage: parts.sizes_stage,
             path,
             qps: parts.qps,
-            links: links(attrs, send_grant),
+            links: links(SEND_CAPS, attrs, send_grant),
             cq: parts.cq,
             watch,
             life: Life::start(&net, dev),
@@ -417,7 +463,7 @@ impl SendComm {
 
     /// Matches a send against the receiver's posted buffers. `Ok(None)`: not yet.
     pub fn isend(&mut self, buf: Buf, tag: i32) -> Result<Option<usize>> {
-        let mut io = Qps { qps: &self.qps, flush: None, links: &self.links };
+        let mut io = qps!(self, None);
         let r = self.core.isend(&self.fifo, &self.sizes_stage, &mut io, buf, tag)?;
         while let Some(l) = self.core.take_line() {
             log(l);
@@ -429,7 +475,7 @@ impl SendComm {
     }
 
     pub fn progress(&mut self) -> Result<()> {
-        let mut io = Qps { qps: &self.qps, flush: None, links: &self.links };
+        let mut io = qps!(self, None);
         let dev = &self.net.devices[self.dev];
         let mut side =
             SendDrain { core: &mut self.core, stage: &self.sizes_stage, fifo: &self.fifo };
@@ -515,13 +561,8 @@ impl RecvParts {
         // Room for every receive WQE of every lane (all flushed at once when the comm closes or
         // fails), the flushes, and the CTS writes and probes.
         let pool = super::proto::recv_pool(nqps);
-        let cq = Cq::new(&d.ctx, (nqps * pool + 4 * 2 * SLOTS).min(32767) as i32)?;
-        let caps = verbs::QpCaps {
-            max_send_wr: RECV_SEND_QUEUE as u32,
-            max_recv_wr: pool as u32,
-            max_inline: INLINE,
-        };
-        let qps = create_qps(d, &cq, nqps, caps, |q| recv_grant(q, nqps))?;
+        let cq = Cq::new(&d.ctx, ((nqps + 1) * pool + 4 * 2 * SLOTS).min(32767) as i32)?;
+        let qps = create_qps(d, &cq, nqps, recv_caps(nqps), |q| recv_grant(q, nqps))?;
         let cts_stage = RegisteredBuf::new(&d.pd, FIFO_AREA * 8, STAGE)?;
         let sizes = RegisteredBuf::new(&d.pd, SIZE_AREA * 8, CONTROL_IN)?;
         Ok(RecvParts { qps, cq, cts_stage, sizes })
@@ -553,7 +594,7 @@ impl RecvComm {
             path,
             flusher,
             qps: parts.qps,
-            links: links(attrs, |q| recv_grant(q, nqps)),
+            links: links(recv_caps(nqps), attrs, |q| recv_grant(q, nqps)),
             cq: parts.cq,
             watch,
             life: Life::start(&net, dev),
@@ -578,7 +619,7 @@ impl RecvComm {
         if polled {
             self.progress()?;
         }
-        let mut io = Qps { qps: &self.qps, flush: None, links: &self.links };
+        let mut io = qps!(self, None);
         let r = self.core.irecv(&self.cts_stage, &self.sizes, &mut io, bufs, optional)?;
         if r.is_none() && !polled {
             self.progress()?;
@@ -594,7 +635,7 @@ impl RecvComm {
         let force = self.net.config.force_flush;
         let target = bufs.iter().rev().find(|b| b.size > 0 && (force || !b.host));
         let (Some(f), Some(&b)) = (&self.flusher, target) else { return Ok(None) };
-        let mut io = Qps { qps: &self.qps, flush: Some(&f.qp), links: &self.links };
+        let mut io = qps!(self, Some(&f.qp));
         let scratch = (f.target.addr(0), f.target.lkey());
         self.core.iflush(&mut io, b, scratch).map(Some)
     }
@@ -602,7 +643,7 @@ impl RecvComm {
     pub fn progress(&mut self) -> Result<()> {
         let mut side =
             RecvDrain { core: &mut self.core, stage: &self.cts_stage, sizes: &self.sizes };
-        let mut io = Qps { qps: &self.qps, flush: None, links: &self.links };
+        let mut io = qps!(self, None);
         let dev = &self.net.devices[self.dev];
         let r = progress(&self.cq, dev, &self.watch, &mut side, &mut io);
         while let Some(l) = self.core.take_line() {

@@ -100,19 +100,36 @@ const LANE_ERRORS: usize = 8;
 /// A comm's registration in its device's alarm table; dropping it unregisters the comm.
 pub struct Watch {
     flags: Arc<DeviceFlags>,
-    queues: Vec<Queue>,
     pub alarm: Arc<Alarm>,
+}
+
+impl Watch {
+    /// Lane repair replaced queue `old` with `new`: `new` is watched instead, and an error of
+    /// `old` still waiting in the alarm is nobody's any more (dropped).
+    pub fn swap(&self, old: Queue, new: Queue) {
+        let mut alarms = self.flags.alarms.lock().unwrap_or_else(|p| p.into_inner());
+        if alarms.get(&old).is_some_and(|a| Arc::ptr_eq(a, &self.alarm)) {
+            alarms.remove(&old);
+        }
+        alarms.insert(new, self.alarm.clone());
+        // No raise can push meanwhile: it holds the table's lock.
+        for _ in 0..self.alarm.lanes.len() {
+            match self.alarm.lanes.pop() {
+                Some((qpn, _)) if Queue::Qp(qpn) == old => {}
+                Some(e) => {
+                    let _ = self.alarm.lanes.push(e);
+                }
+                None => break,
+            }
+        }
+    }
 }
 
 impl Drop for Watch {
     fn drop(&mut self) {
         let mut alarms = self.flags.alarms.lock().unwrap_or_else(|p| p.into_inner());
-        for q in &self.queues {
-            // Only its own entry: a queue number may already be reused by a newer comm.
-            if alarms.get(q).is_some_and(|a| Arc::ptr_eq(a, &self.alarm)) {
-                alarms.remove(q);
-            }
-        }
+        // Only its own entries: a queue number may already be reused by a newer comm.
+        alarms.retain(|_, a| !Arc::ptr_eq(a, &self.alarm));
     }
 }
 
@@ -126,7 +143,7 @@ impl DeviceFlags {
             alarms.insert(*q, alarm.clone());
         }
         drop(alarms);
-        Watch { flags: self.clone(), queues, alarm }
+        Watch { flags: self.clone(), alarm }
     }
 
     /// Raises the alarm of the comm that owns `queue` with `why`: a queue pair's error goes
@@ -603,6 +620,14 @@ mod tests {
         assert_eq!(flags.raise(Queue::Qp(8), "QP_ACCESS_ERR".into()).unwrap(), "send comm to c");
         assert_eq!(c.alarm.lanes.pop().unwrap().1, "QP_ACCESS_ERR");
         assert_eq!(flags.raise(Queue::Cq(0x1000), "x".into()), None);
+        // Lane repair swaps a queue pair: the new one is watched, the old one's waiting error
+        // is dropped, and a later error of the old one is nobody's.
+        flags.raise(Queue::Qp(8), "QP_FATAL old".into());
+        c.swap(Queue::Qp(8), Queue::Qp(9));
+        assert!(c.alarm.lanes.is_empty(), "the old QP's error is gone");
+        assert_eq!(flags.raise(Queue::Qp(8), "late".into()), None);
+        assert_eq!(flags.raise(Queue::Qp(9), "QP_FATAL new".into()).unwrap(), "send comm to c");
+        assert_eq!(c.alarm.lanes.pop().unwrap(), (9, "QP_FATAL new".to_string()));
         drop(c);
         assert!(flags.alarms.lock().unwrap().is_empty());
     }

@@ -83,10 +83,10 @@ const ENTRY_WORDS: usize = ENTRY / 8;
 /// entries (entry 0 of every slot, dense, so that a batch of consecutive rows is one small
 /// write), then the other entries of multi-receives, `MAX_RECVS - 1` per slot.
 pub const FIFO_WORDS: usize = SLOTS * MAX_RECVS * ENTRY_WORDS;
-/// After the FIFO, the sender's mailbox word: the receiver's answers about lane repair.
+/// After the FIFO, the sender's mailbox: the receiver's answers about lane repair.
 const FIFO_MAIL: usize = FIFO_WORDS;
-/// The FIFO and its mailbox word (and the receiver's staging area, which mirrors them).
-pub const FIFO_AREA: usize = FIFO_WORDS + 1;
+/// The FIFO and its mailbox (and the receiver's staging area, which mirrors them).
+pub const FIFO_AREA: usize = FIFO_WORDS + mend::MAIL_WORDS;
 /// Most rows one CTS batch carries: their head entries are one write of 256 bytes, inline.
 pub const BATCH: u64 = 8;
 /// The receiver writes its staged rows at `irecv` once the sender holds at most this many
@@ -105,10 +105,10 @@ const ACK_EVERY: u64 = 8;
 pub const SIZE_WORDS: usize = SLOTS * MAX_RECVS + 1;
 /// The word of the size records that holds the last optional row the sender consumed.
 const ACK_WORD: usize = SLOTS * MAX_RECVS;
-/// After the size records, the receiver's mailbox word: the sender's lane repair requests.
+/// After the size records, the receiver's mailbox: the sender's lane repair requests.
 const SIZE_MAIL: usize = SIZE_WORDS;
-/// The size records and the mailbox word (and the sender's staging area, which mirrors them).
-pub const SIZE_AREA: usize = SIZE_WORDS + 1;
+/// The size records and the mailbox (and the sender's staging area, which mirrors them).
+pub const SIZE_AREA: usize = SIZE_WORDS + mend::MAIL_WORDS;
 /// Flag in a CTS entry's `nreqs` word: the receiver wants no completion.
 const CTS_OPTIONAL: u64 = 1 << 8;
 /// The sender's send-queue depth per QP; a slot whose chain does not fit waits.
@@ -282,10 +282,13 @@ pub trait Post {
     fn now(&self) -> Duration {
         Duration::ZERO
     }
-    /// Rebuilds lane `qp`'s queue pair for lane repair: through RESET (its posted work is
-    /// dropped, without completions) back to RTS towards the same peer QP, sending from PSN
-    /// `psns.0` and expecting `psns.1`.
-    fn renew(&mut self, qp: usize, psns: (u32, u32)) -> Result<()>;
+    /// Lane repair: replaces lane `qp`'s queue pair with a new one, in INIT. The old one is
+    /// gone, and its posted work with it (completions of that work may still be polled). The
+    /// new QP's number, for the peer.
+    fn fresh(&mut self, qp: usize) -> Result<u32>;
+    /// Lane repair: connects lane `qp`'s new queue pair to the peer's QP `peer` (RTR, then
+    /// RTS), sending from PSN `psns.0` and expecting `psns.1`.
+    fn join(&mut self, qp: usize, peer: u32, psns: (u32, u32)) -> Result<()>;
 }
 
 /// A local buffer registered for a transfer: its address range, keys, and whether the CPU may
@@ -471,24 +474,35 @@ fn zero_write(kind: u64, (lane, life): (usize, u8), target: (u64, u32)) -> SendW
     }
 }
 
-/// The signaled write of mailbox word `word` of `stage` (just stored) into the same word of
-/// the peer's `target` area, on lane `lane` (lane repair's requests and answers).
+/// Stores `m` in the mailbox at word `word` of `stage`, and returns the signaled write of it
+/// into the same words of the peer's `target` area, on lane `lane` (lane repair's requests
+/// and answers).
 fn mail_wr(
+    m: mend::Msg,
     stage: &impl Words,
     word: usize,
     (lane, life): (usize, u8),
     target: (u64, u32),
     max_inline: u32,
 ) -> SendWr {
+    for (i, w) in m.encode().into_iter().enumerate() {
+        stage.store(word + i, w);
+    }
+    let len = (mend::MAIL_WORDS * 8) as u32;
     SendWr {
         wr_id: tagged(wr_id(WR_MAIL, lane, 0), life),
         op: Op::Write,
         signaled: true,
-        local: Some((stage.addr(word), 8, stage.lkey())),
+        local: Some((stage.addr(word), len, stage.lkey())),
         remote_addr: target.0 + (word * 8) as u64,
         rkey: target.1,
-        inline: 8 <= max_inline,
+        inline: len <= max_inline,
     }
+}
+
+/// The message in the mailbox at word `word` of `area`, if one is whole there.
+fn mail(area: &impl Words, word: usize) -> Option<mend::Msg> {
+    mend::Msg::decode(std::array::from_fn(|i| area.load(word + i)))
 }
 
 /// Why a completion failed a lane, for its WARN.
@@ -1459,9 +1473,14 @@ impl SendCore {
             self.attempt_failed(lane, why);
         }
         let target = self.remote_sizes;
-        if let Some(lane) = self.mend.answered(fifo.load(FIFO_MAIL)) {
+        let answer = std::array::from_fn(|i| fifo.load(FIFO_MAIL + i));
+        if let Some((lane, qpn)) = self.mend.answered(answer) {
+            let Some(mend::Stage::Asked { seq, .. }) = self.mend.stage.get(lane).copied() else {
+                return;
+            };
             let probe = zero_write(WR_MEND, (lane, self.health.life[lane]), target);
-            match io.send(lane, &[probe]) {
+            let joined = io.join(lane, qpn, mend::psns(seq));
+            match joined.and_then(|()| io.send(lane, &[probe])) {
                 Ok(()) => {
                     self.sq[lane].posted(1, true);
                     self.mend.proving(lane, now);
@@ -1475,14 +1494,17 @@ impl SendCore {
             return; // no live lane to ask through, or no room on it yet
         }
         let seq = self.mend.ask(lane, now);
-        if let Err(e) = io.renew(lane, mend::psns(seq)) {
-            return self.attempt_failed(lane, &format!("rebuilding its queue pair failed: {e}"));
-        }
+        let qpn = match io.fresh(lane) {
+            Ok(qpn) => qpn,
+            Err(e) => {
+                return self.attempt_failed(lane, &format!("a new queue pair failed: {e}"));
+            }
+        };
         self.health.life[lane] = self.health.life[lane].wrapping_add(1);
         self.sq[lane] = SqCount::new(SEND_QUEUE);
-        stage.store(SIZE_MAIL, mend::Msg::Ask { lane, seq }.encode());
-        let ask =
-            mail_wr(stage, SIZE_MAIL, (ctl, self.health.life[ctl]), target, self.p.max_inline);
+        let ask = mend::Msg::Ask { lane, seq, qpn };
+        let life = (ctl, self.health.life[ctl]);
+        let ask = mail_wr(ask, stage, SIZE_MAIL, life, target, self.p.max_inline);
         match io.send(ctl, &[ask]) {
             Ok(()) => self.sq[ctl].posted(1, true),
             Err(e) => self.attempt_failed(lane, &format!("the request was refused: {e}")),
@@ -1910,7 +1932,7 @@ impl RecvCore {
     /// end of its lane (moving the CTS rows off it first, where another lane lives), posts
     /// the lane's receives again, and answers through the control lane.
     fn serve(&mut self, stage: &impl Words, sizes: &impl Words, io: &mut impl Post) -> Result<()> {
-        let Some(mend::Msg::Ask { lane, seq }) = mend::Msg::decode(sizes.load(SIZE_MAIL)) else {
+        let Some(mend::Msg::Ask { lane, seq, qpn: peer }) = mail(sizes, SIZE_MAIL) else {
             return Ok(());
         };
         // A lane the comm does not have is a corrupt word, not a request.
@@ -1928,14 +1950,17 @@ impl RecvCore {
             self.forget(lane, sizes);
         }
         let (send, recv) = mend::psns(seq);
-        if let Err(e) = io.renew(lane, (recv, send)) {
-            let what = format!("the receive comm from {}", self.p.path.peer);
-            let why = format!("rebuilding its queue pair failed: {e}");
-            let then = "the sender's repair attempt fails".to_string();
-            let w = lane_warning(&self.p.path, &what, lane, &why, &then);
-            self.warnings.push_back(Line::Warn(w));
-            return Ok(());
-        }
+        let qpn = match io.fresh(lane).and_then(|q| io.join(lane, peer, (recv, send)).map(|()| q)) {
+            Ok(qpn) => qpn,
+            Err(e) => {
+                let what = format!("the receive comm from {}", self.p.path.peer);
+                let why = format!("a new queue pair failed: {e}");
+                let then = "the sender's repair attempt fails".to_string();
+                let w = lane_warning(&self.p.path, &what, lane, &why, &then);
+                self.warnings.push_back(Line::Warn(w));
+                return Ok(());
+            }
+        };
         self.health.life[lane] = self.health.life[lane].wrapping_add(1);
         self.sq[lane] = SqCount::new(RECV_SEND_QUEUE);
         self.pool[lane] = 0;
@@ -1948,9 +1973,9 @@ impl RecvCore {
         t.repaired[lane] += 1;
         self.refill(io)?;
         let ctl = self.ctl;
-        stage.store(FIFO_MAIL, mend::Msg::Done { lane, seq }.encode());
+        let done = mend::Msg::Done { lane, seq, qpn };
         let life = (ctl, self.health.life[ctl]);
-        let done = mail_wr(stage, FIFO_MAIL, life, self.remote_fifo, self.p.max_inline);
+        let done = mail_wr(done, stage, FIFO_MAIL, life, self.remote_fifo, self.p.max_inline);
         io.send(ctl, &[done]).map_err(|e| self.health.post_failed(e))?;
         self.sq[ctl].posted(1, true);
         self.health.watchdog.posted();

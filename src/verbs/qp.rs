@@ -179,14 +179,6 @@ impl Qp {
         modify(self.raw, &mut a, mask, &self.what("RTS"))
     }
 
-    /// Moves the QP to RESET: its queues are emptied, with no completions, and it may be brought
-    /// up again (INIT, RTR, RTS) with new sequence numbers.
-    pub fn to_reset(&self) -> Result<()> {
-        let mut a = zeroed_attr();
-        a.qp_state = sys::ibv_qp_state::IBV_QPS_RESET;
-        modify(self.raw, &mut a, M::IBV_QP_STATE.0, &self.what("RESET"))
-    }
-
     /// Moves the QP to ERR so outstanding work requests flush before it is destroyed.
     pub fn to_error(&self) -> Result<()> {
         let mut a = zeroed_attr();

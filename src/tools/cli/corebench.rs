@@ -101,8 +101,11 @@ impl Post for Loopback<'_> {
         self.rq.borrow_mut().push_back(wr_id);
         Ok(())
     }
-    fn renew(&mut self, qp: usize, _psns: (u32, u32)) -> ferroce::error::Result<()> {
+    fn fresh(&mut self, qp: usize) -> ferroce::error::Result<u32> {
         Err(ferroce::error::Error::Internal(format!("core-bench has one lane, no repair of {qp}")))
+    }
+    fn join(&mut self, qp: usize, _peer: u32, _psns: (u32, u32)) -> ferroce::error::Result<()> {
+        self.fresh(qp).map(|_| ())
     }
 }
 

@@ -2,13 +2,14 @@
 //! exchange about it, and when it gives up.
 //!
 //! The sender drives it. After a lane failed it waits (the start delay, doubled by each failed
-//! attempt), then rebuilds its end of the lane (its queue pair through RESET back to RTS, with
-//! fresh PSNs: [`psns`]) and writes an [`Msg::Ask`] into the receiver's mailbox word through a
-//! live lane. The receiver rebuilds its end likewise, posts the lane's receives again, and
-//! answers with [`Msg::Done`] in the sender's mailbox word. The sender then probes the rebuilt
-//! lane (a zero-length write): once that completes, the lane rejoins. No answer, or no probe
-//! completion, within the timeout, or a failed probe, is a failed attempt; after the last one
-//! the lane stays out. One lane is repaired at a time, so one word each way is enough.
+//! attempt), then replaces its end of the lane with a new queue pair and writes an
+//! [`Msg::Ask`], with the new QP's number, into the receiver's mailbox through a live lane. The
+//! receiver replaces its end likewise, connects it to the sender's new QP (fresh PSNs:
+//! [`psns`]), posts the lane's receives again, and answers with [`Msg::Done`] and its own new
+//! QP's number in the sender's mailbox. The sender connects its new QP to that one and probes
+//! the lane (a zero-length write): once that completes, the lane rejoins. No answer, or no
+//! probe completion, within the timeout, or a failed probe, is a failed attempt; after the last
+//! one the lane stays out. One lane is repaired at a time, so one mailbox each way is enough.
 
 use std::time::Duration;
 
@@ -38,43 +39,49 @@ pub enum Stage {
     Out,
 }
 
-/// What the two ends write into each other's mailbox word.
+/// What the two ends write into each other's mailbox (two words, one write).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Msg {
-    /// Sender to receiver: rebuild your end of `lane` (request `seq`).
-    Ask { lane: usize, seq: u16 },
-    /// Receiver to sender: done, your end of `lane` may probe it.
-    Done { lane: usize, seq: u16 },
+    /// Sender to receiver: replace your end of `lane` and connect it to my new QP `qpn`
+    /// (request `seq`).
+    Ask { lane: usize, seq: u16, qpn: u32 },
+    /// Receiver to sender: done, my end of `lane` is QP `qpn`; connect yours and probe.
+    Done { lane: usize, seq: u16, qpn: u32 },
 }
 
 const ASK: u64 = 0xa5;
 const DONE: u64 = 0x5a;
 
-/// The low 32 bits of a mailbox word: a check of the high 32, so that a word never written
-/// (0), or one torn by a write still landing, reads as no message.
-fn check(high: u64) -> u64 {
-    u64::from((high as u32).wrapping_mul(0x9e37_79b1) ^ 0x5eed_f00d)
+/// A mailbox's words: 0 and 1.
+pub const MAIL_WORDS: usize = 2;
+
+/// The low 32 bits of the first word: a check of everything else, so that a mailbox never
+/// written (zeros), or one torn by a write still landing, reads as no message.
+fn check(high: u64, qpn: u64) -> u64 {
+    let h = (high as u32).wrapping_mul(0x9e37_79b1) ^ (qpn as u32).wrapping_mul(0x85eb_ca6b);
+    u64::from(h ^ 0x5eed_f00d)
 }
 
 impl Msg {
-    pub fn encode(self) -> u64 {
-        let (kind, lane, seq) = match self {
-            Msg::Ask { lane, seq } => (ASK, lane, seq),
-            Msg::Done { lane, seq } => (DONE, lane, seq),
+    pub fn encode(self) -> [u64; MAIL_WORDS] {
+        let (kind, lane, seq, qpn) = match self {
+            Msg::Ask { lane, seq, qpn } => (ASK, lane, seq, qpn),
+            Msg::Done { lane, seq, qpn } => (DONE, lane, seq, qpn),
         };
         let high = kind << 24 | (lane as u64 & 0xff) << 16 | u64::from(seq);
-        high << 32 | check(high)
+        let qpn = u64::from(qpn & 0xff_ffff);
+        [high << 32 | check(high, qpn), qpn]
     }
 
-    pub fn decode(word: u64) -> Option<Msg> {
+    pub fn decode([word, qpn]: [u64; MAIL_WORDS]) -> Option<Msg> {
         let high = word >> 32;
-        if word & 0xffff_ffff != check(high) {
+        if word & 0xffff_ffff != check(high, qpn) || qpn > 0xff_ffff {
             return None;
         }
-        let (lane, seq) = (((high >> 16) & 0xff) as usize, high as u16);
+        let (lane, seq, qpn) = (((high >> 16) & 0xff) as usize, high as u16, qpn as u32);
         match high >> 24 {
-            ASK => Some(Msg::Ask { lane, seq }),
-            DONE => Some(Msg::Done { lane, seq }),
+            ASK => Some(Msg::Ask { lane, seq, qpn }),
+            DONE => Some(Msg::Done { lane, seq, qpn }),
             _ => None,
         }
     }
@@ -169,11 +176,11 @@ impl Mend {
         self.seq
     }
 
-    /// The lane asked, if `word` is the peer's answer to it.
-    pub fn answered(&self, word: u64) -> Option<usize> {
-        let Some(Msg::Done { lane, seq }) = Msg::decode(word) else { return None };
+    /// The lane asked and the peer's new QP on it, if `mail` is the peer's answer to it.
+    pub fn answered(&self, mail: [u64; MAIL_WORDS]) -> Option<(usize, u32)> {
+        let Some(Msg::Done { lane, seq, qpn }) = Msg::decode(mail) else { return None };
         let asked = matches!(self.stage.get(lane), Some(Stage::Asked { seq: s, .. }) if *s == seq);
-        asked.then_some(lane)
+        asked.then_some((lane, qpn))
     }
 
     /// Lane `lane`'s probe is posted.
@@ -196,14 +203,23 @@ mod tests {
 
     #[test]
     fn messages_round_trip_and_garbage_is_no_message() {
-        for m in [Msg::Ask { lane: 3, seq: 7 }, Msg::Done { lane: 127, seq: 65535 }] {
+        let msgs = [
+            Msg::Ask { lane: 3, seq: 7, qpn: 17 },
+            Msg::Done { lane: 127, seq: 65535, qpn: 0xff_ffff },
+        ];
+        for m in msgs {
             assert_eq!(Msg::decode(m.encode()), Some(m));
             // Any single flipped bit (a torn or corrupt word) is no message.
-            for b in 0..64 {
-                assert_eq!(Msg::decode(m.encode() ^ 1 << b), None, "bit {b}");
+            for b in 0..128 {
+                let mut w = m.encode();
+                w[b / 64] ^= 1 << (b % 64);
+                assert_eq!(Msg::decode(w), None, "bit {b}");
             }
+            // Half of a newer message landed: no message either.
+            let newer = Msg::Ask { lane: 3, seq: 8, qpn: 18 }.encode();
+            assert_eq!(Msg::decode([m.encode()[0], newer[1]]), None);
         }
-        assert_eq!(Msg::decode(0), None);
+        assert_eq!(Msg::decode([0, 0]), None);
         assert_ne!(psns(1), psns(2));
         assert_eq!(psns(9).0 ^ psns(9).1, 0x80_0000);
     }
@@ -217,7 +233,7 @@ mod tests {
         assert_eq!(m.due(ms(100)), Some(1));
         let seq = m.ask(1, ms(100));
         // No answer within the timeout: the attempt fails, and the next waits twice as long.
-        assert_eq!(m.answered(Msg::Done { lane: 1, seq: seq + 1 }.encode()), None);
+        assert_eq!(m.answered(Msg::Done { lane: 1, seq: seq + 1, qpn: 9 }.encode()), None);
         assert_eq!(m.tick(ms(1100)), None);
         assert_eq!(m.tick(ms(1101)), Some((1, "the peer did not answer the repair request")));
         assert!(m.failed(1));
@@ -225,7 +241,7 @@ mod tests {
         assert_eq!(m.due(ms(1300)), None);
         assert_eq!(m.due(ms(1301)), Some(1));
         let seq = m.ask(1, ms(1301));
-        assert_eq!(m.answered(Msg::Done { lane: 1, seq }.encode()), Some(1));
+        assert_eq!(m.answered(Msg::Done { lane: 1, seq, qpn: 9 }.encode()), Some((1, 9)));
         m.proving(1, ms(1302));
         assert_eq!(m.tick(ms(2303)), Some((1, "the probe of the rebuilt lane did not complete")));
         assert!(m.failed(1));

@@ -153,10 +153,13 @@ struct Wire {
     /// Per side, in completion order: what polling each signaled send's completion frees
     /// (`wr_id`, QP, entries, the QP's life then).
     frees: [VecDeque<(u64, usize, usize, u32)>; 2],
-    /// Per side and QP: how often it was rebuilt (lane repair). A QP whose peer's count
-    /// differs talks to a QP that expects other PSNs: its work fails as on a dead path.
+    /// Per side and QP: how often it was replaced (lane repair).
     life: [Vec<u32>; 2],
-    /// Rebuilds per side.
+    /// Per side and lane: its QP's number, and the peer QP it is connected to (0: none yet).
+    /// A lane whose two QPs are not connected to each other fails its work as a dead path.
+    qpn: [Vec<u32>; 2],
+    dest: [Vec<u32>; 2],
+    /// Replacements per side.
     renewed: [u64; 2],
     broken: bool,
     /// Every post fails (as `ibv_post_send` does with ENOMEM or a QP in a bad state).
@@ -196,6 +199,8 @@ impl Wire {
             held: [vec![(0, 0); nqps + 1], vec![(0, 0); nqps + 1]],
             frees: [VecDeque::new(), VecDeque::new()],
             life: [vec![0; nqps + 1], vec![0; nqps + 1]],
+            qpn: [(0..=nqps as u32).map(|q| 100 + q).collect(), (0..=nqps as u32).collect()],
+            dest: [(0..=nqps as u32).collect(), (0..=nqps as u32).map(|q| 100 + q).collect()],
             renewed: [0, 0],
             broken: false,
             posts_fail: false,
@@ -221,6 +226,11 @@ impl Wire {
     /// Lane `q`'s path answers again (its QPs stay failed until rebuilt).
     fn heal_lane(&mut self, q: usize) {
         self.black_hole[q] = None;
+    }
+
+    /// Lane `q`'s two QPs are connected to each other.
+    fn connected(&self, q: usize) -> bool {
+        self.dest[0][q] == self.qpn[1][q] && self.dest[1][q] == self.qpn[0][q]
     }
 
     /// Every lane's path is dead: the comm must fail.
@@ -265,7 +275,7 @@ impl Wire {
     fn step(&mut self, mem: &Mem, side: usize, q: usize) {
         let nqps = self.sq[side].len() - 1;
         let peer_failed = q < nqps && self.failed[1 - side][q];
-        let strangers = q < nqps && self.life[0][q] != self.life[1][q];
+        let strangers = q < nqps && !self.connected(q);
         if self.failed[side][q] || self.black_hole[q].is_some() || peer_failed || strangers {
             return self.fail_head(mem, side, q);
         }
@@ -343,7 +353,7 @@ impl Wire {
             return;
         }
         let Some(&Queued { wr, .. }) = self.sq[side][q].front() else { return };
-        let met = self.life[0][q] == self.life[1][q] && !self.failed[1][q];
+        let met = self.connected(q) && !self.failed[1][q];
         if side == 0 && self.black_hole[q] == Some(true) && met {
             // It lands (data, immediate), but its ACK is lost: the sender's retries run out.
             self.sq[0][q].front_mut().expect("checked").wr.signaled = false;
@@ -438,14 +448,14 @@ impl Post for Io<'_> {
     fn now(&self) -> Duration {
         self.wire.borrow().now
     }
-    fn renew(&mut self, qp: usize, _psns: (u32, u32)) -> Result<()> {
+    fn fresh(&mut self, qp: usize) -> Result<u32> {
         let mut w = self.wire.borrow_mut();
         let side = self.side;
-        assert!(qp < w.sq[side].len() - 1, "only a lane's QP is rebuilt");
+        assert!(qp < w.sq[side].len() - 1, "only a lane's QP is replaced");
         if w.posts_fail {
-            return Err(Error::verbs("ibv_modify_qp", libc::EINVAL, "sim"));
+            return Err(Error::verbs("ibv_create_qp", libc::ENOMEM, "sim"));
         }
-        // RESET drops the queued work with no completions; what already completed stays in
+        // The old QP goes with its queued work, uncompleted; what already completed stays in
         // the CQ.
         w.sq[side][qp].clear();
         w.rq[side][qp].clear();
@@ -453,6 +463,15 @@ impl Post for Io<'_> {
         w.failed[side][qp] = false;
         w.life[side][qp] += 1;
         w.renewed[side] += 1;
+        let qpn = 1000 + (w.renewed[0] + w.renewed[1]) as u32; // unique
+        w.qpn[side][qp] = qpn;
+        w.dest[side][qp] = 0;
+        Ok(qpn)
+    }
+    fn join(&mut self, qp: usize, peer: u32, _psns: (u32, u32)) -> Result<()> {
+        let mut w = self.wire.borrow_mut();
+        assert_eq!(w.dest[self.side][qp], 0, "a new QP is connected once");
+        w.dest[self.side][qp] = peer;
         Ok(())
     }
     fn recv(&mut self, qp: usize, wr_id: u64) -> Result<()> {
@@ -1678,10 +1697,16 @@ fn the_receiver_serves_a_repair_request_and_counts_nothing_it_dropped() {
         w.borrow().sq[1][q].iter().map(|x| wr_kind(x.wr.wr_id)).collect()
     };
     assert!(kinds(&wire, 0).contains(&WR_PROBE), "a probe on the control lane");
-    rsizes.store(SIZE_MAIL, mend::Msg::Ask { lane: 200, seq: 1 }.encode());
+    let ask = |lane, seq| {
+        let m = mend::Msg::Ask { lane, seq, qpn: 77 };
+        for (i, w) in m.encode().into_iter().enumerate() {
+            rsizes.store(SIZE_MAIL + i, w);
+        }
+    };
+    ask(200, 1);
     receiver.idle(ms(201), None, &mut rio, &rstage, &rsizes).unwrap();
     assert_eq!(wire.borrow().renewed[1], 0, "a lane the comm does not have");
-    rsizes.store(SIZE_MAIL, mend::Msg::Ask { lane: 0, seq: 2 }.encode());
+    ask(0, 2);
     receiver.idle(ms(202), None, &mut rio, &rstage, &rsizes).unwrap();
     assert_eq!(wire.borrow().renewed[1], 1);
     assert_eq!(receiver.ctl, 1, "the CTS rows move off the rebuilt lane");
@@ -1694,7 +1719,9 @@ fn the_receiver_serves_a_repair_request_and_counts_nothing_it_dropped() {
     while !wire.borrow().sq[1][1].is_empty() {
         wire.borrow_mut().step(&mem, 1, 1);
     }
-    assert_eq!(mend::Msg::decode(fifo.load(FIFO_MAIL)), Some(mend::Msg::Done { lane: 0, seq: 2 }));
+    let qpn = wire.borrow().qpn[1][0];
+    assert_eq!(wire.borrow().dest[1][0], 77, "the new QP is connected to the sender's");
+    assert_eq!(mail(&fifo, FIFO_MAIL), Some(mend::Msg::Done { lane: 0, seq: 2, qpn }));
     poll(&wire, 1, |c| receiver.complete(c, &rsizes));
     assert_eq!(receiver.health.watchdog.outstanding, 0, "nothing is out");
 }
