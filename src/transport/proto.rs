@@ -1431,11 +1431,29 @@ impl SendCore {
         }
         let live = (0..nqps).filter(|&q| self.alive & (1 << q) != 0).count();
         let what = format!("the send comm to {}", self.p.path.peer);
-        let repair = if self.mend.failed(lane) {
-            format!("; it is rebuilt in {} ms", self.p.repair.delay.as_millis())
-        } else {
-            self.health.traffic.kept_out[lane] = true;
-            "; it stays out (lane repair is off)".to_string()
+        let repair = match (self.mend.failed(lane), self.mend.flapping(lane)) {
+            (true, false) => format!("; it is rebuilt in {} ms", self.mend.wait(lane).as_millis()),
+            (true, true) => format!(
+                "; it failed within {} ms of its last repair (a flapping path: attempt {} of \
+                 NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX), and is rebuilt in {} ms",
+                self.p.repair.timeout.as_millis(),
+                self.mend.tries(lane),
+                self.mend.wait(lane).as_millis()
+            ),
+            (false, _) if self.p.repair.attempts == 0 => {
+                self.health.traffic.kept_out[lane] = true;
+                "; it stays out (lane repair is off)".to_string()
+            }
+            (false, _) => {
+                self.health.traffic.kept_out[lane] = true;
+                format!(
+                    "; it stays out as a flapping path: {} failed repair attempts in a row, a \
+                     failure within {} ms of a repair counting as one \
+                     (NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX)",
+                    self.mend.tries(lane),
+                    self.p.repair.timeout.as_millis()
+                )
+            }
         };
         let then =
             format!("its {chunks} chunk(s) in flight go again on the {live} lane(s) left{repair}");

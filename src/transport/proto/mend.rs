@@ -103,22 +103,37 @@ fn wait(policy: Policy, tries: u32) -> Duration {
 /// The sender's repair state of every lane.
 pub struct Mend {
     pub stage: Vec<Stage>,
-    /// Failed attempts since the lane last lived.
+    /// Failed attempts since the lane last lived for a while: a lane that fails again within
+    /// the timeout of its repair (a flapping path) counts that as one more.
     tries: Vec<u32>,
+    /// When each lane was last repaired.
+    repaired: Vec<Option<Duration>>,
     /// The last request's number.
     seq: u16,
+    /// The clock at the last [`Self::tick`].
+    now: Duration,
     policy: Policy,
 }
 
 impl Mend {
     pub fn new(nqps: usize, policy: Policy) -> Mend {
-        Mend { stage: vec![Stage::Live; nqps], tries: vec![0; nqps], seq: 0, policy }
+        Mend {
+            stage: vec![Stage::Live; nqps],
+            tries: vec![0; nqps],
+            repaired: vec![None; nqps],
+            seq: 0,
+            now: Duration::ZERO,
+            policy,
+        }
     }
 
     /// Lane `lane` failed (in use, or in an attempt): `false` if it stays out for good.
     pub fn failed(&mut self, lane: usize) -> bool {
-        if self.stage[lane] != Stage::Live {
+        let flapped = |t: Duration| self.now.saturating_sub(t) <= self.policy.timeout;
+        if self.stage[lane] != Stage::Live || self.repaired[lane].is_some_and(flapped) {
             self.tries[lane] += 1;
+        } else {
+            self.tries[lane] = 0;
         }
         let out = self.tries[lane] >= self.policy.attempts;
         self.stage[lane] = if out { Stage::Out } else { Stage::Wait { at: None } };
@@ -135,15 +150,23 @@ impl Mend {
         self.tries[lane]
     }
 
-    /// Lane `lane`'s probe completed: it lives again.
+    /// Lane `lane`'s probe completed: it lives again. Its count of attempts starts afresh
+    /// once it lives longer than the timeout.
     pub fn proven(&mut self, lane: usize) {
         self.stage[lane] = Stage::Live;
-        self.tries[lane] = 0;
+        self.repaired[lane] = Some(self.now);
+    }
+
+    /// Right after [`Self::failed`] of a live lane: it failed within the timeout of its last
+    /// repair.
+    pub fn flapping(&self, lane: usize) -> bool {
+        self.tries[lane] > 0 && self.stage[lane] != Stage::Live && self.repaired[lane].is_some()
     }
 
     /// Times the waits that start now, and fails the attempts whose wait ran out. The lanes
     /// whose attempt failed, with why; the caller takes each as [`Self::failed`].
     pub fn tick(&mut self, now: Duration) -> Option<(usize, &'static str)> {
+        self.now = now;
         for (lane, s) in self.stage.iter_mut().enumerate() {
             match *s {
                 Stage::Wait { at: None } => {
@@ -266,11 +289,39 @@ mod tests {
         m.proving(0, ms(101));
         assert_eq!(m.due(ms(101)), Some(2));
         m.proven(0);
-        assert_eq!((m.stage[0], m.tries(0)), (Stage::Live, 0));
-        // Failing again in use starts the count from zero.
+        assert_eq!(m.stage[0], Stage::Live);
+        // Failing again in use, once the lane lived longer than the timeout, starts the count
+        // from zero.
+        m.tick(ms(1102));
         assert!(m.failed(0));
         assert_eq!(m.tries(0), 0);
         let none = Policy { attempts: 0, ..policy() };
         assert!(!Mend::new(1, none).failed(0), "no attempts: the lane stays out");
+    }
+
+    /// A path that comes back and dies again within the timeout, over and over, is not
+    /// repaired forever: each such failure is one more failed attempt.
+    #[test]
+    fn a_flapping_lane_runs_out_of_attempts() {
+        let mut m = Mend::new(2, policy());
+        let mut t = 0;
+        // The first failure is not an attempt's; each quick failure after a repair is.
+        for round in 1..=4 {
+            let stays = m.failed(1);
+            assert_eq!(stays, round < 4, "round {round}");
+            if !stays {
+                break;
+            }
+            assert_eq!(m.flapping(1), round > 1);
+            m.tick(ms(t));
+            t += 5000;
+            let lane = m.due(ms(t)).expect("due");
+            m.ask(lane, ms(t));
+            m.proving(lane, ms(t));
+            m.tick(ms(t + 10));
+            m.proven(lane);
+            m.tick(ms(t + 500)); // fails again half a second later
+        }
+        assert_eq!(m.stage[1], Stage::Out);
     }
 }

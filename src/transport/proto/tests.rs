@@ -682,7 +682,10 @@ fn take_lines(sender: &mut SendCore, receiver: &mut RecvCore, l: &mut Lines) {
             Line::Warn(w) if w.starts_with("lane ") && w.contains(" stays out: ") => {
                 l.kept_out += 1
             }
-            Line::Warn(w) if w.starts_with("lane ") => l.lanes += 1,
+            Line::Warn(w) if w.starts_with("lane ") => {
+                l.lanes += 1;
+                l.kept_out += usize::from(w.contains("it stays out as a flapping path"));
+            }
             Line::Warn(_) => l.truncations += 1,
             Line::Info(i) if i.starts_with("lane ") && i.contains(" is repaired") => {
                 l.repaired += 1
@@ -1239,6 +1242,27 @@ fn a_lane_whose_path_comes_back_is_repaired_and_carries_traffic_again() {
         assert_eq!((o.repaired, o.kept_out), (1, 0), "split {split}");
         let before = o.sent_at_repair.expect("a repair");
         assert!(o.sent[1] > before[1], "split {split}: lane 1 carries nothing after its repair");
+    }
+}
+
+/// A path that dies again soon after each repair (a flapping one) is not repaired forever:
+/// each failure within the timeout of a repair is a failed attempt, and the lane stays out
+/// once they run out. Every request still completes once with its bytes.
+#[test]
+fn a_flapping_lane_stays_out_once_its_attempts_run_out() {
+    for split in [false, true] {
+        let mut rng = Rng(0xf1a9_9111);
+        let mut run = random_run(&mut rng, miri_or(2400, 400), CAP);
+        (run.nqps, run.split, run.repairs, run.path_aware) = (4, split, 2, false);
+        let cycle = miri_or(400, 60);
+        for k in 0..5 {
+            run.kills.push((200 + k * cycle, 1, false));
+            run.heals.push((200 + k * cycle + cycle / 2, 1));
+        }
+        let o = drive(&run, 5);
+        eprintln!("split {split}: repaired {}, kept out {}", o.repaired, o.kept_out);
+        assert_eq!(o.kept_out, 1, "split {split}: the flapping lane stays out");
+        assert!(o.repaired >= 1, "split {split}: it was repaired before it flapped out");
     }
 }
 
