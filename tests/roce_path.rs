@@ -358,6 +358,80 @@ fn a_dead_lane_is_repaired_once_its_path_answers_again() {
     }
 }
 
+/// A dead lane whose path never answers again: each repair attempt (a new QP at both ends,
+/// then a probe that runs out of retries) fails, logged at INFO, and after
+/// `NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX` (2 here) the lane stays out, with one WARN
+/// and `it stays out` on the statistics line. Messages keep flowing, verified, throughout.
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn a_lane_whose_path_stays_dead_stays_out_after_its_attempts() {
+    require_vm();
+    let _g = serial();
+    let knobs = [
+        ("FERROCE_PATH_AWARE", Some("0")),
+        ("NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", Some("2")),
+        ("NCCL_IB_RESILIENCY_PORT_RECOVERY_START_DELAY", Some("100")),
+    ];
+    set_env(&knobs);
+    let r = with_four_lanes("0", None, || stays_out_run(1));
+    set_env(&knobs.iter().map(|&(k, _)| (k, None)).collect::<Vec<_>>());
+    let (attempts, warns, stats, secs) = r.unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("lane 1 stays out after {secs:.1} s: {attempts:#?}\n{warns:#?}\n{stats}");
+    assert_eq!(attempts.len(), 1, "one INFO for the first failed attempt: {attempts:#?}");
+    assert!(attempts[0].starts_with("repair attempt 1 of lane 1 "), "{}", attempts[0]);
+    let sent: Vec<&String> = warns.iter().filter(|w| w.contains("of the send comm")).collect();
+    assert_eq!(sent.len(), 2, "a WARN for the failure, one for staying out: {warns:#?}");
+    assert!(sent[1].contains("stays out: 2 repair attempt(s) failed"), "{}", sent[1]);
+    let qp1 = stats.split("; QP ").nth(2).unwrap_or_default();
+    assert!(qp1.starts_with("1 ") && qp1.contains("out (failed; it stays out)"), "{stats}");
+}
+
+/// Drops lane `lane` after 4 messages and sends 16 KiB messages until the sender's WARN that
+/// the lane stays out (at most 60 s): the INFOs of failed attempts, the WARNs, the sender's
+/// statistics line at close, and the seconds from the drop to the WARN.
+fn stays_out_run(lane: usize) -> Result<(Vec<String>, Vec<String>, String, f64), String> {
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12)?;
+    let ctx = drv.init(1)?;
+    take_captured();
+    let (send, recv) = pair(&drv, ctx, 1, 0)?;
+    let info: Vec<String> = take_captured().into_iter().filter(|l| l.0 == 3).map(|l| l.2).collect();
+    let port = logged_ports(&info)[lane].to_string();
+    let (mut warns, mut attempts) = (Vec::new(), Vec::new());
+    let mut dropped = None;
+    for i in 0.. {
+        if i == 4 {
+            drop_on_vethb(&["sport", &port]);
+            dropped = Some(Instant::now());
+        }
+        if dropped.is_some_and(|t| t.elapsed() > Duration::from_secs(60)) {
+            return Err(format!("no WARN that the lane stays out in 60 s: {warns:#?}"));
+        }
+        transfer_polling(&drv, send, recv, 16384, i as u8)
+            .map_err(|e| format!("message {i}: {e}; {warns:#?} {attempts:#?}"))?;
+        for (level, _, line) in take_captured() {
+            match level {
+                2 => warns.push(line),
+                3 if line.contains(": repair attempt ") => attempts.push(line),
+                _ => {}
+            }
+        }
+        if warns.iter().any(|w| w.contains(" stays out: ")) {
+            break;
+        }
+    }
+    let secs = dropped.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    drv.close(Close::Send, send)?;
+    drv.close(Close::Recv, recv)?;
+    drv.finalize(ctx)?;
+    let closed: Vec<String> =
+        take_captured().into_iter().filter(|l| l.0 == 3).map(|l| l.2).collect();
+    let stats = closed.into_iter().find(|l| l.contains("send comm to") && l.contains("closed"));
+    let strip = |l: String| l.trim_start_matches("NET/ferroce: ").to_string();
+    let attempts = attempts.into_iter().map(strip).collect();
+    Ok((attempts, warns.into_iter().map(strip).collect(), stats.unwrap_or_default(), secs))
+}
+
 /// When a phase of [`repair_run`] ends: given its messages so far, the WARNs and the INFOs.
 type PhaseEnd<'a> = dyn FnMut(usize, &[String], &[String]) -> bool + 'a;
 
