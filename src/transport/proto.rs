@@ -505,6 +505,16 @@ fn mail(area: &impl Words, word: usize) -> Option<mend::Msg> {
     mend::Msg::decode(std::array::from_fn(|i| area.load(word + i)))
 }
 
+/// `IBV_WC_WR_FLUSH_ERR`.
+const FLUSHED: u32 = 5;
+
+/// A failed completion that is its lane's failure, not the comm's: retries exhausted
+/// (`IBV_WC_RETRY_EXC_ERR`: the path stopped answering), or flushed (the first failed
+/// completion of a lane that is flushed: its QP failed on its own, see `lane_failed`).
+fn lane_status(status: u32) -> bool {
+    status == 12 || status == FLUSHED
+}
+
 /// Why a completion failed a lane, for its WARN.
 fn completion_why(c: &Completion) -> String {
     format!("{} (status {})", status_name(c.status), c.status)
@@ -1389,9 +1399,11 @@ impl SendCore {
         if self.alive & bit == 0 {
             return true;
         }
-        // IBV_WC_RETRY_EXC_ERR: the path stopped answering. Anything else (the peer refused
-        // an access, our own NIC failed) is not the path's, and fails the comm as before.
-        if c.status != 12 || self.alive & !bit == 0 || self.health.fatal.is_some() {
+        // IBV_WC_RETRY_EXC_ERR: the path stopped answering; IBV_WC_WR_FLUSH_ERR with no
+        // failed work before it on the lane: its queue pair failed on its own, and the async
+        // event saying so comes later. Anything else (the peer refused an access, our own NIC
+        // failed) is not the lane's, and fails the comm as before.
+        if !lane_status(c.status) || self.alive & !bit == 0 || self.health.fatal.is_some() {
             return false;
         }
         self.drop_lane(lane, &completion_why(c));
@@ -1889,8 +1901,11 @@ impl RecvCore {
         if self.alive & bit == 0 {
             return true;
         }
-        let ours = matches!(wr_kind(c.wr_id), WR_CTS | WR_PROBE | WR_MAIL);
-        if !ours || c.status != 12 || self.alive & !bit == 0 || self.health.fatal.is_some() {
+        // Retries run out on our own writes; a flush (a receive's too) is the lane's queue
+        // pair failing on its own, its async event still to come.
+        let ours = matches!(wr_kind(c.wr_id), WR_CTS | WR_PROBE | WR_MAIL) || c.status == FLUSHED;
+        if !ours || !lane_status(c.status) || self.alive & !bit == 0 || self.health.fatal.is_some()
+        {
             return false;
         }
         self.drop_lane(lane, &completion_why(c), sizes);
