@@ -2243,12 +2243,13 @@ impl RecvCore {
             self.advertise(stage, sizes, io, LOW_AT_POLL)?;
         }
         let waiting = self.waiting > 0 || self.awaits_acks(sizes);
-        // The receiver probes on its control lane alone: its other lanes carry nothing of its
-        // own, and their paths are the sender's to probe.
-        let lane = self.control_lane();
-        let lanes = if self.sq[lane].fits(0) { 1 << lane } else { 0 };
-        if self.health.probe(now, waiting, io, (lanes, self.remote_fifo))? != 0 {
-            self.sq[lane].posted(1, true);
+        // Every live lane with room, as the sender does: a dead sender fails the comm within
+        // one retry bound however many lanes it has (one lane at a time took one bound each).
+        let room = (0..self.p.nqps).filter(|&q| self.alive & (1 << q) != 0 && self.sq[q].fits(0));
+        let lanes = room.fold(0u128, |m, q| m | 1 << q);
+        let probed = self.health.probe(now, waiting, io, (lanes, self.remote_fifo))?;
+        for q in (0..self.p.nqps).filter(|&q| probed & (1 << q) != 0) {
+            self.sq[q].posted(1, true);
         }
         self.health.idle(now, elsewhere)
     }
