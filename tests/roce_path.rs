@@ -308,14 +308,17 @@ fn a_dead_lane_fails_over_to_the_live_ones() {
              {:?})\n  {warns:#?}",
             ferroce::config::retry_bound(17, 4)
         );
-        // One WARN from the sender; one from the receiver too where the dead lane carried its
-        // CTS rows (lane 0: the sender's ACKs of them share that lane's path).
+        // One WARN from the sender. The receiver warns only where the dead lane carried its
+        // CTS rows (lane 0: the sender's ACKs of them share that lane's path), and then only
+        // if its own writes run out of retries before the sender's repair request reaches it
+        // (serving that, it moves its rows off the lane and rebuilds it, with nothing to warn
+        // of): at most one.
         let of = |end: &str| -> Vec<&String> {
             warns.iter().filter(|w| w.contains("lane ") && w.contains(end)).collect()
         };
         let (sent, got) = (of("of the send comm"), of("of the receive comm"));
         assert_eq!(sent.len(), 1, "one sender WARN for the failed lane: {warns:#?}");
-        assert_eq!(got.len(), usize::from(lane == 0), "receiver WARNs: {warns:#?}");
+        assert!(got.len() <= usize::from(lane == 0), "receiver WARNs: {warns:#?}");
         for w in sent.iter().chain(&got) {
             for needle in
                 [format!("lane {lane} "), format!("UDP source port {port}"), "ECMP".into()]
