@@ -57,9 +57,6 @@ pub struct Lane {
     acc: (u64, Duration),
     /// Bytes per second, smoothed; `None` until the first sample.
     pub rate: Option<f64>,
-    /// Samples taken so far: one alone does not get a lane avoided (its first chunks pay the
-    /// lane's cold start).
-    samples: u32,
 }
 
 impl Lane {
@@ -98,7 +95,6 @@ impl Lane {
             let keep = |r: f64| if sample < r { 0.5 } else { 0.75 };
             self.rate = Some(self.rate.map_or(sample, |r| keep(r) * r + (1.0 - keep(r)) * sample));
             self.sampled = now;
-            self.samples += 1;
         }
     }
 
@@ -108,13 +104,6 @@ impl Lane {
         self.queue.clear();
         self.timed = 0;
         self.acc = (0, Duration::ZERO);
-    }
-
-    /// Whether the lane may be judged slow at `now`: it gave two samples, or its oldest chunk
-    /// has waited [`STALLED`] already.
-    fn judged(&self, now: Duration) -> bool {
-        let waited = |&(at, _): &(Duration, u64)| now.saturating_sub(at.max(self.last));
-        self.samples >= 2 || self.queue.front().is_some_and(|c| waited(c) >= STALLED)
     }
 
     /// The rate to count on at `now`: the measured one, or less while the oldest chunk has
@@ -145,11 +134,10 @@ fn best(lanes: &[Lane], alive: u128, now: Duration) -> Option<f64> {
         .fold(None, |m: Option<f64>, r| Some(m.map_or(r, |m| m.max(r))))
 }
 
-/// Whether lane `q` is to be avoided: its rate is known, judged ([`Lane::judged`]) and under
-/// [`AVOID`] of `best`.
+/// Whether lane `q` is to be avoided: its rate is known and under [`AVOID`] of `best`.
 fn slow(lanes: &[Lane], q: usize, now: Duration, best: Option<f64>) -> bool {
     match (lanes[q].effective(now), best) {
-        (Some(r), Some(b)) => r < AVOID * b && lanes[q].judged(now),
+        (Some(r), Some(b)) => r < AVOID * b,
         _ => false,
     }
 }
@@ -191,7 +179,7 @@ mod tests {
     }
 
     fn lane(out: u64, rate: Option<f64>) -> Lane {
-        Lane { out, rate, samples: 2, ..Lane::new() }
+        Lane { out, rate, ..Lane::new() }
     }
 
     #[test]
@@ -269,25 +257,5 @@ mod tests {
         let slower = [lane(0, Some(1e8)), lane(0, Some(4e7)), lane(0, Some(1e8)), lane(0, None)];
         assert_eq!(avoided(&slower, 0b1111, now), 0b0010);
         assert_eq!(avoided(&clean, 0b1011, now), 0b0100);
-    }
-
-    /// A lane's first sample alone (its cold start: the first chunks on a new queue pair) does
-    /// not get it avoided; a second one does, and so does a chunk stalled past STALLED.
-    #[test]
-    fn one_slow_sample_is_not_enough_to_avoid_a_lane() {
-        let fast = lane(0, Some(1e8));
-        let mut cold = Lane::new();
-        cold.posted(ms(0), 100_000);
-        cold.retired(ms(20)); // 5 MB/s: one sample
-        let lanes = [fast.clone(), cold.clone()];
-        assert_eq!(avoided(&lanes, 0b11, ms(20)), 0, "one sample");
-        assert_eq!(choose(&lanes, 0b11, ms(20), (1, 0), 1 << 20), 1, "the rotation keeps it");
-        cold.posted(ms(20), 100_000);
-        cold.retired(ms(40));
-        let lanes = [fast.clone(), cold.clone()];
-        assert_eq!(avoided(&lanes, 0b11, ms(40)), 0b10, "two samples");
-        let mut stuck = Lane::new();
-        stuck.posted(ms(0), 1_000_000);
-        assert_eq!(avoided(&[fast, stuck], 0b11, STALLED), 0b10, "stalled");
     }
 }
