@@ -178,8 +178,7 @@ impl Post for Qps<'_> {
     }
     fn fresh(&mut self, qp: usize) -> Result<u32> {
         let l = self.links.get(qp).ok_or_else(|| Error::Internal(format!("no lane {qp}")))?;
-        let new = Qp::create_rc(&self.dev.pd, self.cq, l.caps)?;
-        new.to_init(l.rtr.port, l.access)?;
+        let new = new_qp(self.dev, self.cq, l.caps, l.access)?;
         let old = std::mem::replace(&mut self.qps[qp], new);
         self.watch.swap(Queue::Qp(old.qpn()), Queue::Qp(self.qps[qp].qpn()));
         // ERR first, as at close: the old QP's work flushes before it is destroyed (dropped).
@@ -303,13 +302,14 @@ fn create_qps(
     caps: verbs::QpCaps,
     grant: impl Fn(usize) -> Grant,
 ) -> Result<Vec<Qp>> {
-    (0..nqps)
-        .map(|q| {
-            let qp = Qp::create_rc(&d.pd, cq, caps)?;
-            qp.to_init(d.port, qp_access(grant(q)))?;
-            Ok(qp)
-        })
-        .collect()
+    (0..nqps).map(|q| new_qp(d, cq, caps, qp_access(grant(q)))).collect()
+}
+
+/// One RC queue pair on device `d`, sharing `cq`, moved to INIT granting `access`.
+fn new_qp(d: &NetDevice, cq: &Arc<Cq>, caps: verbs::QpCaps, access: u32) -> Result<Qp> {
+    let qp = Qp::create_rc(&d.pd, cq, caps)?;
+    qp.to_init(d.port, access)?;
+    Ok(qp)
 }
 
 /// Registers a comm's queue pairs and CQ with its device, so an async error on them fails it.

@@ -1443,7 +1443,9 @@ impl SendCore {
         }
         let live = (0..nqps).filter(|&q| self.alive & (1 << q) != 0).count();
         let what = format!("the send comm to {}", self.p.path.peer);
-        let repair = match (self.mend.failed(lane), self.mend.flapping(lane)) {
+        // A live lane's failure counts as an attempt only within the timeout of its last
+        // repair (a flapping path).
+        let repair = match (self.mend.failed(lane), self.mend.tries(lane) > 0) {
             (true, false) => format!("; it is rebuilt in {} ms", self.mend.wait(lane).as_millis()),
             (true, true) => format!(
                 "; it failed within {} ms of its last repair (a flapping path: attempt {} of \
@@ -1504,10 +1506,7 @@ impl SendCore {
         }
         let target = self.remote_sizes;
         let answer = std::array::from_fn(|i| fifo.load(FIFO_MAIL + i));
-        if let Some((lane, qpn)) = self.mend.answered(answer) {
-            let Some(mend::Stage::Asked { seq, .. }) = self.mend.stage.get(lane).copied() else {
-                return;
-            };
+        if let Some((lane, seq, qpn)) = self.mend.answered(answer) {
             let probe = zero_write(WR_MEND, (lane, self.health.life[lane]), target);
             let joined = io.join(lane, qpn, mend::psns(seq));
             match joined.and_then(|()| io.send(lane, &[probe])) {

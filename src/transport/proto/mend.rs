@@ -157,12 +157,6 @@ impl Mend {
         self.repaired[lane] = Some(self.now);
     }
 
-    /// Right after [`Self::failed`] of a live lane: it failed within the timeout of its last
-    /// repair.
-    pub fn flapping(&self, lane: usize) -> bool {
-        self.tries[lane] > 0 && self.stage[lane] != Stage::Live && self.repaired[lane].is_some()
-    }
-
     /// Times the waits that start now, and fails the attempts whose wait ran out. The lanes
     /// whose attempt failed, with why; the caller takes each as [`Self::failed`].
     pub fn tick(&mut self, now: Duration) -> Option<(usize, &'static str)> {
@@ -199,11 +193,12 @@ impl Mend {
         self.seq
     }
 
-    /// The lane asked and the peer's new QP on it, if `mail` is the peer's answer to it.
-    pub fn answered(&self, mail: [u64; MAIL_WORDS]) -> Option<(usize, u32)> {
+    /// The lane asked, its request and the peer's new QP on it, if `mail` is the peer's
+    /// answer to it.
+    pub fn answered(&self, mail: [u64; MAIL_WORDS]) -> Option<(usize, u16, u32)> {
         let Some(Msg::Done { lane, seq, qpn }) = Msg::decode(mail) else { return None };
         let asked = matches!(self.stage.get(lane), Some(Stage::Asked { seq: s, .. }) if *s == seq);
-        asked.then_some((lane, qpn))
+        asked.then_some((lane, seq, qpn))
     }
 
     /// Lane `lane`'s probe is posted.
@@ -264,7 +259,7 @@ mod tests {
         assert_eq!(m.due(ms(1300)), None);
         assert_eq!(m.due(ms(1301)), Some(1));
         let seq = m.ask(1, ms(1301));
-        assert_eq!(m.answered(Msg::Done { lane: 1, seq, qpn: 9 }.encode()), Some((1, 9)));
+        assert_eq!(m.answered(Msg::Done { lane: 1, seq, qpn: 9 }.encode()), Some((1, seq, 9)));
         m.proving(1, ms(1302));
         assert_eq!(m.tick(ms(2303)), Some((1, "the probe of the rebuilt lane did not complete")));
         assert!(m.failed(1));
@@ -312,7 +307,7 @@ mod tests {
             if !stays {
                 break;
             }
-            assert_eq!(m.flapping(1), round > 1);
+            assert_eq!(m.tries(1) > 0, round > 1, "a failure soon after a repair counts");
             m.tick(ms(t));
             t += 5000;
             let lane = m.due(ms(t)).expect("due");
