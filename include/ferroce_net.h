@@ -76,6 +76,39 @@ typedef void (*ncclDebugLogger_t)(ncclDebugLogLevel level, unsigned long flags, 
 typedef ncclResult_t (*ncclProfilerCallback_t)(void** eHandle, int type, void* pHandle,
                                                int64_t pluginId, void* extData);
 
+/* Net profiler events (v10+). The callback's `type` is one of these; on Start the plugin passes
+ * the pHandle NCCL gave isend/irecv and a descriptor, and NCCL writes the event's handle into
+ * *eHandle; Stop passes that handle back (pHandle NULL, pluginId 0, extData NULL). */
+typedef enum {
+  ncclProfilerNetEventStart = 0,
+  ncclProfilerNetEventStop = 1,
+  ncclProfilerNetEventUpdate = 2,
+  ncclProfilerNetEventUpdateAndStop = 3
+} ncclProfilerNetEventType;
+
+/* pluginId: the network type above NCCL_PROFILER_NET_VER_BITS, the descriptor's version below. */
+#define NCCL_PROFILER_NET_VER_BITS 16
+#define NCCL_PROFILER_NET_TYPE_IB (1 << 16)
+#define NCCL_PROFILER_NET_IB_VER 1
+
+/* The IB descriptor, version 1: one event per queue pair a request's work was posted on. */
+typedef enum { ncclProfileQp = 1 } ncclProfilerNetIbEventType;
+
+typedef struct {
+  int device;     /* index of the physical port within the (virtual) device */
+  uint64_t wr_id; /* the work request's id */
+  int opcode;     /* its ibv_wr_opcode */
+  int qpNum;      /* the queue pair's number */
+  size_t length;  /* the request's bytes in it */
+} ncclProfilerNetIbQp_v1_t;
+
+typedef struct {
+  uint8_t type; /* ncclProfileQp */
+  union {
+    ncclProfilerNetIbQp_v1_t qp;
+  };
+} ncclProfilerNetIbDescr_v1_t;
+
 /* ---- data types ---------------------------------------------------------------------- */
 
 typedef struct {

@@ -63,6 +63,7 @@ knobs! {
     "NCCL_SOCKET_IFNAME", "(the GID's interface)", "interfaces for the connection-setup listener, NCCL syntax: prefixes, =exact, ^exclude, lists";
     "FERROCE_SETUP_TIMEOUT_MS", "120000", "deadline of each connection-setup step (TCP connect, each handshake message, waiting for a peer)";
     "FERROCE_FORCE_FLUSH", "0", "1: iflush issues the GPUDirect RDMA-read flush even for host memory (testing)";
+    "FERROCE_NET_PROFILER", "1", "1: per-QP profiler events to the callback NCCL gives init (v10+); 0: none";
     "NCCL_DMABUF_ENABLE", "1", "0: never offer dma-buf registration of GPU memory (peer memory still works)";
     "NCCL_GDR_FLUSH_DISABLE", "0", "1: no RDMA-read flush after receives into GPU memory";
     "NCCL_IB_PCI_RELAXED_ORDERING", "2", "relaxed ordering for NCCL's buffers: 0 off, 1 on (WARN where impossible), 2 on where the provider accepts it";
@@ -137,6 +138,8 @@ pub struct Config {
     pub socket_ifname: Option<HcaFilter>,
     pub setup_timeout: Duration,
     pub force_flush: bool,
+    /// `FERROCE_NET_PROFILER`: report profiler events where NCCL gives a callback.
+    pub net_profiler: bool,
     pub dmabuf_enable: bool,
     pub gdr_flush_disable: bool,
     /// `NCCL_IB_PCI_RELAXED_ORDERING`: 0 off, 1 on, 2 auto.
@@ -382,6 +385,7 @@ impl Config {
         let setup_timeout =
             Duration::from_millis(r.int("FERROCE_SETUP_TIMEOUT_MS", 120_000u64, 1..=86_400_000)?);
         let force_flush = r.int("FERROCE_FORCE_FLUSH", 0u8, 0..=1)? == 1;
+        let net_profiler = r.int("FERROCE_NET_PROFILER", 1u8, 0..=1)? == 1;
         let dmabuf_enable = r.int("NCCL_DMABUF_ENABLE", 1u8, 0..=1)? == 1;
         let gdr_flush_disable = r.int("NCCL_GDR_FLUSH_DISABLE", 0u8, 0..=1)? == 1;
         let relaxed_ordering = r.int("NCCL_IB_PCI_RELAXED_ORDERING", 2u8, 0..=2)?;
@@ -419,6 +423,7 @@ impl Config {
             socket_ifname,
             setup_timeout,
             force_flush,
+            net_profiler,
             dmabuf_enable,
             gdr_flush_disable,
             relaxed_ordering,

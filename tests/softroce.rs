@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use ferroce::ffi::abi::*;
 use ferroce::transport::handshake::{Handle, Kind, Msg};
-use ferroce_tools::driver::{Close, Driver};
+use ferroce_tools::driver::{Close, Driver, Ptr};
 use ferroce_tools::loader::{Library, capture_logger, take_captured};
 
 fn v12(lib: &Library) -> &ncclNet_v12_t {
@@ -670,4 +670,165 @@ fn pd_cost() {
     for v in [us(alloc), us(dealloc), reg4, reg64] {
         assert!(v.is_finite() && v > 0.0, "{v}");
     }
+}
+
+/// One message of the profiler test: the receive's buffer sizes (several: a multi-receive),
+/// the bytes sent to each, and whether NCCL gives it profiler handles.
+struct Profiled {
+    posted: Vec<usize>,
+    sent: Vec<usize>,
+    handles: bool,
+    optional: bool,
+}
+
+/// The net profiler, in each version that has one (v10, v11, v12): every request NCCL gives a
+/// handle is reported, per queue-pair post, exactly once, and stopped exactly once, by the
+/// time `test` says it is done; the fields say what was posted (IB descriptor v1: device 0,
+/// the QP, RDMA write or write-with-immediate, the request's bytes). Each send chunk the
+/// comm's statistics count is one work request reported (the handle-less message aside); a
+/// NULL callback reports nothing.
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn net_profiler_events_report_every_post_once_in_v10_v11_v12() {
+    use ferroce_tools::profiler;
+    require_vm();
+    let _g = serial();
+    let lib = open_plugin();
+    let m = |posted: &[usize], sent: &[usize], handles, optional| Profiled {
+        posted: posted.to_vec(),
+        sent: sent.to_vec(),
+        handles,
+        optional,
+    };
+    let msgs = [
+        m(&[64], &[0], true, false),
+        m(&[4096], &[1], true, false),
+        m(&[8192], &[4096], true, false),
+        m(&[100_000, 4096, 300_000], &[70_000, 0, 300_000], true, false),
+        m(&[1 << 20], &[1 << 20], true, false),
+        m(&[4096], &[4096], false, false),
+        m(&[2048], &[2048], true, true),
+        m(&[300_000], &[300_000], true, false),
+    ];
+    const IB_V1: i64 = (1 << 16) | 1;
+    for v in [10, 11, 12] {
+        let mut drv = Driver::new(&lib, v).unwrap();
+        drv.profiler = profiler::callback();
+        let ctx = drv.init(7).unwrap();
+        let (send, recv) = pair(&drv, ctx, 1, 0).unwrap();
+        profiler::take();
+        take_captured();
+        let total: usize = msgs.iter().flat_map(|m| m.posted.iter()).sum();
+        let mut src: Vec<u8> = (0..total).map(|i| (i % 249) as u8 + 3).collect();
+        let mut dst = vec![0u8; total];
+        let smh = drv.reg_mr(send, src.as_mut_ptr(), total).unwrap();
+        let rmh = drv.reg_mr(recv, dst.as_mut_ptr(), total).unwrap();
+        // (phandle, bytes, buffers of its row, optional) of each send; phandles of each
+        // receive buffer.
+        let mut sends: Vec<(usize, usize, usize, bool)> = Vec::new();
+        let mut recvs: Vec<usize> = Vec::new();
+        let mut at = 0;
+        for (k, msg) in msgs.iter().enumerate() {
+            let n = msg.posted.len();
+            let ph = |side: usize, r: usize| {
+                if msg.handles { (0x1000 * (side + 1) + 16 * k + r) as Ptr } else { null_mut() }
+            };
+            let offs: Vec<usize> =
+                msg.posted.iter().scan(at, |a, &p| Some(std::mem::replace(a, *a + p))).collect();
+            let bufs: Vec<*mut u8> = offs.iter().map(|&o| dst[o..].as_mut_ptr()).collect();
+            let rph: Vec<Ptr> = (0..n).map(|r| ph(1, r)).collect();
+            let tags: Vec<c_int> = (0..n as c_int).collect();
+            let rmhs = vec![rmh; n];
+            let rreq = until("irecv", || {
+                drv.irecv_p(recv, &bufs, &msg.posted, &tags, &rmhs, msg.optional, &rph)
+            })
+            .unwrap();
+            let mut sreqs = Vec::new();
+            for r in (0..n).rev() {
+                let s = src[offs[r]..].as_mut_ptr();
+                let (size, p) = (msg.sent[r], ph(0, r));
+                sreqs.push(
+                    until("isend", || drv.isend_p(send, s, size, r as c_int, smh, p)).unwrap(),
+                );
+                if msg.handles {
+                    sends.push((p as usize, size, n, msg.optional));
+                }
+            }
+            for s in sreqs {
+                until("test send", || drv.test(s)).unwrap();
+            }
+            let got = until("test recv", || drv.test(rreq)).unwrap();
+            if msg.handles {
+                recvs.extend(rph.iter().map(|&p| p as usize));
+            }
+            if !msg.optional {
+                for r in 0..n {
+                    assert_eq!(got[r] as usize, msg.sent[r], "v{v} message {k} buffer {r}: size");
+                    let (o, len) = (offs[r], msg.sent[r]);
+                    assert!(dst[o..o + len] == src[o..o + len], "v{v} message {k}: data");
+                }
+            }
+            // Done means stopped: every event of this message's requests has its one stop.
+            let mine = |e: &profiler::Event| (e.phandle & 0xff0) >> 4 == k && msg.handles;
+            for e in profiler::snapshot().iter().filter(|e| mine(e)) {
+                assert_eq!(e.stops, 1, "v{v} message {k}: stopped once when done: {e:?}");
+            }
+            at += msg.posted.iter().sum::<usize>();
+        }
+        drv.dereg_mr(send, smh).unwrap();
+        drv.dereg_mr(recv, rmh).unwrap();
+        drv.close(Close::Send, send).unwrap();
+        drv.close(Close::Recv, recv).unwrap();
+        let (events, misuse) = profiler::take();
+        assert!(misuse.is_empty(), "v{v}: callback misused: {misuse:?}");
+        for e in &events {
+            assert_eq!((e.plugin_id, e.kind, e.device, e.stops), (IB_V1, 1, 0, 1), "v{v}: {e:?}");
+            assert!(e.qpn != 0 && (e.opcode == 0 || e.opcode == 1), "v{v}: {e:?}");
+        }
+        // Sends: one event per request (2 QPs, whole messages: one chunk each), its bytes; the
+        // immediate ends a message that fits one, else it is all a request without bytes gets
+        // (an optional receive's data is plain writes).
+        for &(ph, size, nreqs, optional) in &sends {
+            let mine: Vec<_> = events.iter().filter(|e| e.phandle == ph).collect();
+            assert_eq!(mine.len(), 1, "v{v}: send {ph:#x}: {mine:?}");
+            let imm = !optional && (nreqs == 1 && size < 1 << 18 || size == 0);
+            assert_eq!((mine[0].length, mine[0].opcode), (size, i32::from(imm)), "v{v} {ph:#x}");
+        }
+        // Receives: one event per buffer, the write of its 32-byte CTS entry.
+        for &ph in &recvs {
+            let mine: Vec<_> = events.iter().filter(|e| e.phandle == ph).collect();
+            assert_eq!(mine.len(), 1, "v{v}: receive {ph:#x}: {mine:?}");
+            assert_eq!((mine[0].length, mine[0].opcode), (32, 0), "v{v}: receive {ph:#x}");
+        }
+        assert_eq!(events.len(), sends.len() + recvs.len(), "v{v}: nothing else reported");
+        // Each chunk the send comm counted is one work request reported (the message without
+        // handles aside): the chunks' (wr_id, QP) pairs.
+        let mut posts: Vec<(u64, u32)> =
+            events.iter().filter(|e| e.phandle < 0x2000).map(|e| (e.wr_id, e.qpn)).collect();
+        posts.sort_unstable();
+        posts.dedup();
+        let closed = take_captured()
+            .into_iter()
+            .map(|l| l.2)
+            .find(|l| l.contains("send comm to") && l.contains(" closed: "))
+            .expect("the send comm's statistics line");
+        let chunks: usize = closed
+            .split("; QP ")
+            .skip(1)
+            .map(|q| q.split(" chunks").next().unwrap().rsplit(' ').next().unwrap())
+            .map(|n| n.parse::<usize>().unwrap())
+            .sum();
+        assert_eq!(posts.len() + 1, chunks, "v{v}: every chunk reported once: {closed}");
+        drv.finalize(ctx).unwrap();
+    }
+    // No callback: nothing is reported.
+    let drv = Driver::new(&lib, 12).unwrap();
+    let ctx = drv.init(8).unwrap();
+    let (send, recv) = pair(&drv, ctx, 1, 0).unwrap();
+    transfer(&drv, send, recv, 4096, 1).unwrap();
+    drv.close(Close::Send, send).unwrap();
+    drv.close(Close::Recv, recv).unwrap();
+    drv.finalize(ctx).unwrap();
+    let (events, misuse) = profiler::take();
+    assert!(events.is_empty() && misuse.is_empty(), "{events:?} {misuse:?}");
 }

@@ -20,6 +20,21 @@ mod layout {
         };
     }
 
+    /// The IB profiler descriptor v1: a byte of type, then the QP event at offset 8.
+    #[test]
+    fn profiler_descriptor() {
+        assert_eq!(size_of::<ncclProfilerNetIbDescr_v1_t>(), 40);
+        assert_eq!(offset_of!(ncclProfilerNetIbDescr_v1_t, __bindgen_anon_1), 8);
+        offsets!(ncclProfilerNetIbQp_v1_t {
+            device: 0,
+            wr_id: 8,
+            opcode: 16,
+            qpNum: 20,
+            length: 24
+        });
+        assert_eq!(NCCL_PROFILER_NET_TYPE_IB | NCCL_PROFILER_NET_IB_VER, (1 << 16) | 1);
+    }
+
     #[test]
     fn properties_sizes() {
         assert_eq!(size_of::<ncclNetProperties_v6_t>(), 48);

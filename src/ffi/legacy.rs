@@ -22,8 +22,14 @@ use crate::transport::comm::MAX_RECVS;
 static LEGACY_CTX: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
 static LEGACY_INIT: Mutex<()> = Mutex::new(());
 
-/// `init` of v6–v10: once per load, no context returned to NCCL.
+/// `init` of v6–v9: once per load, no context returned to NCCL.
 pub extern "C" fn init(logger: ncclDebugLogger_t) -> ncclResult_t {
+    init_with(logger, None)
+}
+
+/// `init` of v10, which also passes the profiler callback: comms connected or accepted from
+/// now on report to it.
+pub fn init_with(logger: ncclDebugLogger_t, profiler: ncclProfilerCallback_t) -> ncclResult_t {
     log::install(logger);
     guard("init", || {
         let _once = LEGACY_INIT.lock().unwrap_or_else(|p| p.into_inner());
@@ -31,6 +37,8 @@ pub extern "C" fn init(logger: ncclDebugLogger_t) -> ncclResult_t {
             let ctx = transport::net::init(0, NCCL_NET_TRAFFIC_CLASS_UNDEF)?;
             LEGACY_CTX.store(handles::into_raw(ctx), Ordering::Release);
         }
+        // SAFETY: the legacy context lives for the life of the library once made.
+        unsafe { handles::ctx(ctx()) }?.set_profiler(super::profiler::of(profiler));
         Ok(())
     })
 }

@@ -22,6 +22,7 @@ mod handles;
 mod legacy;
 pub mod log;
 mod plugin;
+mod profiler;
 mod v10;
 mod v11;
 mod v12;

@@ -27,7 +27,7 @@ pub(super) unsafe extern "C" fn init(
     comm_id: u64,
     config: *mut ncclNetCommConfig_v10_t,
     logger: ncclDebugLogger_t,
-    _profiler: ncclProfilerCallback_t,
+    profiler: ncclProfilerCallback_t,
 ) -> ncclResult_t {
     log::install(logger);
     // SAFETY: NCCL passes a valid ctx slot (or NULL, rejected by `out`).
@@ -38,7 +38,9 @@ pub(super) unsafe extern "C" fn init(
         // SAFETY: checked non-NULL by `out`; valid for writes per the ABI. Checked before the
         // context exists, so a context is never made that NCCL cannot finalize.
         let slot = unsafe { out(ctx, "ctx") }?;
-        *slot = handles::into_raw(transport::net::init(comm_id, tc)?);
+        let c = transport::net::init(comm_id, tc)?;
+        c.set_profiler(super::profiler::of(profiler));
+        *slot = handles::into_raw(c);
         Ok(())
     })
 }
@@ -368,7 +370,7 @@ pub(super) unsafe extern "C" fn isend(
     size: usize,
     tag: c_int,
     mhandle: *mut c_void,
-    _phandle: *mut c_void,
+    phandle: *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
     // SAFETY: NCCL passes NULL or a valid slot.
@@ -379,7 +381,7 @@ pub(super) unsafe extern "C" fn isend(
         let AnyComm::Send(c) = &mut *h.enter()? else {
             return Err(Error::Internal("isend on a receive comm".into()));
         };
-        if let Some(id) = c.isend(buf(data, size as u64, mhandle)?, tag)? {
+        if let Some(id) = c.isend(buf(data, size as u64, mhandle)?, tag, phandle as usize)? {
             // SAFETY: valid slot per the ABI (NULL rejected).
             *unsafe { out(request, "request") }? = h.request(id);
         }
@@ -395,7 +397,7 @@ pub(super) unsafe extern "C" fn irecv(
     sizes: *mut usize,
     tags: *mut c_int,
     mhandles: *mut *mut c_void,
-    _phandles: *mut *mut c_void,
+    phandles: *mut *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
     // NCCL pre-stores NCCL_NET_OPTIONAL_RECV_COMPLETION in *request for receives whose data it
@@ -418,13 +420,18 @@ pub(super) unsafe extern "C" fn irecv(
             return Err(Error::Internal("irecv: NULL array".into()));
         }
         let mut bufs = [(Buf::default(), 0); MAX_RECVS];
+        let mut ph = [0usize; MAX_RECVS];
         for (i, b) in bufs.iter_mut().enumerate().take(count) {
             // SAFETY: NCCL passes n valid entries in each array.
             let (d, s, t, m) =
                 unsafe { (*data.add(i), *sizes.add(i), *tags.add(i), *mhandles.add(i)) };
             *b = (buf(d, s as u64, m)?, t);
+            if !phandles.is_null() {
+                // SAFETY: a non-NULL phandles has n entries (v10+).
+                ph[i] = unsafe { *phandles.add(i) } as usize;
+            }
         }
-        if let Some(id) = c.irecv(&bufs[..count], optional)? {
+        if let Some(id) = c.irecv(&bufs[..count], optional, &ph[..count])? {
             // SAFETY: valid slot per the ABI (NULL rejected).
             *unsafe { out(request, "request") }? = h.request(id);
         }

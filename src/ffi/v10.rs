@@ -30,11 +30,8 @@ pub static ncclNetPlugin_v10: Exported<ncclNet_v10_t> = Exported(ncclNet_v10_t {
     makeVDevice: None,
 });
 
-unsafe extern "C" fn init(
-    logger: ncclDebugLogger_t,
-    _prof: ncclProfilerCallback_t,
-) -> ncclResult_t {
-    legacy::init(logger)
+unsafe extern "C" fn init(logger: ncclDebugLogger_t, prof: ncclProfilerCallback_t) -> ncclResult_t {
+    legacy::init_with(logger, prof)
 }
 
 unsafe extern "C" fn connect(

@@ -19,9 +19,10 @@ use std::time::Duration;
 use super::device::{NetDevice, Queue, Watch};
 use super::mr_cache::MemKind;
 use super::net::Net;
+use super::profile::{Events, Profiler};
 use super::proto::{
-    FIFO_AREA, Fault, Grant, Line, Post, RECV_SEND_QUEUE, RecvCore, SIZE_AREA, SendCore, Words,
-    recv_grant, send_grant,
+    FIFO_AREA, Fault, Grant, Line, Post, Posted, RECV_SEND_QUEUE, RecvCore, SIZE_AREA, SendCore,
+    Words, recv_grant, send_grant,
 };
 use crate::error::{Error, Result};
 use crate::verbs::{self, Cq, Mr, Qp, RegisteredBuf, RtrAttr, RtsAttr};
@@ -364,8 +365,18 @@ fn log(l: Line) {
     }
 }
 
-/// The core's parameters for a comm on `net`'s device with these QPs.
-fn params(net: &Net, qps: &[Qp], split: bool, max_msg: u64, path: &Path) -> Params {
+/// Turns what the core journaled into profiler events (the core journals nothing without a
+/// profiler, so then this is one branch).
+fn report(events: &mut Option<Events>, journal: &mut Vec<Posted>, qps: &[Qp]) {
+    let Some(ev) = events else { return };
+    for p in journal.drain(..) {
+        ev.posted(&p, qps.get(p.lane).map_or(0, Qp::qpn));
+    }
+}
+
+/// The core's parameters for a comm on `net`'s device with these QPs; `journal` with a
+/// profiler.
+fn params(net: &Net, qps: &[Qp], split: bool, max_msg: u64, path: &Path, journal: bool) -> Params {
     Params {
         nqps: qps.len(),
         split,
@@ -382,6 +393,7 @@ fn params(net: &Net, qps: &[Qp], split: bool, max_msg: u64, path: &Path) -> Para
             timeout: net.config.repair_timeout,
         },
         path: path.clone(),
+        journal,
     }
 }
 
@@ -400,6 +412,8 @@ pub struct SendComm {
     cq: Arc<Cq>,
     watch: Watch,
     life: Life,
+    /// Profiler events, with a profiler (`None`: the core journals nothing).
+    events: Option<Events>,
     pub net: Arc<Net>,
     pub dev: usize,
 }
@@ -437,8 +451,11 @@ impl SendComm {
         split: bool,
         remote_sizes: (u64, u32),
         max_msg: u64,
+        profiler: Option<Arc<dyn Profiler>>,
     ) -> Box<SendComm> {
-        let core = SendCore::new(params(&net, &parts.qps, split, max_msg, &path), remote_sizes);
+        let journal = profiler.is_some();
+        let p = params(&net, &parts.qps, split, max_msg, &path, journal);
+        let core = SendCore::new(p, remote_sizes);
         let qps: Vec<&Qp> = parts.qps.iter().collect();
         let watch = watch(&net, dev, format!("send comm to {}", path.peer), &qps, &parts.cq);
         Box::new(SendComm {
@@ -451,6 +468,7 @@ impl SendComm {
             cq: parts.cq,
             watch,
             life: Life::start(&net, dev),
+            events: profiler.map(Events::new),
             net,
             dev,
         })
@@ -461,10 +479,16 @@ impl SendComm {
         (0..SLOTS * MAX_RECVS).map(|i| (ReqKind::Send, i as u16))
     }
 
-    /// Matches a send against the receiver's posted buffers. `Ok(None)`: not yet.
-    pub fn isend(&mut self, buf: Buf, tag: i32) -> Result<Option<usize>> {
+    /// Matches a send against the receiver's posted buffers. `Ok(None)`: not yet. `phandle`:
+    /// NCCL's profiler handle of the request (0: none).
+    pub fn isend(&mut self, buf: Buf, tag: i32, phandle: usize) -> Result<Option<usize>> {
         let mut io = qps!(self, None);
-        let r = self.core.isend(&self.fifo, &self.sizes_stage, &mut io, buf, tag)?;
+        let r = self.core.isend(&self.fifo, &self.sizes_stage, &mut io, buf, tag);
+        if let (Ok(Some(id)), Some(ev)) = (&r, &mut self.events) {
+            ev.handed(*id, phandle);
+        }
+        report(&mut self.events, self.core.journal(), &self.qps);
+        let r = r?;
         while let Some(l) = self.core.take_line() {
             log(l);
         }
@@ -480,6 +504,7 @@ impl SendComm {
         let mut side =
             SendDrain { core: &mut self.core, stage: &self.sizes_stage, fifo: &self.fifo };
         let r = progress(&self.cq, dev, &self.watch, &mut side, &mut io);
+        report(&mut self.events, self.core.journal(), &self.qps);
         while let Some(l) = self.core.take_line() {
             log(l);
         }
@@ -492,7 +517,11 @@ impl SendComm {
         if self.core.pending(id) {
             self.progress()?;
         }
-        self.core.test(id)
+        let r = self.core.test(id)?;
+        if let (Some(_), Some(ev)) = (r, &mut self.events) {
+            ev.done(id);
+        }
+        Ok(r)
     }
 }
 
@@ -538,6 +567,8 @@ pub struct RecvComm {
     cq: Arc<Cq>,
     watch: Watch,
     life: Life,
+    /// Profiler events, with a profiler (`None`: the core journals nothing).
+    events: Option<Events>,
     pub net: Arc<Net>,
     pub dev: usize,
 }
@@ -580,10 +611,12 @@ impl RecvComm {
         path: Path,
         split: bool,
         remote_fifo: (u64, u32),
+        profiler: Option<Arc<dyn Profiler>>,
     ) -> Box<RecvComm> {
         // The receiver only sends CTS rows and probes, on QP 0; all its QPs are created alike.
         let nqps = parts.qps.len();
-        let core = RecvCore::new(params(&net, &parts.qps, split, 0, &path), remote_fifo);
+        let journal = profiler.is_some();
+        let core = RecvCore::new(params(&net, &parts.qps, split, 0, &path, journal), remote_fifo);
         let qps: Vec<&Qp> = parts.qps.iter().chain(flusher.as_ref().map(|f| &f.qp)).collect();
         let name = format!("receive comm from {}", path.peer);
         let watch = watch(&net, dev, name, &qps, &parts.cq);
@@ -598,6 +631,7 @@ impl RecvComm {
             cq: parts.cq,
             watch,
             life: Life::start(&net, dev),
+            events: profiler.map(Events::new),
             net,
             dev,
         })
@@ -611,8 +645,14 @@ impl RecvComm {
     }
 
     /// Posts `bufs` (with their tags) as one multi-receive; `optional`: NCCL needs no
-    /// completion. `Ok(None)`: all slots busy.
-    pub fn irecv(&mut self, bufs: &[(Buf, i32)], optional: bool) -> Result<Option<usize>> {
+    /// completion; `phandles`: NCCL's profiler handles of the buffers (empty or 0: none).
+    /// `Ok(None)`: all slots busy.
+    pub fn irecv(
+        &mut self,
+        bufs: &[(Buf, i32)],
+        optional: bool,
+        phandles: &[usize],
+    ) -> Result<Option<usize>> {
         // With optional receives outstanding, a later irecv may be NCCL's only call on this
         // comm for a while: it polls first, so that a dead sender surfaces here.
         let polled = self.core.needs_poll(&self.sizes);
@@ -620,7 +660,14 @@ impl RecvComm {
             self.progress()?;
         }
         let mut io = qps!(self, None);
-        let r = self.core.irecv(&self.cts_stage, &self.sizes, &mut io, bufs, optional)?;
+        let r = self.core.irecv(&self.cts_stage, &self.sizes, &mut io, bufs, optional);
+        if let (Ok(Some(slot)), Some(ev)) = (&r, &mut self.events) {
+            for i in 0..MAX_RECVS {
+                ev.handed(slot * MAX_RECVS + i, phandles.get(i).copied().unwrap_or(0));
+            }
+        }
+        report(&mut self.events, self.core.journal(), &self.qps);
+        let r = r?;
         if r.is_none() && !polled {
             self.progress()?;
         }
@@ -646,6 +693,7 @@ impl RecvComm {
         let mut io = qps!(self, None);
         let dev = &self.net.devices[self.dev];
         let r = progress(&self.cq, dev, &self.watch, &mut side, &mut io);
+        report(&mut self.events, self.core.journal(), &self.qps);
         while let Some(l) = self.core.take_line() {
             log(l);
         }
@@ -659,7 +707,15 @@ impl RecvComm {
         if self.core.pending(id) || self.core.needs_poll(&self.sizes) {
             self.progress()?;
         }
-        self.core.test(id, sizes)
+        let r = self.core.test(id, sizes)?;
+        if let (Some(_), Some(ev)) = (r, &mut self.events)
+            && id < FLUSH_BASE
+        {
+            for i in 0..MAX_RECVS {
+                ev.done(id * MAX_RECVS + i);
+            }
+        }
+        Ok(r)
     }
 }
 

@@ -14,6 +14,7 @@ pub mod gid;
 pub mod handshake;
 pub mod mr_cache;
 pub mod net;
+pub mod profile;
 pub mod proto;
 pub mod reg;
 pub mod setup;

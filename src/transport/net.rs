@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::device::{self, DeviceFlags, NetDevice, Queue};
+use super::profile::Profiler;
 use crate::verbs;
 
 /// The devices and configuration shared by every communicator.
@@ -188,6 +189,22 @@ pub struct CommContext {
     pub comm_id: u64,
     /// From the v10+ communicator config; `None` when NCCL leaves it undefined.
     pub traffic_class: Option<u8>,
+    /// Where this communicator's profiler events go (v10+ `init`); set by `ffi`. A lock, not a
+    /// field, because v10's one context takes the callback of each `init`.
+    profiler: Mutex<Option<Arc<dyn Profiler>>>,
+}
+
+impl CommContext {
+    pub fn set_profiler(&self, p: Option<Arc<dyn Profiler>>) {
+        *self.profiler.lock().unwrap_or_else(|p| p.into_inner()) = p;
+    }
+
+    /// The profiler new comms report to: none without a callback or with
+    /// `FERROCE_NET_PROFILER=0`.
+    pub fn profiler(&self) -> Option<Arc<dyn Profiler>> {
+        let p = self.profiler.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        p.filter(|_| self.net.config.net_profiler)
+    }
 }
 
 struct Registry {
@@ -275,7 +292,7 @@ pub fn init(comm_id: u64, traffic_class: i32) -> Result<CommContext> {
         }
     };
     reg.contexts += 1;
-    Ok(CommContext { net, comm_id, traffic_class })
+    Ok(CommContext { net, comm_id, traffic_class, profiler: Mutex::new(None) })
 }
 
 /// Ends a communicator context. The last one runs `on_last` (which ends what still holds the

@@ -854,6 +854,22 @@ pub struct Params {
     /// Lane repair (`NCCL_IB_RESILIENCY_PORT_RECOVERY_*`).
     pub repair: Repair,
     pub path: Path,
+    /// Journal what is posted for each request ([`Posted`]), for profiler events.
+    pub journal: bool,
+}
+
+/// One request's work in one post, journaled for profiler events (only with
+/// [`Params::journal`]): the request's key (`slot * MAX_RECVS + buffer`), the post's work
+/// request id, whether its last write carries the immediate, its lane, and the request's bytes
+/// in it. The sender journals each chunk of each send; the receiver each CTS write of each
+/// buffer's entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Posted {
+    pub key: usize,
+    pub wr_id: u64,
+    pub imm: bool,
+    pub lane: usize,
+    pub len: u64,
 }
 
 // --- the sender ---------------------------------------------------------------------------------
@@ -919,6 +935,8 @@ pub struct SendCore {
     truncated: bool,
     /// Warnings for the log not yet taken: the first truncation, each lane that failed.
     warnings: VecDeque<Line>,
+    /// What was posted, for profiler events (only with [`Params::journal`]).
+    journal: Vec<Posted>,
 }
 
 impl SendCore {
@@ -947,6 +965,7 @@ impl SendCore {
             health,
             truncated: false,
             warnings: VecDeque::new(),
+            journal: Vec::new(),
             p,
         }
     }
@@ -954,6 +973,12 @@ impl SendCore {
     /// A line for the log: the first truncated send, each lane that failed or came back.
     pub fn take_line(&mut self) -> Option<Line> {
         self.warnings.pop_front()
+    }
+
+    /// What was posted since the last look (empty unless [`Params::journal`]); the caller
+    /// drains it.
+    pub fn journal(&mut self) -> &mut Vec<Posted> {
+        &mut self.journal
     }
 
     /// The first live lane: the one for probes and optional receives.
@@ -1362,6 +1387,15 @@ impl SendCore {
             }
         }
         chain.flush(io)?;
+        if self.p.journal {
+            for (r, &(_, len)) in parts.iter().enumerate().take(nreqs) {
+                // The immediate ends a single message's data, or is all a request without
+                // bytes in this chunk gets.
+                let imm = !optional && (single || len == 0);
+                let key = slot * MAX_RECVS + r;
+                self.journal.push(Posted { key, wr_id: id, imm, lane: q, len });
+            }
+        }
         self.chunk_lane[slot * nqps + c] = q as u8;
         self.lanes[q].posted(at, data);
         let t = &mut self.health.traffic;
@@ -1716,6 +1750,8 @@ pub struct RecvCore {
     /// Warnings for the log not yet taken: each lane that failed.
     warnings: VecDeque<Line>,
     health: Health,
+    /// What was posted, for profiler events (only with [`Params::journal`]).
+    journal: Vec<Posted>,
 }
 
 /// The work requests on one send queue, counted as a provider that frees entries only when a
@@ -1794,6 +1830,7 @@ impl RecvCore {
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
             pool: vec![0; p.nqps],
             warnings: VecDeque::new(),
+            journal: Vec::new(),
             health,
             p,
         }
@@ -2020,6 +2057,12 @@ impl RecvCore {
         self.warnings.pop_front()
     }
 
+    /// What was posted since the last look (empty unless [`Params::journal`]); the caller
+    /// drains it.
+    pub fn journal(&mut self) -> &mut Vec<Posted> {
+        &mut self.journal
+    }
+
     /// Posts receive WQEs until every live lane holds [`recv_pool`].
     fn refill(&mut self, io: &mut impl Post) -> Result<()> {
         let want = recv_pool(self.p.nqps);
@@ -2096,6 +2139,17 @@ impl RecvCore {
             wrs[len - 1].signaled = signaled;
             io.send(lane, &wrs[..len]).map_err(|e| self.health.post_failed(e))?;
             self.sq[lane].posted(n, signaled);
+            if self.p.journal {
+                let wr_id = wrs[0].wr_id;
+                for k in 0..rows {
+                    let slot = (first + k) % SLOTS;
+                    for r in 0..self.slots[slot].n {
+                        let key = slot * MAX_RECVS + r;
+                        let e = Posted { key, wr_id, imm: false, lane, len: ENTRY as u64 };
+                        self.journal.push(e);
+                    }
+                }
+            }
             if signaled {
                 self.health.watchdog.posted();
             }

@@ -51,6 +51,7 @@ use super::ecmp;
 use super::gid::{self, GidChoice};
 use super::handshake::{Handle, MAX_QPS, MSG_LEN, Msg};
 use super::net::{CommContext, Net};
+use super::profile::Profiler;
 use crate::error::{Error, Result};
 use crate::verbs::{self, RegisteredBuf, RtrAttr, RtsAttr};
 pub use machine::{
@@ -276,6 +277,8 @@ pub struct Listener {
     core: Listen,
     /// The sockets of the machine's pending connections, and what was built for a proven one.
     conns: HashMap<ConnId, Conn>,
+    /// Where the accepted comm's profiler events go (the communicator's).
+    profiler: Option<Arc<dyn Profiler>>,
 }
 
 struct Conn {
@@ -322,7 +325,8 @@ impl Listener {
         let describe = format!("listener {addr} (device {})", d.name);
         let c = &net.config;
         let core = Listen::new(handle, describe, c.setup_timeout, c.qps_per_conn, UNPROVEN.clone());
-        Ok(Listener { listener, handle, net, dev, core, conns: HashMap::new() })
+        let profiler = ctx.profiler();
+        Ok(Listener { listener, handle, net, dev, core, conns: HashMap::new(), profiler })
     }
 
     pub fn handle(&self) -> Handle {
@@ -462,6 +466,7 @@ impl Listener {
             path,
             policy.split,
             remote_fifo,
+            self.profiler.clone(),
         )
     }
 }
@@ -520,6 +525,8 @@ pub struct Connector {
     parts: Option<SendParts>,
     /// What each QP was connected with, once it is (for lane repair).
     links: Vec<(RtrAttr, RtsAttr)>,
+    /// Where the comm's profiler events go (the communicator's).
+    profiler: Option<Arc<dyn Profiler>>,
 }
 
 impl Connector {
@@ -551,7 +558,9 @@ impl Connector {
             .map_err(ours(format!("connect to {peer}: create queue pairs")))?;
         let parts = Some(parts);
         let core = Dial::new(handle, policy, net.config.setup_timeout, Instant::now());
-        Ok(Connector { net, dev, policy, handle, stream, core, parts, links: Vec::new() })
+        let profiler = ctx.profiler();
+        let links = Vec::new();
+        Ok(Connector { net, dev, policy, handle, stream, core, parts, links, profiler })
     }
 
     /// The listener this connector is connecting to.
@@ -612,6 +621,7 @@ impl Connector {
             p.split,
             (reply.buf_addr, reply.buf_rkey),
             max_msg,
+            self.profiler.clone(),
         )
     }
 }

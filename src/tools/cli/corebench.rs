@@ -140,6 +140,7 @@ fn run(n: usize, size: u64, inline: u32, optional: bool, depth: usize) -> Result
         mark: ferroce::transport::proto::MARK_BYTES,
         path_aware: true,
         timed_from: ferroce::transport::proto::TIMED_FROM,
+        journal: false,
         repair: Repair {
             attempts: 0,
             delay: Duration::from_secs(1),

@@ -34,6 +34,8 @@ enum Table<'a> {
 pub struct Driver<'a> {
     table: Table<'a>,
     pub version: u32,
+    /// The profiler callback `init` passes (v10+); none unless set.
+    pub profiler: ncclProfilerCallback_t,
 }
 
 pub type Ptr = *mut c_void;
@@ -74,7 +76,7 @@ impl<'a> Driver<'a> {
                 v => return Err(format!("no ABI version {v}")),
             }
         };
-        Ok(Driver { table, version })
+        Ok(Driver { table, version, profiler: None })
     }
 
     /// `init`; the returned context is NULL for v6–v10 (their calls need none).
@@ -94,9 +96,9 @@ impl<'a> Driver<'a> {
                 Table::V7(t) => call!(t.init)(log),
                 Table::V8(t) => call!(t.init)(log),
                 Table::V9(t) => call!(t.init)(log),
-                Table::V10(t) => call!(t.init)(log, None),
-                Table::V11(t) => call!(t.init)(&mut ctx, comm_id, &mut cfg, log, None),
-                Table::V12(t) => call!(t.init)(&mut ctx, comm_id, &mut cfg, log, None),
+                Table::V10(t) => call!(t.init)(log, self.profiler),
+                Table::V11(t) => call!(t.init)(&mut ctx, comm_id, &mut cfg, log, self.profiler),
+                Table::V12(t) => call!(t.init)(&mut ctx, comm_id, &mut cfg, log, self.profiler),
             }
         };
         ok("init", r).map(|_| ctx)
@@ -382,6 +384,19 @@ impl<'a> Driver<'a> {
         tag: c_int,
         mh: Ptr,
     ) -> Result<Option<Ptr>, String> {
+        self.isend_p(comm, data, size, tag, mh, null_mut())
+    }
+
+    /// `isend` with a profiler handle (passed from v10 on).
+    pub fn isend_p(
+        &self,
+        comm: Ptr,
+        data: *mut u8,
+        size: usize,
+        tag: c_int,
+        mh: Ptr,
+        ph: Ptr,
+    ) -> Result<Option<Ptr>, String> {
         let mut req = null_mut();
         let d = data.cast();
         // SAFETY: valid arguments per the isend contract.
@@ -391,9 +406,9 @@ impl<'a> Driver<'a> {
                 Table::V7(t) => call!(t.isend)(comm, d, int(size)?, tag, mh, &mut req),
                 Table::V8(t) => call!(t.isend)(comm, d, int(size)?, tag, mh, &mut req),
                 Table::V9(t) => call!(t.isend)(comm, d, size, tag, mh, &mut req),
-                Table::V10(t) => call!(t.isend)(comm, d, size, tag, mh, null_mut(), &mut req),
-                Table::V11(t) => call!(t.isend)(comm, d, size, tag, mh, null_mut(), &mut req),
-                Table::V12(t) => call!(t.isend)(comm, d, size, tag, mh, null_mut(), &mut req),
+                Table::V10(t) => call!(t.isend)(comm, d, size, tag, mh, ph, &mut req),
+                Table::V11(t) => call!(t.isend)(comm, d, size, tag, mh, ph, &mut req),
+                Table::V12(t) => call!(t.isend)(comm, d, size, tag, mh, ph, &mut req),
             }
         };
         ok("isend", r).map(|_| (!req.is_null()).then_some(req))
@@ -411,7 +426,26 @@ impl<'a> Driver<'a> {
         mhs: &[Ptr],
         optional: bool,
     ) -> Result<Option<Ptr>, String> {
+        self.irecv_p(comm, data, sizes, tags, mhs, optional, &[])
+    }
+
+    /// `irecv` with profiler handles, one per buffer (passed from v10 on; empty: NULL).
+    #[allow(clippy::too_many_arguments)]
+    pub fn irecv_p(
+        &self,
+        comm: Ptr,
+        data: &[*mut u8],
+        sizes: &[usize],
+        tags: &[c_int],
+        mhs: &[Ptr],
+        optional: bool,
+        phs: &[Ptr],
+    ) -> Result<Option<Ptr>, String> {
         let n = data.len();
+        assert!(phs.is_empty() || phs.len() == n);
+        let mut ph: [Ptr; 8] = [null_mut(); 8];
+        ph[..phs.len()].copy_from_slice(phs);
+        let ph = if phs.is_empty() { null_mut() } else { ph.as_mut_ptr() };
         assert!(n <= 8 && sizes.len() == n && tags.len() == n && mhs.len() == n);
         let mut d: [Ptr; 8] = [null_mut(); 8];
         let mut s64 = [0usize; 8];
@@ -436,15 +470,9 @@ impl<'a> Driver<'a> {
                 Table::V7(t) => call!(t.irecv)(comm, n, d, s32.as_mut_ptr(), tg, mh, &mut req),
                 Table::V8(t) => call!(t.irecv)(comm, n, d, s32.as_mut_ptr(), tg, mh, &mut req),
                 Table::V9(t) => call!(t.irecv)(comm, n, d, s64.as_mut_ptr(), tg, mh, &mut req),
-                Table::V10(t) => {
-                    call!(t.irecv)(comm, n, d, s64.as_mut_ptr(), tg, mh, null_mut(), &mut req)
-                }
-                Table::V11(t) => {
-                    call!(t.irecv)(comm, n, d, s64.as_mut_ptr(), tg, mh, null_mut(), &mut req)
-                }
-                Table::V12(t) => {
-                    call!(t.irecv)(comm, n, d, s64.as_mut_ptr(), tg, mh, null_mut(), &mut req)
-                }
+                Table::V10(t) => call!(t.irecv)(comm, n, d, s64.as_mut_ptr(), tg, mh, ph, &mut req),
+                Table::V11(t) => call!(t.irecv)(comm, n, d, s64.as_mut_ptr(), tg, mh, ph, &mut req),
+                Table::V12(t) => call!(t.irecv)(comm, n, d, s64.as_mut_ptr(), tg, mh, ph, &mut req),
             }
         };
         ok("irecv", r)?;

@@ -6,6 +6,7 @@
 //! - [`driver`] calls it through any ABI version (v6–v12) the way NCCL's proxy thread does;
 //! - [`handle`] carries the 128-byte connection handle between processes as hex;
 //! - [`proc`] runs the other ranks of a test or benchmark and reads their lines;
+//! - [`profiler`] records the net profiler events the plugin reports;
 //! - [`wait`] bounds every "call again" loop;
 //! - [`out`] writes the tools' tables and JSON;
 //! - [`Rng`] gives both sides of a test the same schedule.
@@ -15,6 +16,7 @@ pub mod handle;
 pub mod loader;
 pub mod out;
 pub mod proc;
+pub mod profiler;
 pub mod wait;
 
 /// A small deterministic generator (xorshift64) for test schedules: the same seed gives the

@@ -716,6 +716,68 @@ fn take_lines(sender: &mut SendCore, receiver: &mut RecvCore, l: &mut Lines) {
     }
 }
 
+/// What each end journaled for profiler events, by request key, since the request was handed
+/// out: checked when the request completes.
+struct Journaled {
+    send: Vec<Vec<Posted>>,
+    recv: Vec<Vec<Posted>>,
+    /// Lanes fail in this run: chunks and rows may go twice, and rows of finished receives
+    /// again (the comm's events drop those: their request no longer has a handle).
+    faults: bool,
+}
+
+impl Journaled {
+    fn new(run: &Run) -> Journaled {
+        let n = SLOTS * MAX_RECVS;
+        let faults = !run.kills.is_empty() || !run.qp_errors.is_empty();
+        Journaled { send: vec![Vec::new(); n], recv: vec![Vec::new(); n], faults }
+    }
+
+    /// Takes both journals: each entry belongs to a request still outstanding.
+    fn take(&mut self, s: &mut SendCore, r: &mut RecvCore, sends: &[usize], recvs: &[usize]) {
+        for p in s.journal().drain(..) {
+            assert!(sends.contains(&p.key) || self.faults, "a send journaled after it ended");
+            self.send[p.key].push(p);
+        }
+        for p in r.journal().drain(..) {
+            let outstanding = recvs.contains(&(p.key / MAX_RECVS));
+            assert!(outstanding || self.faults, "a receive journaled after it ended");
+            self.recv[p.key].push(p);
+        }
+    }
+
+    /// Send request `id` of `size` bytes completed, its row of `nreqs` buffers: its entries
+    /// cover its bytes, one per chunk, each marked as its last write is.
+    fn send_done(&mut self, id: usize, size: u64, nreqs: usize, optional: bool, split: usize) {
+        let got = std::mem::take(&mut self.send[id]);
+        let bytes: u64 = got.iter().map(|p| p.len).sum();
+        let chunks = if optional { 1 } else { split };
+        if self.faults {
+            assert!(bytes >= size && got.len() >= chunks, "send {id}: {got:?}");
+        } else {
+            assert_eq!((bytes, got.len()), (size, chunks), "send {id}: {got:?}");
+        }
+        let single = nreqs == 1 && size_in_imm(&[size]).is_some();
+        for p in &got {
+            assert_eq!(wr_kind(p.wr_id), WR_SEND, "send {id}: {p:?}");
+            assert_eq!(p.imm, !optional && (single || p.len == 0), "send {id}: {p:?}");
+        }
+    }
+
+    /// Receive `id` of `n` buffers completed: one entry per buffer's CTS write (or more, where
+    /// rows went again).
+    fn recv_done(&mut self, id: usize, n: usize) {
+        for r in 0..MAX_RECVS {
+            let got = std::mem::take(&mut self.recv[id * MAX_RECVS + r]);
+            let want = usize::from(r < n);
+            assert!(got.len() == want || self.faults && r < n && got.len() > 1, "{got:?}");
+            for p in &got {
+                assert_eq!((wr_kind(p.wr_id), p.len, p.imm), (WR_CTS, ENTRY as u64, false));
+            }
+        }
+    }
+}
+
 fn drive(run: &Run, seed: u64) -> Outcome {
     let mut rng = Rng(seed | 1);
     let mem = Mem::both_ends(AREAS * MAX_RECVS * CAP as usize);
@@ -736,6 +798,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         mark: run.mark,
         path_aware: run.path_aware,
         timed_from: 0,
+        journal: true,
         repair: Repair {
             attempts: run.repairs,
             delay: Duration::from_millis(5),
@@ -765,12 +828,16 @@ fn drive(run: &Run, seed: u64) -> Outcome {
     let mut steps = 0u64;
     let mut idle = 0u64;
     let mut lines = Lines::default();
+    let mut journaled = Journaled::new(run);
     // A fake clock for the cores' idle checks (and so their liveness probes).
     let mut now = Duration::ZERO;
     let done = |o: &Outcome| o.recvs_done == n && o.sends_done == n;
     while !done(&out) {
         steps += 1;
         idle += 1;
+        let sends: Vec<usize> = send_out.iter().map(|s| s.2).collect();
+        let recvs: Vec<usize> = recv_out.iter().map(|r| r.1).collect();
+        journaled.take(&mut sender, &mut receiver, &sends, &recvs);
         assert!(
             idle < 200_000,
             "no progress: {out:?} after {steps} steps, seed {seed}; receiver head {} advertised \
@@ -959,6 +1026,9 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                     Ok(Some(k)) => {
                         let items = &run.groups[g];
                         assert_eq!(k, items.len(), "group {g}: buffer count");
+                        let recvs: Vec<usize> = recv_out.iter().map(|r| r.1).collect();
+                        journaled.take(&mut sender, &mut receiver, &[], &recvs);
+                        journaled.recv_done(id, k);
                         if run.optional[g] {
                             // Done at once, reporting the posted size; its data is checked
                             // once the send completed (NCCL would watch its flags).
@@ -999,6 +1069,11 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                     Ok(None) => {}
                     Ok(Some(size)) => {
                         assert_eq!(size, run.groups[g][r].sent(), "group {g} send {r}: size");
+                        let sends: Vec<usize> = send_out.iter().map(|s| s.2).collect();
+                        journaled.take(&mut sender, &mut receiver, &sends, &[]);
+                        let nreqs = run.groups[g].len();
+                        let split = lanes(run.split && run.nqps > 1, run.nqps, id / MAX_RECVS);
+                        journaled.send_done(id, size, nreqs, run.optional[g], split.len());
                         send_out.swap_remove(i);
                         sends_left[g] -= 1;
                         if sends_left[g] == 0 {
@@ -1605,6 +1680,7 @@ fn one_qp(path: Path) -> Params {
         mark: MARK_BYTES,
         path_aware: true,
         timed_from: TIMED_FROM,
+        journal: false,
         repair: NO_REPAIR,
         path,
     }
@@ -1682,6 +1758,7 @@ fn a_quiet_wait_probes_the_peer_and_only_a_dead_peer_fails() {
         mark: MARK_BYTES,
         path_aware: true,
         timed_from: TIMED_FROM,
+        journal: false,
         repair: NO_REPAIR,
         path: Path { peer: "peer".into(), ..Default::default() },
     };
