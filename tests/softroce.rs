@@ -794,11 +794,11 @@ fn net_profiler_events_report_every_post_once_in_v10_v11_v12() {
             let imm = !optional && (nreqs == 1 && size < 1 << 18 || size == 0);
             assert_eq!((mine[0].length, mine[0].opcode), (size, i32::from(imm)), "v{v} {ph:#x}");
         }
-        // Receives: one event per buffer, the write of its 32-byte CTS entry.
+        // Receives: one event per buffer, the write of its 64-byte CTS entry.
         for &ph in &recvs {
             let mine: Vec<_> = events.iter().filter(|e| e.phandle == ph).collect();
             assert_eq!(mine.len(), 1, "v{v}: receive {ph:#x}: {mine:?}");
-            assert_eq!((mine[0].length, mine[0].opcode), (32, 0), "v{v}: receive {ph:#x}");
+            assert_eq!((mine[0].length, mine[0].opcode), (64, 0), "v{v}: receive {ph:#x}");
         }
         assert_eq!(events.len(), sends.len() + recvs.len(), "v{v}: nothing else reported");
         // Each chunk the send comm counted is one work request reported (the message without

@@ -21,8 +21,8 @@ use super::mr_cache::MemKind;
 use super::net::Net;
 use super::profile::{Events, Profiler};
 use super::proto::{
-    FIFO_AREA, Fault, Grant, Line, Post, Posted, RECV_SEND_QUEUE, RecvCore, SIZE_AREA, SendCore,
-    Words, recv_grant, send_grant,
+    FIFO_AREA, Fault, Grant, Keys, Line, Post, Posted, RECV_SEND_QUEUE, RecvCore, Remote,
+    SIZE_AREA, SendCore, Words, recv_grant, send_grant,
 };
 use crate::error::{Error, Result};
 use crate::verbs::{self, Cq, Mr, Qp, RegisteredBuf, RtrAttr, RtsAttr};
@@ -52,7 +52,7 @@ pub const STAGE: u32 = 0;
 /// The flush's scratch word, which the flush QP's RDMA read writes into: local write only.
 pub const FLUSH_TARGET: u32 = verbs::ACCESS_LOCAL_WRITE;
 
-/// Inline payload asked of every QP: a whole CTS batch (8 head entries of 32 bytes, or the
+/// Inline payload asked of every QP: a whole CTS batch (8 head entries of 64 bytes, or the
 /// other 7 entries of a multi-receive), and small sends.
 const INLINE: u32 = 512;
 
@@ -88,7 +88,8 @@ impl Buf {
                 mr.addr, mr.len
             )));
         }
-        Ok(Buf { addr, size, lkey: mr.lkey, rkey: mr.rkey, host: kind == MemKind::Host })
+        let (lkeys, rkeys) = (member_keys(mr.lkey), member_keys(mr.rkey));
+        Ok(Buf { addr, size, lkeys, rkeys, host: kind == MemKind::Host })
     }
 }
 
@@ -102,9 +103,22 @@ impl Words for RegisteredBuf {
     fn addr(&self, word: usize) -> u64 {
         RegisteredBuf::addr(self, word * 8)
     }
-    fn lkey(&self) -> u32 {
+    fn lkey(&self, member: usize) -> u32 {
+        debug_assert_eq!(member, 0, "a comm spans one member port");
         RegisteredBuf::lkey(self)
     }
+}
+
+/// The keys of a comm's one member port (0: the other members have none).
+fn member_keys(key: u32) -> Keys {
+    let mut k = Keys::default();
+    k[0] = key;
+    k
+}
+
+/// The peer's area at `addr` with key `rkey` on its one member port.
+fn remote(addr: u64, rkey: u32) -> Remote {
+    Remote { addr, rkeys: member_keys(rkey) }
 }
 
 /// How a lane's queue pair was brought up, so that lane repair can bring a new one up alike:
@@ -394,6 +408,7 @@ fn params(net: &Net, qps: &[Qp], split: bool, max_msg: u64, path: &Path, journal
         },
         path: path.clone(),
         journal,
+        members: vec![(0, 0); qps.len()],
     }
 }
 
@@ -455,7 +470,7 @@ impl SendComm {
     ) -> Box<SendComm> {
         let journal = profiler.is_some();
         let p = params(&net, &parts.qps, split, max_msg, &path, journal);
-        let core = SendCore::new(p, remote_sizes);
+        let core = SendCore::new(p, remote(remote_sizes.0, remote_sizes.1));
         let qps: Vec<&Qp> = parts.qps.iter().collect();
         let watch = watch(&net, dev, format!("send comm to {}", path.peer), &qps, &parts.cq);
         Box::new(SendComm {
@@ -616,7 +631,8 @@ impl RecvComm {
         // The receiver only sends CTS rows and probes, on QP 0; all its QPs are created alike.
         let nqps = parts.qps.len();
         let journal = profiler.is_some();
-        let core = RecvCore::new(params(&net, &parts.qps, split, 0, &path, journal), remote_fifo);
+        let p = params(&net, &parts.qps, split, 0, &path, journal);
+        let core = RecvCore::new(p, remote(remote_fifo.0, remote_fifo.1));
         let qps: Vec<&Qp> = parts.qps.iter().chain(flusher.as_ref().map(|f| &f.qp)).collect();
         let name = format!("receive comm from {}", path.peer);
         let watch = watch(&net, dev, name, &qps, &parts.cq);

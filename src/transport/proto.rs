@@ -76,8 +76,12 @@ pub const TIMED_FROM: u64 = 64 << 10;
 pub const SLOTS: usize = 32;
 /// Buffers one `irecv` may group (`maxRecvs`).
 pub const MAX_RECVS: usize = 8;
+/// Most member ports one comm spans (a fused device's), as NCCL's IB transport allows.
+pub const MAX_MEMBERS: usize = 4;
+/// A registration's key on each member port of its comm (entry `m`: member `m`'s).
+pub type Keys = [u32; MAX_MEMBERS];
 /// One CTS entry in bytes, and in u64 words.
-pub const ENTRY: usize = 32;
+pub const ENTRY: usize = 64;
 const ENTRY_WORDS: usize = ENTRY / 8;
 /// The FIFO (and the receiver's staging area, which mirrors it) in u64 words: first the head
 /// entries (entry 0 of every slot, dense, so that a batch of consecutive rows is one small
@@ -87,7 +91,7 @@ pub const FIFO_WORDS: usize = SLOTS * MAX_RECVS * ENTRY_WORDS;
 const FIFO_MAIL: usize = FIFO_WORDS;
 /// The FIFO and its mailbox (and the receiver's staging area, which mirrors them).
 pub const FIFO_AREA: usize = FIFO_WORDS + mend::MAIL_WORDS;
-/// Most rows one CTS batch carries: their head entries are one write of 256 bytes, inline.
+/// Most rows one CTS batch carries: their head entries are one write of 512 bytes, inline.
 pub const BATCH: u64 = 8;
 /// The receiver writes its staged rows at `irecv` once the sender holds at most this many
 /// advertised rows it has not consumed (as far as the receiver knows) ...
@@ -270,7 +274,8 @@ pub trait Words {
     fn store(&self, word: usize, v: u64);
     /// The address of `word`, for a work request.
     fn addr(&self, word: usize) -> u64;
-    fn lkey(&self) -> u32;
+    /// Its local key on member port `member` of the comm.
+    fn lkey(&self, member: usize) -> u32;
 }
 
 /// Where the core's work requests go: QP `qp` of the comm (index `nqps` is the flush QP).
@@ -297,8 +302,9 @@ pub trait Post {
 pub struct Buf {
     pub addr: u64,
     pub size: u64,
-    pub lkey: u32,
-    pub rkey: u32,
+    /// Its keys on each member port of the comm.
+    pub lkeys: Keys,
+    pub rkeys: Keys,
     /// Registered as host memory. Only then may its bytes go inline (the provider copies
     /// inline data with the CPU at post time): GPU memory, registered through peer memory or
     /// dma-buf, faults when the CPU reads it, so only the NIC ever touches it.
@@ -310,7 +316,9 @@ pub struct Buf {
 pub struct Cts {
     pub addr: u64,
     pub size: u64,
-    pub rkey: u32,
+    /// The buffer's key on each of the receiver's member ports: a lane writes with the key of
+    /// the member its far end is on.
+    pub rkeys: Keys,
     pub tag: i32,
     /// Buffers in this (multi-)receive; the same in every entry of the row.
     pub nreqs: u8,
@@ -329,14 +337,19 @@ pub fn entry_word(slot: usize, r: usize) -> usize {
 }
 
 impl Cts {
-    /// The entry's words; the last holds `idx` (48 bits, enough for 10^14 receives), the
-    /// buffer count and the optional flag, and lands last, as the sender checks it to see a
-    /// landed entry.
+    /// The entry's words: address, size, the keys two to a word, the tag, two spare words,
+    /// and last `idx` (48 bits, enough for 10^14 receives) with the buffer count and the
+    /// optional flag, which lands last, as the sender checks it to see a landed entry.
     pub fn encode(&self) -> [u64; ENTRY_WORDS] {
+        let k = |i: usize| u64::from(self.rkeys[i]) | u64::from(self.rkeys[i + 1]) << 32;
         [
             self.addr,
             self.size,
-            u64::from(self.rkey) | u64::from(self.tag as u32) << 32,
+            k(0),
+            k(2),
+            u64::from(self.tag as u32),
+            0,
+            0,
             u64::from(self.nreqs) | if self.optional { CTS_OPTIONAL } else { 0 } | self.idx << 16,
         ]
     }
@@ -345,11 +358,11 @@ impl Cts {
         Cts {
             addr: w[0],
             size: w[1],
-            rkey: w[2] as u32,
-            tag: (w[2] >> 32) as u32 as i32,
-            nreqs: w[3] as u8,
-            optional: w[3] & CTS_OPTIONAL != 0,
-            idx: w[3] >> 16,
+            rkeys: [w[2] as u32, (w[2] >> 32) as u32, w[3] as u32, (w[3] >> 32) as u32],
+            tag: w[4] as u32 as i32,
+            nreqs: w[7] as u8,
+            optional: w[7] & CTS_OPTIONAL != 0,
+            idx: w[7] >> 16,
         }
     }
 
@@ -367,6 +380,21 @@ impl Cts {
         Cts::decode(std::array::from_fn(|i| {
             if i + 1 < ENTRY_WORDS { fifo.load(base + i) } else { last }
         }))
+    }
+}
+
+/// A registered area of the peer's: its address and its key on each of the peer's member
+/// ports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Remote {
+    pub addr: u64,
+    pub rkeys: Keys,
+}
+
+impl Remote {
+    /// `(address, key)` of word `word` of it, as reached through the peer's member `member`.
+    fn at(&self, word: usize, member: usize) -> (u64, u32) {
+        (self.addr + (word * 8) as u64, self.rkeys[member])
     }
 }
 
@@ -481,21 +509,22 @@ fn mail_wr(
     m: mend::Msg,
     stage: &impl Words,
     word: usize,
-    (lane, life): (usize, u8),
-    target: (u64, u32),
+    (lane, life, (local, remote)): (usize, u8, (usize, usize)),
+    target: &Remote,
     max_inline: u32,
 ) -> SendWr {
     for (i, w) in m.encode().into_iter().enumerate() {
         stage.store(word + i, w);
     }
     let len = (mend::MAIL_WORDS * 8) as u32;
+    let (remote_addr, rkey) = target.at(word, remote);
     SendWr {
         wr_id: tagged(wr_id(WR_MAIL, lane, 0), life),
         op: Op::Write,
         signaled: true,
-        local: Some((stage.addr(word), len, stage.lkey())),
-        remote_addr: target.0 + (word * 8) as u64,
-        rkey: target.1,
+        local: Some((stage.addr(word), len, stage.lkey(local))),
+        remote_addr,
+        rkey,
         inline: len <= max_inline,
     }
 }
@@ -754,13 +783,13 @@ impl Health {
         now: Duration,
         waiting: bool,
         io: &mut impl Post,
-        (lanes, target): (u128, (u64, u32)),
+        (lanes, target): (u128, impl Fn(usize) -> (u64, u32)),
     ) -> Result<u128> {
         if self.fatal.is_some() || lanes == 0 || !self.prober.due(now, waiting) {
             return Ok(0);
         }
         for lane in (0..MAX_CHUNKS).filter(|&q| lanes & (1 << q) != 0) {
-            let probe = zero_write(WR_PROBE, (lane, self.life[lane]), target);
+            let probe = zero_write(WR_PROBE, (lane, self.life[lane]), target(lane));
             io.send(lane, &[probe]).map_err(|e| self.post_failed(e))?;
             self.prober.out |= 1 << lane;
             self.watchdog.posted();
@@ -854,6 +883,9 @@ pub struct Params {
     /// Lane repair (`NCCL_IB_RESILIENCY_PORT_RECOVERY_*`).
     pub repair: Repair,
     pub path: Path,
+    /// Per lane, the member ports it runs between: `(ours, the peer's)`, indices into the
+    /// keys of [`Buf`], [`Cts`], [`Remote`] and [`Words::lkey`].
+    pub members: Vec<(usize, usize)>,
     /// Journal what is posted for each request ([`Posted`]), for profiler events.
     pub journal: bool,
 }
@@ -903,8 +935,8 @@ pub struct SendCore {
     /// Slots fully posted so far; the next slot is `head % SLOTS`.
     head: u64,
     p: Params,
-    /// Where the receiver's size records are: `(addr, rkey)`.
-    remote_sizes: (u64, u32),
+    /// Where the receiver's size records are.
+    remote_sizes: Remote,
     /// Per lane: its send queue, counted.
     sq: Vec<SqCount>,
     /// Per slot and chunk: the lane that carries it now.
@@ -940,8 +972,9 @@ pub struct SendCore {
 }
 
 impl SendCore {
-    pub fn new(mut p: Params, remote_sizes: (u64, u32)) -> SendCore {
+    pub fn new(mut p: Params, remote_sizes: Remote) -> SendCore {
         p.split = p.split && p.nqps > 1;
+        p.members.resize(p.nqps, (0, 0));
         p.mark = p.mark.max(4096);
         p.max_msg = p.max_msg.max(4096).min(p.mark);
         let health = Health::new(&p);
@@ -1279,6 +1312,7 @@ impl SendCore {
         let size = if optional { None } else { size_in_imm(&sizes[..nreqs]) };
         let single = size.is_some();
         let life = self.health.life[q];
+        let (ours, theirs) = self.p.members[q];
         let id = tagged(data_wr_id(WR_SEND, q, slot, c), life);
         let parts: [(u64, u64); MAX_RECVS] = std::array::from_fn(|r| {
             s.bufs[r].map_or((0, 0), |b| self.part(slot, b.size, split, c))
@@ -1307,9 +1341,9 @@ impl SendCore {
                         },
                         op: Op::Write,
                         signaled: mark,
-                        local: Some((b.addr + at, n as u32, b.lkey)),
+                        local: Some((b.addr + at, n as u32, b.lkeys[ours])),
                         remote_addr: cts.addr + at,
-                        rkey: cts.rkey,
+                        rkey: cts.rkeys[theirs],
                         inline: b.host && n <= u64::from(inline),
                     },
                 )?;
@@ -1337,14 +1371,15 @@ impl SendCore {
                     // later ack overwriting it before the NIC reads it only reports a later
                     // consumed row.
                     stage.store(ACK_WORD, idx);
+                    let (remote_addr, rkey) = self.remote_sizes.at(ACK_WORD, theirs);
                     chain.push(
                         io,
                         SendWr {
                             wr_id: id,
                             signaled: true,
-                            local: Some((stage.addr(ACK_WORD), 8, stage.lkey())),
-                            remote_addr: self.remote_sizes.0 + (ACK_WORD * 8) as u64,
-                            rkey: self.remote_sizes.1,
+                            local: Some((stage.addr(ACK_WORD), 8, stage.lkey(ours))),
+                            remote_addr,
+                            rkey,
                             inline: 8 <= inline,
                             ..SendWr::default()
                         },
@@ -1354,14 +1389,15 @@ impl SendCore {
         } else {
             if !single && c == 0 {
                 let len = (nreqs * 8) as u32;
+                let (remote_addr, rkey) = self.remote_sizes.at(slot * MAX_RECVS, theirs);
                 chain.push(
                     io,
                     SendWr {
                         wr_id: id,
                         op: Op::Write,
-                        local: Some((stage.addr(slot * MAX_RECVS), len, stage.lkey())),
-                        remote_addr: self.remote_sizes.0 + (slot * MAX_RECVS * 8) as u64,
-                        rkey: self.remote_sizes.1,
+                        local: Some((stage.addr(slot * MAX_RECVS), len, stage.lkey(ours))),
+                        remote_addr,
+                        rkey,
                         inline: len <= inline,
                         ..SendWr::default()
                     },
@@ -1541,7 +1577,8 @@ impl SendCore {
         let target = self.remote_sizes;
         let answer = std::array::from_fn(|i| fifo.load(FIFO_MAIL + i));
         if let Some((lane, seq, qpn)) = self.mend.answered(answer) {
-            let probe = zero_write(WR_MEND, (lane, self.health.life[lane]), target);
+            let at = target.at(0, self.p.members[lane].1);
+            let probe = zero_write(WR_MEND, (lane, self.health.life[lane]), at);
             let joined = io.join(lane, qpn, mend::psns(seq));
             match joined.and_then(|()| io.send(lane, &[probe])) {
                 Ok(()) => {
@@ -1566,8 +1603,8 @@ impl SendCore {
         self.health.life[lane] = self.health.life[lane].wrapping_add(1);
         self.sq[lane] = SqCount::new(SEND_QUEUE);
         let ask = mend::Msg::Ask { lane, seq, qpn };
-        let life = (ctl, self.health.life[ctl]);
-        let ask = mail_wr(ask, stage, SIZE_MAIL, life, target, self.p.max_inline);
+        let life = (ctl, self.health.life[ctl], self.p.members[ctl]);
+        let ask = mail_wr(ask, stage, SIZE_MAIL, life, &target, self.p.max_inline);
         match io.send(ctl, &[ask]) {
             Ok(()) => self.sq[ctl].posted(1, true),
             Err(e) => self.attempt_failed(lane, &format!("the request was refused: {e}")),
@@ -1666,7 +1703,9 @@ impl SendCore {
         let waiting = self.wants_cts || self.in_flight > 0 || half;
         let room = (0..self.p.nqps).filter(|&q| self.alive & (1 << q) != 0 && self.sq[q].fits(0));
         let lanes = room.fold(0u128, |m, q| m | 1 << q);
-        let probed = self.health.probe(now, waiting, io, (lanes, self.remote_sizes))?;
+        let (target, members) = (self.remote_sizes, &self.p.members);
+        let at = |q: usize| target.at(0, members[q].1);
+        let probed = self.health.probe(now, waiting, io, (lanes, at))?;
         for q in (0..self.p.nqps).filter(|&q| probed & (1 << q) != 0) {
             self.sq[q].posted(1, true);
         }
@@ -1720,8 +1759,8 @@ pub struct RecvCore {
     flush_head: usize,
     head: u64,
     p: Params,
-    /// Where the sender's FIFO is: `(addr, rkey)`.
-    remote_fifo: (u64, u32),
+    /// Where the sender's FIFO is.
+    remote_fifo: Remote,
     /// Receives waiting for their data (kept, not scanned for, because every empty poll asks).
     waiting: usize,
     /// The `idx` of the last optional receive posted: until the sender's ack word reaches it,
@@ -1810,8 +1849,9 @@ impl SqCount {
 pub const FLUSH_BASE: usize = SLOTS;
 
 impl RecvCore {
-    pub fn new(mut p: Params, remote_fifo: (u64, u32)) -> RecvCore {
+    pub fn new(mut p: Params, remote_fifo: Remote) -> RecvCore {
         p.split = p.split && p.nqps > 1;
+        p.members.resize(p.nqps, (0, 0));
         let health = Health::new(&p);
         RecvCore {
             slots: [RecvSlot::default(); SLOTS],
@@ -1897,8 +1937,8 @@ impl RecvCore {
         let idx = self.head + 1;
         for (r, (b, tag)) in bufs.iter().enumerate() {
             let nreqs = n as u8;
-            let cts =
-                Cts { addr: b.addr, size: b.size, rkey: b.rkey, tag: *tag, nreqs, optional, idx };
+            let rkeys = b.rkeys;
+            let cts = Cts { addr: b.addr, size: b.size, rkeys, tag: *tag, nreqs, optional, idx };
             let base = entry_word(slot, r);
             for (i, w) in cts.encode().into_iter().enumerate() {
                 stage.store(base + i, w);
@@ -2043,8 +2083,8 @@ impl RecvCore {
         self.refill(io)?;
         let ctl = self.ctl;
         let done = mend::Msg::Done { lane, seq, qpn };
-        let life = (ctl, self.health.life[ctl]);
-        let done = mail_wr(done, stage, FIFO_MAIL, life, self.remote_fifo, self.p.max_inline);
+        let life = (ctl, self.health.life[ctl], self.p.members[ctl]);
+        let done = mail_wr(done, stage, FIFO_MAIL, life, &self.remote_fifo, self.p.max_inline);
         io.send(ctl, &[done]).map_err(|e| self.health.post_failed(e))?;
         self.sq[ctl].posted(1, true);
         self.health.watchdog.posted();
@@ -2104,14 +2144,14 @@ impl RecvCore {
             let rows = staged.min(BATCH) as usize;
             let lane = self.control_lane();
             let first = (self.advertised % SLOTS as u64) as usize;
-            let remote = |w: usize| self.remote_fifo.0 + (w * 8) as u64;
+            let (ours, theirs) = self.p.members[lane];
             let write = |w: usize, entries: usize| SendWr {
                 wr_id: tagged(wr_id(WR_CTS, lane, 0), self.health.life[lane]),
                 op: Op::Write,
                 signaled: false,
-                local: Some((stage.addr(w), (entries * ENTRY) as u32, stage.lkey())),
-                remote_addr: remote(w),
-                rkey: self.remote_fifo.1,
+                local: Some((stage.addr(w), (entries * ENTRY) as u32, stage.lkey(ours))),
+                remote_addr: self.remote_fifo.at(w, theirs).0,
+                rkey: self.remote_fifo.rkeys[theirs],
                 inline: entries * ENTRY <= self.p.max_inline as usize,
             };
             let mut len = 0;
@@ -2183,7 +2223,8 @@ impl RecvCore {
             signaled: true,
             local: Some((scratch.0, 1, scratch.1)),
             remote_addr: target.addr,
-            rkey: target.rkey,
+            // The flush QP loops back on member port 0.
+            rkey: target.rkeys[0],
             inline: false,
         };
         io.send(self.p.nqps, &[read]).map_err(|e| self.health.post_failed(e))?;
@@ -2300,7 +2341,9 @@ impl RecvCore {
         // one retry bound however many lanes it has (one lane at a time took one bound each).
         let room = (0..self.p.nqps).filter(|&q| self.alive & (1 << q) != 0 && self.sq[q].fits(0));
         let lanes = room.fold(0u128, |m, q| m | 1 << q);
-        let probed = self.health.probe(now, waiting, io, (lanes, self.remote_fifo))?;
+        let (target, members) = (self.remote_fifo, &self.p.members);
+        let at = |q: usize| target.at(0, members[q].1);
+        let probed = self.health.probe(now, waiting, io, (lanes, at))?;
         for q in (0..self.p.nqps).filter(|&q| probed & (1 << q) != 0) {
             self.sq[q].posted(1, true);
         }

@@ -13,7 +13,8 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use ferroce::transport::proto::{
-    Buf, FIFO_AREA, Params, Path, Post, RecvCore, Repair, SIZE_AREA, SendCore, Words,
+    Buf, FIFO_AREA, MAX_MEMBERS, Params, Path, Post, RecvCore, Remote, Repair, SIZE_AREA, SendCore,
+    Words,
 };
 use ferroce::wr::{Completion, Op, SendWr};
 
@@ -45,7 +46,7 @@ impl Words for Region {
     fn addr(&self, w: usize) -> u64 {
         self.base + 8 * w as u64
     }
-    fn lkey(&self) -> u32 {
+    fn lkey(&self, _member: usize) -> u32 {
         1
     }
 }
@@ -141,6 +142,7 @@ fn run(n: usize, size: u64, inline: u32, optional: bool, depth: usize) -> Result
         path_aware: true,
         timed_from: ferroce::transport::proto::TIMED_FROM,
         journal: false,
+        members: Vec::new(),
         repair: Repair {
             attempts: 0,
             delay: Duration::from_secs(1),
@@ -148,12 +150,13 @@ fn run(n: usize, size: u64, inline: u32, optional: bool, depth: usize) -> Result
         },
         path: Path::default(),
     };
-    let mut send = SendCore::new(params.clone(), (SIZES, 1));
-    let mut recv = RecvCore::new(params, (FIFO, 1));
+    let mut send = SendCore::new(params.clone(), Remote { addr: SIZES, rkeys: [1; MAX_MEMBERS] });
+    let mut recv = RecvCore::new(params, Remote { addr: FIFO, rkeys: [1; MAX_MEMBERS] });
     let lo = |side| Loopback { regions, cq: &cq, rq: &rq, side, doorbells: 0, cts_writes: 0 };
     let (mut sio, mut rio) = (lo(0), lo(1));
     let e = |e: ferroce::error::Error| e.to_string();
-    let buf = Buf { addr: DATA, size, lkey: 1, rkey: 1, host: true };
+    let buf =
+        Buf { addr: DATA, size, lkeys: [1; MAX_MEMBERS], rkeys: [1; MAX_MEMBERS], host: true };
     let mut got = [0u64; 8];
     let mut posted = VecDeque::with_capacity(depth);
     let t = Instant::now();

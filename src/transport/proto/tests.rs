@@ -43,6 +43,19 @@ use super::*;
 
 // --- the simulated hosts and network -----------------------------------------------------------
 
+/// A region's key on member port `m`: its own plus `m` times this.
+const MEMBER_KEY: u32 = 100;
+
+/// Region key `k` on every member port.
+fn keys(k: u32) -> Keys {
+    std::array::from_fn(|m| k + MEMBER_KEY * m as u32)
+}
+
+/// The peer's region at `addr` with key `k` on every member port.
+fn remote(addr: u64, k: u32) -> Remote {
+    Remote { addr, rkeys: keys(k) }
+}
+
 /// Registered memory of both hosts: regions by base address, each with its key.
 struct Mem {
     regions: RefCell<Vec<(u64, u32, Vec<u8>)>>,
@@ -86,12 +99,13 @@ impl Mem {
         self.regions.borrow_mut().push((base, key, vec![0; len]));
     }
 
-    /// Runs `f` on `[addr, addr + len)`, which must lie in one region (with `key`, if given).
+    /// Runs `f` on `[addr, addr + len)`, which must lie in one region (with `key`, if given:
+    /// `(offset, key)`, the region's key plus the offset of the member port used).
     fn with<T>(
         &self,
         addr: u64,
         len: usize,
-        key: Option<u32>,
+        key: Option<(u32, u32)>,
         f: impl FnOnce(&mut [u8]) -> T,
     ) -> T {
         let mut regions = self.regions.borrow_mut();
@@ -99,8 +113,8 @@ impl Mem {
             .iter_mut()
             .find(|(b, _, v)| *b <= addr && addr + len as u64 <= *b + v.len() as u64)
             .unwrap_or_else(|| panic!("{len} bytes at {addr:#x} are in no registered region"));
-        if let Some(key) = key {
-            assert_eq!(*k, key, "wrong key for {addr:#x}");
+        if let Some((offset, key)) = key {
+            assert_eq!(*k + offset, key, "wrong key for {addr:#x}");
         }
         let off = (addr - *base) as usize;
         f(&mut bytes[off..off + len])
@@ -129,8 +143,8 @@ impl Words for Area<'_> {
     fn addr(&self, w: usize) -> u64 {
         self.base + 8 * w as u64
     }
-    fn lkey(&self) -> u32 {
-        self.key
+    fn lkey(&self, member: usize) -> u32 {
+        self.key + MEMBER_KEY * member as u32
     }
 }
 
@@ -186,6 +200,8 @@ struct Wire {
     failed: [Vec<bool>; 2],
     /// The simulated clock, as the cores' precise one.
     now: Duration,
+    /// Per lane, the sender's and the receiver's member ports (empty: all on the first).
+    members: Vec<(usize, usize)>,
 }
 
 impl Wire {
@@ -214,7 +230,13 @@ impl Wire {
             black_hole: vec![None; nqps + 1],
             failed: [vec![false; nqps + 1], vec![false; nqps + 1]],
             now: Duration::ZERO,
+            members: Vec::new(),
         }
+    }
+
+    /// The member port lane `q` of `side` is on (the flush QP: the receiver's first).
+    fn member(&self, side: usize, q: usize) -> usize {
+        self.members.get(q).map_or(0, |m| if side == 0 { m.0 } else { m.1 })
     }
 
     /// The sender's lane `q` black-holes: its next work request fails with retries exhausted
@@ -300,8 +322,12 @@ impl Wire {
         let grant = if rside == 0 { send_grant(rq) } else { recv_grant(rq, nqps) };
         let needed = if wr.op == Op::Read { Grant::Read } else { Grant::Write };
         assert_eq!(grant, needed, "side {side} QP {q}: {:?} on a QP that grants {grant:?}", wr.op);
-        if let Some((addr, len, _)) = wr.local {
-            let mut bytes = inline.unwrap_or_else(|| mem.read(addr, len as usize));
+        if let Some((addr, len, lkey)) = wr.local {
+            // Each end uses the keys of the member ports the lane runs between.
+            let key = |m: usize, k: u32| Some((m as u32 * MEMBER_KEY, k));
+            let ours = key(self.member(side, q), lkey);
+            let mut bytes =
+                inline.unwrap_or_else(|| mem.with(addr, len as usize, ours, |b| b.to_vec()));
             let records = RECV_SIZES..RECV_SIZES + 8 * ACK_WORD as u64;
             if self.lying && side == 0 && records.contains(&wr.remote_addr) {
                 for w in bytes.chunks_exact_mut(8) {
@@ -315,9 +341,12 @@ impl Wire {
             }
             match wr.op {
                 Op::Read => {}
-                _ => mem.with(wr.remote_addr, len as usize, Some(wr.rkey), |b| {
-                    b.copy_from_slice(&bytes)
-                }),
+                _ => mem.with(
+                    wr.remote_addr,
+                    len as usize,
+                    key(self.member(peer, q), wr.rkey),
+                    |b| b.copy_from_slice(&bytes),
+                ),
             }
         }
         if let Op::WriteImm(mut imm) = wr.op {
@@ -599,6 +628,9 @@ struct Run {
     heals: Vec<(u64, usize)>,
     /// Lane repair attempts (0: off), with the sim clock's 1 ms per empty poll.
     repairs: u32,
+    /// Per lane, the member ports of the sender and of the receiver it runs between (lane `q`
+    /// on `q % n` of each end's `n` members, as NCCL places a fused device's QPs).
+    members: Vec<(usize, usize)>,
 }
 
 fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
@@ -630,6 +662,9 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         })
         .collect();
     let optional = groups.iter().map(|g: &Vec<Item>| g.len() == 1 && rng.below(3) == 0).collect();
+    // Each end spans 1 to 3 member ports (fewer with fewer lanes), the two counts independent.
+    let (ours, theirs) = (1 + rng.below(3) as usize, 1 + rng.below(3) as usize);
+    let members = (0..nqps).map(|q| (q % ours.min(nqps), q % theirs.min(nqps))).collect();
     Run {
         optional,
         nqps,
@@ -650,6 +685,7 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         event_lag: 0,
         heals: Vec::new(),
         repairs: 0,
+        members,
     }
 }
 
@@ -799,6 +835,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         path_aware: run.path_aware,
         timed_from: 0,
         journal: true,
+        members: run.members.clone(),
         repair: Repair {
             attempts: run.repairs,
             delay: Duration::from_millis(5),
@@ -806,9 +843,11 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         },
         path: Path { peer: "sim".into(), ..Default::default() },
     };
-    let mut sender = SendCore::new(params.clone(), (RECV_SIZES, 16));
-    let mut receiver = RecvCore::new(params, (FIFO, 13));
+    let mut sender = SendCore::new(params.clone(), remote(RECV_SIZES, 16));
+    let swapped = run.members.iter().map(|&(s, r)| (r, s)).collect();
+    let mut receiver = RecvCore::new(Params { members: swapped, ..params }, remote(FIFO, 13));
     let wire = RefCell::new(Wire::new(run.nqps));
+    wire.borrow_mut().members = run.members.clone();
     wire.borrow_mut().duplicates = run.duplicates;
     let mut sio = Io { wire: &wire, mem: &mem, side: 0, depth: SEND_QUEUE };
     let mut rio = Io { wire: &wire, mem: &mem, side: 1, depth: RECV_SEND_QUEUE };
@@ -940,7 +979,16 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                     .map(|(r, it)| {
                         let addr = buf_addr(RECV_DATA, g, r);
                         mem.with(addr, CAP as usize, None, |b| b.fill(0xee));
-                        (Buf { addr, size: it.capacity, lkey: 12, rkey: 12, host: true }, it.tag)
+                        (
+                            Buf {
+                                addr,
+                                size: it.capacity,
+                                lkeys: keys(12),
+                                rkeys: keys(12),
+                                host: true,
+                            },
+                            it.tag,
+                        )
                     })
                     .collect();
                 let optional = run.optional[g];
@@ -988,7 +1036,8 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                 let r = *send_order.last().expect("non-empty");
                 let it = run.groups[g][r];
                 let addr = buf_addr(SEND_DATA, g, r);
-                let b = Buf { addr, size: it.size, lkey: 11, rkey: 11, host: !run.gpu };
+                let b =
+                    Buf { addr, size: it.size, lkeys: keys(11), rkeys: keys(11), host: !run.gpu };
                 let posted = sender.isend(&fifo, &sstage, &mut sio, b, it.tag);
                 let posted = match posted {
                     Err(e) if wire.borrow().failing() => {
@@ -1439,8 +1488,8 @@ fn cts_rows_go_out_in_batches_before_the_sender_runs_out() {
     let buf = |k: usize| Buf {
         addr: RECV_DATA + 64 * k as u64,
         size: 64,
-        lkey: 12,
-        rkey: 12,
+        lkeys: keys(12),
+        rkeys: keys(12),
         host: true,
     };
     let batches = |p: &Pair| p.wire.borrow().batches;
@@ -1463,7 +1512,7 @@ fn cts_rows_go_out_in_batches_before_the_sender_runs_out() {
     assert_eq!(receiver.test(ids[5], &mut [0; MAX_RECVS]).unwrap(), Some(1), "row written");
     // The sender consumes rows 1-17 (the optional one included); the receiver polls after
     // each. Row 20 goes out once the sender is down to one row (row 19), not before.
-    let sbuf = Buf { addr: SEND_DATA, size: 64, lkey: 11, rkey: 11, host: true };
+    let sbuf = Buf { addr: SEND_DATA, size: 64, lkeys: keys(11), rkeys: keys(11), host: true };
     for k in 0..18 {
         assert!(sender.isend(&fifo, &sstage, &mut sio, sbuf, 0).unwrap().is_some(), "row {k}");
         pair.drain(0, 0);
@@ -1536,14 +1585,15 @@ fn cts_entries_round_trip() {
     let c = Cts {
         addr: 0xdead_beef_0000,
         size: 1 << 40,
-        rkey: 0x1234,
+        rkeys: [0x1234, 0xffff_ffff, 0, 7],
         tag: -7,
         nreqs: 8,
         optional: true,
         idx: (1 << 48) - 1,
     };
     assert_eq!(Cts::decode(c.encode()), c);
-    assert_eq!(ENTRY_WORDS, 4);
+    assert_eq!(ENTRY_WORDS, 8);
+    assert!(BATCH as usize * ENTRY <= 512, "a batch's head entries go inline");
     // Head entries are dense; every entry has its own place, inside the FIFO.
     let mut seen = std::collections::HashSet::new();
     for slot in 0..SLOTS {
@@ -1603,10 +1653,10 @@ fn a_chunk_delivered_twice_is_counted_once() {
 #[test]
 fn an_immediate_of_another_use_of_the_slot_is_not_counted() {
     let pair = Pair::new(4096);
-    let mut receiver = RecvCore::new(one_qp(Path::default()), (FIFO, 13));
+    let mut receiver = RecvCore::new(one_qp(Path::default()), remote(FIFO, 13));
     let mut rio = pair.io(1);
     let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
-    let buf = Buf { addr: RECV_DATA, size: 64, lkey: 12, rkey: 12, host: true };
+    let buf = Buf { addr: RECV_DATA, size: 64, lkeys: keys(12), rkeys: keys(12), host: true };
     let id = receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
     let arrive = |r: &mut RecvCore, imm: Imm| {
         let imm = Some(imm.encode());
@@ -1681,6 +1731,7 @@ fn one_qp(path: Path) -> Params {
         path_aware: true,
         timed_from: TIMED_FROM,
         journal: false,
+        members: Vec::new(),
         repair: NO_REPAIR,
         path,
     }
@@ -1759,13 +1810,14 @@ fn a_quiet_wait_probes_the_peer_and_only_a_dead_peer_fails() {
         path_aware: true,
         timed_from: TIMED_FROM,
         journal: false,
+        members: Vec::new(),
         repair: NO_REPAIR,
         path: Path { peer: "peer".into(), ..Default::default() },
     };
-    let mut receiver = RecvCore::new(params, (FIFO, 13));
+    let mut receiver = RecvCore::new(params, remote(FIFO, 13));
     let wire = RefCell::new(Wire::new(1));
     let mut rio = Io { wire: &wire, mem: &mem, side: 1, depth: RECV_SEND_QUEUE };
-    let buf = Buf { addr: RECV_DATA, size: 4096, lkey: 12, rkey: 12, host: true };
+    let buf = Buf { addr: RECV_DATA, size: 4096, lkeys: keys(12), rkeys: keys(12), host: true };
     let id = receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
     let probes = |w: &RefCell<Wire>| {
         w.borrow().sq[1][0].iter().filter(|q| wr_kind(q.wr.wr_id) == WR_PROBE).count()
@@ -1807,10 +1859,10 @@ fn the_receiver_serves_a_repair_request_and_counts_nothing_it_dropped() {
     let ms = Duration::from_millis;
     let repair = Repair { attempts: 3, ..NO_REPAIR };
     let params = Params { nqps: 2, probe_interval: ms(100), repair, ..one_qp(Path::default()) };
-    let mut receiver = RecvCore::new(params, (FIFO, 13));
+    let mut receiver = RecvCore::new(params, remote(FIFO, 13));
     let wire = RefCell::new(Wire::new(2));
     let mut rio = Io { wire: &wire, mem: &mem, side: 1, depth: RECV_SEND_QUEUE };
-    let buf = Buf { addr: RECV_DATA, size: 4096, lkey: 12, rkey: 12, host: true };
+    let buf = Buf { addr: RECV_DATA, size: 4096, lkeys: keys(12), rkeys: keys(12), host: true };
     receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
     receiver.idle(ms(0), None, &mut rio, &rstage, &rsizes).unwrap();
     receiver.idle(ms(200), None, &mut rio, &rstage, &rsizes).unwrap();
@@ -1882,8 +1934,8 @@ impl Pair {
     /// Both ends' cores over this pair's wire, with the areas each reads and writes.
     fn ends(&self, params: Params) -> Ends<'_> {
         Ends {
-            sender: SendCore::new(params.clone(), (RECV_SIZES, 16)),
-            receiver: RecvCore::new(params, (FIFO, 13)),
+            sender: SendCore::new(params.clone(), remote(RECV_SIZES, 16)),
+            receiver: RecvCore::new(params, remote(FIFO, 13)),
             sio: self.io(0),
             rio: self.io(1),
             fifo: self.area(FIFO, 13),
@@ -1920,7 +1972,7 @@ fn optional_receives_flow_with_batched_acks_and_a_bounded_cts_queue() {
         assert!(pass < 100_000, "stuck: {got} received, {next_send} sent");
         if posted.len() < 8 && next_recv < n {
             let addr = RECV_DATA + 1024 * (next_recv % 64) as u64;
-            let b = Buf { addr, size: 64, lkey: 12, rkey: 12, host: true };
+            let b = Buf { addr, size: 64, lkeys: keys(12), rkeys: keys(12), host: true };
             if let Some(id) = receiver.irecv(&rstage, &rsizes, &mut rio, &[(b, 0)], true).unwrap() {
                 posted.push_back(id);
                 next_recv += 1;
@@ -1933,7 +1985,7 @@ fn optional_receives_flow_with_batched_acks_and_a_bounded_cts_queue() {
             got += 1;
         }
         if next_send < n {
-            let b = Buf { addr: SEND_DATA, size: 64, lkey: 11, rkey: 11, host: true };
+            let b = Buf { addr: SEND_DATA, size: 64, lkeys: keys(11), rkeys: keys(11), host: true };
             if let Some(id) = sender.isend(&fifo, &sstage, &mut sio, b, 0).unwrap() {
                 sent.push_back(id);
                 next_send += 1;
@@ -1966,14 +2018,15 @@ fn a_long_message_on_a_slow_link_is_not_a_dead_peer() {
     let run = |mark: u64| -> Result<()> {
         let pair = Pair::new(256 << 10);
         let params = Params { max_msg: 4096, mark, ..one_qp(Path::default()) };
-        let mut sender = SendCore::new(params.clone(), (RECV_SIZES, 16));
-        let mut receiver = RecvCore::new(params, (FIFO, 13));
+        let mut sender = SendCore::new(params.clone(), remote(RECV_SIZES, 16));
+        let mut receiver = RecvCore::new(params, remote(FIFO, 13));
         let (mut sio, mut rio) = (pair.io(0), pair.io(1));
         let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
-        let rbuf = Buf { addr: RECV_DATA, size: 256 << 10, lkey: 12, rkey: 12, host: true };
+        let rbuf =
+            Buf { addr: RECV_DATA, size: 256 << 10, lkeys: keys(12), rkeys: keys(12), host: true };
         let rid = receiver.irecv(&rstage, &rsizes, &mut rio, &[(rbuf, 1)], false)?.unwrap();
         pair.drain(1, 0);
-        let sbuf = Buf { addr: SEND_DATA, rkey: 11, lkey: 11, ..rbuf };
+        let sbuf = Buf { addr: SEND_DATA, rkeys: keys(11), lkeys: keys(11), ..rbuf };
         let fifo = pair.area(FIFO, 13);
         let sid = sender.isend(&fifo, &pair.area(SEND_STAGE, 14), &mut sio, sbuf, 1)?.unwrap();
         // 64 writes of 4 KiB, one every 300 ms: 19 s for the message, 1 s deadline.
@@ -2001,10 +2054,10 @@ fn a_long_message_on_a_slow_link_is_not_a_dead_peer() {
 fn a_dead_sender_of_optional_receives_fails_the_next_call() {
     let pair = Pair::new(4096);
     let params = Params { probe_interval: Duration::from_millis(100), ..one_qp(Path::default()) };
-    let mut receiver = RecvCore::new(params, (FIFO, 13));
+    let mut receiver = RecvCore::new(params, remote(FIFO, 13));
     let mut rio = pair.io(1);
     let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
-    let buf = Buf { addr: RECV_DATA, size: 64, lkey: 12, rkey: 12, host: true };
+    let buf = Buf { addr: RECV_DATA, size: 64, lkeys: keys(12), rkeys: keys(12), host: true };
     let mut ids = Vec::new();
     for tag in 0..4 {
         ids.push(receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, tag)], true).unwrap().unwrap());
@@ -2035,9 +2088,9 @@ fn a_dead_sender_of_optional_receives_fails_the_next_call() {
 #[test]
 fn flushes_take_any_free_slot() {
     let pair = Pair::new(4096);
-    let mut receiver = RecvCore::new(one_qp(Path::default()), (FIFO, 13));
+    let mut receiver = RecvCore::new(one_qp(Path::default()), remote(FIFO, 13));
     let mut rio = pair.io(1);
-    let target = Buf { addr: RECV_DATA, size: 1, lkey: 12, rkey: 12, host: false };
+    let target = Buf { addr: RECV_DATA, size: 1, lkeys: keys(12), rkeys: keys(12), host: false };
     let ids: Vec<usize> =
         (0..SLOTS).map(|_| receiver.iflush(&mut rio, target, (SCRATCH, 17)).unwrap()).collect();
     let e = receiver.iflush(&mut rio, target, (SCRATCH, 17)).unwrap_err();
@@ -2069,14 +2122,14 @@ fn one_message_at_a_time_never_stalls_the_cts_rows() {
     for k in 0..300usize {
         let optional = k >= 100;
         let size = (k % 70) as u64;
-        let b = Buf { addr: RECV_DATA, size, lkey: 12, rkey: 12, host: true };
+        let b = Buf { addr: RECV_DATA, size, lkeys: keys(12), rkeys: keys(12), host: true };
         if receiver.needs_poll(&rsizes) {
             progress(&mut receiver, &mut rio);
         }
         let rid = receiver.irecv(&rstage, &rsizes, &mut rio, &[(b, 5)], optional).unwrap();
         let rid = rid.unwrap_or_else(|| panic!("irecv {k}"));
         pair.drain(1, 0);
-        let sb = Buf { addr: SEND_DATA, size, lkey: 11, rkey: 11, host: true };
+        let sb = Buf { addr: SEND_DATA, size, lkeys: keys(11), rkeys: keys(11), host: true };
         let sid = sender.isend(&fifo, &sstage, &mut sio, sb, 5).unwrap();
         assert!(sid.is_some(), "message {k}: the sender found no row");
         pair.drain(0, 0);
