@@ -46,11 +46,13 @@ for l in sys.stdin:
   cc -shared -fPIC -O1 -Wall -Werror -o target/release/libferroce-dmabuf-standin.so \
     tests/dmabuf_standin.c -ldl
 
-  # The cluster test needs its own boot: 4 ranks, each an rxe device on one bridge.
+  # The cluster and NIC-fusion tests need their own boot: 4 ranks, each an rxe device on one
+  # bridge.
   local cluster
-  cluster=$(grep '/cluster-' <<<"$bins" || true)
-  bins=$(grep -v '/cluster-' <<<"$bins" || true)
-  [[ -n "$cluster" ]] || { echo "ci/test.sh: the cluster test was not built" >&2; exit 1; }
+  cluster=$(grep -E '/(cluster|fusion)-' <<<"$bins" || true)
+  bins=$(grep -v -E '/(cluster|fusion)-' <<<"$bins" || true)
+  [[ $(wc -l <<<"$cluster") == 2 ]] ||
+    { echo "ci/test.sh: the cluster and fusion tests were not both built" >&2; exit 1; }
 
   step "VM tests on Soft-RoCE"
   # About 15 minutes on an idle machine, and TCG slows down 2-3x on a busy one: the VM's own
@@ -59,8 +61,9 @@ for l in sys.stdin:
   FERROCE_VM_TIMEOUT=${FERROCE_VM_TIMEOUT:-2700} FERROCE_PLUGIN_DIR="$PWD/target/release" \
     ci/vm.sh ci/vm-tests.sh $bins
 
-  step "cluster tests on Soft-RoCE: 4 ranks on one bridge"
-  FERROCE_VM_RANKS=4 FERROCE_PLUGIN_DIR="$PWD/target/release" ci/vm.sh ci/vm-tests.sh "$cluster"
+  step "cluster and NIC-fusion tests on Soft-RoCE: 4 ranks on one bridge"
+  # shellcheck disable=SC2086 # one word per binary
+  FERROCE_VM_RANKS=4 FERROCE_PLUGIN_DIR="$PWD/target/release" ci/vm.sh ci/vm-tests.sh $cluster
 
   step "done: all tests passed in $((SECONDS - t0)) s"
 }

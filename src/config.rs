@@ -34,6 +34,7 @@ macro_rules! knobs {
 knobs! {
     "NCCL_IB_HCA", "(all devices)", "device/port filter, NCCL syntax: [^][=]name[:port[:rail[:plane]]],...";
     "NCCL_IB_MERGE_VFS", "1", "1: the virtual functions of one NIC share its pciPath, so NCCL's topology places them as one card; 0: each VF keeps its own (the PCI function digit is merged either way)";
+    "NCCL_IB_MERGE_NICS", "1", "1: makeVDevice fuses the ports NCCL asks for into one NCCL device (NIC fusion); 0: it refuses, and NCCL uses each port alone";
     "NCCL_IB_GID_INDEX", "-1", "GID index for every device; -1 chooses automatically";
     "FERROCE_GID_INDEX", "(unset)", "per-device GID index, e.g. rxe0:1,rxe1:3; wins over NCCL_IB_GID_INDEX";
     "FERROCE_GID_NETDEV", "(unset)", "only GIDs on these interfaces, e.g. eth2,eth3";
@@ -106,6 +107,8 @@ pub struct Config {
     pub ib_hca: HcaFilter,
     /// `NCCL_IB_MERGE_VFS`: the pciPath NCCL is told also merges a VF into its card.
     pub merge_vfs: bool,
+    /// `NCCL_IB_MERGE_NICS`: `makeVDevice` may fuse ports into one NCCL device.
+    pub merge_nics: bool,
     pub gid_index: Option<u8>,
     pub gid_index_per_dev: Vec<(String, u8)>,
     pub gid_netdevs: Vec<String>,
@@ -248,6 +251,7 @@ impl Config {
             if ib_hca.is_empty() { "(all devices)".into() } else { ib_hca.raw.clone() },
         );
         let merge_vfs = r.int("NCCL_IB_MERGE_VFS", 1u8, 0..=1)? == 1;
+        let merge_nics = r.int("NCCL_IB_MERGE_NICS", 1u8, 0..=1)? == 1;
         let gid_index = u8::try_from(r.int("NCCL_IB_GID_INDEX", -1i32, -1..=255)?).ok();
         let mut gid_index_per_dev = Vec::new();
         for item in r.list("FERROCE_GID_INDEX") {
@@ -395,6 +399,7 @@ impl Config {
         Ok(Config {
             ib_hca,
             merge_vfs,
+            merge_nics,
             gid_index,
             gid_index_per_dev,
             gid_netdevs,

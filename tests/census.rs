@@ -210,6 +210,8 @@ impl<'a> Census<'a> {
             buf_addr: 0x10_0000,
             buf_rkey: 0x1234,
             max_msg: 8 << 20,
+            members: 1,
+            more: Default::default(),
         }
         .encode()
     }

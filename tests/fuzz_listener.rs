@@ -557,6 +557,8 @@ fn valid_hello(rng: &mut Rng, nonce: u64) -> Msg {
         buf_addr: 0x7f00_0000_0000 | (rng.next() & 0xffff_f000),
         buf_rkey: rng.next() as u32,
         max_msg: 1 << 23,
+        members: 1,
+        more: Default::default(),
     }
 }
 

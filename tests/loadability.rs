@@ -204,9 +204,15 @@ fn unimplemented_calls_report_an_error_and_clear_their_outputs() {
         assert_ne!(dmabuf, ncclResult_t::ncclSuccess);
     }
     assert!(a.is_null() && b.is_null() && c.is_null() && d.is_null());
-    // The members the ABI lets a host plugin leave NULL are NULL.
+    // The members the ABI lets a host plugin leave NULL are NULL; makeVDevice (NIC fusion) is
+    // there, and before init it is an error that leaves its output alone.
     assert!(net.irecvConsumed.is_none() && net.getDeviceMr.is_none());
-    assert!(net.makeVDevice.is_none() && net.setNetAttr.is_none());
+    assert!(net.setNetAttr.is_none());
+    let mut vdev = -7;
+    let mut props = ncclNetVDeviceProps_v12_t { ndevs: 2, ..Default::default() };
+    // SAFETY: valid pointers per the makeVDevice contract.
+    let r = unsafe { net.makeVDevice.expect("makeVDevice")(&mut vdev, &mut props) };
+    assert!(r != ncclResult_t::ncclSuccess && vdev == -7);
     // SAFETY: name is a static C string.
     assert_eq!(unsafe { CStr::from_ptr(net.name) }, c"ferroce");
     take_captured();
@@ -256,6 +262,7 @@ fn a_connect_id_the_plugin_does_not_know_is_an_error_not_a_new_connect() {
     let h = ferroce::transport::handshake::Handle {
         addr: "127.0.0.1:9".parse().unwrap(),
         nonce: 0x1234_5678,
+        members: 1,
     };
     let mut handle = [0u8; 128];
     h.encode(&mut handle);

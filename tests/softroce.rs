@@ -355,6 +355,8 @@ fn hello(nonce: u64) -> Msg {
         buf_addr: 0x1000,
         buf_rkey: 1,
         max_msg: 1 << 20,
+        members: 1,
+        more: Default::default(),
     }
 }
 
@@ -470,7 +472,7 @@ fn a_silent_listener_fails_connect_within_the_deadline() {
     let ctx = drv.init(1).unwrap();
     let silent = std::net::TcpListener::bind("198.18.0.2:0").unwrap();
     let mut handle = [0u8; 128];
-    Handle { addr: silent.local_addr().unwrap(), nonce: 5 }.encode(&mut handle);
+    Handle { addr: silent.local_addr().unwrap(), nonce: 5, members: 1 }.encode(&mut handle);
     let t = Instant::now();
     let err = loop {
         match drv.connect(ctx, 0, &mut handle) {

@@ -254,19 +254,20 @@ pub struct Req {
 pub struct CommHandle {
     /// The device state, for registration; `None` once finalize ended the comm.
     net: Mutex<Option<Arc<Net>>>,
-    pub dev: usize,
+    /// Its member ports (device indices), for registration.
+    pub devs: Vec<usize>,
     comm: Owned<AnyComm>,
     reqs: Box<[Req]>,
 }
 
 /// Hands a comm to NCCL: its request array names it.
 pub fn comm_into_raw(comm: AnyComm) -> *mut c_void {
-    let (net, dev, reqs): (_, _, Box<[Req]>) = match &comm {
-        AnyComm::Send(c) => (c.net.clone(), c.dev, reqs_of(SendComm::requests())),
-        AnyComm::Recv(c) => (c.net.clone(), c.dev, reqs_of(RecvComm::requests())),
+    let (net, devs, reqs): (_, _, Box<[Req]>) = match &comm {
+        AnyComm::Send(c) => (c.net.clone(), c.devs.clone(), reqs_of(SendComm::requests())),
+        AnyComm::Recv(c) => (c.net.clone(), c.devs.clone(), reqs_of(RecvComm::requests())),
     };
-    let mut b =
-        Box::new(CommHandle { net: Mutex::new(Some(net)), dev, comm: Owned::new(comm), reqs });
+    let net = Mutex::new(Some(net));
+    let mut b = Box::new(CommHandle { net, devs, comm: Owned::new(comm), reqs });
     let owner = &*b as *const CommHandle as usize;
     b.reqs.iter_mut().for_each(|r| r.owner = owner);
     enter(b, Kind::Comm)

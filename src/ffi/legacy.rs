@@ -69,6 +69,25 @@ pub fn vprops_v9(p: &ncclNetVDeviceProps_v12_t) -> ncclNetVDeviceProps_v9_t {
     ncclNetVDeviceProps_v9_t { ndevs: p.ndevs.min(devs.len() as c_int), devs }
 }
 
+/// `makeVDevice` of v9–v11: their props hold 4 ports; widened to the newest.
+pub unsafe extern "C" fn make_vdevice_v9(
+    d: *mut c_int,
+    props: *mut ncclNetVDeviceProps_v9_t,
+) -> ncclResult_t {
+    // SAFETY: NCCL passes NULL or a valid props struct for the call.
+    let Some(p) = (unsafe { props.as_ref() }) else {
+        // SAFETY: NULL props: the newest entry point reports it.
+        return unsafe { plugin::make_vdevice(d, std::ptr::null_mut()) };
+    };
+    let mut wide = ncclNetVDeviceProps_v12_t { ndevs: p.ndevs, ..Default::default() };
+    wide.devs[..p.devs.len()].copy_from_slice(&p.devs);
+    if p.ndevs > p.devs.len() as c_int {
+        wide.ndevs = c_int::MAX; // refused there, as more ports than the struct holds
+    }
+    // SAFETY: forwarded under the same contract, with a struct that lives for the call.
+    unsafe { plugin::make_vdevice(d, &mut wide) }
+}
+
 /// Runs `fill` on the newest properties of `dev` and stores the result through `props`.
 pub fn get_properties<T>(
     dev: c_int,

@@ -90,7 +90,7 @@ fn end_everything() {
 
 pub(super) unsafe extern "C" fn devices(ndev: *mut c_int) -> ncclResult_t {
     guard("devices", || {
-        let n = transport::net::current()?.devices.len();
+        let n = transport::net::current()?.ndevices();
         // SAFETY: NCCL passes a valid int pointer (NULL rejected by `out`).
         *unsafe { out(ndev, "ndev") }? = c_int::try_from(n).unwrap_or(c_int::MAX);
         Ok(())
@@ -110,31 +110,66 @@ pub(super) unsafe extern "C" fn get_properties(
 }
 
 /// The properties of device `dev` in the newest struct (v12); older versions narrow this.
+/// A fused device's are its first port's, as NCCL's IB transport gives them, except: its name
+/// joins the ports' (`mlx5_0+mlx5_1`), its speed is their sum, its `vProps` lists them, the
+/// QPs a comm takes scale with its ports, its rail is the ports' common one (else undefined)
+/// and its plane undefined.
 pub(super) fn properties(dev: c_int) -> Result<ncclNetProperties_v12_t> {
     let net = transport::net::current()?;
-    let d = net.device(dev)?;
+    let members = net.members(dev)?;
+    let ports: Vec<&NetDevice> = members.iter().map(|&m| &net.devices[m]).collect();
+    let d = ports[0];
     let mut devs = [0; NCCL_NET_MAX_DEVS_PER_NIC_V12 as usize];
-    devs[0] = dev;
+    for (slot, &m) in devs.iter_mut().zip(&members) {
+        *slot = m as c_int;
+    }
+    let names: Vec<&str> = ports.iter().map(|p| p.name.as_str()).collect();
+    let fused = ports.len() > 1;
+    let rail = ports.iter().map(|p| p.rail).reduce(|a, b| if a == b { a } else { None }).flatten();
+    let undef = NCCL_NET_ID_UNDEF as i16;
     Ok(ncclNetProperties_v12_t {
-        name: intern(&d.name),
+        name: intern(&names.join("+")),
         pciPath: d.pci_path.as_deref().map_or(std::ptr::null_mut(), intern),
         guid: d.guid,
         ptrSupport: ptr_support(d),
         regIsGlobal: 1,
         forceFlush: 0,
-        speed: d.speed_mbps,
+        speed: ports.iter().map(|p| p.speed_mbps).sum(),
         port: d.nccl_port,
         latency: 0.0,
-        maxComms: d.max_comms(net.config.qps_per_conn),
+        maxComms: ports
+            .iter()
+            .map(|p| p.max_comms(net.config.qps_per_conn * ports.len()))
+            .min()
+            .unwrap_or(0),
         maxRecvs: MAX_RECVS as c_int,
         netDeviceType: ncclNetDeviceType::NCCL_NET_DEVICE_HOST,
         netDeviceVersion: NCCL_NET_DEVICE_INVALID_VERSION as c_int,
-        vProps: ncclNetVDeviceProps_v12_t { ndevs: 1, devs },
+        vProps: ncclNetVDeviceProps_v12_t { ndevs: ports.len() as c_int, devs },
         maxP2pBytes: NCCL_MAX_NET_SIZE_BYTES as usize,
         maxCollBytes: NCCL_MAX_COLLNET_SIZE as usize,
         maxMultiRequestSize: 1,
-        railId: rail_or_undef(d, |d| d.rail),
-        planeId: rail_or_undef(d, |d| d.plane),
+        railId: rail.unwrap_or(undef),
+        planeId: if fused { undef } else { rail_or_undef(d, |d| d.plane) },
+    })
+}
+
+/// `makeVDevice` of v12: a fused device over `props->devs[..ndevs]` (physical ports), its
+/// index in `*d`.
+pub(super) unsafe extern "C" fn make_vdevice(
+    d: *mut c_int,
+    props: *mut ncclNetVDeviceProps_v12_t,
+) -> ncclResult_t {
+    guard("makeVDevice", || {
+        // SAFETY: NCCL passes NULL or a valid props struct for the call.
+        let p = unsafe { props.as_ref() }.ok_or_else(|| Error::Internal("NULL props".into()))?;
+        let n = usize::try_from(p.ndevs).ok().filter(|&n| n <= p.devs.len());
+        let n =
+            n.ok_or_else(|| Error::InvalidUsage(format!("makeVDevice of {} ports", p.ndevs)))?;
+        let dev = transport::net::current()?.make_vdevice(&p.devs[..n])?;
+        // SAFETY: a valid int per the ABI (NULL rejected by `out`).
+        *unsafe { out(d, "d") }? = dev;
+        Ok(())
     })
 }
 
@@ -309,7 +344,7 @@ pub(super) unsafe extern "C" fn reg_mr(
         // allocation too; a buffer that shares a page with other memory has it written only
         // by a peer writing outside the buffers it was offered.
         let mem = unsafe { crate::verbs::ForeignMem::new(data as u64, size as u64) };
-        let h = reg::register(&c.net()?, c.dev, kind, mem)?;
+        let h = reg::register(&c.net()?, &c.devs, kind, mem)?;
         // SAFETY: valid slot per the ABI (NULL rejected).
         *unsafe { out(mhandle, "mhandle") }? = handles::mr_into_raw(h);
         Ok(())
@@ -333,7 +368,8 @@ pub(super) unsafe extern "C" fn reg_mr_dma_buf(
     guard("regMrDmaBuf", || {
         // SAFETY: comm came from connect/accept and is not closed.
         let c = unsafe { handles::comm(comm) }?;
-        let h = reg::register_dmabuf(&c.net()?, c.dev, data as u64, size as u64, offset, fd)?;
+        let (addr, len) = (data as u64, size as u64);
+        let h = reg::register_dmabuf(&c.net()?, &c.devs, addr, len, (offset, fd))?;
         // SAFETY: valid slot per the ABI (NULL rejected).
         *unsafe { out(mhandle, "mhandle") }? = handles::mr_into_raw(h);
         Ok(())
@@ -349,9 +385,9 @@ pub(super) unsafe extern "C" fn dereg_mr(_comm: *mut c_void, mhandle: *mut c_voi
     })
 }
 
-/// The registered buffer `[data, data + size)` under `mhandle`, for a call holding a comm's
-/// gate.
-fn buf(data: *mut c_void, size: u64, mhandle: *mut c_void) -> Result<Buf> {
+/// The registered buffer `[data, data + size)` under `mhandle`, with its keys on the member
+/// ports `devs` of the comm whose gate the call holds.
+fn buf(data: *mut c_void, size: u64, mhandle: *mut c_void, devs: &[usize]) -> Result<Buf> {
     if mhandle.is_null() {
         if size == 0 {
             return Ok(Buf { addr: data as u64, ..Buf::default() });
@@ -361,7 +397,7 @@ fn buf(data: *mut c_void, size: u64, mhandle: *mut c_void) -> Result<Buf> {
     // SAFETY: mhandle came from regMr and is alive until deregMr; the caller holds a comm's
     // gate.
     let h = unsafe { handles::mr(mhandle) }?;
-    Buf::within(&h.mr, h.kind, data as u64, size)
+    Buf::within(h, devs, data as u64, size)
 }
 
 pub(super) unsafe extern "C" fn isend(
@@ -381,7 +417,8 @@ pub(super) unsafe extern "C" fn isend(
         let AnyComm::Send(c) = &mut *h.enter()? else {
             return Err(Error::Internal("isend on a receive comm".into()));
         };
-        if let Some(id) = c.isend(buf(data, size as u64, mhandle)?, tag, phandle as usize)? {
+        let b = buf(data, size as u64, mhandle, &h.devs)?;
+        if let Some(id) = c.isend(b, tag, phandle as usize)? {
             // SAFETY: valid slot per the ABI (NULL rejected).
             *unsafe { out(request, "request") }? = h.request(id);
         }
@@ -425,7 +462,7 @@ pub(super) unsafe extern "C" fn irecv(
             // SAFETY: NCCL passes n valid entries in each array.
             let (d, s, t, m) =
                 unsafe { (*data.add(i), *sizes.add(i), *tags.add(i), *mhandles.add(i)) };
-            *b = (buf(d, s as u64, m)?, t);
+            *b = (buf(d, s as u64, m, &h.devs)?, t);
             if !phandles.is_null() {
                 // SAFETY: a non-NULL phandles has n entries (v10+).
                 ph[i] = unsafe { *phandles.add(i) } as usize;
@@ -467,7 +504,7 @@ pub(super) unsafe extern "C" fn iflush(
             // SAFETY: NCCL passes n valid entries in each array.
             let (d, s, m) = unsafe { (*data.add(i), *sizes.add(i), *mhandles.add(i)) };
             if s > 0 && !m.is_null() {
-                bufs[k] = buf(d, 1, m)?;
+                bufs[k] = buf(d, 1, m, &h.devs)?;
                 k += 1;
             }
         }

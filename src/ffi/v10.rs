@@ -27,7 +27,7 @@ pub static ncclNetPlugin_v10: Exported<ncclNet_v10_t> = Exported(ncclNet_v10_t {
     closeListen: Some(plugin::close_listen),
     getDeviceMr: None,
     irecvConsumed: None,
-    makeVDevice: None,
+    makeVDevice: Some(legacy::make_vdevice_v9),
 });
 
 unsafe extern "C" fn init(logger: ncclDebugLogger_t, prof: ncclProfilerCallback_t) -> ncclResult_t {

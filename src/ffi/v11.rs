@@ -27,7 +27,7 @@ pub static ncclNetPlugin_v11: Exported<ncclNet_v11_t> = Exported(ncclNet_v11_t {
     closeListen: Some(plugin::close_listen),
     getDeviceMr: None,
     irecvConsumed: None,
-    makeVDevice: None,
+    makeVDevice: Some(legacy::make_vdevice_v9),
     finalize: Some(plugin::finalize),
     setNetAttr: None,
 });

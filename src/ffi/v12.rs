@@ -24,7 +24,7 @@ pub static ncclNetPlugin_v12: Exported<ncclNet_v12_t> = Exported(ncclNet_v12_t {
     closeListen: Some(plugin::close_listen),
     getDeviceMr: None,   // host plugin: no device-side handles
     irecvConsumed: None, // must stay NULL for a host plugin
-    makeVDevice: None,   // no NIC fusion: NCCL uses the physical devices
+    makeVDevice: Some(plugin::make_vdevice),
     finalize: Some(plugin::finalize),
     setNetAttr: None,
 });

@@ -24,5 +24,5 @@ pub static ncclNetPlugin_v9: Exported<ncclNet_v9_t> = Exported(ncclNet_v9_t {
     closeListen: Some(plugin::close_listen),
     getDeviceMr: None,
     irecvConsumed: None,
-    makeVDevice: None,
+    makeVDevice: Some(legacy::make_vdevice_v9),
 });

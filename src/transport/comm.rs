@@ -14,16 +14,19 @@
 //! except the flush QP, which only its own RDMA read reaches.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::device::{NetDevice, Queue, Watch};
 use super::mr_cache::MemKind;
 use super::net::Net;
 use super::profile::{Events, Profiler};
+use super::proto::Traffic;
 use super::proto::{
     FIFO_AREA, Fault, Grant, Keys, Line, Post, Posted, RECV_SEND_QUEUE, RecvCore, Remote,
     SIZE_AREA, SendCore, Words, recv_grant, send_grant,
 };
+use super::reg::MrHandle;
 use crate::error::{Error, Result};
 use crate::verbs::{self, Cq, Mr, Qp, RegisteredBuf, RtrAttr, RtsAttr};
 use crate::wr::{Completion, SendWr};
@@ -79,17 +82,29 @@ pub enum ReqKind {
 }
 
 impl Buf {
-    /// Checks that `[addr, addr + size)` lies inside `mr`, registered as memory of `kind`.
-    pub fn within(mr: &Mr, kind: MemKind, addr: u64, size: u64) -> Result<Buf> {
+    /// `[addr, addr + size)` of the registration `h`, with its keys on each of a comm's member
+    /// ports `members` (device indices): it must lie inside the registration on every one.
+    pub fn within(h: &MrHandle, members: &[usize], addr: u64, size: u64) -> Result<Buf> {
         let end = addr.checked_add(size).ok_or_else(|| Error::Internal("buffer wraps".into()))?;
-        if size > 0 && (addr < mr.addr || end > mr.addr + mr.len as u64) {
-            return Err(Error::Internal(format!(
-                "buffer {addr:#x}+{size} is outside its registration {:#x}+{}",
-                mr.addr, mr.len
-            )));
+        let mut b = Buf { addr, size, host: h.kind == MemKind::Host, ..Buf::default() };
+        for (m, dev) in members.iter().enumerate() {
+            let Some(part) = h.parts.iter().find(|p| p.dev == *dev) else {
+                return Err(Error::InvalidUsage(format!(
+                    "a buffer registered on device(s) {:?} used on a comm over devices \
+                     {members:?}: register it on this comm",
+                    h.parts.iter().map(|p| p.dev).collect::<Vec<_>>()
+                )));
+            };
+            let mr: &Mr = &part.mr;
+            if size > 0 && (addr < mr.addr || end > mr.addr + mr.len as u64) {
+                return Err(Error::Internal(format!(
+                    "buffer {addr:#x}+{size} is outside its registration {:#x}+{}",
+                    mr.addr, mr.len
+                )));
+            }
+            (b.lkeys[m], b.rkeys[m]) = (mr.lkey, mr.rkey);
         }
-        let (lkeys, rkeys) = (member_keys(mr.lkey), member_keys(mr.rkey));
-        Ok(Buf { addr, size, lkeys, rkeys, host: kind == MemKind::Host })
+        Ok(b)
     }
 }
 
@@ -104,21 +119,50 @@ impl Words for RegisteredBuf {
         RegisteredBuf::addr(self, word * 8)
     }
     fn lkey(&self, member: usize) -> u32 {
-        debug_assert_eq!(member, 0, "a comm spans one member port");
-        RegisteredBuf::lkey(self)
+        self.lkey_on(member)
     }
 }
 
-/// The keys of a comm's one member port (0: the other members have none).
-fn member_keys(key: u32) -> Keys {
-    let mut k = Keys::default();
-    k[0] = key;
-    k
+/// The peer's area at `addr`, with its key on each of the peer's member ports.
+fn remote(addr: u64, rkeys: &[u32]) -> Remote {
+    let mut r = Remote { addr, rkeys: Keys::default() };
+    for (k, &key) in r.rkeys.iter_mut().zip(rkeys) {
+        *k = key;
+    }
+    r
 }
 
-/// The peer's area at `addr` with key `rkey` on its one member port.
-fn remote(addr: u64, rkey: u32) -> Remote {
-    Remote { addr, rkeys: member_keys(rkey) }
+/// One member port of a comm: its device, the CQ of the queue pairs on it, and the watch of
+/// its queues (async errors arrive per device).
+struct Port {
+    dev: usize,
+    cq: Arc<Cq>,
+    watch: Watch,
+    /// The device's count of returns to ACTIVE last seen (port recovery).
+    seen_up: u64,
+    /// Its link was down at the last look.
+    seen_down: bool,
+}
+
+/// Tells `set` which of `ports`' links are down, when that changed since the last look.
+fn links_down(net: &Net, ports: &mut [Port], set: impl FnOnce(Option<String>)) {
+    let mut changed = false;
+    for p in ports.iter_mut() {
+        let down = net.devices[p.dev].flags.port_down.load(Ordering::Acquire);
+        changed |= down != p.seen_down;
+        p.seen_down = down;
+    }
+    if changed {
+        let down = ports.iter().filter(|p| p.seen_down);
+        let names: Vec<String> = down.map(|p| net.devices[p.dev].name.clone()).collect();
+        set((!names.is_empty()).then(|| names.join(", ")));
+    }
+}
+
+/// The member port lane `q` of a comm over `n` ports is on: `q % n`, as NCCL places the queue
+/// pairs of a fused device.
+pub fn port_of(q: usize, n: usize) -> usize {
+    q % n.max(1)
 }
 
 /// How a lane's queue pair was brought up, so that lane repair can bring a new one up alike:
@@ -147,37 +191,35 @@ fn links(
     attrs.iter().enumerate().map(link).collect()
 }
 
-/// A comm's queue pairs as the core's [`Post`]; index `qps.len()` is the flush QP. Lane repair
-/// replaces a lane's QP with a new one on the same device and CQ, watched like the old.
+/// A comm's queue pairs as the core's [`Post`]; indices from `qps.len()` are the flush QPs,
+/// one per member port. Lane repair replaces a lane's QP with a new one on the same port and
+/// CQ, watched like the old.
 struct Qps<'a> {
     qps: &'a mut [Qp],
-    flush: Option<&'a Qp>,
+    flush: &'a [Flusher],
     links: &'a [Link],
-    dev: &'a NetDevice,
-    cq: &'a Arc<Cq>,
-    watch: &'a Watch,
+    net: &'a Net,
+    ports: &'a [Port],
 }
 
-/// A comm's [`Qps`], with flush QP `flush`.
+/// A comm's [`Qps`], with flush QPs `flush`.
 macro_rules! qps {
     ($comm:expr, $flush:expr) => {
         Qps {
             qps: &mut $comm.qps,
             flush: $flush,
             links: &$comm.links,
-            dev: &$comm.net.devices[$comm.dev],
-            cq: &$comm.cq,
-            watch: &$comm.watch,
+            net: &$comm.net,
+            ports: &$comm.ports,
         }
     };
 }
 
 impl Qps<'_> {
     fn qp(&self, i: usize) -> Result<&Qp> {
-        self.qps
-            .get(i)
-            .or(self.flush.filter(|_| i == self.qps.len()))
-            .ok_or_else(|| Error::Internal(format!("no queue pair {i}")))
+        let n = self.qps.len();
+        let flush = i.checked_sub(n).and_then(|f| self.flush.get(f)).map(|f| &f.qp);
+        self.qps.get(i).or(flush).ok_or_else(|| Error::Internal(format!("no queue pair {i}")))
     }
 }
 
@@ -193,9 +235,10 @@ impl Post for Qps<'_> {
     }
     fn fresh(&mut self, qp: usize) -> Result<u32> {
         let l = self.links.get(qp).ok_or_else(|| Error::Internal(format!("no lane {qp}")))?;
-        let new = new_qp(self.dev, self.cq, l.caps, l.access)?;
+        let port = &self.ports[port_of(qp, self.ports.len())];
+        let new = new_qp(&self.net.devices[port.dev], &port.cq, l.caps, l.access)?;
         let old = std::mem::replace(&mut self.qps[qp], new);
-        self.watch.swap(Queue::Qp(old.qpn()), Queue::Qp(self.qps[qp].qpn()));
+        port.watch.swap(Queue::Qp(old.qpn()), Queue::Qp(self.qps[qp].qpn()));
         // ERR first, as at close: the old QP's work flushes before it is destroyed (dropped).
         if let Err(e) = old.to_error() {
             log::debug!("lane {qp}'s old queue pair: {e}");
@@ -265,59 +308,95 @@ impl Drain for RecvDrain<'_> {
     }
 }
 
-/// The one progress loop: drains the CQ in batches into the core, then lets it check its
-/// watchdog (against the coarse clock: a precise read costs microseconds under emulation,
-/// and this runs on every idle poll), the device's health and the comm's async alarm. Every
-/// failure here is local and fails the comm for good.
-fn progress(
-    cq: &Cq,
-    dev: &NetDevice,
-    watch: &Watch,
-    side: &mut impl Drain,
-    io: &mut Qps,
-) -> Result<()> {
+/// The one progress loop: drains each member port's CQ in batches into the core, then lets
+/// it check its watchdog (against the coarse clock: a precise read costs microseconds under
+/// emulation, and this runs on every idle poll), the devices' health and the comm's async
+/// alarms. Every failure here is local and fails the comm for good.
+fn progress(side: &mut impl Drain, io: &mut Qps) -> Result<()> {
+    let n = io.ports.len();
     // Queue pairs the async-event thread saw fail: a lane's failure each, while another
-    // lives (taken before the poll, ahead of most of their flushed work).
+    // lives (taken before the poll, ahead of most of their flushed work). A queue pair number
+    // is only unique on its device: the lanes of that port are searched.
     let mut lost = None;
-    while let Some((qpn, why)) = watch.alarm.lanes.pop() {
-        let lane = io.qps.iter().position(|q| q.qpn() == qpn);
-        if !lane.is_some_and(|l| side.lane_error(l, &why)) {
-            lost.get_or_insert(Fault::Local(why));
+    for (m, port) in io.ports.iter().enumerate() {
+        while let Some((qpn, why)) = port.watch.alarm.lanes.pop() {
+            let mine = |l: &usize| port_of(*l, n) == m && io.qps[*l].qpn() == qpn;
+            let lane = (0..io.qps.len()).find(mine);
+            if !lane.is_some_and(|l| side.lane_error(l, &why)) {
+                lost.get_or_insert(Fault::Local(why));
+            }
         }
     }
     let mut wcs = [Completion::default(); 16];
-    loop {
-        let (n, polled) = match cq.poll(&mut wcs) {
-            Ok(n) => (n, None),
-            Err(e) => (0, Some(Fault::Local(format!("{e}; the connection is unusable")))),
-        };
-        if n > 0 {
-            side.polled();
-        }
-        for c in &wcs[..n] {
-            side.take(c);
-        }
-        if n < wcs.len() {
-            let now = crate::os::coarse_now();
-            let elsewhere = polled
-                .or(lost)
-                .or_else(|| dev.check_alive().err().map(|e| Fault::Local(e.to_string())))
-                .or_else(|| watch.alarm.raised.get().map(|w| Fault::Local(w.clone())));
-            return side.idle(now, elsewhere, io);
+    let mut polled = None;
+    for port in io.ports {
+        loop {
+            let got = match port.cq.poll(&mut wcs) {
+                Ok(got) => got,
+                Err(e) => {
+                    polled.get_or_insert(Fault::Local(format!("{e}; the connection is unusable")));
+                    0
+                }
+            };
+            if got > 0 {
+                side.polled();
+            }
+            for c in &wcs[..got] {
+                side.take(c);
+            }
+            if got < wcs.len() {
+                break;
+            }
         }
     }
+    let now = crate::os::coarse_now();
+    let dead = |p: &Port| io.net.devices[p.dev].check_alive().err();
+    let elsewhere = polled
+        .or(lost)
+        .or_else(|| io.ports.iter().find_map(dead).map(|e| Fault::Local(e.to_string())))
+        .or_else(|| {
+            let raised = io.ports.iter().find_map(|p| p.watch.alarm.raised.get());
+            raised.map(|w| Fault::Local(w.clone()))
+        });
+    side.idle(now, elsewhere, io)
 }
 
-/// `nqps` RC queue pairs on device `d`, sharing `cq`, moved to INIT granting QP `q`
-/// `grant(q)`.
+/// `nqps` RC queue pairs, lane `q` on member port `port_of(q)` with that port's CQ, moved to
+/// INIT granting `grant(q)`.
 fn create_qps(
-    d: &NetDevice,
-    cq: &Arc<Cq>,
+    net: &Net,
+    (devs, cqs): (&[usize], &[Arc<Cq>]),
     nqps: usize,
     caps: verbs::QpCaps,
     grant: impl Fn(usize) -> Grant,
 ) -> Result<Vec<Qp>> {
-    (0..nqps).map(|q| new_qp(d, cq, caps, qp_access(grant(q)))).collect()
+    let one = |q: usize| {
+        let m = port_of(q, devs.len());
+        new_qp(&net.devices[devs[m]], &cqs[m], caps, qp_access(grant(q)))
+    };
+    (0..nqps).map(one).collect()
+}
+
+/// One CQ per member port, each with room for `per_lane` entries of each lane on it (and one
+/// lane more, for a repair's flush) plus `extra`.
+fn port_cqs(
+    net: &Net,
+    devs: &[usize],
+    nqps: usize,
+    per_lane: usize,
+    extra: usize,
+) -> Result<Vec<Arc<Cq>>> {
+    let n = devs.len();
+    let cq = |(m, &dev): (usize, &usize)| {
+        let lanes = (0..nqps).filter(|&q| port_of(q, n) == m).count();
+        Cq::new(&net.devices[dev].ctx, ((lanes + 1) * per_lane + extra).min(32767) as i32)
+    };
+    devs.iter().enumerate().map(cq).collect()
+}
+
+/// The protection domains of `devs`, for control buffers every member port reaches.
+fn pds<'a>(net: &'a Net, devs: &[usize]) -> Vec<&'a Arc<verbs::Pd>> {
+    devs.iter().map(|&d| &net.devices[d].pd).collect()
 }
 
 /// One RC queue pair on device `d`, sharing `cq`, moved to INIT granting `access`.
@@ -327,46 +406,81 @@ fn new_qp(d: &NetDevice, cq: &Arc<Cq>, caps: verbs::QpCaps, access: u32) -> Resu
     Ok(qp)
 }
 
-/// Registers a comm's queue pairs and CQ with its device, so an async error on them fails it.
-fn watch(net: &Net, dev: usize, comm: String, qps: &[&Qp], cq: &Cq) -> Watch {
-    let queues = qps.iter().map(|q| Queue::Qp(q.qpn())).chain([Queue::Cq(cq.id())]).collect();
-    net.devices[dev].flags.watch(comm, queues)
+/// A comm's member ports: each registers the queue pairs on it (lanes, then its flush QP) and
+/// its CQ with its device, so an async error on them reaches the comm.
+fn ports(
+    net: &Net,
+    (devs, cqs): (&[usize], Vec<Arc<Cq>>),
+    comm: &str,
+    qps: &[Qp],
+    flush: &[Flusher],
+) -> Vec<Port> {
+    let n = devs.len();
+    let port = |(m, cq): (usize, Arc<Cq>)| {
+        let lanes = qps.iter().enumerate().filter(|(q, _)| port_of(*q, n) == m).map(|(_, qp)| qp);
+        let queues = lanes
+            .chain(flush.get(m).map(|f| &f.qp))
+            .map(|q| Queue::Qp(q.qpn()))
+            .chain([Queue::Cq(cq.id())])
+            .collect();
+        let flags = &net.devices[devs[m]].flags;
+        let watch = flags.watch(comm.to_string(), queues);
+        let seen_up = flags.port_up.load(Ordering::Acquire);
+        Port { dev: devs[m], cq, watch, seen_up, seen_down: false }
+    };
+    cqs.into_iter().enumerate().map(port).collect()
 }
 
-/// A comm's life, for its statistics: when it opened, the device's counters then, and when
+/// A comm's life, for its statistics: when it opened, its devices' counters then, and when
 /// the next periodic report is due (`FERROCE_STATS_INTERVAL_S`).
 struct Life {
     opened: Duration,
-    counters: Vec<(String, u64)>,
+    /// Each member port's counters at the start.
+    counters: Vec<Vec<(String, u64)>>,
     every: Option<Duration>,
     next: Duration,
 }
 
-impl Life {
-    fn start(net: &Net, dev: usize) -> Life {
+/// The hardware counters of each of `devs`; with several ports, each name says its port
+/// (`rxe1:sent_pkts`).
+fn counters(net: &Net, devs: &[usize]) -> Vec<Vec<(String, u64)>> {
+    let one = |&dev: &usize| {
         let d = &net.devices[dev];
+        let c = verbs::sysfs::hw_counters(d.ctx.name(), d.port);
+        if devs.len() == 1 {
+            return c;
+        }
+        c.into_iter().map(|(k, v)| (format!("{}:{k}", d.name), v)).collect()
+    };
+    devs.iter().map(one).collect()
+}
+
+impl Life {
+    fn start(net: &Net, devs: &[usize]) -> Life {
         let opened = crate::os::coarse_now();
         let every = net.config.stats_interval;
-        let counters = verbs::sysfs::hw_counters(d.ctx.name(), d.port);
+        let counters = counters(net, devs);
         Life { opened, counters, every, next: opened + every.unwrap_or_default() }
     }
 
     /// The statistics line of `what` now.
-    fn line(&self, what: &str, t: &super::proto::Traffic, path: &Path, d: &NetDevice) -> String {
+    fn line(&self, what: &str, t: &Traffic, path: &Path, net: &Net, devs: &[usize]) -> String {
         let life = crate::os::coarse_now().saturating_sub(self.opened);
-        let now = verbs::sysfs::hw_counters(d.ctx.name(), d.port);
-        let grown = super::stats::grown(&self.counters, &now);
-        super::stats::line(what, t, &path.sports, life, &d.name, &grown)
+        let now = counters(net, devs);
+        let grown = self.counters.iter().zip(&now).flat_map(|(a, b)| super::stats::grown(a, b));
+        let grown: Vec<(String, u64)> = grown.collect();
+        let names: Vec<&str> = devs.iter().map(|&d| net.devices[d].name.as_str()).collect();
+        super::stats::line(what, t, &path.sports, life, &names.join("+"), &grown)
     }
 
     /// Logs the line of `role` (e.g. "send comm to") when a periodic report is due (only with
     /// `FERROCE_STATS_INTERVAL_S`; nothing is allocated otherwise).
-    fn tick(&mut self, role: &str, t: &super::proto::Traffic, path: &Path, d: &NetDevice) {
+    fn tick(&mut self, role: &str, t: &Traffic, path: &Path, net: &Net, devs: &[usize]) {
         let Some(every) = self.every else { return };
         let now = crate::os::coarse_now();
         if now >= self.next {
             self.next = now + every;
-            log::info!("{}", self.line(&format!("{role} {}", path.peer), t, path, d));
+            log::info!("{}", self.line(&format!("{role} {}", path.peer), t, path, net, devs));
         }
     }
 }
@@ -380,17 +494,24 @@ fn log(l: Line) {
 }
 
 /// Turns what the core journaled into profiler events (the core journals nothing without a
-/// profiler, so then this is one branch).
-fn report(events: &mut Option<Events>, journal: &mut Vec<Posted>, qps: &[Qp]) {
+/// profiler, so then this is one branch); `ports`: how many member ports the comm spans.
+fn report(events: &mut Option<Events>, journal: &mut Vec<Posted>, qps: &[Qp], ports: usize) {
     let Some(ev) = events else { return };
     for p in journal.drain(..) {
-        ev.posted(&p, qps.get(p.lane).map_or(0, Qp::qpn));
+        ev.posted(&p, qps.get(p.lane).map_or(0, Qp::qpn), port_of(p.lane, ports));
     }
 }
 
-/// The core's parameters for a comm on `net`'s device with these QPs; `journal` with a
-/// profiler.
-fn params(net: &Net, qps: &[Qp], split: bool, max_msg: u64, path: &Path, journal: bool) -> Params {
+/// The core's parameters for a comm with these QPs over `ours` member ports to the peer's
+/// `theirs`; `journal` with a profiler.
+fn params(
+    net: &Net,
+    qps: &[Qp],
+    (ours, theirs): (usize, usize),
+    (split, max_msg): (bool, u64),
+    path: &Path,
+    journal: bool,
+) -> Params {
     Params {
         nqps: qps.len(),
         split,
@@ -408,8 +529,17 @@ fn params(net: &Net, qps: &[Qp], split: bool, max_msg: u64, path: &Path, journal
         },
         path: path.clone(),
         journal,
-        members: vec![(0, 0); qps.len()],
+        members: (0..qps.len()).map(|q| (port_of(q, ours), port_of(q, theirs))).collect(),
     }
+}
+
+/// What both ends learn of the other at setup: the peer's registered area (its FIFO, or its
+/// size records) with its key on each of its member ports, how many member ports it spans, and
+/// (for the sender) its largest message.
+pub struct Peer {
+    pub addr: u64,
+    pub rkeys: Vec<u32>,
+    pub max_msg: u64,
 }
 
 // --- the sending end ----------------------------------------------------------------------------
@@ -424,55 +554,56 @@ pub struct SendComm {
     pub path: Path,
     qps: Vec<Qp>,
     links: Vec<Link>,
-    cq: Arc<Cq>,
-    watch: Watch,
+    ports: Vec<Port>,
     life: Life,
     /// Profiler events, with a profiler (`None`: the core journals nothing).
     events: Option<Events>,
     pub net: Arc<Net>,
-    pub dev: usize,
+    /// Its member ports (device indices): one, or a fused device's.
+    pub devs: Vec<usize>,
 }
 
 /// Everything `setup` builds for a send comm before the peer answers.
 pub struct SendParts {
+    pub devs: Vec<usize>,
     pub qps: Vec<Qp>,
-    pub cq: Arc<Cq>,
+    pub cqs: Vec<Arc<Cq>>,
     pub fifo: RegisteredBuf,
     pub sizes_stage: RegisteredBuf,
 }
 
 impl SendParts {
-    pub fn new(net: &Arc<Net>, dev: usize, nqps: usize) -> Result<SendParts> {
-        let d = &net.devices[dev];
-        let cq = Cq::new(&d.ctx, ((nqps + 1) * SEND_QUEUE + 64).min(32767) as i32)?;
-        let qps = create_qps(d, &cq, nqps, SEND_CAPS, send_grant)?;
+    /// `nqps` lanes over the member ports `devs` (lane `q` on `port_of(q)`).
+    pub fn new(net: &Arc<Net>, devs: &[usize], nqps: usize) -> Result<SendParts> {
+        let cqs = port_cqs(net, devs, nqps, SEND_QUEUE, 64)?;
+        let qps = create_qps(net, (devs, &cqs), nqps, SEND_CAPS, send_grant)?;
         // The CTS FIFO is registered without IBV_ACCESS_RELAXED_ORDERING, always: isend reads an
         // entry as valid once its last word (idx) has landed, which is only sound if the
         // receiver's RDMA write lands in order. Relaxed ordering is for NCCL's buffers only.
-        let fifo = RegisteredBuf::new(&d.pd, FIFO_AREA * 8, CONTROL_IN)?;
-        let sizes_stage = RegisteredBuf::new(&d.pd, SIZE_AREA * 8, STAGE)?;
-        Ok(SendParts { qps, cq, fifo, sizes_stage })
+        let fifo = RegisteredBuf::on(&pds(net, devs), FIFO_AREA * 8, CONTROL_IN)?;
+        let sizes_stage = RegisteredBuf::on(&pds(net, devs), SIZE_AREA * 8, STAGE)?;
+        Ok(SendParts { devs: devs.to_vec(), qps, cqs, fifo, sizes_stage })
     }
 }
 
 impl SendComm {
+    /// `theirs`: the receiver's member ports; `peer`: its size records.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         parts: SendParts,
         attrs: &[(RtrAttr, RtsAttr)],
         net: Arc<Net>,
-        dev: usize,
         path: Path,
         split: bool,
-        remote_sizes: (u64, u32),
-        max_msg: u64,
+        (theirs, peer): (usize, Peer),
         profiler: Option<Arc<dyn Profiler>>,
     ) -> Box<SendComm> {
         let journal = profiler.is_some();
-        let p = params(&net, &parts.qps, split, max_msg, &path, journal);
-        let core = SendCore::new(p, remote(remote_sizes.0, remote_sizes.1));
-        let qps: Vec<&Qp> = parts.qps.iter().collect();
-        let watch = watch(&net, dev, format!("send comm to {}", path.peer), &qps, &parts.cq);
+        let ours = parts.devs.len();
+        let p = params(&net, &parts.qps, (ours, theirs), (split, peer.max_msg), &path, journal);
+        let core = SendCore::new(p, remote(peer.addr, &peer.rkeys));
+        let name = format!("send comm to {}", path.peer);
+        let ports = ports(&net, (&parts.devs, parts.cqs), &name, &parts.qps, &[]);
         Box::new(SendComm {
             core,
             fifo: parts.fifo,
@@ -480,12 +611,11 @@ impl SendComm {
             path,
             qps: parts.qps,
             links: links(SEND_CAPS, attrs, send_grant),
-            cq: parts.cq,
-            watch,
-            life: Life::start(&net, dev),
+            ports,
+            life: Life::start(&net, &parts.devs),
             events: profiler.map(Events::new),
             net,
-            dev,
+            devs: parts.devs,
         })
     }
 
@@ -497,12 +627,12 @@ impl SendComm {
     /// Matches a send against the receiver's posted buffers. `Ok(None)`: not yet. `phandle`:
     /// NCCL's profiler handle of the request (0: none).
     pub fn isend(&mut self, buf: Buf, tag: i32, phandle: usize) -> Result<Option<usize>> {
-        let mut io = qps!(self, None);
+        let mut io = qps!(self, &[]);
         let r = self.core.isend(&self.fifo, &self.sizes_stage, &mut io, buf, tag);
         if let (Ok(Some(id)), Some(ev)) = (&r, &mut self.events) {
             ev.handed(*id, phandle);
         }
-        report(&mut self.events, self.core.journal(), &self.qps);
+        report(&mut self.events, self.core.journal(), &self.qps, self.devs.len());
         let r = r?;
         while let Some(l) = self.core.take_line() {
             log(l);
@@ -514,16 +644,24 @@ impl SendComm {
     }
 
     pub fn progress(&mut self) -> Result<()> {
-        let mut io = qps!(self, None);
-        let dev = &self.net.devices[self.dev];
+        // A port that came back: its lanes are repaired now (port recovery).
+        for (m, p) in self.ports.iter_mut().enumerate() {
+            let up = self.net.devices[p.dev].flags.port_up.load(Ordering::Acquire);
+            if up != p.seen_up {
+                p.seen_up = up;
+                self.core.port_up(m);
+            }
+        }
+        links_down(&self.net, &mut self.ports, |down| self.core.links_down(down));
+        let mut io = qps!(self, &[]);
         let mut side =
             SendDrain { core: &mut self.core, stage: &self.sizes_stage, fifo: &self.fifo };
-        let r = progress(&self.cq, dev, &self.watch, &mut side, &mut io);
-        report(&mut self.events, self.core.journal(), &self.qps);
+        let r = progress(&mut side, &mut io);
+        report(&mut self.events, self.core.journal(), &self.qps, self.devs.len());
         while let Some(l) = self.core.take_line() {
             log(l);
         }
-        self.life.tick("send comm to", self.core.traffic(), &self.path, dev);
+        self.life.tick("send comm to", self.core.traffic(), &self.path, &self.net, &self.devs);
         r
     }
 
@@ -549,15 +687,16 @@ impl Drop for SendComm {
             }
         }
         let what = format!("send comm to {} closed", self.path.peer);
-        let dev = &self.net.devices[self.dev];
-        log::info!("{}", self.life.line(&what, self.core.traffic(), &self.path, dev));
+        let line = self.life.line(&what, self.core.traffic(), &self.path, &self.net, &self.devs);
+        log::info!("{line}");
     }
 }
 
 // --- the receiving end --------------------------------------------------------------------------
 
-/// A loopback queue pair for the GPUDirect flush: an RDMA read of the last received buffer
-/// completes only after the NIC's earlier writes into that memory are visible.
+/// A loopback queue pair for the GPUDirect flush, one per member port: an RDMA read of the last
+/// received buffer completes only after that port's NIC's earlier writes into that memory are
+/// visible.
 ///
 /// It keeps remote read ([`Flusher::ACCESS`]) because it is the responder of its own read: the
 /// read arrives on the flush QP, so the flush QP, not the data QPs, must allow it (and so must
@@ -576,80 +715,82 @@ pub struct RecvComm {
     /// Written by the sender's NIC: the size records.
     sizes: RegisteredBuf,
     pub path: Path,
-    flusher: Option<Flusher>,
+    /// One per member port, or none (no device that flushes).
+    flushers: Vec<Flusher>,
     qps: Vec<Qp>,
     links: Vec<Link>,
-    cq: Arc<Cq>,
-    watch: Watch,
+    ports: Vec<Port>,
     life: Life,
     /// Profiler events, with a profiler (`None`: the core journals nothing).
     events: Option<Events>,
     pub net: Arc<Net>,
-    pub dev: usize,
+    /// Its member ports (device indices): one, or a fused device's.
+    pub devs: Vec<usize>,
 }
 
 /// Everything `setup` builds for a receive comm.
 pub struct RecvParts {
+    pub devs: Vec<usize>,
     pub qps: Vec<Qp>,
-    pub cq: Arc<Cq>,
+    pub cqs: Vec<Arc<Cq>>,
     pub cts_stage: RegisteredBuf,
     pub sizes: RegisteredBuf,
 }
 
 impl Flusher {
-    /// The flush QP's `qp_access_flags` (the flush QP is index `nqps` of [`recv_grant`]).
+    /// The flush QP's `qp_access_flags` (a flush QP is index `nqps` or more of [`recv_grant`]).
     pub const ACCESS: u32 = verbs::ACCESS_REMOTE_READ;
 }
 
 impl RecvParts {
-    pub fn new(net: &Arc<Net>, dev: usize, nqps: usize) -> Result<RecvParts> {
-        let d = &net.devices[dev];
+    /// `nqps` lanes over the member ports `devs` (lane `q` on `port_of(q)`).
+    pub fn new(net: &Arc<Net>, devs: &[usize], nqps: usize) -> Result<RecvParts> {
         // Room for every receive WQE of every lane (all flushed at once when the comm closes or
         // fails), the flushes, and the CTS writes and probes.
         let pool = super::proto::recv_pool(nqps);
-        let cq = Cq::new(&d.ctx, ((nqps + 1) * pool + 4 * 2 * SLOTS).min(32767) as i32)?;
-        let qps = create_qps(d, &cq, nqps, recv_caps(nqps), |q| recv_grant(q, nqps))?;
-        let cts_stage = RegisteredBuf::new(&d.pd, FIFO_AREA * 8, STAGE)?;
-        let sizes = RegisteredBuf::new(&d.pd, SIZE_AREA * 8, CONTROL_IN)?;
-        Ok(RecvParts { qps, cq, cts_stage, sizes })
+        let cqs = port_cqs(net, devs, nqps, pool, 4 * 2 * SLOTS)?;
+        let qps = create_qps(net, (devs, &cqs), nqps, recv_caps(nqps), |q| recv_grant(q, nqps))?;
+        let cts_stage = RegisteredBuf::on(&pds(net, devs), FIFO_AREA * 8, STAGE)?;
+        let sizes = RegisteredBuf::on(&pds(net, devs), SIZE_AREA * 8, CONTROL_IN)?;
+        Ok(RecvParts { devs: devs.to_vec(), qps, cqs, cts_stage, sizes })
     }
 }
 
 impl RecvComm {
+    /// `theirs`: the sender's member ports; `peer`: its FIFO.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         parts: RecvParts,
-        flusher: Option<Flusher>,
+        flushers: Vec<Flusher>,
         attrs: &[(RtrAttr, RtsAttr)],
         net: Arc<Net>,
-        dev: usize,
         path: Path,
         split: bool,
-        remote_fifo: (u64, u32),
+        (theirs, peer): (usize, Peer),
         profiler: Option<Arc<dyn Profiler>>,
     ) -> Box<RecvComm> {
-        // The receiver only sends CTS rows and probes, on QP 0; all its QPs are created alike.
+        // The receiver only sends CTS rows and probes, on its control lane; all its QPs are
+        // created alike.
         let nqps = parts.qps.len();
         let journal = profiler.is_some();
-        let p = params(&net, &parts.qps, split, 0, &path, journal);
-        let core = RecvCore::new(p, remote(remote_fifo.0, remote_fifo.1));
-        let qps: Vec<&Qp> = parts.qps.iter().chain(flusher.as_ref().map(|f| &f.qp)).collect();
+        let ours = parts.devs.len();
+        let p = params(&net, &parts.qps, (ours, theirs), (split, 0), &path, journal);
+        let core = RecvCore::new(p, remote(peer.addr, &peer.rkeys));
         let name = format!("receive comm from {}", path.peer);
-        let watch = watch(&net, dev, name, &qps, &parts.cq);
+        let ports = ports(&net, (&parts.devs, parts.cqs), &name, &parts.qps, &flushers);
         Box::new(RecvComm {
             core,
             cts_stage: parts.cts_stage,
             sizes: parts.sizes,
             path,
-            flusher,
+            flushers,
             qps: parts.qps,
             links: links(recv_caps(nqps), attrs, |q| recv_grant(q, nqps)),
-            cq: parts.cq,
-            watch,
-            life: Life::start(&net, dev),
+            ports,
+            life: Life::start(&net, &parts.devs),
             events: profiler.map(Events::new),
             net,
-            dev,
+            devs: parts.devs,
         })
     }
 
@@ -675,14 +816,14 @@ impl RecvComm {
         if polled {
             self.progress()?;
         }
-        let mut io = qps!(self, None);
+        let mut io = qps!(self, &[]);
         let r = self.core.irecv(&self.cts_stage, &self.sizes, &mut io, bufs, optional);
         if let (Ok(Some(slot)), Some(ev)) = (&r, &mut self.events) {
             for i in 0..MAX_RECVS {
                 ev.handed(slot * MAX_RECVS + i, phandles.get(i).copied().unwrap_or(0));
             }
         }
-        report(&mut self.events, self.core.journal(), &self.qps);
+        report(&mut self.events, self.core.journal(), &self.qps, self.devs.len());
         let r = r?;
         if r.is_none() && !polled {
             self.progress()?;
@@ -690,30 +831,36 @@ impl RecvComm {
         Ok(r)
     }
 
-    /// Issues the flush read for a completed receive whose non-empty buffers are `bufs`: one
-    /// RDMA read of the last one in GPU memory (of the last one, with `FERROCE_FORCE_FLUSH=1`).
-    /// `Ok(None)`: nothing to flush (host memory, or no flush QP on this device).
+    /// Issues the flush reads for a completed receive whose non-empty buffers are `bufs`: an
+    /// RDMA read of the last one in GPU memory (of the last one, with `FERROCE_FORCE_FLUSH=1`)
+    /// through each member port. `Ok(None)`: nothing to flush (host memory, or no flush QP on
+    /// this device).
     pub fn iflush(&mut self, bufs: &[Buf]) -> Result<Option<usize>> {
         self.core.check()?;
         let force = self.net.config.force_flush;
         let target = bufs.iter().rev().find(|b| b.size > 0 && (force || !b.host));
-        let (Some(f), Some(&b)) = (&self.flusher, target) else { return Ok(None) };
-        let mut io = qps!(self, Some(&f.qp));
-        let scratch = (f.target.addr(0), f.target.lkey());
-        self.core.iflush(&mut io, b, scratch).map(Some)
+        let Some(&b) = target.filter(|_| !self.flushers.is_empty()) else { return Ok(None) };
+        let mut scratch = [(0, 0); super::proto::MAX_MEMBERS];
+        for (s, f) in scratch.iter_mut().zip(&self.flushers) {
+            *s = (f.target.addr(0), f.target.lkey());
+        }
+        let n = self.flushers.len();
+        let mut io = qps!(self, &self.flushers);
+        self.core.iflush(&mut io, b, &scratch[..n]).map(Some)
     }
 
     pub fn progress(&mut self) -> Result<()> {
+        links_down(&self.net, &mut self.ports, |down| self.core.links_down(down));
         let mut side =
             RecvDrain { core: &mut self.core, stage: &self.cts_stage, sizes: &self.sizes };
-        let mut io = qps!(self, None);
-        let dev = &self.net.devices[self.dev];
-        let r = progress(&self.cq, dev, &self.watch, &mut side, &mut io);
-        report(&mut self.events, self.core.journal(), &self.qps);
+        let mut io = qps!(self, &self.flushers);
+        let r = progress(&mut side, &mut io);
+        report(&mut self.events, self.core.journal(), &self.qps, self.devs.len());
         while let Some(l) = self.core.take_line() {
             log(l);
         }
-        self.life.tick("receive comm from", self.core.traffic(), &self.path, dev);
+        let t = self.core.traffic();
+        self.life.tick("receive comm from", t, &self.path, &self.net, &self.devs);
         r
     }
 
@@ -737,15 +884,15 @@ impl RecvComm {
 
 impl Drop for RecvComm {
     fn drop(&mut self) {
-        let flush_qp = self.flusher.as_ref().map(|f| &f.qp);
-        for qp in self.qps.iter().chain(flush_qp) {
+        let flush_qps = self.flushers.iter().map(|f| &f.qp);
+        for qp in self.qps.iter().chain(flush_qps) {
             if let Err(e) = qp.to_error() {
                 log::warn!("closing the receive comm from {}: {e}", self.path.peer);
             }
         }
         let what = format!("receive comm from {} closed", self.path.peer);
-        let dev = &self.net.devices[self.dev];
-        log::info!("{}", self.life.line(&what, self.core.traffic(), &self.path, dev));
+        let line = self.life.line(&what, self.core.traffic(), &self.path, &self.net, &self.devs);
+        log::info!("{line}");
     }
 }
 

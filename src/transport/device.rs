@@ -13,7 +13,7 @@
 use crossbeam_queue::ArrayQueue;
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::gdr::{self, Gdr};
@@ -63,6 +63,11 @@ pub struct NetDevice {
 pub struct DeviceFlags {
     /// The port's GID table changed: the next connection re-reads it.
     pub gid_stale: AtomicBool,
+    /// How many times the port came back (`IBV_EVENT_PORT_ACTIVE`): comms try their lanes on
+    /// it again.
+    pub port_up: AtomicU64,
+    /// The port went down (`IBV_EVENT_PORT_ERR`) and has not come back.
+    pub port_down: AtomicBool,
     /// The device reported `IBV_EVENT_DEVICE_FATAL`, or its event fd broke: every later call
     /// fails.
     pub fatal: AtomicBool,

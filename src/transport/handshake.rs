@@ -13,6 +13,8 @@
 use std::fmt;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr, SocketAddrV6};
 
+use super::proto::MAX_MEMBERS;
+
 pub const MAGIC: u64 = 0x3145_434f_5252_4546; // "FERROCE1", little-endian
 /// The protocol version both ends must share: 2 since the CTS FIFO's dense layout (32-byte
 /// entries, the head entry of every slot in one array), which a version-1 peer would misread;
@@ -27,7 +29,11 @@ pub const HANDLE_STATE_OFFSET: usize = 96;
 /// The most queue pairs one connection may use (`NCCL_IB_QPS_PER_CONNECTION`).
 pub const MAX_QPS: usize = 128;
 /// 96 bytes of fields, then the QP numbers (u32) and UDP source ports (u16) of up to 128 QPs.
-pub const MSG_LEN: usize = 96 + MAX_QPS * 6;
+pub const MSG_LEN: usize = MORE_AT + (MAX_MEMBERS - 1) * END_LEN;
+/// Where the other member ports' ends start (after the QP numbers and source ports), and the
+/// bytes of each.
+const MORE_AT: usize = 96 + MAX_QPS * 6;
+const END_LEN: usize = 24;
 const HEADER_LEN: usize = 32;
 
 /// What `listen` publishes. An IPv6 address keeps its scope id (the interface index of a
@@ -36,6 +42,9 @@ const HEADER_LEN: usize = 32;
 pub struct Handle {
     pub addr: SocketAddr,
     pub nonce: u64,
+    /// How many member ports the listener's device spans (1, or a fused device's count): the
+    /// connector opens lanes for the larger of both ends' counts.
+    pub members: u8,
 }
 
 /// Why bytes from a peer were rejected.
@@ -96,6 +105,7 @@ impl Handle {
             IpAddr::V6(v6) => (6u8, v6.octets()),
         };
         out[12] = family;
+        out[13] = self.members;
         put(out, 14, self.addr.port().to_le_bytes());
         put(out, 16, ip);
         put(out, 32, self.nonce.to_le_bytes());
@@ -119,7 +129,10 @@ impl Handle {
             6 => SocketAddr::V6(SocketAddrV6::new(v6, port, 0, u32::from_le_bytes(get(b, 40)))),
             _ => return Err(Reject::Field("handle family")),
         };
-        Ok(Handle { addr, nonce: u64::from_le_bytes(get(b, 32)) })
+        if !(1..=MAX_MEMBERS as u8).contains(&b[13]) {
+            return Err(Reject::Field("handle members"));
+        }
+        Ok(Handle { addr, nonce: u64::from_le_bytes(get(b, 32)), members: b[13] })
     }
 }
 
@@ -156,6 +169,35 @@ pub struct Msg {
     pub buf_rkey: u32,
     /// The sender's largest message (`max_msg_sz` of its port).
     pub max_msg: u32,
+    /// Member ports of the sender's device (1..=4): `gid`, `mtu`, `port` and `buf_rkey` are
+    /// the first's, `more` the others'.
+    pub members: u8,
+    pub more: [End; MAX_MEMBERS - 1],
+}
+
+/// One member port's end of a connection: its GID, active MTU (`ibv_mtu`), port number, and
+/// the key of the side's buffer (FIFO or size records) on it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct End {
+    pub gid: [u8; 16],
+    pub mtu: u8,
+    pub port: u8,
+    pub rkey: u32,
+}
+
+impl Msg {
+    /// Member port `m`'s end.
+    pub fn end(&self, m: usize) -> End {
+        match m {
+            0 => End { gid: self.gid, mtu: self.mtu, port: self.port, rkey: self.buf_rkey },
+            m => self.more[m - 1],
+        }
+    }
+
+    /// Every member port's end.
+    pub fn ends(&self) -> Vec<End> {
+        (0..usize::from(self.members.max(1))).map(|m| self.end(m)).collect()
+    }
 }
 
 impl Msg {
@@ -181,6 +223,14 @@ impl Msg {
         put(&mut b, 56, self.buf_addr.to_le_bytes());
         put(&mut b, 64, self.buf_rkey.to_le_bytes());
         put(&mut b, 68, self.max_msg.to_le_bytes());
+        b[39] = self.members;
+        for (i, e) in self.more.iter().enumerate() {
+            let at = MORE_AT + i * END_LEN;
+            put(&mut b, at, e.gid);
+            put(&mut b, at + 16, e.rkey.to_le_bytes());
+            b[at + 20] = e.mtu;
+            b[at + 21] = e.port;
+        }
         b
     }
 
@@ -221,6 +271,16 @@ impl Msg {
             buf_addr: u64::from_le_bytes(get(b, 56)),
             buf_rkey: u32::from_le_bytes(get(b, 64)),
             max_msg: u32::from_le_bytes(get(b, 68)),
+            members: b[39],
+            more: std::array::from_fn(|i| {
+                let at = MORE_AT + i * END_LEN;
+                End {
+                    gid: get(b, at),
+                    rkey: u32::from_le_bytes(get(b, at + 16)),
+                    mtu: b[at + 20],
+                    port: b[at + 21],
+                }
+            }),
         };
         if want != Kind::Ready {
             let n = usize::from(m.nqps);
@@ -238,6 +298,13 @@ impl Msg {
             }
             if m.port == 0 || m.buf_addr == 0 || m.max_msg == 0 {
                 return Err(Reject::Field("port, buffer or max_msg"));
+            }
+            if !(1..=MAX_MEMBERS as u8).contains(&m.members) {
+                return Err(Reject::Field("members"));
+            }
+            let more = &m.more[..usize::from(m.members) - 1];
+            if more.iter().any(|e| !(1..=5).contains(&e.mtu) || e.port == 0) {
+                return Err(Reject::Field("a member port's mtu or port"));
             }
         }
         Ok(m)
@@ -270,13 +337,15 @@ mod tests {
             buf_addr: 0x7f00_0000_1000,
             buf_rkey: 0x1234,
             max_msg: 8 << 20,
+            members: 1,
+            more: Default::default(),
         }
     }
 
     #[test]
     fn handle_round_trips_v4_and_v6() {
         for addr in ["198.18.0.1:40000", "[2001:db8::1]:5"] {
-            let h = Handle { addr: addr.parse().unwrap(), nonce: 99 };
+            let h = Handle { addr: addr.parse().unwrap(), nonce: 99, members: 1 };
             let mut b = [0xaa; HANDLE_SIZE];
             h.encode(&mut b);
             assert!(b[HANDLE_STATE_OFFSET..].iter().all(|&x| x == 0));
@@ -287,7 +356,7 @@ mod tests {
     #[test]
     fn handle_keeps_the_scope_of_a_link_local_address() {
         let addr = SocketAddr::V6(SocketAddrV6::new("fe80::1".parse().unwrap(), 4000, 0, 7));
-        let h = Handle { addr, nonce: 5 };
+        let h = Handle { addr, nonce: 5, members: 1 };
         let mut b = [0; HANDLE_SIZE];
         h.encode(&mut b);
         let back = Handle::decode(&b).unwrap();
@@ -295,7 +364,7 @@ mod tests {
         let SocketAddr::V6(a) = back.addr else { panic!("not v6: {back:?}") };
         assert_eq!(a.scope_id(), 7);
         // An IPv4 handle carries no scope: those bytes stay zero.
-        Handle { addr: "10.0.0.1:9".parse().unwrap(), nonce: 5 }.encode(&mut b);
+        Handle { addr: "10.0.0.1:9".parse().unwrap(), nonce: 5, members: 1 }.encode(&mut b);
         assert!(b[40..44].iter().all(|&x| x == 0));
     }
 
@@ -303,7 +372,7 @@ mod tests {
     fn handle_rejects_garbage() {
         let mut b = [0u8; HANDLE_SIZE];
         assert!(matches!(Handle::decode(&b), Err(Reject::Magic(0))));
-        Handle { addr: "10.0.0.1:1".parse().unwrap(), nonce: 1 }.encode(&mut b);
+        Handle { addr: "10.0.0.1:1".parse().unwrap(), nonce: 1, members: 1 }.encode(&mut b);
         let mut v = b;
         v[8] = 9;
         assert_eq!(Handle::decode(&v), Err(Reject::Version(9)));
@@ -400,6 +469,14 @@ mod props {
                     buf_addr,
                     buf_rkey,
                     max_msg,
+                    // 1 to 4 member ports; the others' ends valid as the first's.
+                    members: (nonce % 4) as u8 + 1,
+                    more: std::array::from_fn(|i| End {
+                        gid,
+                        mtu,
+                        port,
+                        rkey: buf_rkey ^ (i as u32 + 1),
+                    }),
                 }
             })
     }
@@ -482,7 +559,7 @@ mod props {
             } else {
                 SocketAddr::new(IpAddr::from([ip[0], ip[1], ip[2], ip[3]]), port)
             };
-            let h = Handle { addr, nonce };
+            let h = Handle { addr, nonce, members: 1 };
             let mut b = [0u8; HANDLE_SIZE];
             h.encode(&mut b);
             prop_assert_eq!(Handle::decode(&b), Ok(h));

@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::device::{self, DeviceFlags, NetDevice, Queue};
 use super::profile::Profiler;
+use super::proto::MAX_MEMBERS;
 use crate::verbs;
 
 /// The devices and configuration shared by every communicator.
@@ -126,15 +127,18 @@ fn handle_event(ports: &[Watched], ev: verbs::AsyncEvent) {
             }
         }
         PortError(p) => {
-            for (_, name, _) in on_port(p) {
+            for (_, name, flags) in on_port(p) {
+                flags.port_down.store(true, Ordering::Release);
                 log::warn!(
                     "{name}: port went down (IBV_EVENT_PORT_ERR); check the link with `rdma link show`"
                 );
             }
         }
         PortActive(p) => {
-            for (_, name, _) in on_port(p) {
-                log::info!("{name}: port is ACTIVE again");
+            for (_, name, flags) in on_port(p) {
+                log::info!("{name}: port is ACTIVE again; its failed lanes are tried again");
+                flags.port_down.store(false, Ordering::Release);
+                flags.port_up.fetch_add(1, Ordering::AcqRel);
             }
         }
         DeviceFatal => {
@@ -260,6 +264,87 @@ impl Net {
             Error::InvalidUsage(format!("device {dev} out of range (have {})", self.devices.len()))
         })
     }
+
+    /// NCCL's devices: the physical ports, then the fused devices `makeVDevice` made.
+    pub fn ndevices(&self) -> usize {
+        self.devices.len() + fused().len()
+    }
+
+    /// The member ports (indices of physical devices) of NCCL device `dev`: itself, or the
+    /// ports of a fused device.
+    pub fn members(&self, dev: i32) -> Result<Vec<usize>> {
+        let n = self.devices.len();
+        let out_of_range =
+            || Error::InvalidUsage(format!("device {dev} out of range (have {})", self.ndevices()));
+        let d = usize::try_from(dev).map_err(|_| out_of_range())?;
+        if d < n {
+            return Ok(vec![d]);
+        }
+        let members = fused().get(d - n).cloned().ok_or_else(out_of_range)?;
+        match members.iter().find(|&&m| m >= n) {
+            Some(m) => Err(Error::InvalidUsage(format!(
+                "fused device {dev}'s member {m} is gone (have {n} ports)"
+            ))),
+            None => Ok(members),
+        }
+    }
+
+    /// `makeVDevice`: one NCCL device over the ports `devs`, as NCCL's IB transport fuses
+    /// them: 1 to [`MAX_MEMBERS`] distinct physical ports of one link layer, and only with
+    /// `NCCL_IB_MERGE_NICS=1` for more than one. The same ports asked again give the same
+    /// device; a single port is itself.
+    pub fn make_vdevice(&self, devs: &[i32]) -> Result<i32> {
+        let n = self.devices.len();
+        let refuse = |why: String| Err(Error::InvalidUsage(format!("makeVDevice {devs:?}: {why}")));
+        if devs.is_empty() || devs.len() > MAX_MEMBERS {
+            return refuse(format!("a fused device has 1 to {MAX_MEMBERS} ports"));
+        }
+        if devs.len() > 1 && !self.config.merge_nics {
+            return refuse("NCCL_IB_MERGE_NICS=0".into());
+        }
+        let mut members = Vec::with_capacity(devs.len());
+        for &d in devs {
+            match usize::try_from(d).ok().filter(|&d| d < n) {
+                Some(d) if !members.contains(&d) => members.push(d),
+                Some(_) => return refuse(format!("port {d} given twice")),
+                None => return refuse(format!("{d} is not a port (have {n})")),
+            }
+        }
+        let first = &self.devices[members[0]];
+        if let Some(m) = members.iter().find(|&&m| self.devices[m].link_layer != first.link_layer) {
+            let other = &self.devices[*m];
+            return refuse(format!(
+                "{} is {:?} and {} is {:?}: ports of one link layer only; NCCL_IB_HCA can \
+                 select them",
+                first.name, first.link_layer, other.name, other.link_layer
+            ));
+        }
+        if let [one] = members[..] {
+            return Ok(one as i32);
+        }
+        let mut fused = fused();
+        let index = match fused.iter().position(|f| *f == members) {
+            Some(i) => i,
+            None => {
+                fused.push(members.clone());
+                fused.len() - 1
+            }
+        };
+        let dev = (n + index) as i32;
+        let names: Vec<&str> = members.iter().map(|&m| self.devices[m].name.as_str()).collect();
+        log::info!(target: "init", "device {dev}: {} fuses ports {members:?}", names.join("+"));
+        Ok(dev)
+    }
+}
+
+/// The fused devices `makeVDevice` made, by their index after the physical ports: each one's
+/// member ports. They outlive the device state (NCCL makes them once per process and keeps
+/// using their numbers across `finalize` and `init`; a new `init` finds the ports in the same
+/// order).
+static FUSED: Mutex<Vec<Vec<usize>>> = Mutex::new(Vec::new());
+
+fn fused() -> MutexGuard<'static, Vec<Vec<usize>>> {
+    FUSED.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The locked-memory limit at init: INFO when it is not unlimited, WARN when it is so low that

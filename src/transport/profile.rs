@@ -54,13 +54,13 @@ impl Events {
     }
 
     /// A journal entry: the start of its event, on queue pair `qpn`.
-    pub fn posted(&mut self, p: &Posted, qpn: u32) {
+    pub fn posted(&mut self, p: &Posted, qpn: u32, port: usize) {
         let Some(&phandle) = self.phandles.get(p.key) else { return };
         if phandle == 0 {
             return;
         }
         let opcode = if p.imm { WR_RDMA_WRITE_WITH_IMM } else { WR_RDMA_WRITE };
-        let e = QpEvent { device: 0, wr_id: p.wr_id, opcode, qpn, length: p.len };
+        let e = QpEvent { device: port as i32, wr_id: p.wr_id, opcode, qpn, length: p.len };
         let handle = self.profiler.start(phandle, &e);
         self.open[p.key].push(handle);
     }
@@ -122,10 +122,10 @@ mod tests {
         ev.handed(3, 0xa0);
         ev.handed(4, 0);
         ev.handed(9, 0xb0);
-        ev.posted(&posted(3, 100, false), 0x11);
-        ev.posted(&posted(3, 28, true), 0x12);
-        ev.posted(&posted(4, 50, true), 0x11); // no handle: no event
-        ev.posted(&posted(9, 5, true), 0x11);
+        ev.posted(&posted(3, 100, false), 0x11, 0);
+        ev.posted(&posted(3, 28, true), 0x12, 0);
+        ev.posted(&posted(4, 50, true), 0x11, 0); // no handle: no event
+        ev.posted(&posted(9, 5, true), 0x11, 0);
         let starts = rec.starts.lock().unwrap().clone();
         let want = QpEvent { device: 0, wr_id: 7, opcode: WR_RDMA_WRITE, qpn: 0x11, length: 100 };
         assert_eq!(starts[0], (0xa0, want));
@@ -134,7 +134,7 @@ mod tests {
         ev.done(3);
         assert_eq!(*rec.stops.lock().unwrap(), vec![1, 2]);
         ev.done(3);
-        ev.posted(&posted(3, 32, false), 0x11); // after it ended: nothing
+        ev.posted(&posted(3, 32, false), 0x11, 0); // after it ended: nothing
         assert_eq!((rec.starts.lock().unwrap().len(), rec.stops.lock().unwrap().len()), (3, 2));
         drop(ev);
         assert_eq!(*rec.stops.lock().unwrap(), vec![1, 2, 3], "the open one stops at close");

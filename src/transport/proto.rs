@@ -264,7 +264,7 @@ pub fn send_grant(_q: usize) -> Grant {
 /// ack word and probes. Index `nqps` is the loopback flush QP, the responder of its own RDMA
 /// read of NCCL's receive buffer: read only. No QP a peer reaches grants remote reads.
 pub fn recv_grant(q: usize, nqps: usize) -> Grant {
-    if q == nqps { Grant::Read } else { Grant::Write }
+    if q >= nqps { Grant::Read } else { Grant::Write }
 }
 
 /// Registered memory the core reads or writes by u64 word: the FIFO and size records the peer's
@@ -482,10 +482,11 @@ fn first_live(alive: u128, n: usize) -> usize {
 /// path failed with completion `c`; `then` says what moves where.
 fn lane_warning(path: &Path, what: &str, lane: usize, why: &str, then: &str) -> String {
     let sport = path.sports.get(lane).map_or(String::new(), |p| format!(" (UDP source port {p})"));
+    let port = path.ports.get(lane).map_or(String::new(), |p| format!(" on {p}"));
     format!(
-        "lane {lane}{sport} of {what} failed: {why} on {}; {then}, and the comm goes on. Check \
-         the link or ECMP member on that path: a switch port, cable or hash bucket that drops \
-         this source port",
+        "lane {lane}{port}{sport} of {what} failed: {why} on {}; {then}, and the comm goes on. \
+         Check the link or ECMP member on that path: the port's link, a switch port, cable or \
+         hash bucket that drops this source port",
         path.describe
     )
 }
@@ -537,11 +538,16 @@ fn mail(area: &impl Words, word: usize) -> Option<mend::Msg> {
 /// `IBV_WC_WR_FLUSH_ERR`.
 const FLUSHED: u32 = 5;
 
+/// `IBV_WC_LOC_QP_OP_ERR`: the queue pair could not execute a request (on Soft-RoCE, what
+/// every request of a port whose link is down gets).
+const LOCAL_QP_ERROR: u32 = 2;
+
 /// A failed completion that is its lane's failure, not the comm's: retries exhausted
-/// (`IBV_WC_RETRY_EXC_ERR`: the path stopped answering), or flushed (the first failed
-/// completion of a lane that is flushed: its QP failed on its own, see `lane_failed`).
+/// (`IBV_WC_RETRY_EXC_ERR`: the path stopped answering), a local queue-pair error (its port
+/// went down, or the QP broke on its own), or flushed (the first failed completion of a lane
+/// that is flushed: its QP failed on its own, see `lane_failed`).
 fn lane_status(status: u32) -> bool {
-    status == 12 || status == FLUSHED
+    status == 12 || status == LOCAL_QP_ERROR || status == FLUSHED
 }
 
 /// Why a completion failed a lane, for its WARN.
@@ -565,6 +571,8 @@ pub struct Path {
     pub describe: String,
     /// The UDP source port of each QP.
     pub sports: Vec<u16>,
+    /// The local port each QP is on (`rxe1 port 1`), named when its lane fails.
+    pub ports: Vec<String>,
 }
 
 /// Turns "work posted, nothing completes" into an error after `timeout`. It never reads a
@@ -707,12 +715,16 @@ struct Health {
     prober: Prober,
     path: Path,
     traffic: Traffic,
+    /// Our member ports whose link is down, named (`rxe1 port 1`): a local queue-pair error
+    /// is then the network's failure, not ours.
+    links_down: Option<String>,
 }
 
 impl Health {
     fn new(p: &Params) -> Health {
         Health {
             traffic: Traffic::new(p.nqps),
+            links_down: None,
             fatal: None,
             life: vec![0; p.nqps],
             watchdog: Watchdog::new(p.progress_timeout),
@@ -757,7 +769,16 @@ impl Health {
             self.watchdog.completed(true);
         }
         if c.status != 0 && self.fatal.is_none() {
-            let class = if remote_status(c.status) { Fault::Remote } else { Fault::Local };
+            let down = self.links_down.as_ref().filter(|_| c.status == LOCAL_QP_ERROR);
+            let class = if remote_status(c.status) || down.is_some() {
+                Fault::Remote
+            } else {
+                Fault::Local
+            };
+            let hint = match down {
+                Some(ports) => format!("the link of {ports} is down: a network failure"),
+                None => hint(c.status).to_string(),
+            };
             self.fatal = Some(class(format!(
                 "completion error with {}{}: {} (status {}, vendor_err {:#x}, wr {:#x}) on {}: {}",
                 self.path.peer,
@@ -767,7 +788,7 @@ impl Health {
                 c.vendor_err,
                 c.wr_id,
                 self.path.describe,
-                hint(c.status)
+                hint
             )));
         }
         c.status == 0 && !probe
@@ -1544,6 +1565,32 @@ impl SendCore {
         self.warnings.push_back(Line::Warn(lane_warning(&self.p.path, &what, lane, why, &then)));
     }
 
+    /// Our member ports whose link is down, named (`None`: none): a local queue-pair error
+    /// that fails the comm is then a network failure (`ncclRemoteError`).
+    pub fn links_down(&mut self, ports: Option<String>) {
+        self.health.links_down = ports;
+    }
+
+    /// Our member port `port`'s link is up again: its lanes that wait for a repair attempt, or
+    /// stay out after their last, are tried again now (with repair on).
+    pub fn port_up(&mut self, port: usize) {
+        if self.p.repair.attempts == 0 {
+            return;
+        }
+        let peer = &self.p.path.peer;
+        for lane in (0..self.p.nqps).filter(|&q| self.p.members[q].0 == port) {
+            let was_out = self.mend.rearm(lane);
+            if self.alive & (1 << lane) == 0 {
+                self.health.traffic.kept_out[lane] = false;
+                let again = if was_out { "out after its attempts" } else { "waiting" };
+                self.warnings.push_back(Line::Info(format!(
+                    "lane {lane} of the send comm to {peer} ({again}): its port is up again, it \
+                     is rebuilt now"
+                )));
+            }
+        }
+    }
+
     /// Lane `lane`'s repair attempt failed (`why`): the next follows, or the lane stays out.
     fn attempt_failed(&mut self, lane: usize, why: &str) {
         let tries = self.mend.tries(lane) + 1;
@@ -1756,6 +1803,8 @@ struct RecvSlot {
 pub struct RecvCore {
     slots: [RecvSlot; SLOTS],
     flushes: [State; SLOTS],
+    /// Per flush: its reads still in flight (one per member port).
+    flush_left: [u8; SLOTS],
     flush_head: usize,
     head: u64,
     p: Params,
@@ -1856,6 +1905,7 @@ impl RecvCore {
         RecvCore {
             slots: [RecvSlot::default(); SLOTS],
             flushes: [State::Free; SLOTS],
+            flush_left: [0; SLOTS],
             flush_head: 0,
             head: 0,
             remote_fifo,
@@ -1874,6 +1924,12 @@ impl RecvCore {
             health,
             p,
         }
+    }
+
+    /// Our member ports whose link is down, named (`None`: none): a local queue-pair error
+    /// that fails the comm is then a network failure (`ncclRemoteError`).
+    pub fn links_down(&mut self, ports: Option<String>) {
+        self.health.links_down = ports;
     }
 
     /// Whether an optional receive (or a slot its ack word holds) still waits for the sender:
@@ -2203,13 +2259,14 @@ impl RecvCore {
         }
     }
 
-    /// Issues the flush read of `target` (through QP `nqps`, the loopback flush QP), with the
-    /// local `scratch` buffer `(addr, lkey)` as destination.
+    /// Issues the flush reads of `target`: one per member port `m`, through QP `nqps + m`
+    /// (that port's loopback flush QP), into the port's `scratch[m]` buffer `(addr, lkey)`, as
+    /// each port's NIC wrote into the buffer. Done once every read is.
     pub fn iflush(
         &mut self,
         io: &mut impl Post,
         target: Buf,
-        scratch: (u64, u32),
+        scratch: &[(u64, u32)],
     ) -> Result<usize> {
         self.check()?;
         // The next free slot from the head: a flush NCCL has not tested yet holds only its own.
@@ -2217,19 +2274,21 @@ impl RecvCore {
             .map(|i| (self.flush_head + i) % SLOTS)
             .find(|&k| self.flushes[k] == State::Free)
             .ok_or_else(|| Error::Internal(format!("more than {SLOTS} flushes outstanding")))?;
-        let read = SendWr {
-            wr_id: wr_id(WR_FLUSH, 0, k),
-            op: Op::Read,
-            signaled: true,
-            local: Some((scratch.0, 1, scratch.1)),
-            remote_addr: target.addr,
-            // The flush QP loops back on member port 0.
-            rkey: target.rkeys[0],
-            inline: false,
-        };
-        io.send(self.p.nqps, &[read]).map_err(|e| self.health.post_failed(e))?;
-        self.health.watchdog.posted();
+        for (m, &(addr, lkey)) in scratch.iter().enumerate() {
+            let read = SendWr {
+                wr_id: wr_id(WR_FLUSH, m, k),
+                op: Op::Read,
+                signaled: true,
+                local: Some((addr, 1, lkey)),
+                remote_addr: target.addr,
+                rkey: target.rkeys[m],
+                inline: false,
+            };
+            io.send(self.p.nqps + m, &[read]).map_err(|e| self.health.post_failed(e))?;
+            self.health.watchdog.posted();
+        }
         self.flushes[k] = State::Pending;
+        self.flush_left[k] = scratch.len() as u8;
         self.flush_head = k + 1;
         Ok(FLUSH_BASE + k)
     }
@@ -2311,7 +2370,10 @@ impl RecvCore {
                 t.delivered += s.sizes[..s.n].iter().sum::<u64>();
             }
             WR_FLUSH => {
-                self.flushes[i] = State::Done;
+                self.flush_left[i] = self.flush_left[i].saturating_sub(1);
+                if self.flush_left[i] == 0 {
+                    self.flushes[i] = State::Done;
+                }
                 self.health.watchdog.completed(true);
             }
             _ => self.health.watchdog.completed(true), // a signaled CTS write, or an answer

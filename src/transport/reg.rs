@@ -11,14 +11,43 @@ use super::net::Net;
 use crate::error::{Error, Result};
 use crate::verbs::{self, ForeignMem, Mr};
 
-/// What `regMr` hands NCCL as `mhandle`.
+/// What `regMr` hands NCCL as `mhandle`: the region's registration on each member port of the
+/// comm it was made on.
 pub struct MrHandle {
-    pub mr: Arc<Mr>,
     pub kind: MemKind,
+    pub parts: Vec<Part>,
+    net: Arc<Net>,
+}
+
+/// The registration on one port: its device index, the MR, and the cached range it leases.
+pub struct Part {
+    pub dev: usize,
+    pub mr: Arc<Mr>,
     start: u64,
     end: u64,
-    net: Arc<Net>,
-    dev: usize,
+}
+
+/// Registers on each of `devs` with `one`; a failure releases what was made.
+fn on_each(
+    net: &Arc<Net>,
+    devs: &[usize],
+    kind: MemKind,
+    mut one: impl FnMut(usize) -> Result<super::mr_cache::Lease<Arc<Mr>>>,
+) -> Result<MrHandle> {
+    let mut h = MrHandle { kind, parts: Vec::with_capacity(devs.len()), net: net.clone() };
+    for &dev in devs {
+        match one(dev) {
+            Ok(lease) => {
+                let (mr, start, end) = (lease.reg, lease.start, lease.end);
+                h.parts.push(Part { dev, mr, start, end });
+            }
+            Err(e) => {
+                deregister(h);
+                return Err(e);
+            }
+        }
+    }
+    Ok(h)
 }
 
 /// What NCCL's buffers allow. `regMr` does not say whether a buffer will send or receive, so
@@ -53,36 +82,51 @@ fn check_supported(net: &Net, dev: usize, kind: MemKind) -> Result<()> {
     )))
 }
 
-/// Registers `mem` (host or peer-memory GPU memory) on device `dev`, reusing a cached
-/// registration of the same kind.
-pub fn register(net: &Arc<Net>, dev: usize, kind: MemKind, mem: ForeignMem) -> Result<MrHandle> {
-    check_supported(net, dev, kind)?;
-    let d = &net.devices[dev];
-    let access = access(net, dev);
-    let mut cache = d.mrs.lock().unwrap_or_else(|p| p.into_inner());
-    let lease = cache.acquire(kind, mem.addr(), mem.len(), |start, len| {
-        // The cache rounds out to whole pages, which `mem`'s contract covers.
-        let pages = mem.widen(start, len, crate::os::page_size())?;
-        Mr::register_host(&d.pd, pages, access).map(Arc::new)
-    })?;
-    Ok(handle(net, dev, lease))
+/// Registers `mem` (host or peer-memory GPU memory) on each port of `devs` (a comm's member
+/// ports), reusing cached registrations of the same kind.
+pub fn register(
+    net: &Arc<Net>,
+    devs: &[usize],
+    kind: MemKind,
+    mem: ForeignMem,
+) -> Result<MrHandle> {
+    on_each(net, devs, kind, |dev| {
+        check_supported(net, dev, kind)?;
+        let d = &net.devices[dev];
+        let access = access(net, dev);
+        let mut cache = d.mrs.lock().unwrap_or_else(|p| p.into_inner());
+        cache.acquire(kind, mem.addr(), mem.len(), |start, len| {
+            // The cache rounds out to whole pages, which `mem`'s contract covers.
+            let pages = mem.widen(start, len, crate::os::page_size())?;
+            Mr::register_host(&d.pd, pages, access).map(Arc::new)
+        })
+    })
 }
 
-/// Registers `[offset, offset + len)` of the dma-buf `fd` on device `dev`, at the address
-/// `addr` NCCL uses for it. The fd is neither kept nor closed.
+/// Registers `[offset, offset + len)` of the dma-buf `fd` on each port of `devs`, at the
+/// address `addr` NCCL uses for it. The fd is neither kept nor closed.
 pub fn register_dmabuf(
+    net: &Arc<Net>,
+    devs: &[usize],
+    addr: u64,
+    len: u64,
+    (offset, fd): (u64, i32),
+) -> Result<MrHandle> {
+    on_each(net, devs, MemKind::DmaBuf, |dev| dmabuf_on(net, dev, addr, len, (offset, fd)))
+}
+
+fn dmabuf_on(
     net: &Arc<Net>,
     dev: usize,
     addr: u64,
     len: u64,
-    offset: u64,
-    fd: i32,
-) -> Result<MrHandle> {
+    (offset, fd): (u64, i32),
+) -> Result<super::mr_cache::Lease<Arc<Mr>>> {
     check_supported(net, dev, MemKind::DmaBuf)?;
     let d = &net.devices[dev];
     let access = access(net, dev);
     let mut cache = d.mrs.lock().unwrap_or_else(|p| p.into_inner());
-    let lease = cache.acquire(MemKind::DmaBuf, addr, len, |start, len| {
+    cache.acquire(MemKind::DmaBuf, addr, len, |start, len| {
         // The exact range: `start` is `addr` and `len` the requested length (never rounded).
         Mr::register_dmabuf(&d.pd, offset, size(len)?, start, fd, access).map(Arc::new).map_err(
             |e| match e {
@@ -98,22 +142,19 @@ pub fn register_dmabuf(
                 other => other,
             },
         )
-    })?;
-    Ok(handle(net, dev, lease))
+    })
 }
 
 fn size(len: u64) -> Result<usize> {
     usize::try_from(len).map_err(|_| Error::Internal(format!("region of {len} bytes")))
 }
 
-fn handle(net: &Arc<Net>, dev: usize, lease: super::mr_cache::Lease<Arc<Mr>>) -> MrHandle {
-    let (mr, kind, start, end) = (lease.reg, lease.kind, lease.start, lease.end);
-    MrHandle { mr, kind, start, end, net: net.clone(), dev }
-}
-
-/// Releases one registration; the region is deregistered when its last user lets go.
+/// Releases one registration (on each of its ports); a region is deregistered when its last
+/// user lets go.
 pub fn deregister(h: MrHandle) {
-    let d = &h.net.devices[h.dev];
-    let last = d.mrs.lock().unwrap_or_else(|p| p.into_inner()).release(h.kind, h.start, h.end);
-    drop(last); // the MR itself goes when the last Arc (cache or in-flight use) drops
+    for p in h.parts {
+        let d = &h.net.devices[p.dev];
+        let last = d.mrs.lock().unwrap_or_else(|e| e.into_inner()).release(h.kind, p.start, p.end);
+        drop(last); // the MR itself goes when the last Arc (cache or in-flight use) drops
+    }
 }

@@ -45,13 +45,14 @@ use std::sync::Arc;
 use once_cell::sync::Lazy;
 use std::time::Instant;
 
-use super::comm::{Flusher, Path, RecvComm, RecvParts, SendComm, SendParts};
+use super::comm::{Flusher, Path, Peer, RecvComm, RecvParts, SendComm, SendParts, port_of};
 use super::device;
 use super::ecmp;
 use super::gid::{self, GidChoice};
-use super::handshake::{Handle, MAX_QPS, MSG_LEN, Msg};
+use super::handshake::{End, Handle, MAX_QPS, MSG_LEN, Msg};
 use super::net::{CommContext, Net};
 use super::profile::Profiler;
+use super::proto::MAX_MEMBERS;
 use crate::error::{Error, Result};
 use crate::verbs::{self, RegisteredBuf, RtrAttr, RtsAttr};
 pub use machine::{
@@ -112,9 +113,10 @@ static PORT_BLOCKS: Lazy<ecmp::Blocks> = Lazy::new(|| {
 /// (NCCL's precedence), and the same for `NCCL_IB_SL` (the communicator's traffic class in the
 /// SL field's 4 bits, as a NIC takes NCCL's value); source ports from `ecmp`, for a connection
 /// from the address `own` to `peer`.
-fn local_policy(net: &Net, comm_tc: Option<u8>, own: IpAddr, peer: IpAddr) -> Policy {
+fn local_policy(net: &Net, comm_tc: Option<u8>, own: IpAddr, peer: IpAddr, ports: usize) -> Policy {
     let c = &net.config;
-    let nqps = c.qps_per_conn;
+    // NCCL_IB_QPS_PER_CONNECTION per member port of the end with more of them, as NCCL does.
+    let nqps = (c.qps_per_conn * ports).min(MAX_QPS);
     let ports = if c.sport_spread {
         PORT_BLOCKS.take(c.sport_base, c.sport_range, nqps, own, peer)
     } else {
@@ -127,43 +129,56 @@ fn local_policy(net: &Net, comm_tc: Option<u8>, own: IpAddr, peer: IpAddr) -> Po
     Policy { nqps, sports, split: c.split_data, tc, fifo_tc: c.fifo_tc.unwrap_or(tc), sl }
 }
 
-/// This side's endpoint: its queue pairs, port and the buffer the peer writes into.
-fn endpoint(net: &Net, dev: usize, qps: &[verbs::Qp], buf: &RegisteredBuf) -> Result<Local> {
-    let d = &net.devices[dev];
+/// This side's endpoint: its queue pairs, each member port's GID, MTU and port, and the
+/// buffer the peer writes into (with its key on each member port).
+fn endpoint(net: &Net, devs: &[usize], qps: &[verbs::Qp], buf: &RegisteredBuf) -> Result<Local> {
     let mut qpns = [0; MAX_QPS];
     for (slot, qp) in qpns.iter_mut().zip(qps) {
         *slot = qp.qpn();
     }
+    let rkeys = buf.rkeys();
+    let mut ends = [End::default(); MAX_MEMBERS];
+    for (m, &dev) in devs.iter().enumerate() {
+        let d = &net.devices[dev];
+        let gid = gid_of(net, dev)?.gid;
+        ends[m] = End { gid, mtu: d.active_mtu as u8, port: d.port, rkey: rkeys[m] };
+    }
+    let max_msg = devs.iter().map(|&d| net.devices[d].max_msg_sz).min().unwrap_or(0);
     Ok(Local {
         qpns,
-        gid: gid_of(net, dev)?.gid,
-        mtu: d.active_mtu as u8,
-        port: d.port,
+        gid: ends[0].gid,
+        mtu: ends[0].mtu,
+        port: ends[0].port,
         buf_addr: buf.addr(0),
-        buf_rkey: buf.rkey(),
-        max_msg: d.max_msg_sz,
+        buf_rkey: ends[0].rkey,
+        max_msg,
+        members: devs.len() as u8,
+        more: [ends[1], ends[2], ends[3]],
     })
 }
 
-/// RTR then RTS of each QP along the plan: towards its remote QP, with its flow label (so its
-/// UDP source port), the plan's traffic class and service level. The path MTU is the smaller
-/// of the two ports' active MTUs. The attributes each QP got, for lane repair.
+/// RTR then RTS of each QP along the plan: lane `i` from member port `i % ours` to the
+/// peer's `i % theirs`, towards its remote QP, with its flow label (so its UDP source port),
+/// the plan's traffic class and service level. The path MTU is the smaller of the two ports'
+/// active MTUs. The attributes each QP got, for lane repair.
 fn connect_qps(
     net: &Net,
-    dev: usize,
+    devs: &[usize],
     qps: &[verbs::Qp],
     plan: &QpPlan,
 ) -> Result<Vec<(RtrAttr, RtsAttr)>> {
-    let d = &net.devices[dev];
-    let gid = gid_of(net, dev)?;
+    let gids = devs.iter().map(|&dev| gid_of(net, dev)).collect::<Result<Vec<_>>>()?;
     let c = &net.config;
     let mut links = Vec::with_capacity(qps.len());
     for (i, qp) in qps.iter().enumerate() {
+        let m = port_of(i, devs.len());
+        let (d, gid) = (&net.devices[devs[m]], &gids[m]);
+        let remote = plan.remote_ends[port_of(i, plan.remote_members)];
         let rtr = RtrAttr {
             port: d.port,
-            path_mtu: d.active_mtu.min(u32::from(plan.remote_mtu)),
+            path_mtu: d.active_mtu.min(u32::from(remote.mtu)),
             dest_qpn: plan.remote_qpns[i],
-            dgid: plan.remote_gid,
+            dgid: remote.gid,
             sgid_index: gid.index,
             flow_label: ecmp::label_of_port(plan.sports[i]),
             traffic_class: plan.traffic_class,
@@ -183,23 +198,34 @@ fn connect_qps(
     Ok(links)
 }
 
-/// What to show when this connection fails, and its INFO line; `peer` names the peer.
-fn path(net: &Net, dev: usize, peer: String, remote: &Msg, p: &Policy, tc: u8) -> Path {
-    let d = &net.devices[dev];
+/// What to show when this connection fails, and its INFO line; `peer` names the peer. Each
+/// member port's GID pair (lane `q` runs on the `q % n`-th).
+fn path(net: &Net, devs: &[usize], peer: String, remote: &Msg, p: &Policy, tc: u8) -> Path {
     let c = &net.config;
-    let local =
-        gid_of(net, dev).map(|g| format!("{} (index {})", g.ip(), g.index)).unwrap_or_default();
-    let mtu = device::mtu_bytes(d.active_mtu.min(u32::from(remote.mtu)));
+    let theirs = remote.ends();
+    let n = devs.len().max(theirs.len());
+    let pair = |m: usize| {
+        let (dev, end) = (devs[m % devs.len()], theirs[m % theirs.len()]);
+        let d = &net.devices[dev];
+        let local =
+            gid_of(net, dev).map(|g| format!("{} (index {})", g.ip(), g.index)).unwrap_or_default();
+        let mtu = device::mtu_bytes(d.active_mtu.min(u32::from(end.mtu)));
+        format!("{} GID {local} -> {}, path MTU {mtu}", d.name, gid::ip_of(&end.gid))
+    };
+    let pairs: Vec<String> = (0..n).map(pair).collect();
     let describe = format!(
-        "{} GID {local} -> {}, path MTU {mtu}, tc {tc}, sl {}, NCCL_IB_TIMEOUT {} / NCCL_IB_RETRY_CNT {} (retries end after {:.3} s)",
-        d.name,
-        gid::ip_of(&remote.gid),
+        "{}, tc {tc}, sl {}, NCCL_IB_TIMEOUT {} / NCCL_IB_RETRY_CNT {} (retries end after {:.3} s)",
+        pairs.join("; "),
         p.sl,
         c.ib_timeout,
         c.ib_retry_cnt,
         c.retry_bound().as_secs_f64()
     );
-    Path { peer, describe, sports: p.sports[..p.nqps].to_vec() }
+    let ports = (0..p.nqps).map(|q| {
+        let d = &net.devices[devs[port_of(q, devs.len())]];
+        format!("{} port {}", d.name, d.port)
+    });
+    Path { peer, describe, sports: p.sports[..p.nqps].to_vec(), ports: ports.collect() }
 }
 
 fn log_connection(role: &str, path: &Path, p: &Policy) {
@@ -273,7 +299,8 @@ pub struct Listener {
     listener: TcpListener,
     handle: Handle,
     net: Arc<Net>,
-    dev: usize,
+    /// The member ports of its NCCL device (one, or a fused device's).
+    devs: Vec<usize>,
     core: Listen,
     /// The sockets of the machine's pending connections, and what was built for a proven one.
     conns: HashMap<ConnId, Conn>,
@@ -290,16 +317,16 @@ struct Conn {
 /// The verbs side of a proven peer's connection.
 struct Accepted {
     parts: RecvParts,
-    flusher: Option<Flusher>,
+    flushers: Vec<Flusher>,
     links: Vec<(RtrAttr, RtsAttr)>,
 }
 
 impl Listener {
     pub fn new(ctx: &CommContext, dev: i32) -> Result<Listener> {
         let net = ctx.net.clone();
-        let d = net.device(dev)?;
-        let dev = dev as usize;
-        let ip = listen_ip(&net, dev)?;
+        let devs = net.members(dev)?;
+        let d = &net.devices[devs[0]];
+        let ip = listen_ip(&net, devs[0])?;
         let what = format!("{ip} for {}", d.name);
         let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|err| Error::Os {
             call: "bind",
@@ -321,12 +348,16 @@ impl Listener {
             err,
             context: "nonce".into(),
         })?;
-        let handle = Handle { addr, nonce };
-        let describe = format!("listener {addr} (device {})", d.name);
+        let handle = Handle { addr, nonce, members: devs.len() as u8 };
+        let names: Vec<&str> = devs.iter().map(|&m| net.devices[m].name.as_str()).collect();
+        let describe = format!("listener {addr} (device {})", names.join("+"));
         let c = &net.config;
-        let core = Listen::new(handle, describe, c.setup_timeout, c.qps_per_conn, UNPROVEN.clone());
+        // A connector opens NCCL_IB_QPS_PER_CONNECTION per port of the end with more ports.
+        let max_qps = c.qps_per_conn * MAX_MEMBERS;
+        let core = Listen::new(handle, describe, c.setup_timeout, max_qps, UNPROVEN.clone());
         let profiler = ctx.profiler();
-        Ok(Listener { listener, handle, net, dev, core, conns: HashMap::new(), profiler })
+        let conns = HashMap::new();
+        Ok(Listener { listener, handle, net, devs, core, conns, profiler })
     }
 
     pub fn handle(&self) -> Handle {
@@ -415,7 +446,7 @@ impl Listener {
             input = match self.core.advance(id, now, input) {
                 Cmd::Recv(n) => read(&mut conn.stream, &mut buf[..n]),
                 Cmd::Send(bytes) => write(&mut conn.stream, bytes),
-                Cmd::ConnectQps(plan) => match accept_parts(&self.net, self.dev, &plan) {
+                Cmd::ConnectQps(plan) => match accept_parts(&self.net, &self.devs, &plan) {
                     Ok(acc) => {
                         conn.accepted = Some(acc);
                         Input::QpsReady
@@ -424,7 +455,7 @@ impl Listener {
                 },
                 Cmd::Endpoint => {
                     let parts = &conn.accepted.as_ref().expect("queue pairs first").parts;
-                    match endpoint(&self.net, self.dev, &parts.qps, &parts.sizes) {
+                    match endpoint(&self.net, &self.devs, &parts.qps, &parts.sizes) {
                         Ok(local) => Input::Endpoint(Box::new(local)),
                         Err(e) => Input::Local(e),
                     }
@@ -451,21 +482,21 @@ impl Listener {
         let conn = self.conns.remove(&id).expect("a socket for every pending connection");
         self.conns.clear();
         let acc = conn.accepted.expect("queue pairs before done");
-        let remote_fifo = (hello.buf_addr, hello.buf_rkey);
+        let fifo = Peer { addr: hello.buf_addr, rkeys: rkeys(hello), max_msg: 0 };
         let policy = Policy::of(hello);
         // The peer's RoCE address: the TCP one is our own when both ends share a host.
         let peer = format!("{} (tcp {})", gid::ip_of(&hello.gid), conn.peer);
-        let path = path(&self.net, self.dev, peer, hello, &policy, policy.fifo_tc);
+        let path = path(&self.net, &self.devs, peer, hello, &policy, policy.fifo_tc);
         log_connection("accepted from", &path, &policy);
+        let theirs = usize::from(hello.members);
         RecvComm::new(
             acc.parts,
-            acc.flusher,
+            acc.flushers,
             &acc.links,
             self.net.clone(),
-            self.dev,
             path,
             policy.split,
-            remote_fifo,
+            (theirs, fifo),
             self.profiler.clone(),
         )
     }
@@ -478,37 +509,48 @@ impl Drop for Listener {
     }
 }
 
-/// The proven peer's queue pairs, at RTS along `plan`, and the flush QP where one is needed.
-fn accept_parts(net: &Arc<Net>, dev: usize, plan: &QpPlan) -> Result<Accepted> {
-    let parts = RecvParts::new(net, dev, plan.nqps)?;
-    let links = connect_qps(net, dev, &parts.qps, plan)?;
-    // Only devices that can write GPU memory need the flush QP (or FERROCE_FORCE_FLUSH=1).
-    let flusher = if net.devices[dev].gdr.flush { Some(flusher(net, dev, &parts)?) } else { None };
-    Ok(Accepted { parts, flusher, links })
+/// The keys of the peer's buffer on each of its member ports.
+fn rkeys(m: &Msg) -> Vec<u32> {
+    m.ends().iter().map(|e| e.rkey).collect()
 }
 
-/// A queue pair connected to itself, for the RDMA-read flush.
-fn flusher(net: &Arc<Net>, dev: usize, parts: &RecvParts) -> Result<Flusher> {
+/// The proven peer's queue pairs, at RTS along `plan`, and the flush QPs where needed.
+fn accept_parts(net: &Arc<Net>, devs: &[usize], plan: &QpPlan) -> Result<Accepted> {
+    let parts = RecvParts::new(net, devs, plan.nqps)?;
+    let links = connect_qps(net, devs, &parts.qps, plan)?;
+    // Only devices that can write GPU memory need a flush QP (or FERROCE_FORCE_FLUSH=1): one on
+    // every member port, as each port's NIC writes into the buffers.
+    let flushers = if devs.iter().any(|&d| net.devices[d].gdr.flush) {
+        (0..devs.len()).map(|m| flusher(net, devs[m], &parts.cqs[m])).collect::<Result<_>>()?
+    } else {
+        Vec::new()
+    };
+    Ok(Accepted { parts, flushers, links })
+}
+
+/// A queue pair on port `dev` connected to itself, for the RDMA-read flush.
+fn flusher(net: &Arc<Net>, dev: usize, cq: &Arc<verbs::Cq>) -> Result<Flusher> {
     let d = &net.devices[dev];
-    let cq = parts.cq.clone();
     let qp = verbs::Qp::create_rc(
         &d.pd,
-        &cq,
+        cq,
         verbs::QpCaps { max_send_wr: 64, max_recv_wr: 1, max_inline: 0 },
     )?;
     qp.to_init(d.port, Flusher::ACCESS)?;
     let target = RegisteredBuf::new(&d.pd, 8, super::comm::FLUSH_TARGET)?;
-    let me = endpoint(net, dev, std::slice::from_ref(&qp), &target)?;
+    let me = endpoint(net, &[dev], std::slice::from_ref(&qp), &target)?;
+    let mut remote_ends = [End::default(); MAX_MEMBERS];
+    remote_ends[0] = End { gid: me.gid, mtu: me.mtu, port: me.port, rkey: me.buf_rkey };
     let loopback = QpPlan {
         nqps: 1,
         remote_qpns: me.qpns,
         sports: [0xc000; MAX_QPS],
-        remote_gid: me.gid,
-        remote_mtu: me.mtu,
+        remote_members: 1,
+        remote_ends,
         traffic_class: 0,
         sl: 0,
     };
-    connect_qps(net, dev, std::slice::from_ref(&qp), &loopback)?;
+    connect_qps(net, &[dev], std::slice::from_ref(&qp), &loopback)?;
     Ok(Flusher { qp, target })
 }
 
@@ -517,7 +559,8 @@ fn flusher(net: &Arc<Net>, dev: usize, parts: &RecvParts) -> Result<Flusher> {
 /// The connector's resumable state, kept between `connect` calls.
 pub struct Connector {
     net: Arc<Net>,
-    dev: usize,
+    /// The member ports of its NCCL device (one, or a fused device's).
+    devs: Vec<usize>,
     policy: Policy,
     handle: Handle,
     stream: TcpStream,
@@ -539,8 +582,7 @@ impl Connector {
         comm_tc: Option<u8>,
     ) -> Result<Connector> {
         let net = ctx.net.clone();
-        net.device(dev)?;
-        let dev = dev as usize;
+        let devs = net.members(dev)?;
         let peer = handle.addr;
         let stream = crate::os::connect_nonblocking(peer).map_err(|err| Error::Os {
             call: "connect",
@@ -552,15 +594,16 @@ impl Connector {
             err,
             context: peer.to_string(),
         })?;
-        let own = IpAddr::V6(gid_of(&net, dev)?.gid.into());
-        let policy = local_policy(&net, comm_tc, own, peer.ip());
-        let parts = SendParts::new(&net, dev, policy.nqps)
+        let own = IpAddr::V6(gid_of(&net, devs[0])?.gid.into());
+        let ports = devs.len().max(usize::from(handle.members));
+        let policy = local_policy(&net, comm_tc, own, peer.ip(), ports);
+        let parts = SendParts::new(&net, &devs, policy.nqps)
             .map_err(ours(format!("connect to {peer}: create queue pairs")))?;
         let parts = Some(parts);
         let core = Dial::new(handle, policy, net.config.setup_timeout, Instant::now());
         let profiler = ctx.profiler();
         let links = Vec::new();
-        Ok(Connector { net, dev, policy, handle, stream, core, parts, links, profiler })
+        Ok(Connector { net, devs, policy, handle, stream, core, parts, links, profiler })
     }
 
     /// The listener this connector is connecting to.
@@ -581,14 +624,15 @@ impl Connector {
                     Ok(false) => Input::Blocked,
                     Err(e) => Input::Failed(e.to_string()),
                 },
-                Cmd::Endpoint => match endpoint(&self.net, self.dev, &parts().qps, &parts().fifo) {
+                Cmd::Endpoint => match endpoint(&self.net, &self.devs, &parts().qps, &parts().fifo)
+                {
                     Ok(local) => Input::Endpoint(Box::new(local)),
                     Err(e) => Input::Local(e),
                 },
                 Cmd::Send(bytes) => write(&mut self.stream, bytes),
                 Cmd::Recv(n) => read(&mut self.stream, &mut buf[..n]),
                 Cmd::ConnectQps(plan) => {
-                    match connect_qps(&self.net, self.dev, &parts().qps, &plan) {
+                    match connect_qps(&self.net, &self.devs, &parts().qps, &plan) {
                         Ok(links) => {
                             self.links = links;
                             Input::QpsReady
@@ -608,19 +652,20 @@ impl Connector {
 
     fn finish(&mut self, reply: &Msg) -> Box<SendComm> {
         let parts = self.parts.take().expect("parts until connected");
-        let max_msg = u64::from(self.net.devices[self.dev].max_msg_sz.min(reply.max_msg));
+        let ours = self.devs.iter().map(|&d| self.net.devices[d].max_msg_sz).min().unwrap_or(0);
+        let max_msg = u64::from(ours.min(reply.max_msg));
+        let sizes = Peer { addr: reply.buf_addr, rkeys: rkeys(reply), max_msg };
         let p = &self.policy;
-        let path = path(&self.net, self.dev, self.handle.addr.to_string(), reply, p, p.tc);
+        let path = path(&self.net, &self.devs, self.handle.addr.to_string(), reply, p, p.tc);
         log_connection("connected to", &path, p);
+        let theirs = usize::from(reply.members);
         SendComm::new(
             parts,
             &self.links,
             self.net.clone(),
-            self.dev,
             path,
             p.split,
-            (reply.buf_addr, reply.buf_rkey),
-            max_msg,
+            (theirs, sizes),
             self.profiler.clone(),
         )
     }

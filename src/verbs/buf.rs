@@ -17,7 +17,8 @@ use crate::error::{Error, Result};
 pub struct RegisteredBuf {
     ptr: *mut u8,
     layout: Layout,
-    mr: Option<Mr>,
+    /// One registration per protection domain it was registered with (a comm's member ports).
+    mrs: Vec<Mr>,
 }
 
 // SAFETY: the buffer is owned memory; nothing in it is tied to the thread that allocated it.
@@ -29,6 +30,12 @@ unsafe impl Sync for RegisteredBuf {}
 impl RegisteredBuf {
     /// Allocates `len` zeroed, page-aligned bytes and registers them with `access`.
     pub fn new(pd: &Arc<Pd>, len: usize, access: u32) -> Result<RegisteredBuf> {
+        RegisteredBuf::on(&[pd], len, access)
+    }
+
+    /// Allocates `len` zeroed, page-aligned bytes and registers them with `access` in each of
+    /// `pds` (the member ports of a comm over a fused device): key `m` is `pds[m]`'s.
+    pub fn on(pds: &[&Arc<Pd>], len: usize, access: u32) -> Result<RegisteredBuf> {
         let layout = Layout::from_size_align(len.max(8), 4096)
             .map_err(|e| Error::Internal(format!("buffer layout: {e}")))?;
         // SAFETY: layout has a non-zero size.
@@ -36,23 +43,35 @@ impl RegisteredBuf {
         if ptr.is_null() {
             return Err(Error::Internal(format!("out of memory for a {len}-byte buffer")));
         }
-        let mut buf = RegisteredBuf { ptr, layout, mr: None };
-        // SAFETY: the allocation lives until Drop, which drops the MR first; Rust reaches it
-        // only through atomics, which a NIC's writes cannot invalidate.
-        buf.mr = Some(unsafe { Mr::register(pd, ptr.cast(), layout.size(), access) }?);
+        let mut buf = RegisteredBuf { ptr, layout, mrs: Vec::with_capacity(pds.len()) };
+        for pd in pds {
+            // SAFETY: the allocation lives until Drop, which drops the MRs first; Rust reaches
+            // it only through atomics, which a NIC's writes cannot invalidate.
+            buf.mrs.push(unsafe { Mr::register(pd, ptr.cast(), layout.size(), access) }?);
+        }
         Ok(buf)
     }
 
-    fn mr(&self) -> &Mr {
-        self.mr.as_ref().expect("registered in new")
+    fn mr(&self, member: usize) -> &Mr {
+        self.mrs.get(member).unwrap_or_else(|| panic!("no registration {member}"))
+    }
+
+    /// The local key of its registration with member port `member` (0: the first or only).
+    pub fn lkey_on(&self, member: usize) -> u32 {
+        self.mr(member).lkey
     }
 
     pub fn lkey(&self) -> u32 {
-        self.mr().lkey
+        self.lkey_on(0)
+    }
+
+    /// Its remote keys, one per member port it was registered with.
+    pub fn rkeys(&self) -> Vec<u32> {
+        self.mrs.iter().map(|m| m.rkey).collect()
     }
 
     pub fn rkey(&self) -> u32 {
-        self.mr().rkey
+        self.mr(0).rkey
     }
 
     pub fn len(&self) -> usize {
@@ -92,7 +111,7 @@ impl RegisteredBuf {
 
 impl Drop for RegisteredBuf {
     fn drop(&mut self) {
-        drop(self.mr.take()); // deregister before the memory goes
+        self.mrs.clear(); // deregister before the memory goes
         // SAFETY: ptr came from alloc_zeroed with this layout and is freed once.
         unsafe { dealloc(self.ptr, self.layout) };
     }

@@ -296,7 +296,7 @@ impl<'a> Driver<'a> {
             ($t:expr, $ty:ty, |$p:ident| $newer:expr) => {{
                 let mut $p = <$ty>::default();
                 ok("getProperties", call!($t.getProperties)(dev, &mut $p))?;
-                let (max_p2p_bytes, rail_plane) = $newer;
+                let (max_p2p_bytes, rail_plane, vprops) = $newer;
                 Properties {
                     // SAFETY: the plugin's strings are NUL-terminated and live as long as the
                     // library (or are NULL).
@@ -311,24 +311,60 @@ impl<'a> Driver<'a> {
                     max_recvs: $p.maxRecvs,
                     max_p2p_bytes,
                     rail_plane,
+                    vprops,
                 }
             }};
         }
         // SAFETY: valid out-pointers of each version's properties type.
         let p = unsafe {
             match self.table {
-                Table::V6(t) => get!(t, ncclNetProperties_v6_t, |p| (None, None)),
-                Table::V7(t) => get!(t, ncclNetProperties_v7_t, |p| (None, None)),
-                Table::V8(t) => get!(t, ncclNetProperties_v8_t, |p| (None, None)),
-                Table::V9(t) => get!(t, ncclNetProperties_v9_t, |p| (Some(p.maxP2pBytes), None)),
-                Table::V10(t) => get!(t, ncclNetProperties_v9_t, |p| (Some(p.maxP2pBytes), None)),
-                Table::V11(t) => get!(t, ncclNetProperties_v11_t, |p| (Some(p.maxP2pBytes), None)),
+                Table::V6(t) => get!(t, ncclNetProperties_v6_t, |p| (None, None, None)),
+                Table::V7(t) => get!(t, ncclNetProperties_v7_t, |p| (None, None, None)),
+                Table::V8(t) => get!(t, ncclNetProperties_v8_t, |p| (None, None, None)),
+                Table::V9(t) => {
+                    get!(t, ncclNetProperties_v9_t, |p| (Some(p.maxP2pBytes), None, vp(&p.vProps)))
+                }
+                Table::V10(t) => {
+                    get!(t, ncclNetProperties_v9_t, |p| (Some(p.maxP2pBytes), None, vp(&p.vProps)))
+                }
+                Table::V11(t) => {
+                    get!(t, ncclNetProperties_v11_t, |p| (Some(p.maxP2pBytes), None, vp(&p.vProps)))
+                }
                 Table::V12(t) => get!(t, ncclNetProperties_v12_t, |p| {
-                    (Some(p.maxP2pBytes), Some((p.railId, p.planeId)))
+                    let v = &p.vProps;
+                    let devs = v.devs[..(v.ndevs.clamp(0, 8) as usize)].to_vec();
+                    (Some(p.maxP2pBytes), Some((p.railId, p.planeId)), Some(devs))
                 }),
             }
         };
         Ok(p)
+    }
+
+    /// `makeVDevice` (v9+): one NCCL device fusing the ports `devs`; its index.
+    pub fn make_vdevice(&self, devs: &[c_int]) -> Result<c_int, String> {
+        let mut d = -1;
+        let mut p12 =
+            ncclNetVDeviceProps_v12_t { ndevs: devs.len() as c_int, ..Default::default() };
+        let mut p9 = ncclNetVDeviceProps_v9_t { ndevs: devs.len() as c_int, ..Default::default() };
+        for (i, &x) in devs.iter().enumerate() {
+            if let Some(s) = p12.devs.get_mut(i) {
+                *s = x;
+            }
+            if let Some(s) = p9.devs.get_mut(i) {
+                *s = x;
+            }
+        }
+        // SAFETY: valid out-pointer and props per the makeVDevice contract.
+        let r = unsafe {
+            match self.table {
+                Table::V9(t) => call!(t.makeVDevice)(&mut d, &mut p9),
+                Table::V10(t) => call!(t.makeVDevice)(&mut d, &mut p9),
+                Table::V11(t) => call!(t.makeVDevice)(&mut d, &mut p9),
+                Table::V12(t) => call!(t.makeVDevice)(&mut d, &mut p12),
+                _ => return Err(format!("v{} has no makeVDevice", self.version)),
+            }
+        };
+        ok("makeVDevice", r).map(|_| d)
     }
 
     /// The device `want` names: its name as the plugin reports it (`rxe0`, or `mlx5_0:1` where
@@ -572,6 +608,13 @@ pub struct Properties {
     pub max_p2p_bytes: Option<usize>,
     /// `railId` and `planeId`: v12.
     pub rail_plane: Option<(i16, i16)>,
+    /// The physical ports of the device (`vProps`): v9 and later.
+    pub vprops: Option<Vec<c_int>>,
+}
+
+/// The ports a v9–v11 `vProps` lists.
+fn vp(v: &ncclNetVDeviceProps_v9_t) -> Option<Vec<c_int>> {
+    Some(v.devs[..(v.ndevs.clamp(0, 4) as usize)].to_vec())
 }
 
 /// A string the plugin returned.

@@ -140,6 +140,17 @@ impl Mend {
         !out
     }
 
+    /// Lane `lane`'s port is up again: if it waits or stays out, it is tried afresh, now.
+    /// `true` if it was out.
+    pub fn rearm(&mut self, lane: usize) -> bool {
+        let out = self.stage[lane] == Stage::Out;
+        if out || matches!(self.stage[lane], Stage::Wait { .. }) {
+            self.tries[lane] = 0;
+            self.stage[lane] = Stage::Wait { at: Some(self.now) };
+        }
+        out
+    }
+
     /// How long lane `lane` waits for its next attempt.
     pub fn wait(&self, lane: usize) -> Duration {
         wait(self.policy, self.tries[lane])

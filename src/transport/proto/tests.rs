@@ -318,7 +318,7 @@ impl Wire {
         // The responding QP must grant the operation: the peer's QP `q`, or for the loopback
         // flush QP (the receiver's QP `nqps`) itself.
         let nqps = self.sq[side].len() - 1;
-        let (rside, rq) = if side == 1 && q == nqps { (1, q) } else { (peer, q) };
+        let (rside, rq) = if side == 1 && q >= nqps { (1, q) } else { (peer, q) };
         let grant = if rside == 0 { send_grant(rq) } else { recv_grant(rq, nqps) };
         let needed = if wr.op == Op::Read { Grant::Read } else { Grant::Write };
         assert_eq!(grant, needed, "side {side} QP {q}: {:?} on a QP that grants {grant:?}", wr.op);
@@ -1744,7 +1744,7 @@ const NO_REPAIR: Repair =
 #[test]
 fn failed_completions_carry_a_hint_and_the_first_is_kept() {
     let path =
-        Path { peer: "198.18.0.2:4000".into(), describe: "GID a -> b".into(), sports: vec![] };
+        Path { peer: "198.18.0.2:4000".into(), describe: "GID a -> b".into(), ..Path::default() };
     let params = one_qp(path);
     let mut h = Health::new(&params);
     assert!(!h.completion(&Completion { status: 12, wr_id: WR_SEND | 3, ..Default::default() }));
@@ -2092,17 +2092,17 @@ fn flushes_take_any_free_slot() {
     let mut rio = pair.io(1);
     let target = Buf { addr: RECV_DATA, size: 1, lkeys: keys(12), rkeys: keys(12), host: false };
     let ids: Vec<usize> =
-        (0..SLOTS).map(|_| receiver.iflush(&mut rio, target, (SCRATCH, 17)).unwrap()).collect();
-    let e = receiver.iflush(&mut rio, target, (SCRATCH, 17)).unwrap_err();
+        (0..SLOTS).map(|_| receiver.iflush(&mut rio, target, &[(SCRATCH, 17)]).unwrap()).collect();
+    let e = receiver.iflush(&mut rio, target, &[(SCRATCH, 17)]).unwrap_err();
     assert!(e.to_string().contains("flushes outstanding"), "{e}");
     pair.drain(1, 1);
     let rsizes = pair.area(RECV_SIZES, 16);
     poll(&pair.wire, 1, |c| receiver.complete(c, &rsizes));
     // NCCL tests the sixth flush only; the head (the first) stays done but untested.
     assert_eq!(receiver.test(ids[5], &mut [0; MAX_RECVS]).unwrap(), Some(0));
-    let again = receiver.iflush(&mut rio, target, (SCRATCH, 17)).unwrap();
+    let again = receiver.iflush(&mut rio, target, &[(SCRATCH, 17)]).unwrap();
     assert_eq!(again, ids[5], "the freed slot is taken");
-    receiver.iflush(&mut rio, target, (SCRATCH, 17)).unwrap_err();
+    receiver.iflush(&mut rio, target, &[(SCRATCH, 17)]).unwrap_err();
 }
 
 /// One message at a time, each side driven as `comm` drives it (a receiver that polls only

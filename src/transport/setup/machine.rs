@@ -39,7 +39,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::error::Error;
-use crate::transport::handshake::{Handle, Kind, MAX_QPS, MSG_LEN, Msg, Reject, header_len};
+use crate::transport::handshake::{End, Handle, Kind, MAX_QPS, MSG_LEN, Msg, Reject, header_len};
+use crate::transport::proto::MAX_MEMBERS;
 
 /// The most connections a listener holds before they prove themselves. A newcomer beyond it is
 /// refused rather than any of them pushed out: one that arrived first, as the rightful peer's
@@ -147,6 +148,10 @@ pub struct Local {
     pub buf_addr: u64,
     pub buf_rkey: u32,
     pub max_msg: u32,
+    /// Its device's member ports (1, or a fused device's): the fields above are the first's,
+    /// `more` the others'.
+    pub members: u8,
+    pub more: [End; MAX_MEMBERS - 1],
 }
 
 /// The message one side sends: its endpoint under the connection's policy.
@@ -167,6 +172,8 @@ fn message(kind: Kind, nonce: u64, p: &Policy, l: &Local) -> Msg {
         buf_addr: l.buf_addr,
         buf_rkey: l.buf_rkey,
         max_msg: l.max_msg,
+        members: l.members,
+        more: l.more,
     }
 }
 
@@ -180,9 +187,10 @@ pub struct QpPlan {
     pub remote_qpns: [u32; MAX_QPS],
     /// The UDP source port of each QP (its flow label).
     pub sports: [u16; MAX_QPS],
-    pub remote_gid: [u8; 16],
-    /// `ibv_mtu` enum of the remote port's active MTU.
-    pub remote_mtu: u8,
+    /// The remote member ports' ends (their GIDs and active MTUs; lane `q` goes to
+    /// `q % remote_members`).
+    pub remote_members: usize,
+    pub remote_ends: [End; MAX_MEMBERS],
     pub traffic_class: u8,
     pub sl: u8,
 }
@@ -195,8 +203,8 @@ impl QpPlan {
             nqps: p.nqps,
             remote_qpns: remote.qpns,
             sports: p.sports,
-            remote_gid: remote.gid,
-            remote_mtu: remote.mtu,
+            remote_members: usize::from(remote.members.max(1)),
+            remote_ends: std::array::from_fn(|m| remote.end(m)),
             traffic_class: tc,
             sl: p.sl,
         }
@@ -663,8 +671,8 @@ impl Answer {
             // The wire's count would be taken as given up to 128 QPs (and their memory): it is
             // bounded by our own. NCCL's ranks share one setting, so a rightful peer is within.
             Ok(hello) if usize::from(hello.nqps) > terms.max_qps => Next::Stranger(format!(
-                "its hello asks for {} QPs, more than NCCL_IB_QPS_PER_CONNECTION={} here (set \
-                 it alike on every rank)",
+                "its hello asks for {} QPs, more than {} here (NCCL_IB_QPS_PER_CONNECTION for \
+                 each of up to {MAX_MEMBERS} fused ports: set it alike on every rank)",
                 hello.nqps, terms.max_qps
             )),
             Ok(hello) => {

@@ -71,7 +71,7 @@ const CLIENT: usize = 0;
 const SERVER: usize = 1;
 
 fn handle() -> Handle {
-    Handle { addr: LISTENER.parse().unwrap(), nonce: NONCE }
+    Handle { addr: LISTENER.parse().unwrap(), nonce: NONCE, members: 1 }
 }
 
 fn policy(nqps: usize) -> Policy {
@@ -92,6 +92,8 @@ fn local(side: u32, nqps: usize) -> Local {
         buf_addr: 0x10_0000 * u64::from(side),
         buf_rkey: 0x100 + side,
         max_msg: 1 << 30,
+        members: 1,
+        more: Default::default(),
     }
 }
 
@@ -527,7 +529,7 @@ impl World {
         let (_, plan, sent) = *a.plans.iter().find(|x| x.0 == s).expect("the acceptor's QPs");
         assert_eq!(sent, 0);
         assert_eq!(
-            (plan.remote_qpns, plan.remote_gid, plan.remote_mtu),
+            (plan.remote_qpns, plan.remote_ends[0].gid, plan.remote_ends[0].mtu),
             (d.local.qpns, d.local.gid, d.local.mtu)
         );
         assert_eq!(
@@ -786,8 +788,8 @@ fn each_kind_of_stranger_is_dropped_with_its_reason() {
         (Stray::NoQps, "invalid field nqps, split or sl".into(), 0),
         (
             Stray::TooManyQps(9),
-            "its hello asks for 9 QPs, more than NCCL_IB_QPS_PER_CONNECTION=8 here (set it alike \
-             on every rank)"
+            "its hello asks for 9 QPs, more than 8 here (NCCL_IB_QPS_PER_CONNECTION for each of \
+             up to 4 fused ports: set it alike on every rank)"
                 .into(),
             0,
         ),
@@ -1343,8 +1345,9 @@ fn a_hello_for_more_qps_than_ours_is_refused() {
         assert!(w.acceptor.plans.is_empty());
         assert_eq!(w.acceptor.dropped_at.get(&s), Some(&0));
         let why = format!(
-            "rejected connection from {}: its hello asks for {asked} QPs, more than \
-             NCCL_IB_QPS_PER_CONNECTION={ours} here (set it alike on every rank)",
+            "rejected connection from {}: its hello asks for {asked} QPs, more than {ours} here \
+             (NCCL_IB_QPS_PER_CONNECTION for each of up to 4 fused ports: set it alike on every \
+             rank)",
             w.socks[s].peer
         );
         assert!(w.acceptor.warnings[0].contains(&why), "{:?}", w.acceptor.warnings);

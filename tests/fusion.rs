@@ -1,0 +1,252 @@
+//! NIC fusion on real verbs, in the VM's 4-rank topology (`FERROCE_VM_RANKS=4 ci/vm.sh`: rxe0
+//! to rxe3, each on its own veth, all on one bridge). One side fuses rxe0 and rxe1, the other
+//! rxe2 and rxe3, through `makeVDevice` as NCCL would call it, with one lane per port (lane 0
+//! rxe0 -> rxe2, lane 1 rxe1 -> rxe3):
+//!
+//! - the fused devices' properties (name, summed speed, `vProps`);
+//! - a bandwidth run with every byte checked, whose bytes leave on both of the sender's ports
+//!   (their `sent_pkts` hardware counters), against the same run over one port alone;
+//! - one port's veth taken down mid-run: every message still arrives intact, the sender warns
+//!   once of its lane on that port, naming it; brought back, the lane is rebuilt and the port
+//!   carries traffic again;
+//! - both of the sender's ports down: the comm fails with a remote error within the bound.
+//!
+//! Every test here is `#[ignore]`d on the host and run in the 4-rank VM by `ci/test.sh`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use ferroce_tools::driver::{Close, Driver, Ptr};
+use ferroce_tools::loader::Library;
+
+fn vm_list(var: &str) -> Vec<String> {
+    std::env::var(var).unwrap_or_default().split_whitespace().map(String::from).collect()
+}
+
+/// A port's hardware counter.
+fn counter(dev: &str, name: &str) -> u64 {
+    let path = format!("/sys/class/infiniband/{dev}/ports/1/hw_counters/{name}");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    text.trim().parse().unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// The port state as sysfs says it (`4: ACTIVE`).
+fn active(dev: &str) -> bool {
+    let path = format!("/sys/class/infiniband/{dev}/ports/1/state");
+    std::fs::read_to_string(path).is_ok_and(|s| s.contains("ACTIVE"))
+}
+
+fn link(netdev: &str, state: &str) {
+    run("ip", &["link", "set", netdev, state]);
+}
+
+/// A connected fused pair and its buffers.
+struct Fused<'a> {
+    drv: Driver<'a>,
+    ctx: Ptr,
+    send: Ptr,
+    recv: Ptr,
+    src: Vec<u8>,
+    dst: Vec<u8>,
+    smh: Ptr,
+    rmh: Ptr,
+}
+
+const MSG: usize = 1 << 20;
+
+impl<'a> Fused<'a> {
+    fn open(lib: &'a Library, sdev: i32, rdev: i32) -> Fused<'a> {
+        let drv = Driver::new(lib, 12).unwrap();
+        let ctx = drv.init(11).unwrap();
+        let (send, recv) = pair(&drv, ctx, rdev, sdev).unwrap();
+        let mut src = vec![0u8; MSG];
+        let mut dst = vec![0u8; MSG];
+        let smh = drv.reg_mr(send, src.as_mut_ptr(), MSG).unwrap();
+        let rmh = drv.reg_mr(recv, dst.as_mut_ptr(), MSG).unwrap();
+        Fused { drv, ctx, send, recv, src, dst, smh, rmh }
+    }
+
+    /// One message of `MSG` bytes with pattern `seed`, checked on arrival; `Err` is the
+    /// plugin's.
+    fn message(&mut self, seed: u8) -> Result<(), String> {
+        for (i, b) in self.src.iter_mut().enumerate() {
+            *b = (i as u8).wrapping_mul(7).wrapping_add(seed);
+        }
+        self.dst.fill(0);
+        let (drv, d, s) = (&self.drv, self.dst.as_mut_ptr(), self.src.as_mut_ptr());
+        let r = until("irecv", || drv.irecv(self.recv, &[d], &[MSG], &[0], &[self.rmh], false))?;
+        let q = until("isend", || drv.isend(self.send, s, MSG, 0, self.smh))?;
+        until("test send", || drv.test(q))?;
+        let got = until("test recv", || drv.test(r))?;
+        assert_eq!(got[0] as usize, MSG, "message {seed}: size");
+        assert!(self.dst == self.src, "message {seed}: data corrupted");
+        Ok(())
+    }
+
+    fn close(self) {
+        let _ = self.drv.dereg_mr(self.send, self.smh);
+        let _ = self.drv.dereg_mr(self.recv, self.rmh);
+        self.drv.close(Close::Send, self.send).unwrap();
+        self.drv.close(Close::Recv, self.recv).unwrap();
+        self.drv.finalize(self.ctx).unwrap();
+    }
+}
+
+/// The VM's four devices and their veths, or a loud failure.
+fn topology() -> (Vec<String>, Vec<String>) {
+    require_vm();
+    let (devs, netdevs) = (vm_list("FERROCE_VM_DEVS"), vm_list("FERROCE_VM_NETDEVS"));
+    assert!(
+        devs.len() >= 4 && netdevs.len() == devs.len(),
+        "needs the VM's 4-rank mode (FERROCE_VM_RANKS=4): devices {devs:?}, veths {netdevs:?}"
+    );
+    (devs, netdevs)
+}
+
+/// Fuses rxe0+rxe1 and rxe2+rxe3 (one lane per port): the two NCCL devices.
+fn fuse(lib: &Library) -> (i32, i32) {
+    let drv = Driver::new(lib, 12).unwrap();
+    let ctx = drv.init(10).unwrap();
+    // The four ports (and, where an earlier test of this process fused them, those two).
+    let n = drv.devices().unwrap();
+    assert!(n == 4 || n == 6, "{n} devices");
+    let a = drv.make_vdevice(&[0, 1]).unwrap();
+    let b = drv.make_vdevice(&[2, 3]).unwrap();
+    assert_eq!((a, b, drv.devices().unwrap()), (4, 5, 6), "fused devices follow the ports");
+    assert_eq!(drv.make_vdevice(&[0, 1]).unwrap(), a, "the same ports are the same device");
+    let (pa, p0) = (drv.properties(a).unwrap(), drv.properties(0).unwrap());
+    assert_eq!(pa.name, "rxe0+rxe1");
+    assert_eq!(pa.speed, p0.speed + drv.properties(1).unwrap().speed);
+    assert_eq!(pa.vprops, Some(vec![0, 1]));
+    assert_eq!(p0.vprops, Some(vec![0]));
+    assert!(drv.make_vdevice(&[0, 0]).is_err() && drv.make_vdevice(&[0, 9]).is_err());
+    drv.finalize(ctx).unwrap();
+    (a, b)
+}
+
+#[test]
+#[ignore = "needs the 4-rank Soft-RoCE VM: run ci/test.sh"]
+fn a_fused_pair_spreads_verified_data_over_both_ports() {
+    let (devs, _) = topology();
+    let _g = serial();
+    set_env(&[("NCCL_IB_QPS_PER_CONNECTION", Some("1"))]);
+    let lib = open_plugin();
+    let (a, b) = fuse(&lib);
+    const ROUNDS: usize = 3;
+    const MSGS: usize = 8;
+    let mut rates = [Vec::new(), Vec::new()];
+    for round in 0..ROUNDS {
+        // Fused, then one port alone (rxe0 -> rxe2), interleaved per round.
+        for (k, (s, r)) in [(a, b), (0, 2)].into_iter().enumerate() {
+            let mut f = Fused::open(&lib, s, r);
+            let before: Vec<u64> = devs[..2].iter().map(|d| counter(d, "sent_pkts")).collect();
+            let t = Instant::now();
+            for m in 0..MSGS {
+                f.message((round * MSGS + m) as u8).unwrap();
+            }
+            let secs = t.elapsed().as_secs_f64();
+            let grew: Vec<u64> =
+                devs[..2].iter().zip(&before).map(|(d, b)| counter(d, "sent_pkts") - b).collect();
+            rates[k].push((MSGS * MSG) as f64 / secs / f64::from(1 << 20));
+            f.close();
+            if k == 0 {
+                // Each port sends its lane's messages: neither carries under a quarter.
+                let total: u64 = grew.iter().sum();
+                assert!(
+                    grew.iter().all(|&g| g * 4 >= total),
+                    "round {round}: packets sent by rxe0, rxe1: {grew:?}"
+                );
+                println!("fusion: round {round}: fused packets sent by rxe0, rxe1: {grew:?}");
+            }
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (fused, one) = (median(&mut rates[0]), median(&mut rates[1]));
+    println!(
+        "fusion: {MSGS} x 1 MiB, {ROUNDS} rounds, medians: fused rxe0+rxe1 -> rxe2+rxe3 \
+         {fused:.1} MiB/s, rxe0 -> rxe2 alone {one:.1} MiB/s (ratio {:.2}); all: {rates:.1?}",
+        fused / one
+    );
+}
+
+#[test]
+#[ignore = "needs the 4-rank Soft-RoCE VM: run ci/test.sh"]
+fn one_port_down_fails_over_and_comes_back_both_down_fail_the_comm() {
+    let (devs, netdevs) = topology();
+    let _g = serial();
+    set_env(&[("NCCL_IB_QPS_PER_CONNECTION", Some("1"))]);
+    let lib = open_plugin();
+    let (a, b) = fuse(&lib);
+    let mut f = Fused::open(&lib, a, b);
+    warnings();
+    for m in 0..3 {
+        f.message(m).unwrap();
+    }
+    // rxe1's veth goes down: its lane fails over to rxe0's, every message still intact.
+    link(&netdevs[1], "down");
+    let down = Instant::now();
+    let mut failed_over = None;
+    let mut warns = Vec::new();
+    let mut m = 3u8;
+    while failed_over.is_none() || m < 16 {
+        f.message(m).expect("messages go on over rxe0");
+        m += 1;
+        warns.extend(warnings());
+        if failed_over.is_none() && warns.iter().any(|w| w.contains("lane 1 on rxe1")) {
+            failed_over = Some(down.elapsed());
+        }
+        assert!(down.elapsed() < Duration::from_secs(60), "no failover: {warns:#?}");
+    }
+    let failed_over = failed_over.unwrap();
+    let lanes: Vec<&String> = warns.iter().filter(|w| w.contains("lane 1 on rxe1")).collect();
+    assert_eq!(lanes.len(), 1, "one WARN of the sender's lane, naming the port: {warns:#?}");
+    // rxe1 comes back: its lane is rebuilt and carries messages again.
+    link(&netdevs[1], "up");
+    let up = Instant::now();
+    until("rxe1 ACTIVE", || Ok(active(&devs[1]).then_some(()))).unwrap();
+    let sent = counter(&devs[1], "sent_pkts");
+    let mut back = None;
+    while back.is_none() {
+        f.message(m).expect("messages go on while rxe1 comes back");
+        m = m.wrapping_add(1);
+        // A rebuilt lane's probe is a few packets; a message of its own is hundreds.
+        if counter(&devs[1], "sent_pkts") > sent + 200 {
+            back = Some(up.elapsed());
+        }
+        assert!(up.elapsed() < Duration::from_secs(60), "rxe1 never carried traffic again");
+    }
+    warns.extend(warnings());
+    println!(
+        "fusion: rxe1 down: failed over after {:.2} s (its lane's WARN); up: carries traffic \
+         again after {:.2} s; WARNs: {warns:#?}",
+        failed_over.as_secs_f64(),
+        back.unwrap().as_secs_f64()
+    );
+    // Both of the sender's ports down: the comm fails with a remote error within the bound.
+    link(&netdevs[0], "down");
+    link(&netdevs[1], "down");
+    let t = Instant::now();
+    let err = loop {
+        match f.message(m) {
+            Err(e) => break e,
+            Ok(()) => m = m.wrapping_add(1),
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "both ports down and still moving");
+    };
+    let took = t.elapsed();
+    link(&netdevs[0], "up");
+    link(&netdevs[1], "up");
+    assert!(err.contains("ncclResult 6"), "a remote error (ncclRemoteError): {err}");
+    assert!(took < Duration::from_secs(30), "failed after {took:?}");
+    println!("fusion: both ports down: the comm failed after {:.2} s: {err}", took.as_secs_f64());
+    until("rxe0 and rxe1 ACTIVE", || Ok((active(&devs[0]) && active(&devs[1])).then_some(())))
+        .unwrap();
+    let _ = f.drv.close(Close::Send, f.send);
+    let _ = f.drv.close(Close::Recv, f.recv);
+    f.drv.finalize(f.ctx).unwrap();
+}
