@@ -154,6 +154,8 @@ fn a_clean_setup_passes_without_a_warning() {
         "GPUDirect RDMA HOST",
         "export NCCL_IB_HCA==rxe0:1,rxe1:1",
         "out_of_seq_request",
+        // Each rxe device is its own NIC (its own sysfs directory as pciPath): nothing fuses.
+        "== NIC fusion\n  no two ports NCCL sees share a NIC: at NCCL_NET_MERGE_LEVEL=PORT",
     ] {
         assert!(o.stdout.contains(must), "missing {must:?}");
     }
@@ -162,7 +164,12 @@ fn a_clean_setup_passes_without_a_warning() {
     assert_eq!(j.code, 0);
     assert!(j.stdout.contains("\"blocking\":false"), "{}", j.stdout);
     let st = Command::new("python3")
-        .args(["-c", "import json,sys; d=json.loads(sys.argv[1]); assert len(d['ports'])==2, d"])
+        .args([
+            "-c",
+            "import json,sys; d=json.loads(sys.argv[1]); assert len(d['ports'])==2, d; \
+             f=d['fusion']; assert f['groups']==[] and f['merge_nics'] and \
+             f['merge_level']=='PORT', f",
+        ])
         .arg(&j.stdout)
         .status()
         .expect("python3");
@@ -269,6 +276,20 @@ fn set_knobs_are_listed_and_a_malformed_one_or_a_bad_argument_named() {
     assert!(o.lines("BLOCK").join("\n").contains("NCCL_IB_TIMEOUT"), "{}", o.stdout);
     let o = doctor(&[], &[("NCCL_IB_TIMEOUT", "20")]);
     assert!(o.stdout.contains("NCCL_IB_TIMEOUT=20   ("), "a set knob is listed with its meaning");
+    // The fusion knobs: ferroce's refusal, NCCL's wider merge level and forced groups.
+    let env = [
+        ("NCCL_IB_MERGE_NICS", "0"),
+        ("NCCL_NET_MERGE_LEVEL", "PXB"),
+        ("NCCL_NET_FORCE_MERGE", "rxe0,rxe1"),
+    ];
+    let o = doctor(&[], &env);
+    for must in [
+        "NCCL_IB_MERGE_NICS=0: ferroce refuses makeVDevice",
+        "NCCL_NET_MERGE_LEVEL=PXB also fuses NICs",
+        "NCCL_NET_FORCE_MERGE=rxe0,rxe1: NCCL fuses these groups as named",
+    ] {
+        assert!(o.stdout.contains(must), "missing {must:?} in\n{}", o.stdout);
+    }
     let o = doctor(&["--frobnicate"], &[]);
     assert_eq!(o.code, 1);
     assert!(o.stderr.contains("unexpected argument") && o.stderr.contains("Usage"));

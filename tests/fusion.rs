@@ -250,3 +250,37 @@ fn one_port_down_fails_over_and_comes_back_both_down_fail_the_comm() {
     let _ = f.drv.close(Close::Recv, f.recv);
     f.drv.finalize(f.ctx).unwrap();
 }
+
+/// Ends with different port counts, as NCCL allows: the connection opens lanes for the end
+/// with more ports (one each here), lane `q` on port `q % n` at each end, so a fused sender
+/// spreads over both its ports towards one receiving port, and a single sending port reaches
+/// both of a fused receiver's.
+#[test]
+#[ignore = "needs the 4-rank Soft-RoCE VM: run ci/test.sh"]
+fn ends_with_different_port_counts_connect_and_use_every_port() {
+    let (devs, _) = topology();
+    let _g = serial();
+    set_env(&[("NCCL_IB_QPS_PER_CONNECTION", Some("1"))]);
+    let lib = open_plugin();
+    let (a, _) = fuse(&lib);
+    // (sender, receiver, the ports whose received packets must grow)
+    for (s, r, receivers) in [(a, 2, vec![2]), (3, a, vec![0, 1])] {
+        let before: Vec<u64> = (0..4).map(|d| counter(&devs[d], "sent_pkts")).collect();
+        let rcvd: Vec<u64> = (0..4).map(|d| counter(&devs[d], "rcvd_pkts")).collect();
+        let mut f = Fused::open(&lib, s, r);
+        for m in 0..6 {
+            f.message(m).unwrap();
+        }
+        f.close();
+        let sent: Vec<u64> = (0..4).map(|d| counter(&devs[d], "sent_pkts") - before[d]).collect();
+        let got: Vec<u64> = (0..4).map(|d| counter(&devs[d], "rcvd_pkts") - rcvd[d]).collect();
+        println!("fusion: device {s} -> device {r}: packets sent {sent:?}, received {got:?}");
+        let senders: Vec<usize> = if s == a { vec![0, 1] } else { vec![s as usize] };
+        for p in senders {
+            assert!(sent[p] > 1000, "{s} -> {r}: port {p} sent {sent:?}");
+        }
+        for p in receivers {
+            assert!(got[p] > 1000, "{s} -> {r}: port {p} received {got:?}");
+        }
+    }
+}

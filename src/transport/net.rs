@@ -289,36 +289,12 @@ impl Net {
         }
     }
 
-    /// `makeVDevice`: one NCCL device over the ports `devs`, as NCCL's IB transport fuses
-    /// them: 1 to [`MAX_MEMBERS`] distinct physical ports of one link layer, and only with
-    /// `NCCL_IB_MERGE_NICS=1` for more than one. The same ports asked again give the same
-    /// device; a single port is itself.
+    /// `makeVDevice`: one NCCL device over the ports `devs` ([`fusion`] says which may
+    /// fuse). The same ports asked again give the same device; a single port is itself.
     pub fn make_vdevice(&self, devs: &[i32]) -> Result<i32> {
         let n = self.devices.len();
-        let refuse = |why: String| Err(Error::InvalidUsage(format!("makeVDevice {devs:?}: {why}")));
-        if devs.is_empty() || devs.len() > MAX_MEMBERS {
-            return refuse(format!("a fused device has 1 to {MAX_MEMBERS} ports"));
-        }
-        if devs.len() > 1 && !self.config.merge_nics {
-            return refuse("NCCL_IB_MERGE_NICS=0".into());
-        }
-        let mut members = Vec::with_capacity(devs.len());
-        for &d in devs {
-            match usize::try_from(d).ok().filter(|&d| d < n) {
-                Some(d) if !members.contains(&d) => members.push(d),
-                Some(_) => return refuse(format!("port {d} given twice")),
-                None => return refuse(format!("{d} is not a port (have {n})")),
-            }
-        }
-        let first = &self.devices[members[0]];
-        if let Some(m) = members.iter().find(|&&m| self.devices[m].link_layer != first.link_layer) {
-            let other = &self.devices[*m];
-            return refuse(format!(
-                "{} is {:?} and {} is {:?}: ports of one link layer only; NCCL_IB_HCA can \
-                 select them",
-                first.name, first.link_layer, other.name, other.link_layer
-            ));
-        }
+        let layers: Vec<_> = self.devices.iter().map(|d| d.link_layer).collect();
+        let members = fusion(devs, &layers, self.config.merge_nics)?;
         if let [one] = members[..] {
             return Ok(one as i32);
         }
@@ -335,6 +311,40 @@ impl Net {
         log::info!(target: "init", "device {dev}: {} fuses ports {members:?}", names.join("+"));
         Ok(dev)
     }
+}
+
+/// The ports `devs` of a fused device, as NCCL's IB transport allows them: 1 to
+/// [`MAX_MEMBERS`] distinct physical ports (of `layers`, each port's link layer) of one link
+/// layer, and more than one only with `NCCL_IB_MERGE_NICS=1` (`merge`).
+fn fusion<L: PartialEq + std::fmt::Debug>(
+    devs: &[i32],
+    layers: &[L],
+    merge: bool,
+) -> Result<Vec<usize>> {
+    let refuse = |why: String| Err(Error::InvalidUsage(format!("makeVDevice {devs:?}: {why}")));
+    if devs.is_empty() || devs.len() > MAX_MEMBERS {
+        return refuse(format!("a fused device has 1 to {MAX_MEMBERS} ports"));
+    }
+    if devs.len() > 1 && !merge {
+        return refuse("NCCL_IB_MERGE_NICS=0".into());
+    }
+    let n = layers.len();
+    let mut members = Vec::with_capacity(devs.len());
+    for &d in devs {
+        match usize::try_from(d).ok().filter(|&d| d < n) {
+            Some(d) if !members.contains(&d) => members.push(d),
+            Some(_) => return refuse(format!("port {d} given twice")),
+            None => return refuse(format!("{d} is not a port (have {n})")),
+        }
+    }
+    if let Some(&m) = members.iter().find(|&&m| layers[m] != layers[members[0]]) {
+        return refuse(format!(
+            "port {} is {:?} and port {m} is {:?}: ports of one link layer only; NCCL_IB_HCA \
+             can select them",
+            members[0], layers[members[0]], layers[m]
+        ));
+    }
+    Ok(members)
 }
 
 /// The fused devices `makeVDevice` made, by their index after the physical ports: each one's
@@ -422,6 +432,25 @@ mod tests {
     fn ports() -> Vec<Watched> {
         let flags = || Arc::new(DeviceFlags::default());
         vec![(1, "mlx5_0".into(), flags()), (2, "mlx5_0_2".into(), flags())]
+    }
+
+    /// What `makeVDevice` fuses and what it refuses, each refusal saying why.
+    #[test]
+    fn fusion_takes_distinct_ports_of_one_link_layer() {
+        let layers = ["eth", "eth", "eth", "ib", "eth", "eth"];
+        assert_eq!(fusion(&[1, 0], &layers, true).unwrap(), vec![1, 0]);
+        assert_eq!(fusion(&[2], &layers, false).unwrap(), vec![2], "one port needs no merging");
+        let refused = |devs: &[i32], merge: bool| match fusion(devs, &layers, merge) {
+            Err(Error::InvalidUsage(why)) => why,
+            other => panic!("{devs:?}: {other:?}"),
+        };
+        assert!(refused(&[0, 1], false).contains("NCCL_IB_MERGE_NICS=0"));
+        assert!(refused(&[], true).contains("1 to 4 ports"));
+        assert!(refused(&[0, 1, 2, 4, 5], true).contains("1 to 4 ports"));
+        assert!(refused(&[0, 0], true).contains("given twice"));
+        assert!(refused(&[0, 6], true).contains("6 is not a port"));
+        assert!(refused(&[-1, 0], true).contains("-1 is not a port"));
+        assert!(refused(&[0, 3], true).contains("one link layer"));
     }
 
     #[test]

@@ -179,7 +179,7 @@ pub fn doctor(opts: &Args) -> Result<(), String> {
         }
     };
 
-    let (nccl, in_use) = plugin_devices(&config, &mut add);
+    let (nccl, in_use, fusion) = plugin_devices(&config, &mut add);
     let mut ports = read_ports(&config, &in_use)?;
     check_ports(opts, &config, &mut ports, &mut add);
     let memlock = Memlock::read();
@@ -190,6 +190,7 @@ pub fn doctor(opts: &Args) -> Result<(), String> {
     findings.sort_by_key(|f| std::cmp::Reverse(f.level));
 
     let report = Report {
+        fusion: &fusion,
         ports: &ports,
         findings: &findings,
         memlock: &memlock,
@@ -216,19 +217,97 @@ pub fn doctor(opts: &Args) -> Result<(), String> {
     }
 }
 
+/// The NIC fusion NCCL would ask for on this host, and what ferroce does with it.
+struct Fusion {
+    /// `NCCL_NET_MERGE_LEVEL` (NCCL's default: `PORT`, the ports of one NIC).
+    level: String,
+    /// `NCCL_NET_FORCE_MERGE`, if set: the groups NCCL fuses as named.
+    force: Option<String>,
+    /// `NCCL_IB_MERGE_NICS`: ferroce's makeVDevice fuses (else refuses).
+    merge_nics: bool,
+    /// The ports of each NIC with more than one port NCCL sees (one pciPath): (NCCL's device
+    /// number, the plugin's name).
+    groups: Vec<Vec<(usize, String)>>,
+}
+
+impl Fusion {
+    fn of(devs: &[device::NetDevice], config: &Config) -> Fusion {
+        let mut groups: Vec<(String, Vec<(usize, String)>)> = Vec::new();
+        for (i, d) in devs.iter().enumerate() {
+            let Some(path) = &d.pci_path else { continue };
+            match groups.iter_mut().find(|(p, _)| p == path) {
+                Some((_, g)) => g.push((i, d.name.clone())),
+                None => groups.push((path.clone(), vec![(i, d.name.clone())])),
+            }
+        }
+        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        Fusion {
+            level: env("NCCL_NET_MERGE_LEVEL").unwrap_or_else(|| "PORT".into()),
+            force: env("NCCL_NET_FORCE_MERGE"),
+            merge_nics: config.merge_nics,
+            groups: groups.into_iter().map(|(_, g)| g).filter(|g| g.len() > 1).collect(),
+        }
+    }
+
+    /// Its lines, for the text report.
+    fn lines(&self) -> Vec<String> {
+        let names = |g: &[(usize, String)]| {
+            let n: Vec<&str> = g.iter().map(|(_, n)| n.as_str()).collect();
+            let i: Vec<String> = g.iter().map(|(i, _)| i.to_string()).collect();
+            format!("{} (devices {})", n.join("+"), i.join(", "))
+        };
+        let mut out = Vec::new();
+        if !self.merge_nics {
+            out.push(
+                "NCCL_IB_MERGE_NICS=0: ferroce refuses makeVDevice, so NCCL uses each port alone"
+                    .to_string(),
+            );
+        }
+        let verb = if self.merge_nics { "NCCL fuses" } else { "NCCL would fuse" };
+        for g in &self.groups {
+            out.push(format!(
+                "{verb} {} into one device (ports of one NIC, NCCL_NET_MERGE_LEVEL={}); its \
+                 connections open lanes on every member port and fail over between them",
+                names(g),
+                self.level
+            ));
+        }
+        if self.groups.is_empty() {
+            out.push(format!(
+                "no two ports NCCL sees share a NIC: at NCCL_NET_MERGE_LEVEL={} NCCL fuses \
+                 nothing and uses each port alone",
+                self.level
+            ));
+        }
+        if self.level != "PORT" {
+            out.push(format!(
+                "NCCL_NET_MERGE_LEVEL={} also fuses NICs that close on the PCI tree; doctor \
+                 shows only the ports of one NIC",
+                self.level
+            ));
+        }
+        if let Some(f) = &self.force {
+            out.push(format!("NCCL_NET_FORCE_MERGE={f}: NCCL fuses these groups as named"));
+        }
+        out
+    }
+}
+
 /// What the plugin itself would do at init: NCCL's devices in its numbering, as (port key
-/// `dev:port`, the plugin's name for it), and what it tells NCCL about each port it uses.
+/// `dev:port`, the plugin's name for it), what it tells NCCL about each port it uses, and the
+/// fusion NCCL would get.
 fn plugin_devices(
     config: &Config,
     add: &mut impl FnMut(Level, &str, String),
-) -> (Vec<(String, String)>, BTreeMap<String, InUse>) {
+) -> (Vec<(String, String)>, BTreeMap<String, InUse>, Fusion) {
     let devs = match device::discover(config) {
         Ok(devs) => devs,
         Err(e) => {
             add(Level::Block, "discovery", format!("the plugin finds no usable device: {e}"));
-            return (Vec::new(), BTreeMap::new());
+            return (Vec::new(), BTreeMap::new(), Fusion::of(&[], config));
         }
     };
+    let fusion = Fusion::of(&devs, config);
     let key = |d: &device::NetDevice| format!("{}:{}", d.ctx.name(), d.port);
     let nccl = devs.iter().map(|d| (key(d), d.name.clone())).collect();
     let in_use = devs
@@ -248,7 +327,7 @@ fn plugin_devices(
             (key(d), used)
         })
         .collect();
-    (nccl, in_use)
+    (nccl, in_use, fusion)
 }
 
 /// Narrows `ports` to `--dev`, and names what is wrong with each port and between them.
@@ -1169,6 +1248,7 @@ fn counter_map(key: &str) -> BTreeMap<String, u64> {
 
 /// Everything the doctor found, as both outputs show it.
 struct Report<'a> {
+    fusion: &'a Fusion,
     ports: &'a [Port],
     findings: &'a [Finding],
     memlock: &'a Memlock,
@@ -1179,12 +1259,16 @@ struct Report<'a> {
 }
 
 fn text(r: &Report) -> String {
-    let Report { ports, findings, memlock, env, advice, selftest, peer } = *r;
+    let Report { fusion, ports, findings, memlock, env, advice, selftest, peer } = *r;
     let mut o = String::new();
     let w = &mut o;
     let _ = writeln!(w, "ferroce doctor: {} RDMA port(s)", ports.len());
     for p in ports {
         port_text(w, p);
+    }
+    let _ = writeln!(w, "\n== NIC fusion");
+    for l in fusion.lines() {
+        let _ = writeln!(w, "  {l}");
     }
     let _ = writeln!(w, "\n== Limits and environment");
     let _ = writeln!(
@@ -1393,7 +1477,7 @@ fn selftest_text(w: &mut String, s: &SelfTest) {
 
 /// The report as one JSON object (and a newline), the same facts as [`text`].
 fn json(r: &Report) -> String {
-    let Report { ports, findings, memlock, env, advice, selftest, peer } = *r;
+    let Report { fusion, ports, findings, memlock, env, advice, selftest, peer } = *r;
     let blocking = findings.iter().any(|f| f.level == Level::Block);
     let findings: Vec<Value> = findings
         .iter()
@@ -1418,8 +1502,21 @@ fn json(r: &Report) -> String {
             "counter_deltas": deltas,
         })
     });
+    let groups: Vec<Value> = fusion
+        .groups
+        .iter()
+        .map(|g| json!(g.iter().map(|(i, n)| json!({"device": i, "name": n})).collect::<Vec<_>>()))
+        .collect();
+    let fusion = json!({
+        "merge_level": fusion.level,
+        "force_merge": fusion.force,
+        "merge_nics": fusion.merge_nics,
+        "groups": groups,
+        "lines": fusion.lines(),
+    });
     let v = json!({
         "ports": ports.iter().map(port_json).collect::<Vec<_>>(),
+        "fusion": fusion,
         "memlock": {"soft": memlock.soft, "hard": memlock.hard, "cap_ipc_lock": memlock.ipc_lock},
         "env": env,
         "selftest": selftest,

@@ -330,4 +330,20 @@ mod tests {
         }
         assert_eq!(m.stage[1], Stage::Out);
     }
+
+    /// A port that comes back re-arms its lanes that wait or stay out: their count of attempts
+    /// starts afresh and the next is due at once; a live lane is left alone.
+    #[test]
+    fn a_port_back_up_rearms_its_waiting_and_kept_out_lanes() {
+        let policy = Policy { attempts: 1, delay: ms(100), timeout: ms(1000) };
+        let mut m = Mend::new(3, policy);
+        m.tick(ms(5));
+        assert!(m.failed(1) && !m.failed(1), "the second failure in a row keeps lane 1 out");
+        assert_eq!(m.stage[1], Stage::Out);
+        assert!(m.failed(2));
+        assert!(m.rearm(1), "lane 1 was out");
+        assert!(!m.rearm(2) && !m.rearm(0), "lane 2 waited, lane 0 lives");
+        assert_eq!((m.stage[0], m.tries(1), m.tries(2)), (Stage::Live, 0, 0));
+        assert_eq!(m.due(ms(5)), Some(1), "due at once");
+    }
 }
