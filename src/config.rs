@@ -52,6 +52,8 @@ knobs! {
     "NCCL_IB_QPS_PER_CONNECTION", "2", "queue pairs per connection (1..=128), each with its own UDP source port; 2 (NCCL's is 1): a second ECMP path, and a lane to fail over to";
     "NCCL_IB_SPLIT_DATA_ON_QPS", "0", "1: split every message across the QPs; 0: whole messages round-robin";
     "FERROCE_PATH_AWARE", "1", "1: place work by each QP's measured path (a whole message on the cheaper of two QPs; a QP under half the fastest one's rate gets no new work); 0: strict rotation and equal chunks";
+    "NCCL_IB_RESILIENCY_PORT_FAILOVER", "1", "1: a lane (a port of a fused device) whose path or port fails hands its work to the comm's other lanes, and the comm goes on; 0: any lane's failure fails the comm (NCCL's default is 0; ferroce's lanes fail over unless told not to)";
+    "NCCL_IB_RESILIENCY_PORT_RECOVERY", "1", "1: failed lanes are repaired (NCCL_IB_RESILIENCY_PORT_RECOVERY_*), and rebuilt at once when their port is ACTIVE again; 0: a failed lane stays out (NCCL's default is 0)";
     "NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", "5", "lane repair: attempts to rebuild a failed lane (a new queue pair at both ends, proven by a probe) before it stays out; 0: failed lanes stay out";
     "NCCL_IB_RESILIENCY_PORT_RECOVERY_START_DELAY", "200", "lane repair: ms from a lane's failure to its first repair attempt; each failed attempt doubles the wait";
     "NCCL_IB_RESILIENCY_PORT_RECOVERY_ACK_TIMEOUT", "5000", "lane repair: ms an attempt waits for the peer's answer, then for the probe of the rebuilt lane, before it counts as failed";
@@ -126,7 +128,10 @@ pub struct Config {
     pub qps_per_conn: usize,
     pub split_data: bool,
     pub path_aware: bool,
-    /// Lane repair: attempts (0: none), the first delay, the bound of each wait.
+    /// `NCCL_IB_RESILIENCY_PORT_FAILOVER`: a failed lane's work moves to the others.
+    pub failover: bool,
+    /// Lane repair: attempts (0: none, also with `NCCL_IB_RESILIENCY_PORT_RECOVERY=0`), the
+    /// first delay, the bound of each wait.
     pub repair_attempts: u32,
     pub repair_delay: Duration,
     pub repair_timeout: Duration,
@@ -351,8 +356,12 @@ impl Config {
         let qps_per_conn = r.int("NCCL_IB_QPS_PER_CONNECTION", 2usize, 1..=128)?;
         let split_data = r.int("NCCL_IB_SPLIT_DATA_ON_QPS", 0u8, 0..=1)? == 1;
         let path_aware = r.int("FERROCE_PATH_AWARE", 1u8, 0..=1)? == 1;
+        let failover = r.int("NCCL_IB_RESILIENCY_PORT_FAILOVER", 1u8, 0..=1)? == 1;
+        let recovery = r.int("NCCL_IB_RESILIENCY_PORT_RECOVERY", 1u8, 0..=1)? == 1;
         let repair_attempts =
             r.int("NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", 5u32, 0..=100)?;
+        // No failover, nothing to repair; no recovery, no attempt.
+        let repair_attempts = if failover && recovery { repair_attempts } else { 0 };
         let repair_delay = Duration::from_millis(r.int(
             "NCCL_IB_RESILIENCY_PORT_RECOVERY_START_DELAY",
             200u64,
@@ -416,6 +425,7 @@ impl Config {
             qps_per_conn,
             split_data,
             path_aware,
+            failover,
             repair_attempts,
             repair_delay,
             repair_timeout,
@@ -742,6 +752,11 @@ mod tests {
         assert_eq!(retry_bound(14, 3).as_micros(), 268_435);
         let c = with("NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", "0").unwrap();
         assert_eq!(c.repair_attempts, 0);
+        let c = with("NCCL_IB_RESILIENCY_PORT_RECOVERY", "0").unwrap();
+        assert_eq!((c.repair_attempts, c.failover), (0, true));
+        let c = with("NCCL_IB_RESILIENCY_PORT_FAILOVER", "0").unwrap();
+        assert_eq!((c.repair_attempts, c.failover), (0, false));
+        assert!(Config::default().failover);
         let c = with("NCCL_IB_RESILIENCY_PORT_RECOVERY_START_DELAY", "50").unwrap();
         assert_eq!(c.repair_delay, Duration::from_millis(50));
         assert!(with("NCCL_IB_RESILIENCY_PORT_RECOVERY_ACK_TIMEOUT", "5").is_err());

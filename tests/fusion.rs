@@ -94,15 +94,25 @@ impl<'a> Fused<'a> {
     }
 }
 
-/// The VM's four devices and their veths, or a loud failure.
-fn topology() -> (Vec<String>, Vec<String>) {
+/// A test's set-up: the VM's four devices and their veths (or a loud failure), the test lock,
+/// and the plugin with one lane per port.
+struct Setup {
+    devs: Vec<String>,
+    netdevs: Vec<String>,
+    _serial: std::sync::MutexGuard<'static, ()>,
+    lib: Library,
+}
+
+fn setup() -> Setup {
     require_vm();
     let (devs, netdevs) = (vm_list("FERROCE_VM_DEVS"), vm_list("FERROCE_VM_NETDEVS"));
     assert!(
         devs.len() >= 4 && netdevs.len() == devs.len(),
         "needs the VM's 4-rank mode (FERROCE_VM_RANKS=4): devices {devs:?}, veths {netdevs:?}"
     );
-    (devs, netdevs)
+    let _serial = serial();
+    set_env(&[("NCCL_IB_QPS_PER_CONNECTION", Some("1"))]);
+    Setup { devs, netdevs, _serial, lib: open_plugin() }
 }
 
 /// Fuses rxe0+rxe1 and rxe2+rxe3 (one lane per port): the two NCCL devices.
@@ -129,10 +139,7 @@ fn fuse(lib: &Library) -> (i32, i32) {
 #[test]
 #[ignore = "needs the 4-rank Soft-RoCE VM: run ci/test.sh"]
 fn a_fused_pair_spreads_verified_data_over_both_ports() {
-    let (devs, _) = topology();
-    let _g = serial();
-    set_env(&[("NCCL_IB_QPS_PER_CONNECTION", Some("1"))]);
-    let lib = open_plugin();
+    let Setup { devs, lib, _serial: _held, .. } = setup();
     let (a, b) = fuse(&lib);
     const ROUNDS: usize = 3;
     const MSGS: usize = 8;
@@ -177,10 +184,7 @@ fn a_fused_pair_spreads_verified_data_over_both_ports() {
 #[test]
 #[ignore = "needs the 4-rank Soft-RoCE VM: run ci/test.sh"]
 fn one_port_down_fails_over_and_comes_back_both_down_fail_the_comm() {
-    let (devs, netdevs) = topology();
-    let _g = serial();
-    set_env(&[("NCCL_IB_QPS_PER_CONNECTION", Some("1"))]);
-    let lib = open_plugin();
+    let Setup { devs, netdevs, lib, _serial: _held } = setup();
     let (a, b) = fuse(&lib);
     let mut f = Fused::open(&lib, a, b);
     warnings();
@@ -258,10 +262,7 @@ fn one_port_down_fails_over_and_comes_back_both_down_fail_the_comm() {
 #[test]
 #[ignore = "needs the 4-rank Soft-RoCE VM: run ci/test.sh"]
 fn ends_with_different_port_counts_connect_and_use_every_port() {
-    let (devs, _) = topology();
-    let _g = serial();
-    set_env(&[("NCCL_IB_QPS_PER_CONNECTION", Some("1"))]);
-    let lib = open_plugin();
+    let Setup { devs, lib, _serial: _held, .. } = setup();
     let (a, _) = fuse(&lib);
     // (sender, receiver, the ports whose received packets must grow)
     for (s, r, receivers) in [(a, 2, vec![2]), (3, a, vec![0, 1])] {

@@ -529,6 +529,7 @@ fn params(
         },
         path: path.clone(),
         journal,
+        failover: net.config.failover,
         members: (0..qps.len()).map(|q| (port_of(q, ours), port_of(q, theirs))).collect(),
     }
 }

@@ -280,7 +280,9 @@ impl Net {
         if d < n {
             return Ok(vec![d]);
         }
-        let members = fused().get(d - n).cloned().ok_or_else(out_of_range)?;
+        // The lock is let go before `out_of_range` takes it again.
+        let members = fused().get(d - n).cloned();
+        let members = members.ok_or_else(out_of_range)?;
         match members.iter().find(|&&m| m >= n) {
             Some(m) => Err(Error::InvalidUsage(format!(
                 "fused device {dev}'s member {m} is gone (have {n} ports)"

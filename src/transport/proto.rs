@@ -909,6 +909,9 @@ pub struct Params {
     pub members: Vec<(usize, usize)>,
     /// Journal what is posted for each request ([`Posted`]), for profiler events.
     pub journal: bool,
+    /// A failed lane hands its work to the others (`NCCL_IB_RESILIENCY_PORT_FAILOVER`); else
+    /// its failure fails the comm.
+    pub failover: bool,
 }
 
 /// One request's work in one post, journaled for profiler events (only with
@@ -1494,7 +1497,8 @@ impl SendCore {
         // failed work before it on the lane: its queue pair failed on its own, and the async
         // event saying so comes later. Anything else (the peer refused an access, our own NIC
         // failed) is not the lane's, and fails the comm as before.
-        if !lane_status(c.status) || self.alive & !bit == 0 || self.health.fatal.is_some() {
+        let last = self.alive & !bit == 0 || !self.p.failover;
+        if !lane_status(c.status) || last || self.health.fatal.is_some() {
             return false;
         }
         self.drop_lane(lane, &completion_why(c));
@@ -1509,7 +1513,7 @@ impl SendCore {
         if self.alive & bit == 0 {
             return true;
         }
-        if self.alive & !bit == 0 || self.health.fatal.is_some() {
+        if self.alive & !bit == 0 || !self.p.failover || self.health.fatal.is_some() {
             return false;
         }
         self.drop_lane(lane, why);
@@ -2036,8 +2040,8 @@ impl RecvCore {
         // Retries run out on our own writes; a flush (a receive's too) is the lane's queue
         // pair failing on its own, its async event still to come.
         let ours = matches!(wr_kind(c.wr_id), WR_CTS | WR_PROBE | WR_MAIL) || c.status == FLUSHED;
-        if !ours || !lane_status(c.status) || self.alive & !bit == 0 || self.health.fatal.is_some()
-        {
+        let last = self.alive & !bit == 0 || !self.p.failover;
+        if !ours || !lane_status(c.status) || last || self.health.fatal.is_some() {
             return false;
         }
         self.drop_lane(lane, &completion_why(c), sizes);
@@ -2052,7 +2056,7 @@ impl RecvCore {
         if self.alive & bit == 0 {
             return true;
         }
-        if self.alive & !bit == 0 || self.health.fatal.is_some() {
+        if self.alive & !bit == 0 || !self.p.failover || self.health.fatal.is_some() {
             return false;
         }
         self.drop_lane(lane, why, sizes);

@@ -142,6 +142,7 @@ fn run(n: usize, size: u64, inline: u32, optional: bool, depth: usize) -> Result
         path_aware: true,
         timed_from: ferroce::transport::proto::TIMED_FROM,
         journal: false,
+        failover: true,
         members: Vec::new(),
         repair: Repair {
             attempts: 0,

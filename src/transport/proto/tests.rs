@@ -202,6 +202,8 @@ struct Wire {
     now: Duration,
     /// Per lane, the sender's and the receiver's member ports (empty: all on the first).
     members: Vec<(usize, usize)>,
+    /// The ends fail over (else a dead lane fails the comm).
+    failover: bool,
 }
 
 impl Wire {
@@ -231,6 +233,7 @@ impl Wire {
             failed: [vec![false; nqps + 1], vec![false; nqps + 1]],
             now: Duration::ZERO,
             members: Vec::new(),
+            failover: true,
         }
     }
 
@@ -432,7 +435,8 @@ impl Wire {
     /// The link is broken, nothing can be posted, the sender lies or lost every lane:
     /// requests may fail.
     fn failing(&self) -> bool {
-        self.broken || self.posts_fail || self.lying || self.all_lanes_failed()
+        let one_lane = !self.failover && self.black_hole.iter().any(Option::is_some);
+        self.broken || self.posts_fail || self.lying || self.all_lanes_failed() || one_lane
     }
 
     fn busy(&self) -> Vec<(usize, usize)> {
@@ -631,6 +635,8 @@ struct Run {
     /// Per lane, the member ports of the sender and of the receiver it runs between (lane `q`
     /// on `q % n` of each end's `n` members, as NCCL places a fused device's QPs).
     members: Vec<(usize, usize)>,
+    /// `NCCL_IB_RESILIENCY_PORT_FAILOVER`.
+    failover: bool,
 }
 
 fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
@@ -686,6 +692,7 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         heals: Vec::new(),
         repairs: 0,
         members,
+        failover: true,
     }
 }
 
@@ -835,6 +842,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         path_aware: run.path_aware,
         timed_from: 0,
         journal: true,
+        failover: run.failover,
         members: run.members.clone(),
         repair: Repair {
             attempts: run.repairs,
@@ -848,6 +856,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
     let mut receiver = RecvCore::new(Params { members: swapped, ..params }, remote(FIFO, 13));
     let wire = RefCell::new(Wire::new(run.nqps));
     wire.borrow_mut().members = run.members.clone();
+    wire.borrow_mut().failover = run.failover;
     wire.borrow_mut().duplicates = run.duplicates;
     let mut sio = Io { wire: &wire, mem: &mem, side: 0, depth: SEND_QUEUE };
     let mut rio = Io { wire: &wire, mem: &mem, side: 1, depth: RECV_SEND_QUEUE };
@@ -999,7 +1008,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                         next_recv = n; // NCCL stops posting on a failed comm
                         continue;
                     }
-                    Err(e) if wire.borrow().lying || wire.borrow().all_lanes_failed() => {
+                    Err(e) if wire.borrow().lying || wire.borrow().failing() => {
                         assert!(matches!(e, Error::Remote(_)), "the peer's or the path's: {e}");
                         next_recv = n;
                         continue;
@@ -1475,6 +1484,24 @@ fn every_lane_dead_fails_the_comm() {
     assert!(failed > 0, "no run had work outstanding when its last lane died");
 }
 
+/// With `NCCL_IB_RESILIENCY_PORT_FAILOVER=0` one dead lane fails the comm, as NCCL's
+/// transport does without resiliency: what was outstanding fails, and no lane is taken out.
+#[test]
+fn without_failover_one_dead_lane_fails_the_comm() {
+    let mut rng = Rng(0x0fa1_10fe);
+    let mut failed = 0;
+    for seed in 0..miri_or(20u64, 2) {
+        let mut run = lanes_run(&mut rng, seed);
+        run.failover = false;
+        let lane = rng.below(run.nqps as u64) as usize;
+        run.kills.push((50 + rng.below(miri_or(2000, 300)), lane, rng.below(2) == 0));
+        let o = drive(&run, seed + 11);
+        failed += o.errors[0] + o.errors[1];
+        assert_eq!(o.repaired, 0, "seed {seed}: nothing is repaired");
+    }
+    assert!(failed > 0, "no run had work outstanding when its lane died");
+}
+
 /// When the CTS rows go out: at once while the sender holds at most two rows it has not
 /// consumed, then staged until a batch is full (8 rows) or a poll finds the sender down to
 /// one row; optional receives complete only once their row is out. Exact counts, so that an
@@ -1731,6 +1758,7 @@ fn one_qp(path: Path) -> Params {
         path_aware: true,
         timed_from: TIMED_FROM,
         journal: false,
+        failover: true,
         members: Vec::new(),
         repair: NO_REPAIR,
         path,
@@ -1810,6 +1838,7 @@ fn a_quiet_wait_probes_the_peer_and_only_a_dead_peer_fails() {
         path_aware: true,
         timed_from: TIMED_FROM,
         journal: false,
+        failover: true,
         members: Vec::new(),
         repair: NO_REPAIR,
         path: Path { peer: "peer".into(), ..Default::default() },
