@@ -352,8 +352,7 @@ impl Listener {
         let names: Vec<&str> = devs.iter().map(|&m| net.devices[m].name.as_str()).collect();
         let describe = format!("listener {addr} (device {})", names.join("+"));
         let c = &net.config;
-        // A connector opens NCCL_IB_QPS_PER_CONNECTION per port of the end with more ports.
-        let max_qps = c.qps_per_conn * MAX_MEMBERS;
+        let max_qps = c.qps_per_conn;
         let core = Listen::new(handle, describe, c.setup_timeout, max_qps, UNPROVEN.clone());
         let profiler = ctx.profiler();
         let conns = HashMap::new();

@@ -553,8 +553,19 @@ struct Terms {
     nonce: u64,
     /// The listener's own deadline for each step of a proven peer.
     timeout: Duration,
-    /// The most QPs a hello may ask for: this side's `NCCL_IB_QPS_PER_CONNECTION`.
+    /// The most QPs a hello may ask for per port of the end with more ports: this side's
+    /// `NCCL_IB_QPS_PER_CONNECTION`.
     max_qps: usize,
+    /// This side's ports (one, or a fused device's).
+    ports: usize,
+}
+
+impl Terms {
+    /// The most QPs `hello` may ask for: the connector opens `NCCL_IB_QPS_PER_CONNECTION`
+    /// per port of the end with more ports.
+    fn bound(&self, hello: &Msg) -> usize {
+        self.max_qps * self.ports.max(usize::from(hello.members)).max(1)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -670,10 +681,12 @@ impl Answer {
         match Msg::decode(&bytes, Kind::Hello, terms.nonce) {
             // The wire's count would be taken as given up to 128 QPs (and their memory): it is
             // bounded by our own. NCCL's ranks share one setting, so a rightful peer is within.
-            Ok(hello) if usize::from(hello.nqps) > terms.max_qps => Next::Stranger(format!(
-                "its hello asks for {} QPs, more than {} here (NCCL_IB_QPS_PER_CONNECTION for \
-                 each of up to {MAX_MEMBERS} fused ports: set it alike on every rank)",
-                hello.nqps, terms.max_qps
+            Ok(hello) if usize::from(hello.nqps) > terms.bound(&hello) => Next::Stranger(format!(
+                "its hello asks for {} QPs, more than {} here (NCCL_IB_QPS_PER_CONNECTION={} \
+                     per port of the end with more ports: set it alike on every rank)",
+                hello.nqps,
+                terms.bound(&hello),
+                terms.max_qps
             )),
             Ok(hello) => {
                 // The peer proved itself: from here on, failures are errors, each of the class
@@ -845,7 +858,7 @@ impl Listen {
         Listen {
             handle,
             describe,
-            terms: Terms { nonce: handle.nonce, timeout, max_qps },
+            terms: Terms { nonce: handle.nonce, timeout, max_qps, ports: handle.members.into() },
             unproven,
             pending: VecDeque::new(),
             deadline: None,

@@ -788,8 +788,8 @@ fn each_kind_of_stranger_is_dropped_with_its_reason() {
         (Stray::NoQps, "invalid field nqps, split or sl".into(), 0),
         (
             Stray::TooManyQps(9),
-            "its hello asks for 9 QPs, more than 8 here (NCCL_IB_QPS_PER_CONNECTION for each of \
-             up to 4 fused ports: set it alike on every rank)"
+            "its hello asks for 9 QPs, more than 8 here (NCCL_IB_QPS_PER_CONNECTION=8 per port of \
+             the end with more ports: set it alike on every rank)"
                 .into(),
             0,
         ),
@@ -1346,8 +1346,8 @@ fn a_hello_for_more_qps_than_ours_is_refused() {
         assert_eq!(w.acceptor.dropped_at.get(&s), Some(&0));
         let why = format!(
             "rejected connection from {}: its hello asks for {asked} QPs, more than {ours} here \
-             (NCCL_IB_QPS_PER_CONNECTION for each of up to 4 fused ports: set it alike on every \
-             rank)",
+             (NCCL_IB_QPS_PER_CONNECTION={ours} per port of the end with more ports: set it \
+             alike on every rank)",
             w.socks[s].peer
         );
         assert!(w.acceptor.warnings[0].contains(&why), "{:?}", w.acceptor.warnings);
@@ -1385,4 +1385,15 @@ proptest! {
         prop_assert!(w.acceptor.plans.iter().all(|p| p.1.nqps <= ours));
         prop_assert_eq!(connected(&w.dialer().outcome)?, asked <= ours);
     }
+}
+
+/// The QPs a hello may ask for: `NCCL_IB_QPS_PER_CONNECTION` per port of the end with more
+/// ports, so a fused end's hello (or a fused listener's peer) is within it, and no more.
+#[test]
+fn a_fused_end_may_ask_for_qps_per_port_of_the_larger_end() {
+    let terms = |ports| Terms { nonce: NONCE, timeout: Duration::from_secs(1), max_qps: 2, ports };
+    let hello = |members| Msg { members, ..message(Kind::Hello, NONCE, &policy(2), &local(1, 2)) };
+    assert_eq!(terms(1).bound(&hello(1)), 2);
+    assert_eq!(terms(1).bound(&hello(3)), 6, "the connector's 3 ports");
+    assert_eq!(terms(4).bound(&hello(2)), 8, "the listener's 4 ports");
 }
