@@ -148,24 +148,35 @@ fn a_fused_pair_spreads_verified_data_over_both_ports() {
         // Fused, then one port alone (rxe0 -> rxe2), interleaved per round.
         for (k, (s, r)) in [(a, b), (0, 2)].into_iter().enumerate() {
             let mut f = Fused::open(&lib, s, r);
-            let before: Vec<u64> = devs[..2].iter().map(|d| counter(d, "sent_pkts")).collect();
+            // Packets sent by rxe0 and rxe1, received by rxe2 and rxe3.
+            let read = || -> Vec<u64> {
+                let sent = devs[..2].iter().map(|d| counter(d, "sent_pkts"));
+                sent.chain(devs[2..4].iter().map(|d| counter(d, "rcvd_pkts"))).collect()
+            };
+            let before = read();
             let t = Instant::now();
             for m in 0..MSGS {
                 f.message((round * MSGS + m) as u8).unwrap();
             }
             let secs = t.elapsed().as_secs_f64();
-            let grew: Vec<u64> =
-                devs[..2].iter().zip(&before).map(|(d, b)| counter(d, "sent_pkts") - b).collect();
+            let grew: Vec<u64> = read().iter().zip(&before).map(|(a, b)| a - b).collect();
             rates[k].push((MSGS * MSG) as f64 / secs / f64::from(1 << 20));
             f.close();
             if k == 0 {
-                // Each port sends its lane's messages: neither carries under a quarter.
-                let total: u64 = grew.iter().sum();
-                assert!(
-                    grew.iter().all(|&g| g * 4 >= total),
-                    "round {round}: packets sent by rxe0, rxe1: {grew:?}"
+                // Each port of each side carries its lane's messages: none under a quarter of
+                // its side's packets.
+                for side in grew.chunks(2) {
+                    let total: u64 = side.iter().sum();
+                    assert!(
+                        side.iter().all(|&g| g * 4 >= total),
+                        "round {round}: packets sent by rxe0, rxe1, received by rxe2, rxe3: \
+                         {grew:?}"
+                    );
+                }
+                println!(
+                    "fusion: round {round}: packets sent by rxe0, rxe1 and received by rxe2, \
+                     rxe3: {grew:?}"
                 );
-                println!("fusion: round {round}: fused packets sent by rxe0, rxe1: {grew:?}");
             }
         }
     }
