@@ -329,6 +329,173 @@ fn a_dead_lane_fails_over_to_the_live_ones() {
     }
 }
 
+/// A lane whose path drops only the receiver-to-sender direction (a tc u32 filter on vethA's
+/// ingress matching its UDP source port, which both ends' QPs of a lane share: the receiver's
+/// ACKs and its own writes on that lane vanish) for 4 s, longer than the retry bound (2.7 s),
+/// mid-run, with receive buffers reused as NCCL reuses them (a ring of 8, each posted again
+/// once its receive completed and was verified). The sender's writes on that lane keep landing
+/// and the receiver completes those receives; after the retry bound the sender may send again
+/// only what the receiver did not count. Every message is verified when it completes, every
+/// buffer again right before it is posted again, and the last 8 once more after a grace
+/// period: a write into a completed receive changes one of them. Both split modes, 2 and 4
+/// lanes, lane 0 (the control lane) among them. 32 messages of 256 KiB per case.
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn an_ack_only_black_hole_never_writes_a_completed_receive() {
+    require_vm();
+    let _g = serial();
+    for (split, lanes, lane) in [("0", "2", 1), ("1", "2", 0), ("1", "4", 2), ("0", "4", 0)] {
+        let knobs = [
+            ("NCCL_IB_QPS_PER_CONNECTION", Some(lanes)),
+            ("NCCL_IB_SPLIT_DATA_ON_QPS", Some(split)),
+            ("NCCL_IB_TIMEOUT", Some("17")),
+            ("NCCL_IB_RETRY_CNT", Some("4")),
+        ];
+        set_env(&knobs);
+        let r = on_a_pair(lane, ring_run);
+        clear_paths();
+        set_env(&knobs.iter().map(|&(k, _)| (k, None)).collect::<Vec<_>>());
+        let (fences, _) =
+            r.unwrap_or_else(|e| panic!("split {split}, {lanes} lanes, lane {lane}: {e}"));
+        eprintln!("split {split}, {lanes} lanes, lane {lane}: 32 messages verified\n  {fences:#?}");
+    }
+}
+
+/// The NCCL-like ring of [`an_ack_only_black_hole_never_writes_a_completed_receive`]: the
+/// fence INFOs the sender logged.
+fn ring_run(drv: &Driver, send: Ptr, recv: Ptr, port: u16) -> Result<Vec<String>, String> {
+    const RING: usize = 8;
+    const SIZE: usize = 256 << 10;
+    const COUNT: usize = 32;
+    let pattern = |k: usize| -> Vec<u8> {
+        (0..SIZE)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(k as u8 ^ (i >> 12) as u8))
+            .collect()
+    };
+    let mut rbufs: Vec<Vec<u8>> = (0..RING).map(|_| vec![0u8; SIZE]).collect();
+    let mut sbufs: Vec<Vec<u8>> = (0..RING).map(|_| vec![0u8; SIZE]).collect();
+    let rmh: Vec<Ptr> = (rbufs.iter_mut().map(|b| drv.reg_mr(recv, b.as_mut_ptr(), SIZE)))
+        .collect::<Result<_, _>>()?;
+    let smh: Vec<Ptr> = (sbufs.iter_mut().map(|b| drv.reg_mr(send, b.as_mut_ptr(), SIZE)))
+        .collect::<Result<_, _>>()?;
+    // Per ring slot: the receive and send in flight (message, request), and the message the
+    // slot's receive buffer last completed with.
+    let mut recvs: Vec<Option<(usize, Ptr)>> = vec![None; RING];
+    let mut sends: Vec<Option<Ptr>> = vec![None; RING];
+    let mut holds: Vec<Option<usize>> = vec![None; RING];
+    let (mut posted, mut sent, mut got) = (0, 0, 0);
+    let (mut dropped, mut lifted): (Option<Instant>, bool) = (None, false);
+    let t0 = Instant::now();
+    let check = |b: &[u8], k: usize, when: &str| -> Result<(), String> {
+        match b == pattern(k).as_slice() {
+            true => Ok(()),
+            false => Err(format!(
+                "message {k}'s receive buffer {when}: a write into a completed receive"
+            )),
+        }
+    };
+    while got < COUNT || sends.iter().any(Option::is_some) {
+        if t0.elapsed() > Duration::from_secs(180) {
+            return Err(format!(
+                "not done in 180 s: {got} received, {sent} sent; {:#?}",
+                warnings()
+            ));
+        }
+        if sent == COUNT / 2 && dropped.is_none() {
+            drop_acks_on_vetha(port);
+            dropped = Some(Instant::now());
+        }
+        if dropped.is_some_and(|t| t.elapsed() > Duration::from_secs(4)) && !lifted {
+            clear_paths();
+            lifted = true;
+        }
+        // NCCL posts a slot's buffer again only once its receive completed.
+        if posted < COUNT && recvs[posted % RING].is_none() {
+            let slot = posted % RING;
+            if let Some(k) = holds[slot] {
+                check(&rbufs[slot], k, "changed before it was posted again")?;
+            }
+            let b = rbufs[slot].as_mut_ptr();
+            if let Some(req) = drv.irecv(recv, &[b], &[SIZE], &[0], &[rmh[slot]], false)? {
+                recvs[slot] = Some((posted, req));
+                posted += 1;
+            }
+        }
+        if sent < COUNT && sends[sent % RING].is_none() {
+            let slot = sent % RING;
+            sbufs[slot].copy_from_slice(&pattern(sent));
+            if let Some(req) = drv.isend(send, sbufs[slot].as_mut_ptr(), SIZE, 0, smh[slot])? {
+                sends[slot] = Some(req);
+                sent += 1;
+            }
+        }
+        for s in sends.iter_mut() {
+            if let Some(req) = *s
+                && drv.test(req)?.is_some()
+            {
+                *s = None;
+            }
+        }
+        for slot in 0..RING {
+            if let Some((k, req)) = recvs[slot]
+                && let Some(sizes) = drv.test(req)?
+            {
+                if sizes[0] as usize != SIZE {
+                    return Err(format!("message {k}: {} bytes", sizes[0]));
+                }
+                check(&rbufs[slot], k, "on completion")?;
+                (recvs[slot], holds[slot]) = (None, Some(k));
+                got += 1;
+            }
+        }
+    }
+    clear_paths();
+    // The grace period: a late write would land now.
+    std::thread::sleep(Duration::from_secs(3));
+    for (slot, k) in holds.iter().enumerate() {
+        check(&rbufs[slot], k.expect("completed"), "changed after the run")?;
+    }
+    for (&r, &s) in rmh.iter().zip(&smh) {
+        drv.dereg_mr(recv, r)?;
+        drv.dereg_mr(send, s)?;
+    }
+    let infos = take_captured().into_iter().filter(|l| l.0 == 3).map(|l| l.2);
+    Ok(infos.filter(|l| l.contains("is fenced at both ends")).collect())
+}
+
+/// The RoCE packets arriving at vethA with UDP source port `port`: the receiver's ACKs and its
+/// own writes on the lane with that port, not the sender's writes ([`clear_paths`] lifts it).
+fn drop_acks_on_vetha(port: u16) {
+    run("tc", &["qdisc", "add", "dev", "vethA", "clsact"]);
+    run(
+        "tc",
+        &[
+            "filter",
+            "add",
+            "dev",
+            "vethA",
+            "ingress",
+            "protocol",
+            "ip",
+            "prio",
+            "1",
+            "u32",
+            "match",
+            "ip",
+            "protocol",
+            "17",
+            "0xff",
+            "match",
+            "ip",
+            "sport",
+            &port.to_string(),
+            "0xffff",
+            "action",
+            "drop",
+        ],
+    );
+}
+
 /// A dead lane comes back: 4 lanes, strict rotation (`FERROCE_PATH_AWARE=0`, so the lane's
 /// bytes are known), lane 2's source port dropped on vethB's ingress after 12 messages, the
 /// drop lifted once the sender has warned and sent 8 more. The lane is rebuilt at both ends
@@ -1092,6 +1259,7 @@ fn clear_paths() {
         let _ = Command::new(cmd).args(args).stderr(Stdio::null()).status();
     };
     quiet("tc", &["qdisc", "del", "dev", "vethB", "clsact"]);
+    quiet("tc", &["qdisc", "del", "dev", "vethA", "clsact"]);
     quiet("ip", &["link", "del", "ifb0"]);
 }
 

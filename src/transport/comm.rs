@@ -245,6 +245,9 @@ impl Post for Qps<'_> {
         }
         Ok(self.qps[qp].qpn())
     }
+    fn fence(&mut self, qp: usize) -> Result<()> {
+        self.qp(qp)?.to_error()
+    }
     fn join(&mut self, qp: usize, peer: u32, (sq_psn, rq_psn): (u32, u32)) -> Result<()> {
         let l = self.links.get(qp).ok_or_else(|| Error::Internal(format!("no lane {qp}")))?;
         let q = self.qp(qp)?;

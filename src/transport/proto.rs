@@ -24,20 +24,42 @@
 //!    its bit twice and counts once, and a chunk of another use of the slot is not counted. So
 //!    no chunk needs a particular lane: the ground for moving chunks between lanes.
 //!
+//! The first invariant, above every other: **a receive completes exactly once, and once it
+//! has completed, no NIC writes its buffer again (no data, no size record) until NCCL posts
+//! that buffer again.** NCCL hands a completed buffer on at once: to the next step, to another
+//! peer's p2p transfer, back to the application. The simulated wire in the tests checks every
+//! write against it. (Optional receives have no completion the plugin sees: see below.)
+//!
 //! Lanes: a lane whose path dies (retries exhausted) or whose QP fails on its own (an async
-//! error) is dropped while another lives; its chunks in flight go again on live lanes, and
-//! the receiver's CTS rows move to its next live lane if they rode on it. Where messages go
-//! is path-aware ([`place`]): a lane's measured rate and queue steer whole messages, and a lane
-//! under half the best rate gets no new work.
+//! error) is dropped while another lives. Its chunks in flight may have landed with only their
+//! ACKs lost (a path can fail one way), so they are not simply sent again: **fence, confirm,
+//! then re-send.** The sender holds them and writes a [`mend::Msg::Fence`] into the receiver's
+//! mailbox through a live lane. The receiver fences its end of the lane (its queue pair to the
+//! error state, so nothing more of it lands), waits until every receive it had posted on the
+//! lane has come back (landed or flushed), so that every chunk that landed is counted, and
+//! answers with its receipts ([`RecvCore::receipts`]): per slot, which receive it holds, whether
+//! it is still open and which chunks it counted, and the ack word's high-water mark. Only the
+//! chunks it did not count go again ([`SendCore::settle`]), on live lanes, in row order; a
+//! receive that completed is never written again. The sender posts nothing new until they
+//! have. The receiver's CTS rows move to its next live lane if they rode on the fenced one.
+//! Where messages go is path-aware ([`place`]): a lane's measured rate and queue steer whole
+//! messages, and a lane under half the best rate gets no new work.
 //!
 //! Optional receive completions: NCCL marks LL/LL128 receives (one buffer) whose arrival it
 //! detects itself through flags in the data. Their CTS says so; the sender then sends a plain
-//! RDMA write (no immediate, so the receiver posts no WQE and polls no completion), followed,
-//! when the sender runs low on rows and for every 8th row, by a small inline write of the
-//! row's `idx` into the receiver's ack word. The receive is a valid request that tests
-//! complete once its row has gone out; the ack word (or a later receive that completed) is
-//! what lets the receiver reuse the slot only after the sender has consumed its previous row,
-//! and what tells it when to write the next batch.
+//! RDMA write (no immediate, so the receiver posts no WQE and polls no completion), followed
+//! on the same lane by a small write of the row's `idx` into the receiver's ack word. The
+//! receive is a valid request that tests complete once its row has gone out; the ack word (or
+//! a later receive that completed) is what lets the receiver reuse the slot only after the
+//! sender has consumed its previous row, and what tells it when to write the next batch.
+//! Optional rows go on one lane, in row order, so the ack word is also the last row whose data
+//! landed; the receiver keeps its high-water mark, and a fence's receipts report it: rows up to
+//! it are not sent again, later ones are, in row order. The one exception to the first
+//! invariant lives here: a row re-sent after a fence may rewrite, with the same bytes, a buffer
+//! whose data had landed without its ack (at most one row per fence: the last whose data
+//! landed) and that NCCL has already read. NCCL's LL flags make that harmless: it
+//! rewrites identical bytes, and a buffer NCCL posted again gets its new data after it, on the
+//! same lane.
 //!
 //! Liveness: a comm that waits (requests pending, or a send waiting for its CTS) and has seen no
 //! completion for the probe interval posts a zero-length RDMA write to its peer. A live peer's
@@ -87,10 +109,16 @@ const ENTRY_WORDS: usize = ENTRY / 8;
 /// entries (entry 0 of every slot, dense, so that a batch of consecutive rows is one small
 /// write), then the other entries of multi-receives, `MAX_RECVS - 1` per slot.
 pub const FIFO_WORDS: usize = SLOTS * MAX_RECVS * ENTRY_WORDS;
-/// After the FIFO, the sender's mailbox: the receiver's answers about lane repair.
+/// After the FIFO, the sender's mailbox: the receiver's answers about lane repair and fences.
 const FIFO_MAIL: usize = FIFO_WORDS;
-/// The FIFO and its mailbox (and the receiver's staging area, which mirrors them).
-pub const FIFO_AREA: usize = FIFO_WORDS + mend::MAIL_WORDS;
+/// After the mailbox, the receipts of the last fence ([`Receipts`]).
+const FIFO_RECEIPTS: usize = FIFO_MAIL + mend::MAIL_WORDS;
+/// The receipts in u64 words: the ack word's high-water mark, then per slot its receive's
+/// `idx << 1 | open` and the chunks counted (two words).
+const RECEIPT_WORDS: usize = 1 + 3 * SLOTS;
+/// The FIFO, its mailbox and the receipts (and the receiver's staging area, which mirrors
+/// them).
+pub const FIFO_AREA: usize = FIFO_RECEIPTS + RECEIPT_WORDS;
 /// Most rows one CTS batch carries: their head entries are one write of 512 bytes, inline.
 pub const BATCH: u64 = 8;
 /// The receiver writes its staged rows at `irecv` once the sender holds at most this many
@@ -100,11 +128,6 @@ const LOW_AT_IRECV: u64 = 2;
 /// ping-pong writes its batch after its own send, off the round trip; never later, so that the
 /// sender always still has a row in hand or one on the way.
 const LOW_AT_POLL: u64 = 1;
-/// The sender writes the ack word for an optional row when fewer than this many later rows
-/// have landed (the receiver must learn soon that it is running low) ...
-const ACK_AHEAD: u64 = 2;
-/// ... and for every row whose `idx` is a multiple of this, so that slots are freed for reuse.
-const ACK_EVERY: u64 = 8;
 /// The size records in u64 words: one per buffer of every slot, then the ack word.
 pub const SIZE_WORDS: usize = SLOTS * MAX_RECVS + 1;
 /// The word of the size records that holds the last optional row the sender consumed.
@@ -294,6 +317,9 @@ pub trait Post {
     /// Lane repair: connects lane `qp`'s new queue pair to the peer's QP `peer` (RTR, then
     /// RTS), sending from PSN `psns.0` and expecting `psns.1`.
     fn join(&mut self, qp: usize, peer: u32, psns: (u32, u32)) -> Result<()>;
+    /// A fence: moves lane `qp`'s queue pair to the error state, so that nothing more of it
+    /// lands here or at the peer; its posted work, receives included, completes as flushed.
+    fn fence(&mut self, qp: usize) -> Result<()>;
 }
 
 /// A local buffer registered for a transfer: its address range, keys, and whether the CPU may
@@ -364,11 +390,6 @@ impl Cts {
             optional: w[7] & CTS_OPTIONAL != 0,
             idx: w[7] >> 16,
         }
-    }
-
-    /// The `idx` of entry `r` of `slot` as it stands in `fifo`.
-    fn idx_at(fifo: &(impl Words + ?Sized), slot: usize, r: usize) -> u64 {
-        fifo.load(entry_word(slot, r) + ENTRY_WORDS - 1) >> 16
     }
 
     /// Reads entry `r` of `slot`: the word with `idx` first, then the rest, so that an entry
@@ -967,8 +988,15 @@ pub struct SendCore {
     chunk_lane: Vec<u8>,
     /// The lanes whose path still answers (bit `q` for lane `q`).
     alive: u128,
-    /// Chunks to send again on a live lane: their lane failed before they completed.
+    /// Chunks to send again on a live lane: their lane failed before they completed, and the
+    /// receiver's receipts say it did not count them. In row order.
     resend: VecDeque<(usize, usize)>,
+    /// Lanes that failed and wait for their fence: their chunks in flight are held (left
+    /// pending on the lane) until the receiver says which of them it counted ([`Self::settle`]).
+    unfenced: u128,
+    /// The fence asked and not yet answered: its request number, its lane, the lane it was
+    /// asked through, and when.
+    fence: Option<(u16, usize, usize, Duration)>,
     /// Where [`Self::live_lane`] looks for the next live lane.
     spread: usize,
     /// Per lane: its chunks in flight and measured rate.
@@ -1011,6 +1039,8 @@ impl SendCore {
             chunk_lane: vec![0; SLOTS * p.nqps],
             alive: lanes_mask(p.nqps),
             resend: VecDeque::new(),
+            unfenced: 0,
+            fence: None,
             spread: 0,
             lanes: (0..p.nqps).map(|_| place::Lane::new()).collect(),
             mend: mend::Mend::new(p.nqps, p.repair),
@@ -1165,6 +1195,11 @@ impl SendCore {
     ) -> Result<Option<usize>> {
         self.check()?;
         self.resend(stage, io)?;
+        if self.unfenced != 0 || !self.resend.is_empty() {
+            // Held and re-sent chunks go first: an optional row's data and ack must follow
+            // those of every earlier row.
+            return Ok(None);
+        }
         let slot = (self.head % SLOTS as u64) as usize;
         let want = self.head + 1;
         let first = Cts::read(fifo, slot, 0);
@@ -1228,7 +1263,7 @@ impl SendCore {
         s.matched |= 1 << r;
         s.bufs = bufs;
         if last {
-            if let Err(e) = self.post(fifo, stage, io, slot, &row[..nreqs]) {
+            if let Err(e) = self.post(stage, io, slot, &row[..nreqs]) {
                 // Never handed out; the row's earlier requests fail with the comm.
                 self.reqs[id] = SendReq::default();
                 return Err(self.health.post_failed(e));
@@ -1271,7 +1306,6 @@ impl SendCore {
     /// on its lane, or on the next live one where that lane failed.
     fn post(
         &mut self,
-        fifo: &impl Words,
         stage: &impl Words,
         io: &mut impl Post,
         slot: usize,
@@ -1306,7 +1340,7 @@ impl SendCore {
             } else {
                 self.whole_lane(slot, sizes.iter().sum())
             };
-            self.post_chunk(Some(fifo as &dyn Words), stage, io, (slot, c, q), at)?;
+            self.post_chunk(stage, io, (slot, c, q), at)?;
         }
         self.slots[slot].pending = lanes_mask(lanes.len());
         self.in_flight += 1;
@@ -1316,11 +1350,9 @@ impl SendCore {
 
     /// Posts chunk `c` of the slot on lane `q`, as of `at` (for placement): the data writes of
     /// its part, the size record (chunk 0, when needed), and its final write-with-immediate;
-    /// or, for an optional receive, the data and (when due, always with no `fifo` to look
-    /// ahead in) the ack.
+    /// or, for an optional receive, the data and the ack.
     fn post_chunk(
         &mut self,
-        fifo: Option<&dyn Words>,
         stage: &impl Words,
         io: &mut impl Post,
         (slot, c, q): (usize, usize, usize),
@@ -1376,40 +1408,29 @@ impl SendCore {
             data += len;
         }
         if optional {
-            // The ack is batched like the CTS rows: written when the receiver must learn soon
-            // that the sender runs low (fewer than ACK_AHEAD later rows have landed), for every
-            // ACK_EVERY-th row (slots are reused only once acked), for an empty message (no
-            // data write to signal), and when the message is sent again.
-            let idx = row[0].idx;
-            let ahead = fifo.map_or(0, |f| {
-                (1..=ACK_AHEAD)
-                    .take_while(|&k| Cts::idx_at(f, (slot + k as usize) % SLOTS, 0) == idx + k)
-                    .count() as u64
-            });
-            match chain.last() {
-                Some(w) if ahead == ACK_AHEAD && !idx.is_multiple_of(ACK_EVERY) => {
-                    w.signaled = true
-                }
-                _ => {
-                    // Staged rather than inline only where the QP takes no inline data; a
-                    // later ack overwriting it before the NIC reads it only reports a later
-                    // consumed row.
-                    stage.store(ACK_WORD, idx);
-                    let (remote_addr, rkey) = self.remote_sizes.at(ACK_WORD, theirs);
-                    chain.push(
-                        io,
-                        SendWr {
-                            wr_id: id,
-                            signaled: true,
-                            local: Some((stage.addr(ACK_WORD), 8, stage.lkey(ours))),
-                            remote_addr,
-                            rkey,
-                            inline: 8 <= inline,
-                            ..SendWr::default()
-                        },
-                    )?;
-                }
-            }
+            // Every optional row's data is followed, on its lane, by the ack: its `idx` in the
+            // receiver's ack word. Optional rows go on one lane in row order, so the ack's
+            // high-water mark is the last row whose data landed: what a fence's receipts tell
+            // the sender (NCCL's flags tell nothing to the plugin). Inline where the QP takes
+            // inline data; else staged in the slot's own first size record (an optional row
+            // has none), which stays as it is until the slot is reused, after this write
+            // completed: a NIC that reads it late still writes this row's `idx`, not a later
+            // row's, which would claim data that has not landed.
+            let word = slot * MAX_RECVS;
+            stage.store(word, row[0].idx);
+            let (remote_addr, rkey) = self.remote_sizes.at(ACK_WORD, theirs);
+            chain.push(
+                io,
+                SendWr {
+                    wr_id: id,
+                    signaled: true,
+                    local: Some((stage.addr(word), 8, stage.lkey(ours))),
+                    remote_addr,
+                    rkey,
+                    inline: 8 <= inline,
+                    ..SendWr::default()
+                },
+            )?;
         } else {
             if !single && c == 0 {
                 let len = (nreqs * 8) as u32;
@@ -1472,13 +1493,18 @@ impl SendCore {
                 self.resend.pop_front();
                 continue;
             }
-            let q = self.live_lane(usize::from(self.chunk_lane[slot * self.p.nqps + c]));
             let s = self.slots[slot];
-            let split = self.p.split && !(s.nreqs == 1 && s.row[0].optional);
+            let optional = s.nreqs == 1 && s.row[0].optional;
+            let q = if optional {
+                self.control_lane()
+            } else {
+                self.live_lane(usize::from(self.chunk_lane[slot * self.p.nqps + c]))
+            };
+            let split = self.p.split && !optional;
             if !self.sq[q].fits(self.wrs_for(slot, &s.bufs[..usize::from(s.nreqs)], split, c)) {
                 return Ok(());
             }
-            let posted = self.post_chunk(None, stage, io, (slot, c, q), at);
+            let posted = self.post_chunk(stage, io, (slot, c, q), at);
             posted.map_err(|e| self.health.post_failed(e))?;
             self.resend.pop_front();
         }
@@ -1520,23 +1546,20 @@ impl SendCore {
         true
     }
 
-    /// Takes lane `lane` out: its chunks in flight go again on live lanes, one WARN.
+    /// Takes lane `lane` out, one WARN: its chunks in flight are held until the receiver has
+    /// fenced the lane and said which of them it counted ([`Self::fenced`]).
     fn drop_lane(&mut self, lane: usize, why: &str) {
         self.alive &= !(1u128 << lane);
+        if self.fence.is_some_and(|f| f.2 == lane) {
+            self.fence = None; // asked through this lane: asked again through a live one
+        }
         self.health.lane_lost(lane);
         self.lanes[lane].failed();
-        let nqps = self.p.nqps;
-        let mut chunks = 0;
-        for slot in 0..SLOTS {
-            let pending = self.slots[slot].pending;
-            for ch in (0..nqps).filter(|&ch| pending & (1 << ch) != 0) {
-                if usize::from(self.chunk_lane[slot * nqps + ch]) == lane {
-                    self.resend.push_back((slot, ch));
-                    chunks += 1;
-                }
-            }
+        let chunks = self.held(lane).count();
+        if chunks > 0 {
+            self.unfenced |= 1 << lane; // nothing held, nothing to settle
         }
-        let live = (0..nqps).filter(|&q| self.alive & (1 << q) != 0).count();
+        let live = self.alive.count_ones();
         let what = format!("the send comm to {}", self.p.path.peer);
         // A live lane's failure counts as an attempt only within the timeout of its last
         // repair (a flapping path).
@@ -1564,9 +1587,111 @@ impl SendCore {
                 )
             }
         };
-        let then =
-            format!("its {chunks} chunk(s) in flight go again on the {live} lane(s) left{repair}");
+        let then = format!(
+            "its {chunks} chunk(s) in flight are held until the receiver has fenced the lane \
+             and said which of them it counted; the others go again on the {live} lane(s) \
+             left{repair}"
+        );
         self.warnings.push_back(Line::Warn(lane_warning(&self.p.path, &what, lane, why, &then)));
+    }
+
+    /// The chunks in flight on lane `lane`: `(slot, chunk)`.
+    fn held(&self, lane: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let nqps = self.p.nqps;
+        (0..SLOTS).flat_map(move |slot| {
+            let pending = self.slots[slot].pending;
+            (0..nqps)
+                .filter(move |&c| {
+                    pending & (1 << c) != 0 && usize::from(self.chunk_lane[slot * nqps + c]) == lane
+                })
+                .map(move |c| (slot, c))
+        })
+    }
+
+    /// The fences of failed lanes, one at a time through the mailbox: the answer to the one
+    /// asked is settled; then the next is asked through the control lane (or the same again,
+    /// as a new request, once the repair timeout passed without an answer: the lane it was
+    /// asked through may have lost it). `true` while a fence is under way or waits for the
+    /// mailbox: no repair request starts meanwhile.
+    fn fenced(
+        &mut self,
+        now: Duration,
+        fifo: &impl Words,
+        stage: &impl Words,
+        io: &mut impl Post,
+    ) -> bool {
+        if let Some((seq, lane, _, since)) = self.fence {
+            if mail(fifo, FIFO_MAIL) == Some(mend::Msg::Fenced { lane, seq }) {
+                self.fence = None;
+                self.settle(lane, fifo);
+            } else if now.saturating_sub(since) > self.p.repair.timeout {
+                self.fence = None;
+            } else {
+                return true;
+            }
+        }
+        if self.unfenced == 0 {
+            return false;
+        }
+        let ctl = self.control_lane();
+        if self.mend.asking() || self.alive & (1 << ctl) == 0 || !self.sq[ctl].fits(1) {
+            return true; // a repair request's answer or timeout first, or no room yet
+        }
+        let lane = self.unfenced.trailing_zeros() as usize;
+        let seq = self.mend.next_seq();
+        let msg = mend::Msg::Fence { lane, seq };
+        let life = (ctl, self.health.life[ctl], self.p.members[ctl]);
+        let wr = mail_wr(msg, stage, SIZE_MAIL, life, &self.remote_sizes, self.p.max_inline);
+        match io.send(ctl, &[wr]) {
+            Ok(()) => {
+                self.sq[ctl].posted(1, true);
+                self.fence = Some((seq, lane, ctl, now));
+            }
+            Err(e) => {
+                self.health.post_failed(e);
+            }
+        }
+        true
+    }
+
+    /// The receiver fenced lane `lane` and its receipts are in `fifo`: each chunk held on the
+    /// lane counts as delivered where the receiver counted it (or the receive completed, or,
+    /// for an optional row, the ack word's high-water mark reached it), and goes again, in row
+    /// order, otherwise. A receive that completed is never written again.
+    fn settle(&mut self, lane: usize, fifo: &impl Words) {
+        let acked = fifo.load(FIFO_RECEIPTS);
+        let held: Vec<(usize, usize)> = self.held(lane).collect();
+        let (mut landed, mut again) = (0, 0);
+        for (slot, c) in held {
+            let s = &self.slots[slot];
+            let idx = s.row[0].idx;
+            let w = FIFO_RECEIPTS + 1 + 3 * slot;
+            let head = fifo.load(w);
+            let got = u128::from(fifo.load(w + 1)) | u128::from(fifo.load(w + 2)) << 64;
+            let (theirs, open) = (head >> 1, head & 1 == 1);
+            let counted = if s.nreqs == 1 && s.row[0].optional {
+                idx <= acked
+            } else {
+                theirs > idx || theirs == idx && (!open || got & (1 << c) != 0)
+            };
+            if counted {
+                self.chunk_done(slot, c);
+                landed += 1;
+            } else {
+                self.resend.push_back((slot, c));
+                again += 1;
+            }
+        }
+        let slots = &self.slots;
+        self.resend.make_contiguous().sort_by_key(|&(slot, c)| (slots[slot].row[0].idx, c));
+        self.unfenced &= !(1 << lane);
+        let sport = self.p.path.sports.get(lane).copied().unwrap_or(0);
+        self.warnings.push_back(Line::Info(format!(
+            "lane {lane} (UDP source port {sport}) of the send comm to {} is fenced at both \
+             ends: the receiver counted {landed} of its chunks in flight, {again} go again on \
+             the live lanes",
+            self.p.path.peer
+        )));
     }
 
     /// Our member ports whose link is down, named (`None`: none): a local queue-pair error
@@ -1624,6 +1749,9 @@ impl SendCore {
     fn repair(&mut self, now: Duration, fifo: &impl Words, stage: &impl Words, io: &mut impl Post) {
         while let Some((lane, why)) = self.mend.tick(now) {
             self.attempt_failed(lane, why);
+        }
+        if self.fenced(now, fifo, stage, io) {
+            return;
         }
         let target = self.remote_sizes;
         let answer = std::array::from_fn(|i| fifo.load(FIFO_MAIL + i));
@@ -1712,7 +1840,12 @@ impl SendCore {
         }
         // Each chunk ends in one such completion, and a QP completes in order.
         self.lanes[lane].retired(self.clock.unwrap_or_default());
-        let (slot, chunk) = (wr_slot(c.wr_id), wr_chunk(c.wr_id));
+        self.chunk_done(wr_slot(c.wr_id), wr_chunk(c.wr_id));
+    }
+
+    /// Chunk `chunk` of slot `slot` is delivered: its completion arrived, or the receipts of a
+    /// fence say it landed.
+    fn chunk_done(&mut self, slot: usize, chunk: usize) {
         let s = &mut self.slots[slot];
         let bit = 1u128 << chunk;
         if s.pending & bit == 0 {
@@ -1751,7 +1884,7 @@ impl SendCore {
         }
         // Waiting on the peer: for a CTS, for completions, or with a row half matched.
         let half = self.slots[(self.head % SLOTS as u64) as usize].matched != 0;
-        let waiting = self.wants_cts || self.in_flight > 0 || half;
+        let waiting = self.wants_cts || self.in_flight > 0 || half || self.unfenced != 0;
         let room = (0..self.p.nqps).filter(|&q| self.alive & (1 << q) != 0 && self.sq[q].fits(0));
         let lanes = room.fold(0u128, |m, q| m | 1 << q);
         let (target, members) = (self.remote_sizes, &self.p.members);
@@ -1833,8 +1966,15 @@ pub struct RecvCore {
     /// The lane that carries CTS rows, probes and repair answers: a live one, moved only when
     /// it fails or is rebuilt (rows that moved must not overtake each other).
     ctl: usize,
-    /// The last repair request served.
+    /// The last repair or fence request taken.
     served: Option<u16>,
+    /// The request being served, since when: its lane is fenced, and the answer waits until
+    /// every receive posted on the lane has come back (landed or flushed), so that the
+    /// receipts hold every chunk that landed.
+    serving: Option<(mend::Msg, Duration)>,
+    /// The ack word's high-water mark: the sender writes it in row order, but a row sent again
+    /// after a fence must never move it back.
+    acked: std::cell::Cell<u64>,
     /// Where batches are built before posting.
     chain: Box<[SendWr; MAX_CHAIN]>,
     /// Receive WQEs posted on each lane and not yet used.
@@ -1921,6 +2061,8 @@ impl RecvCore {
             alive: lanes_mask(p.nqps),
             ctl: 0,
             served: None,
+            serving: None,
+            acked: std::cell::Cell::new(0),
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
             pool: vec![0; p.nqps],
             warnings: VecDeque::new(),
@@ -1954,7 +2096,9 @@ impl RecvCore {
     /// it for some optional rows only), or a later receive that completed (the sender consumes
     /// rows in order).
     fn known_consumed(&self, sizes: &impl Words) -> u64 {
-        self.consumed.max(sizes.load(ACK_WORD))
+        let acked = self.acked.get().max(sizes.load(ACK_WORD));
+        self.acked.set(acked);
+        self.consumed.max(acked)
     }
 
     pub fn check(&self) -> Result<()> {
@@ -2097,27 +2241,123 @@ impl RecvCore {
         }
     }
 
-    /// Serves the sender's repair request in the mailbox word of `sizes`, once: rebuilds our
-    /// end of its lane (moving the CTS rows off it first, where another lane lives), posts
-    /// the lane's receives again, and answers through the control lane.
-    fn serve(&mut self, stage: &impl Words, sizes: &impl Words, io: &mut impl Post) -> Result<()> {
-        let Some(mend::Msg::Ask { lane, seq, qpn: peer }) = mail(sizes, SIZE_MAIL) else {
+    /// Serves the sender's request in the mailbox word of `sizes`, once: a fence or a repair.
+    /// Either fences our end of its lane first (the queue pair to the error state: nothing
+    /// more of it lands; the CTS rows move off it where another lane lives) and waits until
+    /// the lane's receives have all come back, so that every chunk that landed on it is
+    /// counted. Then a repair rebuilds our end (a new queue pair, connected to the sender's,
+    /// its receives posted again). The answer goes through the control lane, after the
+    /// receipts: what this end counted ([`Self::receipts`]).
+    fn serve(
+        &mut self,
+        now: Duration,
+        stage: &impl Words,
+        sizes: &impl Words,
+        io: &mut impl Post,
+    ) -> Result<()> {
+        if self.serving.is_none() {
+            let (lane, seq) = match mail(sizes, SIZE_MAIL) {
+                Some(mend::Msg::Ask { lane, seq, .. } | mend::Msg::Fence { lane, seq }) => {
+                    (lane, seq)
+                }
+                _ => return Ok(()),
+            };
+            // A lane the comm does not have is a corrupt word, not a request.
+            if self.served == Some(seq) || lane >= self.p.nqps {
+                return Ok(());
+            }
+            self.served = Some(seq);
+            let msg = mail(sizes, SIZE_MAIL).expect("decoded above");
+            if self.alive & (1 << lane) != 0 || self.ctl == lane {
+                self.forget(lane, sizes);
+            }
+            io.fence(lane).map_err(|e| self.health.post_failed(e))?;
+            self.serving = Some((msg, now));
+        }
+        let Some((msg, since)) = self.serving else { return Ok(()) };
+        let (mend::Msg::Ask { lane, .. } | mend::Msg::Fence { lane, .. }) = msg else {
             return Ok(());
         };
-        // A lane the comm does not have is a corrupt word, not a request.
-        if self.served == Some(seq) || lane >= self.p.nqps {
+        if self.pool[lane] > 0 {
+            if now.saturating_sub(since) > self.p.repair.timeout {
+                let msg = format!(
+                    "lane {lane} of the receive comm from {} was fenced, but {} of its posted \
+                     receives did not come back within {} ms: what landed on it cannot be \
+                     known, so nothing of it may be sent again; the connection is unusable",
+                    self.p.path.peer,
+                    self.pool[lane],
+                    self.p.repair.timeout.as_millis()
+                );
+                return Err(self.health.fail(Fault::Local(msg)));
+            }
             return Ok(());
         }
         let bit = 1u128 << lane;
         let ctl =
             if self.ctl == lane { first_live(self.alive & !bit, self.p.nqps) } else { self.ctl };
-        if ctl != lane && !self.sq[ctl].fits(1) {
+        if ctl != lane && !self.sq[ctl].fits(2) {
             return Ok(()); // no room for the answer yet
         }
-        self.served = Some(seq);
-        if self.alive & bit != 0 || self.ctl == lane {
-            self.forget(lane, sizes);
+        self.serving = None;
+        let answer = match msg {
+            mend::Msg::Ask { seq, qpn: peer, .. } => {
+                let Some(qpn) = self.rebuild(lane, seq, peer, io)? else { return Ok(()) };
+                mend::Msg::Done { lane, seq, qpn }
+            }
+            mend::Msg::Fence { seq, .. } => mend::Msg::Fenced { lane, seq },
+            _ => return Ok(()),
+        };
+        let ctl = self.ctl;
+        if self.alive & (1 << ctl) == 0 {
+            return Ok(()); // no lane to answer through: the sender asks again
         }
+        let (ours, theirs) = self.p.members[ctl];
+        self.receipts(stage, sizes);
+        let (remote_addr, rkey) = self.remote_fifo.at(FIFO_RECEIPTS, theirs);
+        let len = (RECEIPT_WORDS * 8) as u32;
+        let receipts = SendWr {
+            wr_id: tagged(wr_id(WR_MAIL, ctl, 0), self.health.life[ctl]),
+            op: Op::Write,
+            local: Some((stage.addr(FIFO_RECEIPTS), len, stage.lkey(ours))),
+            remote_addr,
+            rkey,
+            inline: len <= self.p.max_inline,
+            ..SendWr::default()
+        };
+        let life = (ctl, self.health.life[ctl], self.p.members[ctl]);
+        let answer = mail_wr(answer, stage, FIFO_MAIL, life, &self.remote_fifo, self.p.max_inline);
+        io.send(ctl, &[receipts, answer]).map_err(|e| self.health.post_failed(e))?;
+        self.sq[ctl].posted(1, false);
+        self.sq[ctl].posted(1, true);
+        self.health.watchdog.posted();
+        Ok(())
+    }
+
+    /// Stages what this end counted, for a fence's answer: the ack word's high-water mark,
+    /// then per slot its receive's `idx << 1 | open` (still counting chunks) and the chunks
+    /// counted.
+    fn receipts(&self, stage: &impl Words, sizes: &impl Words) {
+        self.known_consumed(sizes);
+        stage.store(FIFO_RECEIPTS, self.acked.get());
+        for (slot, s) in self.slots.iter().enumerate() {
+            let open = s.state == State::Pending && s.ack_for == 0;
+            let w = FIFO_RECEIPTS + 1 + 3 * slot;
+            stage.store(w, s.idx << 1 | u64::from(open));
+            stage.store(w + 1, s.got as u64);
+            stage.store(w + 2, (s.got >> 64) as u64);
+        }
+    }
+
+    /// Repair: replaces our end of lane `lane` with a new queue pair connected to the sender's
+    /// `peer` (request `seq`), posts its receives and makes it live. Its number; `None` where
+    /// it could not be built (one WARN: the sender's attempt fails).
+    fn rebuild(
+        &mut self,
+        lane: usize,
+        seq: u16,
+        peer: u32,
+        io: &mut impl Post,
+    ) -> Result<Option<u32>> {
         let (send, recv) = mend::psns(seq);
         let qpn = match io.fresh(lane).and_then(|q| io.join(lane, peer, (recv, send)).map(|()| q)) {
             Ok(qpn) => qpn,
@@ -2127,9 +2367,10 @@ impl RecvCore {
                 let then = "the sender's repair attempt fails".to_string();
                 let w = lane_warning(&self.p.path, &what, lane, &why, &then);
                 self.warnings.push_back(Line::Warn(w));
-                return Ok(());
+                return Ok(None);
             }
         };
+        let bit = 1u128 << lane;
         self.health.life[lane] = self.health.life[lane].wrapping_add(1);
         self.sq[lane] = SqCount::new(RECV_SEND_QUEUE);
         self.pool[lane] = 0;
@@ -2141,14 +2382,7 @@ impl RecvCore {
         t.down[lane] = false;
         t.repaired[lane] += 1;
         self.refill(io)?;
-        let ctl = self.ctl;
-        let done = mend::Msg::Done { lane, seq, qpn };
-        let life = (ctl, self.health.life[ctl], self.p.members[ctl]);
-        let done = mail_wr(done, stage, FIFO_MAIL, life, &self.remote_fifo, self.p.max_inline);
-        io.send(ctl, &[done]).map_err(|e| self.health.post_failed(e))?;
-        self.sq[ctl].posted(1, true);
-        self.health.watchdog.posted();
-        Ok(())
+        Ok(Some(qpn))
     }
 
     /// A line for the log: each lane whose path failed our CTS rows or probes, or that the
@@ -2307,6 +2541,11 @@ impl RecvCore {
         if stale && !(c.status == 0 && kind == WR_RECV) {
             return;
         }
+        if kind == WR_RECV && !stale {
+            // A WQE of the lane's pool came back, landed or flushed: a fenced lane is drained
+            // once none is left.
+            self.pool[lane] = self.pool[lane].saturating_sub(1);
+        }
         if c.status != 0 && kind != WR_FLUSH && self.lane_failed(lane, c, sizes) {
             return;
         }
@@ -2319,11 +2558,8 @@ impl RecvCore {
         let mut i = wr_slot(c.wr_id);
         match wr_kind(c.wr_id) {
             WR_RECV => {
-                // A WQE of the lane's pool was used; the immediate names the slot and chunk.
+                // The immediate names the slot and chunk.
                 let q = wr_lane(c.wr_id);
-                if let Some(n) = self.pool.get_mut(q).filter(|_| !stale) {
-                    *n = n.saturating_sub(1);
-                }
                 let imm = Imm::decode(c.imm.unwrap_or(0));
                 i = imm.slot;
                 let s = &mut self.slots[i];
@@ -2396,7 +2632,7 @@ impl RecvCore {
         sizes: &impl Words,
     ) -> Result<()> {
         if self.health.fatal.is_none() {
-            self.serve(stage, sizes, io)?;
+            self.serve(now, stage, sizes, io)?;
             if self.waiting > 0 {
                 self.refill(io)?;
             }

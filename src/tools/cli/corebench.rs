@@ -108,6 +108,9 @@ impl Post for Loopback<'_> {
     fn join(&mut self, qp: usize, _peer: u32, _psns: (u32, u32)) -> ferroce::error::Result<()> {
         self.fresh(qp).map(|_| ())
     }
+    fn fence(&mut self, qp: usize) -> ferroce::error::Result<()> {
+        self.fresh(qp).map(|_| ())
+    }
 }
 
 /// What `n` messages cost: the time, and per message the doorbells (send-queue posts) of

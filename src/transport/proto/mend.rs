@@ -10,6 +10,10 @@
 //! the lane (a zero-length write): once that completes, the lane rejoins. No answer, or no
 //! probe completion, within the timeout, or a failed probe, is a failed attempt; after the last
 //! one the lane stays out. One lane is repaired at a time, so one mailbox each way is enough.
+//!
+//! Before any of that, a failed lane is fenced: the same mailboxes carry [`Msg::Fence`] and its
+//! answer [`Msg::Fenced`] (see `SendCore::fence` in the core), and no repair request is asked
+//! while a fence is.
 
 use std::time::Duration;
 
@@ -47,10 +51,18 @@ pub enum Msg {
     Ask { lane: usize, seq: u16, qpn: u32 },
     /// Receiver to sender: done, my end of `lane` is QP `qpn`; connect yours and probe.
     Done { lane: usize, seq: u16, qpn: u32 },
+    /// Sender to receiver: `lane` failed; fence your end of it (nothing more of it may land)
+    /// and tell me which of its chunks you counted.
+    Fence { lane: usize, seq: u16 },
+    /// Receiver to sender: `lane` is fenced; what I counted is in the receipts, which landed
+    /// before this word.
+    Fenced { lane: usize, seq: u16 },
 }
 
 const ASK: u64 = 0xa5;
 const DONE: u64 = 0x5a;
+const FENCE: u64 = 0xf5;
+const FENCED: u64 = 0x5f;
 
 /// A mailbox's words: 0 and 1.
 pub const MAIL_WORDS: usize = 2;
@@ -67,6 +79,8 @@ impl Msg {
         let (kind, lane, seq, qpn) = match self {
             Msg::Ask { lane, seq, qpn } => (ASK, lane, seq, qpn),
             Msg::Done { lane, seq, qpn } => (DONE, lane, seq, qpn),
+            Msg::Fence { lane, seq } => (FENCE, lane, seq, 0),
+            Msg::Fenced { lane, seq } => (FENCED, lane, seq, 0),
         };
         let high = kind << 24 | (lane as u64 & 0xff) << 16 | u64::from(seq);
         let qpn = u64::from(qpn & 0xff_ffff);
@@ -82,6 +96,8 @@ impl Msg {
         match high >> 24 {
             ASK => Some(Msg::Ask { lane, seq, qpn }),
             DONE => Some(Msg::Done { lane, seq, qpn }),
+            FENCE if qpn == 0 => Some(Msg::Fence { lane, seq }),
+            FENCED if qpn == 0 => Some(Msg::Fenced { lane, seq }),
             _ => None,
         }
     }
@@ -191,7 +207,7 @@ impl Mend {
 
     /// The lane whose attempt may start now: none while another is asked (one mailbox word).
     pub fn due(&self, now: Duration) -> Option<usize> {
-        if self.stage.iter().any(|s| matches!(s, Stage::Asked { .. })) {
+        if self.asking() {
             return None;
         }
         self.stage.iter().position(|s| matches!(s, Stage::Wait { at: Some(at) } if *at <= now))
@@ -199,9 +215,20 @@ impl Mend {
 
     /// Lane `lane`'s attempt starts: its request number.
     pub fn ask(&mut self, lane: usize, now: Duration) -> u16 {
+        let seq = self.next_seq();
+        self.stage[lane] = Stage::Asked { seq, since: now };
+        seq
+    }
+
+    /// A new request number (repair requests and fences share one sequence and one mailbox).
+    pub fn next_seq(&mut self) -> u16 {
         self.seq = self.seq.wrapping_add(1);
-        self.stage[lane] = Stage::Asked { seq: self.seq, since: now };
         self.seq
+    }
+
+    /// Whether a repair request waits for its answer (the mailbox is in use).
+    pub fn asking(&self) -> bool {
+        self.stage.iter().any(|s| matches!(s, Stage::Asked { .. }))
     }
 
     /// The lane asked, its request and the peer's new QP on it, if `mail` is the peer's
@@ -235,6 +262,8 @@ mod tests {
         let msgs = [
             Msg::Ask { lane: 3, seq: 7, qpn: 17 },
             Msg::Done { lane: 127, seq: 65535, qpn: 0xff_ffff },
+            Msg::Fence { lane: 5, seq: 300 },
+            Msg::Fenced { lane: 0, seq: 1 },
         ];
         for m in msgs {
             assert_eq!(Msg::decode(m.encode()), Some(m));

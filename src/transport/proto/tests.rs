@@ -61,11 +61,39 @@ struct Mem {
     regions: RefCell<Vec<(u64, u32, Vec<u8>)>>,
     /// Regions that stand for GPU memory: a CPU read of them (inline data) is a crash.
     gpu: RefCell<Vec<u64>>,
+    /// Receive buffers `[start, end)` whose receive completed and that NCCL has not posted
+    /// again: a NIC write into one is silent corruption (the invariant at the top of the core).
+    closed: RefCell<Vec<(u64, u64)>>,
 }
 
 impl Mem {
     fn new() -> Mem {
-        Mem { regions: RefCell::new(Vec::new()), gpu: RefCell::new(Vec::new()) }
+        Mem {
+            regions: RefCell::new(Vec::new()),
+            gpu: RefCell::new(Vec::new()),
+            closed: RefCell::new(Vec::new()),
+        }
+    }
+
+    /// The receive of `[addr, addr + len)` completed: the buffer is NCCL's again.
+    fn close(&self, addr: u64, len: u64) {
+        self.closed.borrow_mut().push((addr, addr + len));
+    }
+
+    /// NCCL posted `[addr, addr + len)` again.
+    fn reopen(&self, addr: u64, len: u64) {
+        self.closed.borrow_mut().retain(|&(a, b)| b <= addr || addr + len <= a);
+    }
+
+    /// A NIC write lands in `[addr, addr + len)`: never in a completed receive's buffer.
+    fn nic_write(&self, addr: u64, len: u64) {
+        let closed = self.closed.borrow();
+        let hit = closed.iter().find(|&&(a, b)| addr < b && a < addr + len);
+        assert!(
+            hit.is_none(),
+            "{len} bytes written at {addr:#x}, into the buffer {hit:x?} of a receive that \
+             completed and was not posted again: silent corruption"
+        );
     }
 
     /// Every region of both ends: data areas of `data_len` bytes, FIFO, staging, size records
@@ -198,6 +226,12 @@ struct Wire {
     /// receives included).
     black_hole: Vec<Option<bool>>,
     failed: [Vec<bool>; 2],
+    /// Per side and QP: failed by a fence (no WARN is owed for it).
+    fenced: [Vec<bool>; 2],
+    /// Per lane: the receiver-to-sender direction of its path drops everything (the sender's
+    /// writes all land, their ACKs vanish): the sender's signaled requests that executed
+    /// without an ACK, and how many more of its requests execute before its retries run out.
+    one_way: Vec<Option<(Vec<u64>, u32)>>,
     /// The simulated clock, as the cores' precise one.
     now: Duration,
     /// Per lane, the sender's and the receiver's member ports (empty: all on the first).
@@ -231,6 +265,8 @@ impl Wire {
             dups: 0,
             black_hole: vec![None; nqps + 1],
             failed: [vec![false; nqps + 1], vec![false; nqps + 1]],
+            fenced: [vec![false; nqps + 1], vec![false; nqps + 1]],
+            one_way: vec![None; nqps + 1],
             now: Duration::ZERO,
             members: Vec::new(),
             failover: true,
@@ -251,6 +287,14 @@ impl Wire {
     /// Lane `q`'s path answers again (its QPs stay failed until rebuilt).
     fn heal_lane(&mut self, q: usize) {
         self.black_hole[q] = None;
+        // Healed before the retries ran out: the retransmissions are acknowledged.
+        let unacked = self.one_way[q].take().map(|o| o.0).unwrap_or_default();
+        let n = unacked.len();
+        for (k, wr_id) in unacked.into_iter().enumerate() {
+            let entries = if k + 1 == n { std::mem::take(&mut self.held[0][q].1) } else { 0 };
+            self.frees[0].push_back((wr_id, q, entries, self.life[0][q]));
+            self.cq[0].push_back(Completion { wr_id, ..Default::default() });
+        }
     }
 
     /// Lane `q`'s two QPs are connected to each other.
@@ -261,13 +305,16 @@ impl Wire {
     /// Every lane's path is dead: the comm must fail.
     fn all_lanes_failed(&self) -> bool {
         let n = self.black_hole.len() - 1;
-        self.black_hole[..n].iter().all(Option::is_some)
+        (0..n).all(|q| self.black_hole[q].is_some() || self.one_way[q].is_some())
     }
 
-    /// How many of `side`'s lanes failed.
-    fn lanes_failed(&self, side: usize) -> usize {
+    /// How many of `side`'s lanes failed: at least (not fenced: a fence may take a lane out
+    /// before its end saw it fail), and at most.
+    fn lanes_failed(&self, side: usize) -> (usize, usize) {
         let n = self.failed[side].len() - 1;
-        self.failed[side][..n].iter().filter(|&&f| f).count()
+        let failed = (0..n).filter(|&q| self.failed[side][q]);
+        let unfenced = failed.clone().filter(|&q| !self.fenced[side][q]).count();
+        (unfenced, failed.count())
     }
 
     /// Checks the CTS entries `bytes` that land at `addr` in the sender's FIFO: every head
@@ -308,10 +355,47 @@ impl Wire {
         let nqps = self.sq[side].len() - 1;
         let peer_failed = q < nqps && self.failed[1 - side][q];
         let strangers = q < nqps && !self.connected(q);
+        let unacked = self.one_way[q].as_ref().is_some_and(|o| !o.0.is_empty());
+        if side == 0 && unacked {
+            return self.step_one_way(mem, side, q); // its retries run out first
+        }
         if self.failed[side][q] || self.black_hole[q].is_some() || peer_failed || strangers {
             return self.fail_head(mem, side, q);
         }
+        if self.one_way[q].is_some() {
+            return self.step_one_way(mem, side, q);
+        }
         self.step_ok(mem, side, q)
+    }
+
+    /// `side`'s QP `q` on a path that drops the receiver-to-sender direction: the receiver's
+    /// own requests find nobody (retries exhausted); the sender's land, but no ACK comes back,
+    /// until its retries run out on the first one not acknowledged.
+    fn step_one_way(&mut self, mem: &Mem, side: usize, q: usize) {
+        if side == 1 {
+            return self.fail_head(mem, side, q);
+        }
+        let dead = self.failed[0][q] || self.failed[1][q] || !self.connected(q);
+        let (ref mut unacked, ref mut left) = *self.one_way[q].as_mut().expect("one-way");
+        if *left > 0 && !self.sq[0][q].is_empty() && !dead {
+            *left -= 1;
+            let head = &mut self.sq[0][q].front_mut().expect("checked").wr;
+            if head.signaled {
+                unacked.push(head.wr_id);
+            }
+            head.signaled = false;
+            return self.step_ok(mem, 0, q);
+        }
+        // The retry bound (or the peer's QP is gone): the first request not acknowledged
+        // fails, everything after it is flushed.
+        let unacked = std::mem::take(unacked);
+        let failed = !unacked.is_empty() || self.sq[0][q].is_empty();
+        for (k, wr_id) in unacked.into_iter().enumerate() {
+            let status = if k == 0 && !self.failed[0][q] { 12 } else { 5 };
+            self.cq[0].push_back(Completion { wr_id, status, ..Default::default() });
+        }
+        self.failed[0][q] |= failed;
+        self.fail_head(mem, 0, q)
     }
 
     /// Executes the head work request of `side`'s QP `q` on a path that answers.
@@ -338,9 +422,20 @@ impl Wire {
                     w.copy_from_slice(&v.to_le_bytes());
                 }
             }
-            self.acks += u64::from(side == 0 && wr.remote_addr == RECV_SIZES + 8 * ACK_WORD as u64);
+            let ack = side == 0 && wr.remote_addr == RECV_SIZES + 8 * ACK_WORD as u64;
+            if ack && !self.lying {
+                // Optional rows (and their re-sends after a fence) go out in row order: the
+                // ack word never moves back.
+                let word = |b: &[u8]| u64::from_le_bytes(b[..8].try_into().unwrap());
+                let (new, old) = (word(&bytes), word(&mem.read(wr.remote_addr, 8)));
+                assert!(new >= old, "the ack word moves back from {old} to {new}");
+            }
+            self.acks += u64::from(ack);
             if side == 1 && (FIFO..FIFO + 8 * FIFO_WORDS as u64).contains(&wr.remote_addr) {
                 self.cts_landed(wr.remote_addr, &bytes);
+            }
+            if wr.op != Op::Read {
+                mem.nic_write(wr.remote_addr, u64::from(len));
             }
             match wr.op {
                 Op::Read => {}
@@ -435,14 +530,19 @@ impl Wire {
     /// The link is broken, nothing can be posted, the sender lies or lost every lane:
     /// requests may fail.
     fn failing(&self) -> bool {
-        let one_lane = !self.failover && self.black_hole.iter().any(Option::is_some);
+        let one_lane = !self.failover
+            && (self.black_hole.iter().any(Option::is_some)
+                || self.one_way.iter().any(Option::is_some));
         self.broken || self.posts_fail || self.lying || self.all_lanes_failed() || one_lane
     }
 
     fn busy(&self) -> Vec<(usize, usize)> {
         (0..2)
             .flat_map(|s| (0..self.sq[s].len()).map(move |q| (s, q)))
-            .filter(|&(s, q)| !self.sq[s][q].is_empty())
+            .filter(|&(s, q)| {
+                let unacked = s == 0 && self.one_way.get(q).is_some_and(|o| o.is_some());
+                !self.sq[s][q].is_empty() || unacked && !self.failed[0][q]
+            })
             .collect()
     }
 }
@@ -501,6 +601,7 @@ impl Post for Io<'_> {
         w.rq[side][qp].clear();
         w.held[side][qp] = (0, 0);
         w.failed[side][qp] = false;
+        w.fenced[side][qp] = false;
         w.life[side][qp] += 1;
         w.renewed[side] += 1;
         let qpn = 1000 + (w.renewed[0] + w.renewed[1]) as u32; // unique
@@ -512,6 +613,22 @@ impl Post for Io<'_> {
         let mut w = self.wire.borrow_mut();
         assert_eq!(w.dest[self.side][qp], 0, "a new QP is connected once");
         w.dest[self.side][qp] = peer;
+        Ok(())
+    }
+    fn fence(&mut self, qp: usize) -> Result<()> {
+        let mut w = self.wire.borrow_mut();
+        let side = self.side;
+        assert!(qp < w.sq[side].len() - 1, "only a lane is fenced");
+        w.failed[side][qp] = true;
+        w.fenced[side][qp] = true;
+        // Its queued requests and posted receives complete as flushed.
+        let w = &mut *w;
+        let flushed: Vec<u64> = (w.sq[side][qp].drain(..).map(|q| q.wr.wr_id))
+            .chain(w.rq[side][qp].drain(..))
+            .collect();
+        for wr_id in flushed {
+            w.cq[side].push_back(Completion { wr_id, status: 5, ..Default::default() });
+        }
         Ok(())
     }
     fn recv(&mut self, qp: usize, wr_id: u64) -> Result<()> {
@@ -618,6 +735,9 @@ struct Run {
     /// Sender lanes whose path dies: after this many scheduler steps, lane, and whether the
     /// next work request still lands (its ACK lost).
     kills: Vec<(u64, usize, bool)>,
+    /// Lanes whose path drops the receiver-to-sender direction only: after this many scheduler
+    /// steps, lane, and how many more of the sender's requests land before its retries run out.
+    one_way: Vec<(u64, usize, u32)>,
     /// Place work by the lanes' measured cost.
     path_aware: bool,
     /// A sender lane whose path is slow: its work moves one step in 8 of those it is offered.
@@ -685,6 +805,7 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         lie_at: None,
         duplicates: rng.below(3) == 0,
         kills: Vec::new(),
+        one_way: Vec::new(),
         path_aware: rng.below(4) != 0,
         slow: (rng.below(3) == 0).then(|| rng.below(nqps as u64) as usize),
         qp_errors: Vec::new(),
@@ -714,6 +835,10 @@ struct Outcome {
     kept_out: usize,
     /// The sender's bytes per lane when the first repair was logged.
     sent_at_repair: Option<Vec<u64>>,
+    /// Fences, and the held chunks they found landed and sent again.
+    fences: usize,
+    landed: usize,
+    again: usize,
 }
 
 /// The log lines of both ends, by what they say.
@@ -726,6 +851,11 @@ struct Lines {
     attempts: usize,
     repaired: usize,
     kept_out: usize,
+    /// Lanes fenced at both ends, and of their chunks in flight those the receiver counted and
+    /// those sent again.
+    fences: usize,
+    landed: usize,
+    again: usize,
     /// The receiver's lanes that failed.
     recv_lanes: usize,
 }
@@ -743,6 +873,15 @@ fn take_lines(sender: &mut SendCore, receiver: &mut RecvCore, l: &mut Lines) {
             Line::Warn(_) => l.truncations += 1,
             Line::Info(i) if i.starts_with("lane ") && i.contains(" is repaired") => {
                 l.repaired += 1
+            }
+            Line::Info(i) if i.starts_with("lane ") && i.contains(" is fenced at both ends") => {
+                l.fences += 1;
+                let n = |after: &str| -> usize {
+                    let rest = &i[i.find(after).expect(after) + after.len()..];
+                    rest.split(' ').next().unwrap().parse().unwrap()
+                };
+                l.landed += n("the receiver counted ");
+                l.again += n("in flight, ");
             }
             Line::Info(i) => {
                 assert!(i.starts_with("repair attempt "), "{i}");
@@ -772,7 +911,7 @@ struct Journaled {
 impl Journaled {
     fn new(run: &Run) -> Journaled {
         let n = SLOTS * MAX_RECVS;
-        let faults = !run.kills.is_empty() || !run.qp_errors.is_empty();
+        let faults = !run.kills.is_empty() || !run.qp_errors.is_empty() || !run.one_way.is_empty();
         Journaled { send: vec![Vec::new(); n], recv: vec![Vec::new(); n], faults }
     }
 
@@ -871,6 +1010,11 @@ fn drive(run: &Run, seed: u64) -> Outcome {
     let mut sent = vec![false; n];
     // Optional receives seen complete whose data is not yet checked.
     let mut optional_tested: Vec<usize> = Vec::new();
+    // Groups whose data was checked: checked again at the end, in case a late write changed
+    // them (the invariant checker should have caught it first).
+    let mut checked: Vec<usize> = Vec::new();
+    // The group whose receive last filled each buffer area.
+    let mut filled = [usize::MAX; AREAS];
     let mut sends_left = vec![0usize; n];
     let mut out = Outcome::default();
     let mut steps = 0u64;
@@ -896,6 +1040,20 @@ fn drive(run: &Run, seed: u64) -> Outcome {
             rsizes.load(ACK_WORD),
             sender.head
         );
+        assert!(
+            steps < 4_000_000 + 200 * n as u64,
+            "livelock: {out:?} after {steps} steps, seed {seed}: sender unfenced {:#x} fence \
+             {:?} resend {} alive {:#x}; receiver serving {:?} alive {:#x} ctl {} pool {:?}",
+            sender.unfenced,
+            sender.fence,
+            sender.resend.len(),
+            sender.alive,
+            receiver.serving,
+            receiver.alive,
+            receiver.ctl,
+            receiver.pool
+        );
+
         let sq = receiver.sq.iter().map(SqCount::used).max().unwrap_or(0);
         assert!(sq < RECV_SEND_QUEUE as u64, "CTS send queue overcounted");
         if run.break_at == Some(steps) {
@@ -909,6 +1067,9 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         }
         for &(_, lane, landed) in run.kills.iter().filter(|k| k.0 == steps) {
             wire.borrow_mut().kill_lane(lane, landed);
+        }
+        for &(_, lane, lands) in run.one_way.iter().filter(|k| k.0 == steps) {
+            wire.borrow_mut().one_way[lane] = Some((Vec::new(), lands));
         }
         for &(_, lane) in run.heals.iter().filter(|k| k.0 == steps) {
             wire.borrow_mut().heal_lane(lane);
@@ -966,12 +1127,30 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                 if wire.borrow().busy().is_empty() && !wire.borrow().failing() {
                     poll(&wire, 1, |c| receiver.complete(c, &rsizes));
                     receiver.idle(now, None, &mut rio, &rstage, &rsizes).expect("healthy");
-                    if receiver.head > receiver.advertised {
+                    // (A sender that has not yet polled its lane's failure, or waits for a
+                    // fence's answer, consumes nothing meanwhile.)
+                    let settled = sender.unfenced == 0
+                        && sender.resend.is_empty()
+                        && wire.borrow().cq[0].is_empty();
+                    if receiver.head > receiver.advertised && settled {
                         assert!(
                             receiver.advertised > sender.head,
-                            "the sender is out of rows ({}) while {} receives are staged",
+                            "the sender is out of rows ({}) while {} receives are staged; \
+                             advertised {} consumed {} acked {} in flight {} resend {:?} \
+                             pending {:?} recv {:?}",
                             sender.head,
-                            receiver.head - receiver.advertised
+                            receiver.head - receiver.advertised,
+                            receiver.advertised,
+                            receiver.consumed,
+                            receiver.acked.get(),
+                            sender.in_flight,
+                            sender.resend,
+                            sender.slots.iter().map(|s| s.pending).collect::<Vec<_>>(),
+                            receiver
+                                .slots
+                                .iter()
+                                .map(|s| (s.idx, s.state, s.got, s.want))
+                                .collect::<Vec<_>>()
                         );
                     }
                 }
@@ -982,6 +1161,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                     continue; // that buffer area is still in use
                 }
                 let items = &run.groups[g];
+                filled[g % AREAS] = g;
                 let bufs: Vec<(Buf, i32)> = items
                     .iter()
                     .enumerate()
@@ -1016,6 +1196,9 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                     other => other.unwrap(),
                 };
                 if let Some(id) = posted {
+                    for (r, it) in items.iter().enumerate() {
+                        mem.reopen(buf_addr(RECV_DATA, g, r), it.capacity);
+                    }
                     recv_out.push((g, id));
                     next_recv += 1;
                     idle = 0;
@@ -1098,8 +1281,11 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                                 let got = mem.read(buf_addr(RECV_DATA, g, r), it.sent() as usize);
                                 let want = pattern(g, r, it.sent() as usize);
                                 assert!(got == want, "group {g} buffer {r}: data");
+                                // The buffer is NCCL's again: no NIC may write it from now on.
+                                mem.close(buf_addr(RECV_DATA, g, r), it.capacity);
                             }
                             recv_done[g] = true;
+                            checked.push(g);
                         }
                         recv_out.swap_remove(i);
                         out.recvs_done += 1;
@@ -1149,7 +1335,9 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                                 got == pattern(o, 0, it.sent() as usize),
                                 "optional group {o}: data"
                             );
+                            mem.close(buf_addr(RECV_DATA, o, 0), it.capacity);
                             recv_done[o] = true;
+                            checked.push(o);
                             false
                         });
                         idle = 0;
@@ -1188,10 +1376,11 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         let (st, rt) = (sender.traffic(), receiver.traffic());
         let failures = lines.lanes;
         if run.repairs == 0 {
-            let killed = wire.borrow().lanes_failed(0);
+            let killed = wire.borrow().lanes_failed(0).1;
             assert_eq!(failures, killed, "one warning per failed lane");
-            let rkilled = wire.borrow().lanes_failed(1);
-            assert_eq!(lines.recv_lanes, rkilled, "one receiver warning per failed lane");
+            let (least, most) = wire.borrow().lanes_failed(1);
+            let warned = lines.recv_lanes;
+            assert!((least..=most).contains(&warned), "one receiver warning per failed lane");
         }
         let sent_bytes = st.bytes.iter().sum::<u64>();
         // Chunks of a failed lane are sent again: the sender counts them twice.
@@ -1237,6 +1426,14 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         let truncating = run.groups.iter().flatten().any(|i| i.size > i.capacity);
         assert_eq!(lines.truncations, usize::from(truncating), "one truncation warning per comm");
     }
+    // Every checked buffer not posted again since still holds its message.
+    for &g in checked.iter().filter(|&&g| filled[g % AREAS] == g) {
+        for (r, it) in run.groups[g].iter().enumerate() {
+            let got = mem.read(buf_addr(RECV_DATA, g, r), it.sent() as usize);
+            assert!(got == pattern(g, r, it.sent() as usize), "group {g} buffer {r}: changed");
+        }
+    }
+    (out.fences, out.landed, out.again) = (lines.fences, lines.landed, lines.again);
     out.repaired = lines.repaired;
     out.kept_out = lines.kept_out;
     (out.batches, out.wrapped) = (wire.borrow().batches, wire.borrow().wrapped);
@@ -1342,6 +1539,88 @@ fn a_failed_lane_moves_its_chunks_to_the_live_lanes() {
         let n = run.groups.len();
         assert_eq!((o.recvs_done, o.sends_done), (n, n), "seed {seed}: {:?}", run.kills);
     }
+}
+
+/// A lane's path drops the receiver-to-sender direction only, for longer than the retry
+/// bound: the sender's writes all land, and the receiver counts them and completes the
+/// receives, which the harness hands back to NCCL and posts again; but no ACK comes back, and
+/// the sender's retries run out. Its chunks in flight are held until the receiver has fenced
+/// the lane and said which it counted; only the others go again. No NIC ever writes a receive
+/// buffer that completed and was not posted again (the invariant checker in [`Mem`]), and every
+/// checked buffer still holds its message at the end. 2 to 8 lanes, lane 0 (the control lane)
+/// among those that die, both split modes, optional (LL) rows included, repair on or off.
+#[test]
+fn a_one_way_black_hole_never_writes_a_completed_receive() {
+    let mut rng = Rng(0x000e_a7c5_1057);
+    let (mut landed, mut again, mut fences) = (0, 0, 0);
+    for seed in 0..miri_or(120u64, 2) {
+        let mut run = lanes_run(&mut rng, seed);
+        run.split = seed % 2 == 1;
+        run.repairs = [0, 3][seed as usize / 2 % 2];
+        let mut lanes: Vec<usize> = (0..run.nqps).collect();
+        let dead = 1 + rng.below(lanes.len() as u64 - 1) as usize;
+        for k in 0..dead {
+            let pick = if k == 0 && seed % 3 == 0 { 0 } else { rng.below(lanes.len() as u64) };
+            let lane = lanes.swap_remove(pick as usize);
+            let at = 50 + rng.below(miri_or(3000, 300));
+            run.one_way.push((at, lane, rng.below(40) as u32));
+            if run.repairs > 0 && rng.below(2) == 0 {
+                run.heals.push((at + rng.below(miri_or(1500, 150)), lane));
+            }
+        }
+        let o = drive(&run, seed + 31);
+        let n = run.groups.len();
+        let what = format!("seed {seed}: one-way {:?} heals {:?}", run.one_way, run.heals);
+        assert_eq!((o.recvs_done, o.sends_done), (n, n), "{what}");
+        (landed, again, fences) = (landed + o.landed, again + o.again, fences + o.fences);
+    }
+    eprintln!("{fences} fences: {landed} held chunks had landed, {again} went again");
+    assert!(cfg!(miri) || landed > 50 && again > 50, "{landed} landed, {again} again");
+}
+
+/// The ack word is a high-water mark at the receiver: a write that moved it back (none of
+/// ours does; a late or duplicated one would) never makes the receiver believe rows are
+/// unconsumed, and a fence's receipts report the highest value seen.
+#[test]
+fn the_ack_word_is_a_high_water_mark() {
+    let mem = Mem::both_ends(4096);
+    let (rstage, rsizes) = (
+        Area { mem: &mem, base: RECV_STAGE, key: 15 },
+        Area { mem: &mem, base: RECV_SIZES, key: 16 },
+    );
+    let receiver = RecvCore::new(one_qp(Path::default()), remote(FIFO, 13));
+    rsizes.store(ACK_WORD, 10);
+    assert_eq!(receiver.known_consumed(&rsizes), 10);
+    rsizes.store(ACK_WORD, 5);
+    assert_eq!(receiver.known_consumed(&rsizes), 10, "the ack word moved back");
+    receiver.receipts(&rstage, &rsizes);
+    assert_eq!(rstage.load(FIFO_RECEIPTS), 10);
+}
+
+/// LL (optional) rows only, and the control lane that carries them black-holes one way, at
+/// any point: its rows' data and acks land but are never acknowledged. After the fence, the
+/// rows past the ack word's high-water mark go again on the next lane, in row order, so the
+/// ack word never moves back (the wire checks each ack write) and no buffer that NCCL already
+/// reused is written.
+#[test]
+fn ll_rows_go_again_in_row_order_and_the_ack_never_moves_back() {
+    let mut rng = Rng(0x110a_c4ed);
+    let mut again = 0;
+    for seed in 0..miri_or(150u64, 2) {
+        let mut run =
+            random_run(&mut rng, miri_or(300, 60), [0, 100, 4096, CAP][seed as usize % 4]);
+        run.nqps = 2 + rng.below(3) as usize;
+        for g in &mut run.groups {
+            g.truncate(1);
+        }
+        run.optional = vec![true; run.groups.len()];
+        run.one_way.push((20 + rng.below(miri_or(2000, 200)), 0, rng.below(40) as u32));
+        let o = drive(&run, seed + 41);
+        let n = run.groups.len();
+        assert_eq!((o.recvs_done, o.sends_done), (n, n), "seed {seed}: {:?}", run.one_way);
+        again += o.again;
+    }
+    assert!(cfg!(miri) || again > 100, "{again} rows went again");
 }
 
 /// Lanes die and come back while messages flow: the repairs (a request through a live lane,
@@ -1910,9 +2189,17 @@ fn the_receiver_serves_a_repair_request_and_counts_nothing_it_dropped() {
     assert_eq!(wire.borrow().renewed[1], 0, "a lane the comm does not have");
     ask(0, 2);
     receiver.idle(ms(202), None, &mut rio, &rstage, &rsizes).unwrap();
+    // Fenced first: no answer, no new queue pair, until the lane's receives came back.
+    assert!(wire.borrow().failed[1][0], "the lane is fenced");
+    assert_eq!(wire.borrow().renewed[1], 0, "not rebuilt before the lane is drained");
+    assert!(!kinds(&wire, 1).contains(&WR_MAIL), "no answer before the lane is drained");
+    receiver.idle(ms(202), None, &mut rio, &rstage, &rsizes).unwrap();
+    assert_eq!(wire.borrow().renewed[1], 0, "the flushed receives are not polled yet");
+    poll(&wire, 1, |c| receiver.complete(c, &rsizes));
+    receiver.idle(ms(202), None, &mut rio, &rstage, &rsizes).unwrap();
     assert_eq!(wire.borrow().renewed[1], 1);
     assert_eq!(receiver.ctl, 1, "the CTS rows move off the rebuilt lane");
-    assert!(kinds(&wire, 0).is_empty(), "the rebuild dropped the probe");
+    assert!(kinds(&wire, 0).is_empty(), "the fence flushed the probe");
     assert_eq!(wire.borrow().rq[1][0].len(), recv_pool(2), "the lane's receives again");
     assert!(kinds(&wire, 1).contains(&WR_MAIL), "the answer, on lane 1");
     // Served once: the same word read again changes nothing.
@@ -1984,10 +2271,10 @@ impl Pair {
 
 /// A stream of optional receives (LL), 8 posted ahead, from a receiver that polls its CQ only
 /// once every 50 passes: it learns what the sender consumed from the ack word alone, which the
-/// sender writes for some rows only, and never overfills its CTS send queue though the
-/// provider frees entries only at poll time. Every message arrives; acks are batched.
+/// sender writes after every row's data, and never overfills its CTS send queue though the
+/// provider frees entries only at poll time. Every message arrives, each acked once.
 #[test]
-fn optional_receives_flow_with_batched_acks_and_a_bounded_cts_queue() {
+fn optional_receives_flow_with_acks_and_a_bounded_cts_queue() {
     let pair = Pair::new(64 << 10);
     let params = Params { max_inline: 512, ..one_qp(Path::default()) };
     let Ends { mut sender, mut receiver, mut sio, mut rio, fifo, sstage, rstage, rsizes } =
@@ -1996,7 +2283,7 @@ fn optional_receives_flow_with_batched_acks_and_a_bounded_cts_queue() {
     let (mut posted, mut sent, mut got) = (VecDeque::new(), VecDeque::new(), 0);
     let (mut next_recv, mut next_send) = (0usize, 0usize);
     let mut pass = 0;
-    while got < n || !sent.is_empty() {
+    while got < n || next_send < n || !sent.is_empty() {
         pass += 1;
         assert!(pass < 100_000, "stuck: {got} received, {next_send} sent");
         if posted.len() < 8 && next_recv < n {
@@ -2033,10 +2320,10 @@ fn optional_receives_flow_with_batched_acks_and_a_bounded_cts_queue() {
             receiver.idle(Duration::ZERO, None, &mut rio, &rstage, &rsizes).unwrap();
         }
     }
-    // A sender that keeps running low (this receiver refills late) acks about every other row;
-    // one that holds rows ahead acks one in eight.
+    // Every optional row's data is followed by its ack: the ack word's high-water mark is the
+    // last row that landed, what a fence's receipts report.
     let acks = pair.wire.borrow().acks;
-    assert!((1..n as u64 * 3 / 4).contains(&acks), "{acks} acks for {n} optional messages");
+    assert_eq!(acks, n as u64, "acks for {n} optional messages");
 }
 
 /// A large message on a slow link completes no work request for longer than the progress
