@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{
-    RdmaCounts, fds_threads, open_plugin, rdma_counts, rdma_resources, require_vm, settle,
+    RdmaCounts, Shared, fds_threads, open_plugin, rdma_counts, rdma_resources, require_vm, settle,
 };
 use ferroce_tools::Rng;
 use ferroce_tools::driver::{Close, Driver, Ptr};
@@ -115,25 +115,6 @@ fn tag_of(m: usize) -> c_int {
 }
 
 // --- one process -----------------------------------------------------------------------------
-
-/// A value shared by the threads of this process: the driver (the plugin's function table) and
-/// the plugin's comm pointers.
-#[derive(Clone, Copy)]
-struct Shared<T>(T);
-// SAFETY: the ncclNet contract lets threads call the plugin at once: each comm's data path is
-// driven by one thread, and registration may come from another thread at the same time (what
-// this test exercises). The driver only holds the library's (immutable) function table, and
-// the pointers are handles into the plugin, never dereferenced here.
-unsafe impl<T> Sync for Shared<T> {}
-// SAFETY: as above.
-unsafe impl<T> Send for Shared<T> {}
-
-impl<T> Shared<T> {
-    /// By value, so a closure captures the whole wrapper (not its non-`Send` fields).
-    fn get(self) -> T {
-        self.0
-    }
-}
 
 /// One comm of a data thread: its buffer (WINDOW slots) and what is in flight.
 struct Lane {

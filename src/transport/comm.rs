@@ -256,6 +256,9 @@ impl Post for Qps<'_> {
     }
 }
 
+/// How long `irecv` polls for room to write a row it had to stage (the CTS send queue full).
+const STAGED_WAIT: Duration = Duration::from_millis(100);
+
 /// One end's core, as the progress loop feeds it.
 trait Drain {
     /// Completions were polled: the time, for placement, where it wants one.
@@ -831,6 +834,17 @@ impl RecvComm {
         let r = r?;
         if r.is_none() && !polled {
             self.progress()?;
+        }
+        // A row left staged (the CTS send queue was full) must not wait for NCCL's next call:
+        // the signaled write that frees the queue is on its way, a round trip; poll for it, for
+        // a bounded while (then the row goes out at the next call, as the README says).
+        if r.is_some() && self.core.staged() > 0 {
+            let since = crate::os::precise_now();
+            while self.core.staged() > 0
+                && crate::os::precise_now().saturating_sub(since) < STAGED_WAIT
+            {
+                self.progress()?;
+            }
         }
         Ok(r)
     }

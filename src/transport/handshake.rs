@@ -21,8 +21,10 @@ pub const MAGIC: u64 = 0x3145_434f_5252_4546; // "FERROCE1", little-endian
 /// 3 since lane repair (a mailbox word after the FIFO and after the size records, and work
 /// requests tagged with their lane's life), which a version-2 peer would never answer; 4 since
 /// a repaired lane gets new queue pairs (two-word mailboxes that carry their numbers); 5 since
-/// CTS entries carry a key per member port (64-byte entries), for comms over fused devices.
-pub const VERSION: u32 = 5;
+/// CTS entries carry a key per member port (64-byte entries), for comms over fused devices; 6
+/// since lane failover fences before it re-sends (fence requests and receipts after the FIFO,
+/// an ack after every optional row), which a version-5 peer would never answer.
+pub const VERSION: u32 = 6;
 pub const HANDLE_SIZE: usize = 128;
 /// Bytes 96..128 of the handle are never sent: the connector keeps its resumable state there.
 pub const HANDLE_STATE_OFFSET: usize = 96;

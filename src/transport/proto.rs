@@ -7,12 +7,13 @@
 //!
 //! The protocol, receiver-driven:
 //! 1. `irecv` tops up each lane's pool of buffer-less receive WQEs (they absorb the sender's
-//!    writes-with-immediate, whichever slot they are for), then stages the `n` buffer descriptors ([`Cts`] entries) of row
-//!    `head % SLOTS`. Staged rows reach the sender's FIFO in batches, one RDMA write of the
-//!    dense head entries per batch (plus one per multi-receive for its other entries), posted
-//!    with one doorbell: at once while the sender holds at most two rows it has not consumed,
-//!    else when 8 rows are staged or a poll finds the sender down to one row. NCCL posts up to
-//!    8 receives ahead per channel, so most messages cost the data write's doorbell alone.
+//!    writes-with-immediate, whichever slot they are for), then writes the `n` buffer
+//!    descriptors ([`Cts`] entries) of row `head % SLOTS` into the sender's FIFO, at once: one
+//!    RDMA write of its head entry (plus one for a multi-receive's other entries), one
+//!    doorbell. No row waits for a later call: once `irecv` returned, the sender can match the
+//!    receive however long the receiving side stays away. Rows wait only while the CTS send
+//!    queue is full (the comm then polls before `irecv` returns, a bounded while), or after
+//!    they moved to another lane; then they go out in batches of up to 8.
 //! 2. `isend` finds the row in its FIFO, matches by tag, and once all `n` sends of the row are
 //!    matched, posts one chain per lane: RDMA writes of the data, then (for `n > 1`, or sizes
 //!    that do not fit the immediate) a write of the sizes into the receiver's size records,
@@ -76,8 +77,8 @@
 //! - The CTS queue pair's send queue is counted as a provider that frees entries only when a
 //!   signaled completion is polled sees it ([`SqCount`]): one request in 32 is signaled, a
 //!   batch that does not fit waits, and one entry is kept for a probe.
-//! - A staged receive never waits on the sender: once everything in flight has landed and the
-//!   receiver has polled, either its row is out or the sender holds a row it has not consumed.
+//! - A posted receive never waits on its own end's next call: its row is written by `irecv`
+//!   (or, with the CTS send queue full, by the polls `irecv` makes before it returns).
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -121,13 +122,6 @@ const RECEIPT_WORDS: usize = 1 + 3 * SLOTS;
 pub const FIFO_AREA: usize = FIFO_RECEIPTS + RECEIPT_WORDS;
 /// Most rows one CTS batch carries: their head entries are one write of 512 bytes, inline.
 pub const BATCH: u64 = 8;
-/// The receiver writes its staged rows at `irecv` once the sender holds at most this many
-/// advertised rows it has not consumed (as far as the receiver knows) ...
-const LOW_AT_IRECV: u64 = 2;
-/// ... and after a poll once it holds at most this many: later than at `irecv`, so that a
-/// ping-pong writes its batch after its own send, off the round trip; never later, so that the
-/// sender always still has a row in hand or one on the way.
-const LOW_AT_POLL: u64 = 1;
 /// The size records in u64 words: one per buffer of every slot, then the ack word.
 pub const SIZE_WORDS: usize = SLOTS * MAX_RECVS + 1;
 /// The word of the size records that holds the last optional row the sender consumed.
@@ -674,6 +668,9 @@ pub struct Traffic {
     pub down: Vec<bool>,
     pub kept_out: Vec<bool>,
     pub repaired: Vec<u64>,
+    /// The sender's fences of each lane: a failure after which the receiver said which chunks
+    /// in flight it had counted (a fence of a live lane is a false alarm: count them).
+    pub fenced: Vec<u64>,
 }
 
 impl Traffic {
@@ -688,6 +685,7 @@ impl Traffic {
             down: vec![false; nqps],
             kept_out: vec![false; nqps],
             repaired: vec![0; nqps],
+            fenced: vec![0; nqps],
         }
     }
 
@@ -999,6 +997,8 @@ pub struct SendCore {
     fence: Option<(u16, usize, usize, Duration)>,
     /// Where [`Self::live_lane`] looks for the next live lane.
     spread: usize,
+    /// The lane of the optional rows in flight, and how many there are ([`Self::ll_lane`]).
+    ll: (usize, usize),
     /// Per lane: its chunks in flight and measured rate.
     lanes: Vec<place::Lane>,
     /// The repair of failed lanes.
@@ -1042,6 +1042,7 @@ impl SendCore {
             unfenced: 0,
             fence: None,
             spread: 0,
+            ll: (0, 0),
             lanes: (0..p.nqps).map(|_| place::Lane::new()).collect(),
             mend: mend::Mend::new(p.nqps, p.repair),
             clock: None,
@@ -1068,9 +1069,20 @@ impl SendCore {
         &mut self.journal
     }
 
-    /// The first live lane: the one for probes and optional receives.
+    /// The first live lane: the one for probes and mailbox requests.
     fn control_lane(&self) -> usize {
         first_live(self.alive, self.p.nqps)
+    }
+
+    /// The lane for optional rows: the one their rows in flight are on while it lives, else the
+    /// control lane. All of them ride one lane, in row order, so that the ack word's high-water
+    /// mark is the last row whose data landed (a rejoining lane 0 must not take new rows while
+    /// older ones are still in flight on another).
+    fn ll_lane(&mut self) -> usize {
+        if self.ll.1 == 0 || self.alive & (1 << self.ll.0) == 0 {
+            self.ll.0 = self.control_lane();
+        }
+        self.ll.0
     }
 
     /// Lane `q` if it lives; else a live lane, taken in turn, so that the chunks of dead
@@ -1334,7 +1346,7 @@ impl SendCore {
         let n = lanes.len();
         for c in (0..n).map(|k| (k + slot) % n) {
             let q = if optional {
-                self.control_lane()
+                self.ll_lane()
             } else if self.p.split {
                 self.split_lane(slot, c)
             } else {
@@ -1343,6 +1355,7 @@ impl SendCore {
             self.post_chunk(stage, io, (slot, c, q), at)?;
         }
         self.slots[slot].pending = lanes_mask(lanes.len());
+        self.ll.1 += usize::from(optional);
         self.in_flight += 1;
         self.health.watchdog.posted();
         Ok(())
@@ -1496,7 +1509,7 @@ impl SendCore {
             let s = self.slots[slot];
             let optional = s.nreqs == 1 && s.row[0].optional;
             let q = if optional {
-                self.control_lane()
+                self.ll_lane()
             } else {
                 self.live_lane(usize::from(self.chunk_lane[slot * self.p.nqps + c]))
             };
@@ -1685,6 +1698,7 @@ impl SendCore {
         let slots = &self.slots;
         self.resend.make_contiguous().sort_by_key(|&(slot, c)| (slots[slot].row[0].idx, c));
         self.unfenced &= !(1 << lane);
+        self.health.traffic.fenced[lane] += 1;
         let sport = self.p.path.sports.get(lane).copied().unwrap_or(0);
         self.warnings.push_back(Line::Info(format!(
             "lane {lane} (UDP source port {sport}) of the send comm to {} is fenced at both \
@@ -1855,6 +1869,7 @@ impl SendCore {
         self.health.watchdog.completed(s.pending == 0);
         if s.pending == 0 {
             self.in_flight -= 1;
+            self.ll.1 -= usize::from(s.nreqs == 1 && s.row[0].optional);
             s.bufs = [None; MAX_RECVS];
             for req in &mut self.reqs[slot * MAX_RECVS..(slot + 1) * MAX_RECVS] {
                 if req.state == State::Pending {
@@ -2163,13 +2178,19 @@ impl RecvCore {
             RecvSlot { state: State::Pending, n, posted, ack_for: 0, idx, want, got: 0, sizes }
         };
         self.head += 1;
-        self.advertise(stage, sizes, io, LOW_AT_IRECV)?;
+        self.advertise(stage, io)?;
         Ok(Some(slot))
     }
 
     /// The lane for CTS rows, probes and repair answers.
     fn control_lane(&self) -> usize {
         self.ctl
+    }
+
+    /// Rows posted but not yet written to the sender: only while the control lane's send
+    /// queue is full (see [`Self::advertise`]).
+    pub fn staged(&self) -> u64 {
+        self.head - self.advertised
     }
 
     /// A failed completion on lane `lane`: `true` if it is the lane's failure (our CTS write or
@@ -2410,29 +2431,18 @@ impl RecvCore {
         Ok(())
     }
 
-    /// Writes the staged rows to the sender's FIFO, in batches of at most [`BATCH`] rows, each
-    /// one post of one doorbell: the other entries of its multi-receives, then its head entries
-    /// (one write, two where the batch wraps the FIFO). A batch goes out once it is full, or
-    /// once the sender holds at most `low` advertised rows it has not consumed as far as this
-    /// end knows (its receives complete, the ack word grows); so every posted receive's row
-    /// reaches the sender before the sender runs out, or while its last rows are on the way.
-    /// A batch that does not fit the send queue waits for a signaled completion, which
-    /// [`SqCount`] guarantees is on the way.
-    fn advertise(
-        &mut self,
-        stage: &impl Words,
-        sizes: &impl Words,
-        io: &mut impl Post,
-        low: u64,
-    ) -> Result<()> {
+    /// Writes the staged rows to the sender's FIFO at once, in batches of at most [`BATCH`]
+    /// rows, each one post of one doorbell: the other entries of its multi-receives, then its
+    /// head entries (one write, two where the batch wraps the FIFO). `irecv` writes its own row
+    /// so: the sender can match a posted receive with no further call on this comm (two ranks
+    /// that each post, then send, must not wait on each other's next call). Rows stay staged
+    /// only while the control lane's send queue is full, or after the rows moved to another
+    /// lane; `idle` writes them then. A batch that does not fit the send queue waits for a
+    /// signaled completion, which [`SqCount`] guarantees is on the way.
+    fn advertise(&mut self, stage: &impl Words, io: &mut impl Post) -> Result<()> {
         loop {
             let staged = self.head - self.advertised;
             if staged == 0 {
-                return Ok(());
-            }
-            let consumed = self.known_consumed(sizes);
-            let unconsumed = self.advertised - consumed.min(self.advertised);
-            if staged < BATCH && unconsumed > low {
                 return Ok(());
             }
             let rows = staged.min(BATCH) as usize;
@@ -2636,7 +2646,7 @@ impl RecvCore {
             if self.waiting > 0 {
                 self.refill(io)?;
             }
-            self.advertise(stage, sizes, io, LOW_AT_POLL)?;
+            self.advertise(stage, io)?;
         }
         let waiting = self.waiting > 0 || self.awaits_acks(sizes);
         // Every live lane with room, as the sender does: a dead sender fails the comm within

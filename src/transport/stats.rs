@@ -55,6 +55,10 @@ pub fn line(
         if let Some(Some(rate)) = t.rate.get(q) {
             let _ = write!(s, ", path {:.1} MiB/s", rate / f64::from(1 << 20));
         }
+        let fenced = t.fenced.get(q).copied().unwrap_or(0);
+        if fenced > 0 {
+            let _ = write!(s, ", fenced {fenced} time(s)");
+        }
         let repaired = t.repaired.get(q).copied().unwrap_or(0);
         if repaired > 0 {
             let _ = write!(s, ", repaired {repaired} time(s)");
@@ -101,6 +105,7 @@ mod tests {
             down: vec![false, true],
             kept_out: vec![false, true],
             repaired: vec![1, 0],
+            fenced: vec![1, 0],
             ..Traffic::default()
         };
         let l = line(
@@ -115,7 +120,7 @@ mod tests {
             l,
             "send comm to 198.18.0.2:4000: 12 messages, 4.0 MiB in 2.0 s (2.0 MiB/s); \
              QP 0 sport 49152: 3.0 MiB (75.0%), 0 failed completions, 9 chunks, path 2.5 MiB/s, \
-             repaired 1 time(s); \
+             fenced 1 time(s), repaired 1 time(s); \
              QP 1 sport 49153: 1.0 MiB (25.0%), 2 failed completions, 3 chunks, out (failed; it \
              stays out); \
              rxe0 hw_counters over this time: rcvd_seq_err +4"

@@ -392,3 +392,22 @@ pub fn num_arg<T: std::str::FromStr>(args: &[String], name: &str, default: T) ->
             .ok_or_else(|| format!("{name} needs a number")),
     }
 }
+
+/// A value shared by the threads of one test process: the driver (the plugin's function table)
+/// and the plugin's handles.
+#[derive(Clone, Copy)]
+pub struct Shared<T>(pub T);
+// SAFETY: the ncclNet contract lets threads call the plugin at once: each comm's data path is
+// driven by one thread at a time, and registration may come from another thread at the same
+// time. The driver only holds the library's (immutable) function table, and the pointers are
+// handles into the plugin, never dereferenced by the tests.
+unsafe impl<T> Sync for Shared<T> {}
+// SAFETY: as above.
+unsafe impl<T> Send for Shared<T> {}
+
+impl<T> Shared<T> {
+    /// By value, so a closure captures the whole wrapper (not its non-`Send` fields).
+    pub fn get(self) -> T {
+        self.0
+    }
+}
