@@ -332,13 +332,16 @@ fn a_dead_lane_fails_over_to_the_live_ones() {
 /// A lane whose path drops only the receiver-to-sender direction (a tc u32 filter on vethA's
 /// ingress matching its UDP source port, which both ends' QPs of a lane share: the receiver's
 /// ACKs and its own writes on that lane vanish) for 4 s, longer than the retry bound (2.7 s),
-/// mid-run, with receive buffers reused as NCCL reuses them (a ring of 8, each posted again
-/// once its receive completed and was verified). The sender's writes on that lane keep landing
+/// mid-run, with receive buffers reused as NCCL reuses them (8 receives posted ahead, over 32
+/// buffers taken in turn, each posted again once its receive completed). The sender's writes on that lane keep landing
 /// and the receiver completes those receives; after the retry bound the sender may send again
-/// only what the receiver did not count. Every message is verified when it completes, every
-/// buffer again right before it is posted again, and the last 8 once more after a grace
-/// period: a write into a completed receive changes one of them. Both split modes, 2 and 4
-/// lanes, lane 0 (the control lane) among them. 32 messages of 256 KiB per case.
+/// only what the receiver did not count. Every message is verified when it completes, and its
+/// buffer then handed on as NCCL hands it on: filled with a poison byte, as the next user of
+/// the buffer would write it. The poison is checked right before the buffer is posted again,
+/// and in every buffer once more after a grace period: any write into a completed receive, even
+/// of the same bytes, breaks it. Both split modes, 2 and 4 lanes, lane 0 (the control lane)
+/// among them. 48 messages of 16 KiB per case: small enough that many chunks land within rxe's window of
+/// 128 packets not acknowledged, so that receives complete while their ACKs are lost.
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn an_ack_only_black_hole_never_writes_a_completed_receive() {
@@ -357,7 +360,7 @@ fn an_ack_only_black_hole_never_writes_a_completed_receive() {
         set_env(&knobs.iter().map(|&(k, _)| (k, None)).collect::<Vec<_>>());
         let (fences, _) =
             r.unwrap_or_else(|e| panic!("split {split}, {lanes} lanes, lane {lane}: {e}"));
-        eprintln!("split {split}, {lanes} lanes, lane {lane}: 32 messages verified\n  {fences:#?}");
+        eprintln!("split {split}, {lanes} lanes, lane {lane}: 48 messages verified\n  {fences:#?}");
     }
 }
 
@@ -365,14 +368,18 @@ fn an_ack_only_black_hole_never_writes_a_completed_receive() {
 /// fence INFOs the sender logged.
 fn ring_run(drv: &Driver, send: Ptr, recv: Ptr, port: u16) -> Result<Vec<String>, String> {
     const RING: usize = 8;
-    const SIZE: usize = 256 << 10;
-    const COUNT: usize = 32;
+    const BUFS: usize = 32;
+    const SIZE: usize = 16 << 10;
+    const COUNT: usize = 48;
     let pattern = |k: usize| -> Vec<u8> {
         (0..SIZE)
             .map(|i| (i as u8).wrapping_mul(31).wrapping_add(k as u8 ^ (i >> 12) as u8))
             .collect()
     };
-    let mut rbufs: Vec<Vec<u8>> = (0..RING).map(|_| vec![0u8; SIZE]).collect();
+    // NCCL hands a completed buffer on (to another peer's transfer from the shared pool, back
+    // to the application): 32 receive buffers in turn, so that each one rests, poisoned, while
+    // the next 24 messages arrive, with 8 receives posted ahead at most.
+    let mut rbufs: Vec<Vec<u8>> = (0..BUFS).map(|_| vec![0u8; SIZE]).collect();
     let mut sbufs: Vec<Vec<u8>> = (0..RING).map(|_| vec![0u8; SIZE]).collect();
     let rmh: Vec<Ptr> = (rbufs.iter_mut().map(|b| drv.reg_mr(recv, b.as_mut_ptr(), SIZE)))
         .collect::<Result<_, _>>()?;
@@ -380,17 +387,26 @@ fn ring_run(drv: &Driver, send: Ptr, recv: Ptr, port: u16) -> Result<Vec<String>
         .collect::<Result<_, _>>()?;
     // Per ring slot: the receive and send in flight (message, request), and the message the
     // slot's receive buffer last completed with.
-    let mut recvs: Vec<Option<(usize, Ptr)>> = vec![None; RING];
+    let mut recvs: Vec<Option<(usize, Ptr)>> = vec![None; BUFS];
     let mut sends: Vec<Option<Ptr>> = vec![None; RING];
-    let mut holds: Vec<Option<usize>> = vec![None; RING];
+    let mut holds: Vec<Option<usize>> = vec![None; BUFS];
     let (mut posted, mut sent, mut got) = (0, 0, 0);
     let (mut dropped, mut lifted): (Option<Instant>, bool) = (None, false);
     let t0 = Instant::now();
-    let check = |b: &[u8], k: usize, when: &str| -> Result<(), String> {
+    const POISON: u8 = 0xee;
+    let check = |b: &[u8], k: usize| -> Result<(), String> {
         match b == pattern(k).as_slice() {
             true => Ok(()),
-            false => Err(format!(
-                "message {k}'s receive buffer {when}: a write into a completed receive"
+            false => Err(format!("message {k} arrived corrupted")),
+        }
+    };
+    let poisoned = |b: &[u8], k: usize, when: &str| -> Result<(), String> {
+        match b.iter().position(|&x| x != POISON) {
+            None => Ok(()),
+            Some(at) => Err(format!(
+                "message {k}'s receive buffer was written {when}, after its receive completed \
+                 and the buffer was handed on (first changed byte at {at}): a write into a \
+                 completed receive"
             )),
         }
     };
@@ -410,10 +426,11 @@ fn ring_run(drv: &Driver, send: Ptr, recv: Ptr, port: u16) -> Result<Vec<String>
             lifted = true;
         }
         // NCCL posts a slot's buffer again only once its receive completed.
-        if posted < COUNT && recvs[posted % RING].is_none() {
-            let slot = posted % RING;
+        let ahead = recvs.iter().filter(|r| r.is_some()).count();
+        if posted < COUNT && ahead < RING && recvs[posted % BUFS].is_none() {
+            let slot = posted % BUFS;
             if let Some(k) = holds[slot] {
-                check(&rbufs[slot], k, "changed before it was posted again")?;
+                poisoned(&rbufs[slot], k, "before it was posted again")?;
             }
             let b = rbufs[slot].as_mut_ptr();
             if let Some(req) = drv.irecv(recv, &[b], &[SIZE], &[0], &[rmh[slot]], false)? {
@@ -436,14 +453,15 @@ fn ring_run(drv: &Driver, send: Ptr, recv: Ptr, port: u16) -> Result<Vec<String>
                 *s = None;
             }
         }
-        for slot in 0..RING {
+        for slot in 0..BUFS {
             if let Some((k, req)) = recvs[slot]
                 && let Some(sizes) = drv.test(req)?
             {
                 if sizes[0] as usize != SIZE {
                     return Err(format!("message {k}: {} bytes", sizes[0]));
                 }
-                check(&rbufs[slot], k, "on completion")?;
+                check(&rbufs[slot], k)?;
+                rbufs[slot].fill(POISON); // handed on: its next user writes it
                 (recvs[slot], holds[slot]) = (None, Some(k));
                 got += 1;
             }
@@ -453,10 +471,12 @@ fn ring_run(drv: &Driver, send: Ptr, recv: Ptr, port: u16) -> Result<Vec<String>
     // The grace period: a late write would land now.
     std::thread::sleep(Duration::from_secs(3));
     for (slot, k) in holds.iter().enumerate() {
-        check(&rbufs[slot], k.expect("completed"), "changed after the run")?;
+        poisoned(&rbufs[slot], k.expect("completed"), "after the run")?;
     }
-    for (&r, &s) in rmh.iter().zip(&smh) {
+    for r in rmh {
         drv.dereg_mr(recv, r)?;
+    }
+    for s in smh {
         drv.dereg_mr(send, s)?;
     }
     let infos = take_captured().into_iter().filter(|l| l.0 == 3).map(|l| l.2);
