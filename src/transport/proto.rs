@@ -112,7 +112,7 @@ const ENTRY_WORDS: usize = ENTRY / 8;
 pub const FIFO_WORDS: usize = SLOTS * MAX_RECVS * ENTRY_WORDS;
 /// After the FIFO, the sender's mailbox: the receiver's answers about lane repair and fences.
 const FIFO_MAIL: usize = FIFO_WORDS;
-/// After the mailbox, the receipts of the last fence ([`Receipts`]).
+/// After the mailbox, the receipts of the last fence ([`RecvCore::receipts`]).
 const FIFO_RECEIPTS: usize = FIFO_MAIL + mend::MAIL_WORDS;
 /// The receipts in u64 words: the ack word's high-water mark, then per slot its receive's
 /// `idx << 1 | open` and the chunks counted (two words).
@@ -668,8 +668,8 @@ pub struct Traffic {
     pub down: Vec<bool>,
     pub kept_out: Vec<bool>,
     pub repaired: Vec<u64>,
-    /// The sender's fences of each lane: a failure after which the receiver said which chunks
-    /// in flight it had counted (a fence of a live lane is a false alarm: count them).
+    /// The sender's fences of each lane: failures after which the receiver said which of the
+    /// lane's chunks in flight it had counted.
     pub fenced: Vec<u64>,
 }
 
