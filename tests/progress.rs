@@ -59,6 +59,18 @@ impl Bufs {
     }
 }
 
+/// Deregisters both ends' buffers and closes the pair `send` → `recv`.
+fn close_pair(
+    drv: &Driver,
+    (send, sb): (Ptr, Bufs),
+    (recv, rb): (Ptr, Bufs),
+) -> Result<(), String> {
+    sb.free(drv, send);
+    rb.free(drv, recv);
+    drv.close(Close::Send, send)?;
+    drv.close(Close::Recv, recv)
+}
+
 /// Posts receives `0..n` of `bufs` on `recv`, each `irecv` retried until it returns a request.
 fn post(drv: &Driver, recv: Ptr, bufs: &mut Bufs, n: usize) -> Result<Vec<Ptr>, String> {
     (0..n)
@@ -116,13 +128,8 @@ fn program(drv: &Driver, ctx: Ptr, t: u8) -> Result<(), String> {
     if (0..N).any(|k| rb.data[k] != sa.data[k] || ra.data[k] != sb.data[k]) {
         return Err("data corrupted".into());
     }
-    for (b, c) in [(ra, recv_ba), (rb, recv_ab), (sa, send_ab), (sb, send_ba)] {
-        b.free(drv, c);
-    }
-    drv.close(Close::Send, send_ab)?;
-    drv.close(Close::Recv, recv_ab)?;
-    drv.close(Close::Send, send_ba)?;
-    drv.close(Close::Recv, recv_ba)
+    close_pair(drv, (send_ab, sa), (recv_ab, rb))?;
+    close_pair(drv, (send_ba, sb), (recv_ba, ra))
 }
 
 /// [`program`] with `lanes` QPs per connection in `split` mode, in a context of its own.
@@ -225,10 +232,7 @@ fn a_sender_spinning_while_the_receiver_sleeps_gets_every_row() {
     finish(&drv, &sreqs).unwrap();
     finish(&drv, &rreqs).unwrap();
     assert!((0..N).all(|k| rbufs.data[k] == sbufs.data[k]), "data corrupted");
-    rbufs.free(&drv, recv);
-    sbufs.free(&drv, send);
-    drv.close(Close::Send, send).unwrap();
-    drv.close(Close::Recv, recv).unwrap();
+    close_pair(&drv, (send, sbufs), (recv, rbufs)).unwrap();
     drv.finalize(ctx).unwrap();
 }
 
@@ -257,10 +261,7 @@ fn one_message_at_a_time_needs_no_call_on_the_receiver_to_match() {
             finish(&drv, &r).unwrap();
             assert!(rbufs.data[0] == sbufs.data[0], "split {split}, message {k}: data");
         }
-        rbufs.free(&drv, recv);
-        sbufs.free(&drv, send);
-        drv.close(Close::Send, send).unwrap();
-        drv.close(Close::Recv, recv).unwrap();
+        close_pair(&drv, (send, sbufs), (recv, rbufs)).unwrap();
         drv.finalize(ctx).unwrap();
         set_env(&[("NCCL_IB_SPLIT_DATA_ON_QPS", None)]);
         eprintln!("split {split}: 200 messages one at a time, each matched with no receiver call");

@@ -2277,18 +2277,15 @@ impl RecvCore {
         io: &mut impl Post,
     ) -> Result<()> {
         if self.serving.is_none() {
-            let (lane, seq) = match mail(sizes, SIZE_MAIL) {
-                Some(mend::Msg::Ask { lane, seq, .. } | mend::Msg::Fence { lane, seq }) => {
-                    (lane, seq)
-                }
-                _ => return Ok(()),
+            let Some(msg) = mail(sizes, SIZE_MAIL) else { return Ok(()) };
+            let (mend::Msg::Ask { lane, seq, .. } | mend::Msg::Fence { lane, seq }) = msg else {
+                return Ok(());
             };
             // A lane the comm does not have is a corrupt word, not a request.
             if self.served == Some(seq) || lane >= self.p.nqps {
                 return Ok(());
             }
             self.served = Some(seq);
-            let msg = mail(sizes, SIZE_MAIL).expect("decoded above");
             if self.alive & (1 << lane) != 0 || self.ctl == lane {
                 self.forget(lane, sizes);
             }
