@@ -53,6 +53,7 @@ knobs! {
     "NCCL_IB_SPLIT_DATA_ON_QPS", "0", "1: split every message across the QPs; 0: whole messages round-robin";
     "FERROCE_PATH_AWARE", "1", "1: place work by each QP's measured path (a whole message on the cheaper of two QPs; a QP under half the fastest one's rate gets no new work); 0: strict rotation and equal chunks";
     "NCCL_IB_RESILIENCY_PORT_FAILOVER", "1", "1: a lane (a port of a fused device) whose path or port fails hands its work to the comm's other lanes, and the comm goes on; 0: any lane's failure fails the comm (NCCL's default is 0; ferroce's lanes fail over unless told not to)";
+    "FERROCE_LANE_STALL_MS", "250", "a lane with work outstanding that completes nothing for this long (or 4x its longest recent wait, plus its oldest chunk's time at the lane's rate, if larger) while another lane of the comm completes is fenced and its work moves to the others, at any NCCL_IB_TIMEOUT; a lane whose port goes down is fenced at once; 0: off (only the retry bound fails a lane over)";
     "NCCL_IB_RESILIENCY_PORT_RECOVERY", "1", "1: failed lanes are repaired (NCCL_IB_RESILIENCY_PORT_RECOVERY_*), and rebuilt at once when their port is ACTIVE again; 0: a failed lane stays out (NCCL's default is 0)";
     "NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", "5", "lane repair: attempts to rebuild a failed lane (a new queue pair at both ends, proven by a probe) before it stays out; 0: failed lanes stay out";
     "NCCL_IB_RESILIENCY_PORT_RECOVERY_START_DELAY", "200", "lane repair: ms from a lane's failure to its first repair attempt; each failed attempt doubles the wait";
@@ -130,6 +131,8 @@ pub struct Config {
     pub path_aware: bool,
     /// `NCCL_IB_RESILIENCY_PORT_FAILOVER`: a failed lane's work moves to the others.
     pub failover: bool,
+    /// `FERROCE_LANE_STALL_MS`: the floor of a lane's stall bound; `None`: off.
+    pub lane_stall: Option<Duration>,
     /// Lane repair: attempts (0: none, also with `NCCL_IB_RESILIENCY_PORT_RECOVERY=0`), the
     /// first delay, the bound of each wait.
     pub repair_attempts: u32,
@@ -357,6 +360,8 @@ impl Config {
         let split_data = r.int("NCCL_IB_SPLIT_DATA_ON_QPS", 0u8, 0..=1)? == 1;
         let path_aware = r.int("FERROCE_PATH_AWARE", 1u8, 0..=1)? == 1;
         let failover = r.int("NCCL_IB_RESILIENCY_PORT_FAILOVER", 1u8, 0..=1)? == 1;
+        let stall_ms = r.int("FERROCE_LANE_STALL_MS", 250u64, 0..=3_600_000)?;
+        let lane_stall = (stall_ms > 0).then(|| Duration::from_millis(stall_ms));
         let recovery = r.int("NCCL_IB_RESILIENCY_PORT_RECOVERY", 1u8, 0..=1)? == 1;
         let repair_attempts =
             r.int("NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", 5u32, 0..=100)?;
@@ -426,6 +431,7 @@ impl Config {
             split_data,
             path_aware,
             failover,
+            lane_stall,
             repair_attempts,
             repair_delay,
             repair_timeout,

@@ -329,6 +329,91 @@ fn a_dead_lane_fails_over_to_the_live_ones() {
     }
 }
 
+/// A lane's path dies at NCCL's default timeouts, nothing set by hand (`NCCL_IB_TIMEOUT=20`,
+/// `NCCL_IB_RETRY_CNT=7`: on Soft-RoCE the retries never run out, on a ConnectX they take
+/// about 34 s): the lane's packets vanish at vethB, 8 verified messages in. The stall bound
+/// (`FERROCE_LANE_STALL_MS`) must fence it and move its work to the live lane: the run goes on,
+/// every message verified, with one WARN naming the stall. The drop is lifted after 16 more
+/// messages, and the lane is repaired while messages keep flowing. 2 lanes (the default),
+/// lane 0 (the control lane) and lane 1, both split modes. Prints the longest a message took
+/// after the drop (the time from the path's death to its work moving) and the repair's time.
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn a_dead_path_fails_over_at_nccls_default_timeouts() {
+    require_vm();
+    let _g = serial();
+    for (split, lane) in [("0", 1), ("1", 0), ("0", 0), ("1", 1)] {
+        set_env(&[("NCCL_IB_SPLIT_DATA_ON_QPS", Some(split))]);
+        let r =
+            on_a_pair(lane, |drv, send, recv, port| default_timeouts_run(drv, (send, recv), port));
+        clear_paths();
+        set_env(&[("NCCL_IB_SPLIT_DATA_ON_QPS", None)]);
+        let ((took, repaired_in, warns), _) =
+            r.unwrap_or_else(|e| panic!("split {split}, lane {lane}: {e}"));
+        eprintln!(
+            "split {split}, lane {lane}: the longest message after the drop took {took:?}; \
+             repaired {repaired_in:.2} s after the lift\n  {warns:#?}"
+        );
+        let stalled = |w: &String| {
+            w.contains(&format!("lane {lane} on "))
+                && w.contains("of the send comm")
+                && w.contains("FERROCE_LANE_STALL_MS")
+        };
+        assert!(
+            warns.iter().any(stalled),
+            "split {split}, lane {lane}: no stall WARN for the lane: {warns:#?}"
+        );
+    }
+}
+
+/// [`a_dead_path_fails_over_at_nccls_default_timeouts`]'s run on one pair: the longest message
+/// after the drop, seconds from the lift to the repair INFO, and the WARNs.
+fn default_timeouts_run(
+    drv: &Driver,
+    (send, recv): (Ptr, Ptr),
+    port: u16,
+) -> Result<(Duration, f64, Vec<String>), String> {
+    let sizes = [4096usize, 65536, 262_144, 300_000];
+    let (mut warns, mut repaired) = (Vec::new(), false);
+    let mut log = |warns: &mut Vec<String>| {
+        for (level, _, line) in take_captured() {
+            match level {
+                2 => warns.push(line),
+                3 if line.contains(" is repaired") => repaired = true,
+                _ => {}
+            }
+        }
+        repaired
+    };
+    let mut took = Duration::ZERO;
+    let mut lifted = None;
+    let start = Instant::now();
+    for i in 0.. {
+        if i == 8 {
+            drop_on_vethb(&["sport", &port.to_string()]);
+        }
+        if i == 24 {
+            clear_paths();
+            lifted = Some(Instant::now());
+        }
+        if lifted.is_some() && log(&mut warns) {
+            break;
+        }
+        if start.elapsed() > Duration::from_secs(120) {
+            return Err(format!("no repair within 120 s of the start: {warns:#?}"));
+        }
+        let t = Instant::now();
+        transfer_polling(drv, send, recv, sizes[i % sizes.len()], i as u8)
+            .map_err(|e| format!("message {i}: {e}; {warns:#?}"))?;
+        if (8..24).contains(&i) {
+            took = took.max(t.elapsed());
+        }
+        log(&mut warns);
+    }
+    let repaired_in = lifted.map_or(0.0, |l| l.elapsed().as_secs_f64());
+    Ok((took, repaired_in, warns))
+}
+
 /// A lane whose path drops only the receiver-to-sender direction (a tc u32 filter on vethA's
 /// ingress matching its UDP source port, which both ends' QPs of a lane share: the receiver's
 /// ACKs and its own writes on that lane vanish) for 4 s, longer than the retry bound (2.7 s),

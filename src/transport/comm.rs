@@ -144,8 +144,9 @@ struct Port {
     seen_down: bool,
 }
 
-/// Tells `set` which of `ports`' links are down, when that changed since the last look.
-fn links_down(net: &Net, ports: &mut [Port], set: impl FnOnce(Option<String>)) {
+/// Tells `set` which of `ports`' links are down (by name, and as bits by member index), when
+/// that changed since the last look.
+fn links_down(net: &Net, ports: &mut [Port], set: impl FnOnce(Option<String>, u64)) {
     let mut changed = false;
     for p in ports.iter_mut() {
         let down = net.devices[p.dev].flags.port_down.load(Ordering::Acquire);
@@ -155,7 +156,9 @@ fn links_down(net: &Net, ports: &mut [Port], set: impl FnOnce(Option<String>)) {
     if changed {
         let down = ports.iter().filter(|p| p.seen_down);
         let names: Vec<String> = down.map(|p| net.devices[p.dev].name.clone()).collect();
-        set((!names.is_empty()).then(|| names.join(", ")));
+        let bits = ports.iter().enumerate().filter(|(_, p)| p.seen_down);
+        let bits = bits.fold(0u64, |b, (m, _)| b | 1 << m);
+        set((!names.is_empty()).then(|| names.join(", ")), bits);
     }
 }
 
@@ -536,6 +539,7 @@ fn params(
         path: path.clone(),
         journal,
         failover: net.config.failover,
+        stall: net.config.lane_stall,
         members: (0..qps.len()).map(|q| (port_of(q, ours), port_of(q, theirs))).collect(),
     }
 }
@@ -659,7 +663,7 @@ impl SendComm {
                 self.core.port_up(m);
             }
         }
-        links_down(&self.net, &mut self.ports, |down| self.core.links_down(down));
+        links_down(&self.net, &mut self.ports, |down, bits| self.core.links_down(down, bits));
         let mut io = qps!(self, &[]);
         let mut side =
             SendDrain { core: &mut self.core, stage: &self.sizes_stage, fifo: &self.fifo };
@@ -868,7 +872,7 @@ impl RecvComm {
     }
 
     pub fn progress(&mut self) -> Result<()> {
-        links_down(&self.net, &mut self.ports, |down| self.core.links_down(down));
+        links_down(&self.net, &mut self.ports, |down, bits| self.core.links_down(down, bits));
         let mut side =
             RecvDrain { core: &mut self.core, stage: &self.cts_stage, sizes: &self.sizes };
         let mut io = qps!(self, &self.flushers);

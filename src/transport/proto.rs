@@ -88,6 +88,7 @@ use crate::wr::{Completion, MAX_CHAIN, Op, SendWr, status_name};
 
 mod mend;
 mod place;
+mod stall;
 
 pub use mend::Policy as Repair;
 
@@ -671,6 +672,9 @@ pub struct Traffic {
     /// The sender's fences of each lane: failures after which the receiver said which of the
     /// lane's chunks in flight it had counted.
     pub fenced: Vec<u64>,
+    /// Each lane's stalls: it completed nothing for its stall bound while another lane did,
+    /// or its port went down, and it was fenced ([`stall`]).
+    pub stalled: Vec<u64>,
 }
 
 impl Traffic {
@@ -686,6 +690,7 @@ impl Traffic {
             kept_out: vec![false; nqps],
             repaired: vec![0; nqps],
             fenced: vec![0; nqps],
+            stalled: vec![0; nqps],
         }
     }
 
@@ -706,16 +711,14 @@ struct Prober {
 }
 
 impl Prober {
-    /// Whether to post a probe now: waiting, quiet for the interval, none in flight.
-    fn due(&mut self, now: Duration, waiting: bool) -> bool {
+    /// Whether to post a probe now: waiting, quiet for `interval`, none in flight.
+    fn due(&mut self, now: Duration, waiting: bool, interval: Duration) -> bool {
         if !waiting || self.out != 0 {
             self.quiet = None;
             return false;
         }
         match self.quiet {
-            Some((since, seen)) if seen == self.activity => {
-                now.saturating_sub(since) >= self.interval
-            }
+            Some((since, seen)) if seen == self.activity => now.saturating_sub(since) >= interval,
             _ => {
                 self.quiet = Some((now, self.activity));
                 false
@@ -732,6 +735,12 @@ struct Health {
     life: Vec<u8>,
     watchdog: Watchdog,
     prober: Prober,
+    stall: stall::Stall,
+    /// A stall wants a witness: the next probe goes out at once, on each live lane with none
+    /// in flight, whatever else is in flight.
+    witness: bool,
+    /// Our member ports whose link is down (bit `m` for member `m`): their lanes are fenced.
+    ports_down: u64,
     path: Path,
     traffic: Traffic,
     /// Our member ports whose link is down, named (`rxe1 port 1`): a local queue-pair error
@@ -748,6 +757,11 @@ impl Health {
             life: vec![0; p.nqps],
             watchdog: Watchdog::new(p.progress_timeout),
             prober: Prober { interval: p.probe_interval, activity: 0, quiet: None, out: 0 },
+            // A lane fenced for a stall may have been slow, not dead: only repair brings it
+            // back, so without repair only the retry bound takes a lane out.
+            stall: stall::Stall::new(p.nqps, p.stall.filter(|_| p.repair.attempts > 0)),
+            witness: false,
+            ports_down: 0,
             path: p.path.clone(),
         }
     }
@@ -778,6 +792,9 @@ impl Health {
     fn completion(&mut self, c: &Completion) -> bool {
         self.prober.activity += 1;
         let probe = wr_kind(c.wr_id) == WR_PROBE;
+        if c.status == 0 && wr_kind(c.wr_id) != WR_FLUSH {
+            self.stall.completed(wr_lane(c.wr_id));
+        }
         if c.status != 0
             && let Some(e) = self.traffic.errors.get_mut(wr_lane(c.wr_id))
         {
@@ -817,15 +834,27 @@ impl Health {
     /// when one is due: every path is checked at once, so a dead peer fails the comm within one
     /// retry bound however many lanes it has, and a dead path is found even while its lane is
     /// idle. `target` is a region of the peer's this comm may write (a zero-length write
-    /// checks no key anyway). The lanes probed.
+    /// checks no key anyway). A stall's witness is probed for at once ([`Self::stalled`]). The
+    /// lanes probed.
     fn probe(
         &mut self,
         now: Duration,
-        waiting: bool,
+        (waiting, soon): (bool, bool),
         io: &mut impl Post,
         (lanes, target): (u128, impl Fn(usize) -> (u64, u32)),
     ) -> Result<u128> {
-        if self.fatal.is_some() || lanes == 0 || !self.prober.due(now, waiting) {
+        let witness = std::mem::take(&mut self.witness);
+        let lanes = lanes & !self.prober.out;
+        // Soon: a sender that waits for a CTS probes after the stall bound's floor, so that a
+        // silent path under the receiver's CTS rows is found by its probe stalling.
+        let interval = match self.stall.floor() {
+            Some(floor) if soon => floor.min(self.prober.interval),
+            _ => self.prober.interval,
+        };
+        if self.fatal.is_some()
+            || lanes == 0
+            || !(witness || self.prober.due(now, waiting, interval))
+        {
             return Ok(0);
         }
         for lane in (0..MAX_CHUNKS).filter(|&q| lanes & (1 << q) != 0) {
@@ -842,6 +871,7 @@ impl Health {
     /// due at once (on the lanes left, while the comm waits): a dead peer takes one retry
     /// bound per lane, not one probe interval too.
     fn lane_lost(&mut self, lane: usize) {
+        self.stall.reset(lane);
         self.traffic.errors[lane] += 1;
         self.traffic.down[lane] = true;
         self.prober.activity += 1;
@@ -852,6 +882,54 @@ impl Health {
         }
     }
 
+    /// A live lane to fence now, and why: one on a member port whose link went down, or one
+    /// that stalled ([`stall`]); with no witness to a stall yet, the next probe is due at once
+    /// (on every live lane). `busy`: the live lanes with signaled work outstanding; `on_down`:
+    /// the live lanes on a port whose link is down. Never the last live lane: that one keeps
+    /// the transport's retry bound.
+    fn stalled(
+        &mut self,
+        now: Duration,
+        (busy, live, on_down): (u128, u128, u128),
+        allowance: impl Fn(usize) -> Duration,
+    ) -> Option<(usize, String)> {
+        let verdict = self.stall.check(now, (busy, live), allowance);
+        if live.count_ones() < 2 || self.fatal.is_some() {
+            return None;
+        }
+        let (lane, why) = if on_down != 0 && live & !on_down != 0 {
+            let lane = on_down.trailing_zeros() as usize;
+            let port = self.path.ports.get(lane).map_or("its port", String::as_str);
+            (lane, format!("the link of {port} went down (IBV_EVENT_PORT_ERR)"))
+        } else {
+            match verdict {
+                stall::Verdict::Clear => return None,
+                stall::Verdict::Witness => {
+                    self.witness = true;
+                    return None;
+                }
+                stall::Verdict::Stalled(s) => (
+                    s.lane,
+                    format!(
+                        "it completed nothing for {} ms with work outstanding while lane {} \
+                         completed (its stall bound: {} ms, FERROCE_LANE_STALL_MS)",
+                        s.waited.as_millis(),
+                        s.witness,
+                        s.bound.as_millis()
+                    ),
+                ),
+            }
+        };
+        self.traffic.stalled[lane] += 1;
+        Some((lane, why))
+    }
+
+    /// The live lanes whose member port's link is down.
+    fn on_down(&self, alive: u128, members: &[(usize, usize)]) -> u128 {
+        let down = members.iter().enumerate().filter(|(_, m)| self.ports_down & (1 << m.0) != 0);
+        down.fold(0u128, |m, (q, _)| m | 1 << q) & alive
+    }
+
     /// After a poll found the CQ empty at `now`: the watchdog, and a failure from elsewhere
     /// (the device, or an async error on one of the comm's queues).
     fn idle(&mut self, now: Duration, elsewhere: Option<Fault>) -> Result<()> {
@@ -860,6 +938,12 @@ impl Health {
         }
         self.check()
     }
+}
+
+/// The live lanes with a signaled request outstanding: those that expect a completion.
+fn busy_lanes(alive: u128, sq: &[SqCount]) -> u128 {
+    let busy = sq.iter().enumerate().filter(|(_, c)| !c.signaled.is_empty());
+    busy.fold(0, |m, (q, _)| m | 1 << q) & alive
 }
 
 /// A growing chain of work requests for one QP, posted in batches of `MAX_CHAIN` and counted
@@ -931,6 +1015,8 @@ pub struct Params {
     /// A failed lane hands its work to the others (`NCCL_IB_RESILIENCY_PORT_FAILOVER`); else
     /// its failure fails the comm.
     pub failover: bool,
+    /// The floor of a lane's stall bound (`FERROCE_LANE_STALL_MS`; `None`: off).
+    pub stall: Option<Duration>,
 }
 
 /// One request's work in one post, journaled for profiler events (only with
@@ -1708,10 +1794,13 @@ impl SendCore {
         )));
     }
 
-    /// Our member ports whose link is down, named (`None`: none): a local queue-pair error
-    /// that fails the comm is then a network failure (`ncclRemoteError`).
-    pub fn links_down(&mut self, ports: Option<String>) {
+    /// Our member ports whose link is down, named (`None`: none), and as bits (`members`,
+    /// bit `m` for member port `m`): a local queue-pair error that fails the comm is then a
+    /// network failure (`ncclRemoteError`), and the lanes on those ports are fenced while a
+    /// lane on another port lives.
+    pub fn links_down(&mut self, ports: Option<String>, members: u64) {
         self.health.links_down = ports;
+        self.health.ports_down = members;
     }
 
     /// Our member port `port`'s link is up again: its lanes that wait for a repair attempt, or
@@ -1893,6 +1982,17 @@ impl SendCore {
         if self.health.fatal.is_none() {
             self.resend(stage, io)?;
             self.repair(now, fifo, stage, io);
+            if self.p.failover {
+                let busy = busy_lanes(self.alive, &self.sq);
+                let on_down = self.health.on_down(self.alive, &self.p.members);
+                let lanes = &self.lanes;
+                let allowance = |q: usize| lanes[q].allowance();
+                let found = self.health.stalled(now, (busy, self.alive, on_down), allowance);
+                if let Some((lane, why)) = found {
+                    io.fence(lane).map_err(|e| self.health.post_failed(e))?;
+                    self.drop_lane(lane, &why);
+                }
+            }
         }
         for (q, l) in self.lanes.iter().enumerate() {
             self.health.traffic.rate[q] = l.rate;
@@ -1904,7 +2004,7 @@ impl SendCore {
         let lanes = room.fold(0u128, |m, q| m | 1 << q);
         let (target, members) = (self.remote_sizes, &self.p.members);
         let at = |q: usize| target.at(0, members[q].1);
-        let probed = self.health.probe(now, waiting, io, (lanes, at))?;
+        let probed = self.health.probe(now, (waiting, self.wants_cts), io, (lanes, at))?;
         for q in (0..self.p.nqps).filter(|&q| probed & (1 << q) != 0) {
             self.sq[q].posted(1, true);
         }
@@ -1978,6 +2078,10 @@ pub struct RecvCore {
     sq: Vec<SqCount>,
     /// The lanes whose path still answers our CTS writes and probes.
     alive: u128,
+    /// Rebuilt lanes not yet proven: they take the sender's writes (their receives are
+    /// posted), but carry none of our own (no probe, no CTS row) until a receive lands on the
+    /// new queue pair. Our probe of a lane whose other end is not yet joined would fail it.
+    proving: u128,
     /// The lane that carries CTS rows, probes and repair answers: a live one, moved only when
     /// it fails or is rebuilt (rows that moved must not overtake each other).
     ctl: usize,
@@ -2074,6 +2178,7 @@ impl RecvCore {
             consumed: 0,
             sq: (0..p.nqps).map(|_| SqCount::new(RECV_SEND_QUEUE)).collect(),
             alive: lanes_mask(p.nqps),
+            proving: 0,
             ctl: 0,
             served: None,
             serving: None,
@@ -2087,10 +2192,13 @@ impl RecvCore {
         }
     }
 
-    /// Our member ports whose link is down, named (`None`: none): a local queue-pair error
-    /// that fails the comm is then a network failure (`ncclRemoteError`).
-    pub fn links_down(&mut self, ports: Option<String>) {
+    /// Our member ports whose link is down, named (`None`: none), and as bits (`members`,
+    /// bit `m` for member port `m`): a local queue-pair error that fails the comm is then a
+    /// network failure (`ncclRemoteError`), and the lanes on those ports are fenced while a
+    /// lane on another port lives.
+    pub fn links_down(&mut self, ports: Option<String>, members: u64) {
         self.health.links_down = ports;
+        self.health.ports_down = members;
     }
 
     /// Whether an optional receive (or a slot its ack word holds) still waits for the sender:
@@ -2200,12 +2308,13 @@ impl RecvCore {
     fn lane_failed(&mut self, lane: usize, c: &Completion, sizes: &impl Words) -> bool {
         let bit = 1u128 << lane;
         if self.alive & bit == 0 {
+            self.proving &= !bit; // a rebuilt lane that failed before it was proven
             return true;
         }
         // Retries run out on our own writes; a flush (a receive's too) is the lane's queue
         // pair failing on its own, its async event still to come.
         let ours = matches!(wr_kind(c.wr_id), WR_CTS | WR_PROBE | WR_MAIL) || c.status == FLUSHED;
-        let last = self.alive & !bit == 0 || !self.p.failover;
+        let last = (self.alive | self.proving) & !bit == 0 || !self.p.failover;
         if !ours || !lane_status(c.status) || last || self.health.fatal.is_some() {
             return false;
         }
@@ -2219,6 +2328,7 @@ impl RecvCore {
     pub fn lane_error(&mut self, lane: usize, why: &str, sizes: &impl Words) -> bool {
         let bit = 1u128 << lane;
         if self.alive & bit == 0 {
+            self.proving &= !bit;
             return true;
         }
         if self.alive & !bit == 0 || !self.p.failover || self.health.fatal.is_some() {
@@ -2247,6 +2357,11 @@ impl RecvCore {
     fn forget(&mut self, lane: usize, sizes: &impl Words) {
         let bit = 1u128 << lane;
         self.alive &= !bit;
+        self.proving &= !bit;
+        if self.alive == 0 {
+            // Only lanes still to be proven are left: they carry everything now.
+            (self.alive, self.proving) = (self.proving, 0);
+        }
         // The signaled requests in flight on the lane (CTS writes, a probe, a repair answer)
         // will not complete now: the watchdog stops counting them.
         for _ in 0..self.sq[lane].signaled.len() {
@@ -2286,7 +2401,7 @@ impl RecvCore {
                 return Ok(());
             }
             self.served = Some(seq);
-            if self.alive & (1 << lane) != 0 || self.ctl == lane {
+            if (self.alive | self.proving) & (1 << lane) != 0 || self.ctl == lane {
                 self.forget(lane, sizes);
             }
             io.fence(lane).map_err(|e| self.health.post_failed(e))?;
@@ -2392,13 +2507,13 @@ impl RecvCore {
         self.health.life[lane] = self.health.life[lane].wrapping_add(1);
         self.sq[lane] = SqCount::new(RECV_SEND_QUEUE);
         self.pool[lane] = 0;
-        self.alive |= bit;
         if self.alive & (1 << self.ctl) == 0 {
+            self.alive |= bit; // no other lane to carry the rows
             self.ctl = lane;
+        } else {
+            self.proving |= bit;
         }
-        let t = &mut self.health.traffic;
-        t.down[lane] = false;
-        t.repaired[lane] += 1;
+        self.health.traffic.repaired[lane] += 1;
         self.refill(io)?;
         Ok(Some(qpn))
     }
@@ -2418,8 +2533,9 @@ impl RecvCore {
     /// Posts receive WQEs until every live lane holds [`recv_pool`].
     fn refill(&mut self, io: &mut impl Post) -> Result<()> {
         let want = recv_pool(self.p.nqps);
+        let open = self.alive | self.proving;
         for (q, n) in self.pool.iter_mut().enumerate() {
-            while self.alive & (1 << q) != 0 && *n < want {
+            while open & (1 << q) != 0 && *n < want {
                 let id = tagged(wr_id(WR_RECV, q, 0), self.health.life[q]);
                 io.recv(q, id).map_err(|e| self.health.post_failed(e))?;
                 *n += 1;
@@ -2559,6 +2675,12 @@ impl RecvCore {
         if c.status == 0 && matches!(kind, WR_CTS | WR_PROBE | WR_MAIL) {
             self.sq[lane].completed();
         }
+        if c.status == 0 && kind == WR_RECV && !stale && self.proving & (1 << lane) != 0 {
+            // The sender's write landed on the rebuilt queue pair: both ends are joined.
+            self.proving &= !(1 << lane);
+            self.alive |= 1 << lane;
+            self.health.traffic.down[lane] = false;
+        }
         if !self.health.completion(c) {
             return;
         }
@@ -2643,6 +2765,18 @@ impl RecvCore {
             if self.waiting > 0 {
                 self.refill(io)?;
             }
+            if self.p.failover {
+                // Only a lane on a port whose link went down: a stall is the sender's to find
+                // (it owns lane repair; two ends fencing on their own could keep disjoint
+                // lanes). A silent path under our CTS rows stalls the sender's work or probes
+                // on the lane, and its fence moves the rows.
+                let on_down = self.health.on_down(self.alive, &self.p.members);
+                let found = self.health.stalled(now, (0, self.alive, on_down), |_| Duration::ZERO);
+                if let Some((lane, why)) = found {
+                    io.fence(lane).map_err(|e| self.health.post_failed(e))?;
+                    self.drop_lane(lane, &why, sizes);
+                }
+            }
             self.advertise(stage, io)?;
         }
         let waiting = self.waiting > 0 || self.awaits_acks(sizes);
@@ -2652,7 +2786,7 @@ impl RecvCore {
         let lanes = room.fold(0u128, |m, q| m | 1 << q);
         let (target, members) = (self.remote_fifo, &self.p.members);
         let at = |q: usize| target.at(0, members[q].1);
-        let probed = self.health.probe(now, waiting, io, (lanes, at))?;
+        let probed = self.health.probe(now, (waiting, false), io, (lanes, at))?;
         for q in (0..self.p.nqps).filter(|&q| probed & (1 << q) != 0) {
             self.sq[q].posted(1, true);
         }

@@ -55,6 +55,10 @@ pub fn line(
         if let Some(Some(rate)) = t.rate.get(q) {
             let _ = write!(s, ", path {:.1} MiB/s", rate / f64::from(1 << 20));
         }
+        let stalled = t.stalled.get(q).copied().unwrap_or(0);
+        if stalled > 0 {
+            let _ = write!(s, ", stalled {stalled} time(s)");
+        }
         let fenced = t.fenced.get(q).copied().unwrap_or(0);
         if fenced > 0 {
             let _ = write!(s, ", fenced {fenced} time(s)");
@@ -106,6 +110,7 @@ mod tests {
             kept_out: vec![false, true],
             repaired: vec![1, 0],
             fenced: vec![1, 0],
+            stalled: vec![1, 0],
             ..Traffic::default()
         };
         let l = line(
@@ -120,7 +125,7 @@ mod tests {
             l,
             "send comm to 198.18.0.2:4000: 12 messages, 4.0 MiB in 2.0 s (2.0 MiB/s); \
              QP 0 sport 49152: 3.0 MiB (75.0%), 0 failed completions, 9 chunks, path 2.5 MiB/s, \
-             fenced 1 time(s), repaired 1 time(s); \
+             stalled 1 time(s), fenced 1 time(s), repaired 1 time(s); \
              QP 1 sport 49153: 1.0 MiB (25.0%), 2 failed completions, 3 chunks, out (failed; it \
              stays out); \
              rxe0 hw_counters over this time: rcvd_seq_err +4"

@@ -146,6 +146,7 @@ fn run(n: usize, size: u64, inline: u32, optional: bool, depth: usize) -> Result
         timed_from: ferroce::transport::proto::TIMED_FROM,
         journal: false,
         failover: true,
+        stall: None,
         members: Vec::new(),
         repair: Repair {
             attempts: 0,

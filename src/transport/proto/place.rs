@@ -70,6 +70,15 @@ impl Lane {
         self.timed += usize::from(now != UNTIMED);
     }
 
+    /// What the lane's oldest chunk in flight needs, four times over, at the lane's measured
+    /// rate (at 4 MB/s where unmeasured): a stall bound's allowance for a big chunk on a slow
+    /// path.
+    pub fn allowance(&self) -> Duration {
+        let Some(&(_, bytes)) = self.queue.front() else { return Duration::ZERO };
+        let rate = self.rate.filter(|r| *r > 0.0).unwrap_or(4e6);
+        Duration::from_secs_f64((4.0 * bytes as f64 / rate).min(3600.0))
+    }
+
     /// Whether a timed chunk is in flight (its completion wants the clock).
     pub fn timing(&self) -> bool {
         self.timed > 0

@@ -238,6 +238,8 @@ struct Wire {
     members: Vec<(usize, usize)>,
     /// The ends fail over (else a dead lane fails the comm).
     failover: bool,
+    /// Retries never run out on a one-way black hole ([`Run::forever`]).
+    forever: bool,
 }
 
 impl Wire {
@@ -270,6 +272,7 @@ impl Wire {
             now: Duration::ZERO,
             members: Vec::new(),
             failover: true,
+            forever: false,
         }
     }
 
@@ -373,11 +376,26 @@ impl Wire {
     /// until its retries run out on the first one not acknowledged.
     fn step_one_way(&mut self, mem: &Mem, side: usize, q: usize) {
         if side == 1 {
+            if self.forever && !self.failed[1][q] {
+                return; // retried forever, never acknowledged
+            }
             return self.fail_head(mem, side, q);
         }
+        if self.forever && self.failed[0][q] {
+            // Fenced: what landed unacknowledged is flushed with the rest.
+            let unacked = self.one_way[q].as_mut().map(|o| std::mem::take(&mut o.0));
+            for wr_id in unacked.unwrap_or_default() {
+                self.cq[0].push_back(Completion { wr_id, status: 5, ..Default::default() });
+            }
+            return self.fail_head(mem, 0, q);
+        }
         let dead = self.failed[0][q] || self.failed[1][q] || !self.connected(q);
+        let forever = self.forever;
         let (ref mut unacked, ref mut left) = *self.one_way[q].as_mut().expect("one-way");
-        if *left > 0 && !self.sq[0][q].is_empty() && !dead {
+        if forever && (dead || self.sq[0][q].is_empty()) {
+            return; // retried forever: the peer's fenced queue pair drops them unanswered
+        }
+        if (*left > 0 || forever) && !self.sq[0][q].is_empty() && !dead {
             *left -= 1;
             let head = &mut self.sq[0][q].front_mut().expect("checked").wr;
             if head.signaled {
@@ -757,6 +775,12 @@ struct Run {
     members: Vec<(usize, usize)>,
     /// `NCCL_IB_RESILIENCY_PORT_FAILOVER`.
     failover: bool,
+    /// The floor of the lanes' stall bound, in the sim clock's 1 ms per empty poll (`None`:
+    /// off, so a silent path fails over only once its retries run out).
+    stall: Option<Duration>,
+    /// Retries never run out (`NCCL_IB_RETRY_CNT=7` on Soft-RoCE): a one-way black hole
+    /// completes nothing on its lane, at either end, until that end fences its queue pair.
+    forever: bool,
 }
 
 fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
@@ -814,12 +838,16 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         repairs: 0,
         members,
         failover: true,
+        stall: None,
+        forever: false,
     }
 }
 
 /// What happened to the requests: counts of completed ones and of errors seen.
 #[derive(Debug, Default)]
 struct Outcome {
+    /// Lanes fenced for a stall, by the sender and by the receiver.
+    stalls: [u64; 2],
     recvs_done: usize,
     sends_done: usize,
     errors: [usize; 2],
@@ -911,7 +939,10 @@ struct Journaled {
 impl Journaled {
     fn new(run: &Run) -> Journaled {
         let n = SLOTS * MAX_RECVS;
-        let faults = !run.kills.is_empty() || !run.qp_errors.is_empty() || !run.one_way.is_empty();
+        let faults = !run.kills.is_empty()
+            || !run.qp_errors.is_empty()
+            || !run.one_way.is_empty()
+            || run.stall.is_some();
         Journaled { send: vec![Vec::new(); n], recv: vec![Vec::new(); n], faults }
     }
 
@@ -982,6 +1013,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         timed_from: 0,
         journal: true,
         failover: run.failover,
+        stall: run.stall,
         members: run.members.clone(),
         repair: Repair {
             attempts: run.repairs,
@@ -997,6 +1029,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
     wire.borrow_mut().members = run.members.clone();
     wire.borrow_mut().failover = run.failover;
     wire.borrow_mut().duplicates = run.duplicates;
+    wire.borrow_mut().forever = run.forever;
     let mut sio = Io { wire: &wire, mem: &mem, side: 0, depth: SEND_QUEUE };
     let mut rio = Io { wire: &wire, mem: &mem, side: 1, depth: RECV_SEND_QUEUE };
 
@@ -1045,7 +1078,8 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         assert!(
             steps < 4_000_000 + 200 * n as u64,
             "livelock: {out:?} after {steps} steps, seed {seed}: sender unfenced {:#x} fence \
-             {:?} resend {} alive {:#x}; receiver serving {:?} alive {:#x} ctl {} pool {:?}",
+             {:?} resend {} alive {:#x}; receiver serving {:?} alive {:#x} ctl {} pool {:?} \
+             sq {:?} proving {:#x}",
             sender.unfenced,
             sender.fence,
             sender.resend.len(),
@@ -1053,7 +1087,9 @@ fn drive(run: &Run, seed: u64) -> Outcome {
             receiver.serving,
             receiver.alive,
             receiver.ctl,
-            receiver.pool
+            receiver.pool,
+            receiver.sq.iter().map(|q| (q.used(), q.signaled.len())).collect::<Vec<_>>(),
+            receiver.proving
         );
 
         let sq = receiver.sq.iter().map(SqCount::used).max().unwrap_or(0);
@@ -1434,6 +1470,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
     out.kept_out = lines.kept_out;
     (out.batches, out.wrapped) = (wire.borrow().batches, wire.borrow().wrapped);
     out.sent = sender.traffic().bytes.clone();
+    out.stalls = [sender.traffic(), receiver.traffic()].map(|t| t.stalled.iter().sum());
     out.dups = wire.borrow().dups;
     out
 }
@@ -1571,6 +1608,67 @@ fn a_one_way_black_hole_never_writes_a_completed_receive() {
     }
     eprintln!("{fences} fences: {landed} held chunks had landed, {again} went again");
     assert!(cfg!(miri) || landed > 50 && again > 50, "{landed} landed, {again} again");
+}
+
+/// A lane's path goes silent one way and its retries never run out (`NCCL_IB_RETRY_CNT=7` on
+/// Soft-RoCE; about 34 s per request at NCCL's defaults on a ConnectX): the sender's writes
+/// land unacknowledged, the receiver's own requests on the lane are never answered, and
+/// nothing on it ever completes or fails, at either end. The sender's stall bound fences it
+/// while the other lanes complete (its data, its mail or its probes stall there; only the
+/// sender fences for a stall, as it owns lane repair), the receiver fences its end on the
+/// sender's request, and every request completes once with its bytes; the
+/// invariant checker sees no write into a completed receive. With the bound off, these runs
+/// hang (the harness's no-progress assertion).
+#[test]
+fn a_silent_path_fails_over_by_its_stall_bound() {
+    let mut rng = Rng(0x005a_11ed);
+    let mut stalls = [0, 0];
+    for seed in 0..miri_or(80u64, 2) {
+        let mut run = lanes_run(&mut rng, seed);
+        run.split = seed % 2 == 1;
+        run.repairs = 3; // a stall fences only where repair can bring a live lane back
+        (run.forever, run.stall) = (true, Some(Duration::from_millis(20)));
+        let mut lanes: Vec<usize> = (0..run.nqps).collect();
+        let dead = 1 + rng.below(lanes.len() as u64 - 1) as usize;
+        for k in 0..dead {
+            let pick = if k == 0 && seed % 3 == 0 { 0 } else { rng.below(lanes.len() as u64) };
+            let lane = lanes.swap_remove(pick as usize);
+            let at = 50 + rng.below(miri_or(3000, 300));
+            run.one_way.push((at, lane, 0));
+            if run.repairs > 0 && rng.below(2) == 0 {
+                run.heals.push((at + rng.below(miri_or(1500, 150)), lane));
+            }
+        }
+        let o = drive(&run, seed + 51);
+        let n = run.groups.len();
+        let what = format!("seed {seed}: silent {:?} heals {:?}", run.one_way, run.heals);
+        assert_eq!((o.recvs_done, o.sends_done), (n, n), "{what}");
+        stalls = [stalls[0] + o.stalls[0], stalls[1] + o.stalls[1]];
+    }
+    eprintln!("stalls fenced: {} by senders, {} by receivers", stalls[0], stalls[1]);
+    assert!(cfg!(miri) || stalls[0] > 40 && stalls[1] == 0, "{stalls:?}");
+}
+
+/// Fencing a slow but live lane is harmless: with a stall bound far too tight (1 to 4 ms of
+/// the sim clock, where one side may sleep for hundreds) live lanes are fenced again and
+/// again, and repaired; every request still completes once with its bytes and
+/// no completed receive is written again.
+#[test]
+fn fencing_a_live_lane_is_harmless() {
+    let mut rng = Rng(0x0f15_e5a1);
+    let mut stalls = [0, 0];
+    for seed in 0..miri_or(80u64, 2) {
+        let mut run = lanes_run(&mut rng, seed);
+        run.split = seed % 2 == 1;
+        run.repairs = 3;
+        run.stall = Some(Duration::from_millis(1 + rng.below(4)));
+        let o = drive(&run, seed + 61);
+        let n = run.groups.len();
+        assert_eq!((o.recvs_done, o.sends_done), (n, n), "seed {seed}");
+        stalls = [stalls[0] + o.stalls[0], stalls[1] + o.stalls[1]];
+    }
+    eprintln!("live lanes fenced: {} by senders, {} by receivers", stalls[0], stalls[1]);
+    assert!(cfg!(miri) || stalls[0] > 20 && stalls[1] == 0, "{stalls:?}");
 }
 
 /// The ack word is a high-water mark at the receiver: a write that moved it back (none of
@@ -2079,6 +2177,7 @@ fn one_qp(path: Path) -> Params {
         timed_from: TIMED_FROM,
         journal: false,
         failover: true,
+        stall: None,
         members: Vec::new(),
         repair: NO_REPAIR,
         path,
@@ -2159,6 +2258,7 @@ fn a_quiet_wait_probes_the_peer_and_only_a_dead_peer_fails() {
         timed_from: TIMED_FROM,
         journal: false,
         failover: true,
+        stall: None,
         members: Vec::new(),
         repair: NO_REPAIR,
         path: Path { peer: "peer".into(), ..Default::default() },

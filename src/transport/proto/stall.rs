@@ -1,0 +1,193 @@
+//! Stall detection: a lane with signaled work outstanding that completes nothing for its
+//! stall bound, while another lane of the comm completes, is taken as dead and fenced at
+//! once. The transport's retry bound (about 34 s at NCCL's defaults on a ConnectX, unbounded
+//! on Soft-RoCE with a retry count of 7) stays the last resort, for a comm whose lanes are
+//! all silent: then the peer, not one path, is what stopped answering.
+//!
+//! The bound is the floor (`FERROCE_LANE_STALL_MS`), or four times the longest wait for a
+//! completion the lane has shown lately (it decays by an eighth per completion), whichever is
+//! larger, plus what the lane's oldest chunk needs at its measured rate (the caller's
+//! allowance). A wait counts only while the lane has signaled work outstanding. Another lane
+//! must have completed something after the wait began: with no such witness a probe goes out on
+//! the other lanes, and a process that was not scheduled, or a peer whose every lane is slow,
+//! fences nothing. The clock is the coarse one `idle` is given.
+
+use std::time::Duration;
+
+pub struct Stall {
+    /// The floor of every lane's bound; `None`: detection is off.
+    floor: Option<Duration>,
+    /// Per lane: successful completions taken in, and the count at the last check.
+    done: Vec<u64>,
+    seen: Vec<u64>,
+    /// Per lane: when its count was last seen to move.
+    moved: Vec<Duration>,
+    /// Per lane: since when it has waited with signaled work outstanding and no completion.
+    since: Vec<Option<Duration>>,
+    /// Per lane: its longest recent wait that a completion ended.
+    typical: Vec<Duration>,
+}
+
+/// A lane found stalled: how long it waited, its bound, and the lane that completed meanwhile.
+pub struct Stalled {
+    pub lane: usize,
+    pub waited: Duration,
+    pub bound: Duration,
+    pub witness: usize,
+}
+
+/// What a check found.
+pub enum Verdict {
+    Clear,
+    /// A lane is past its bound with no witness yet: the other lanes should be probed.
+    Witness,
+    Stalled(Stalled),
+}
+
+impl Stall {
+    pub fn new(nqps: usize, floor: Option<Duration>) -> Stall {
+        Stall {
+            floor,
+            done: vec![0; nqps],
+            seen: vec![0; nqps],
+            moved: vec![Duration::ZERO; nqps],
+            since: vec![None; nqps],
+            typical: vec![Duration::ZERO; nqps],
+        }
+    }
+
+    /// The floor of every lane's bound (`None`: detection is off).
+    pub fn floor(&self) -> Option<Duration> {
+        self.floor
+    }
+
+    /// A request on lane `lane` completed successfully.
+    pub fn completed(&mut self, lane: usize) {
+        if let Some(n) = self.done.get_mut(lane) {
+            *n += 1;
+        }
+    }
+
+    /// Lane `lane` is out: its wait ends with it.
+    pub fn reset(&mut self, lane: usize) {
+        self.since[lane] = None;
+    }
+
+    /// The bound of lane `lane` with `allowance` for its oldest work.
+    fn bound(&self, floor: Duration, lane: usize, allowance: Duration) -> Duration {
+        floor.max(self.typical[lane] * 4).saturating_add(allowance)
+    }
+
+    /// At `now`, with `busy` the live lanes that have signaled work outstanding and `live`
+    /// the live lanes: the first lane past its bound that another live lane outlived.
+    pub fn check(
+        &mut self,
+        now: Duration,
+        (busy, live): (u128, u128),
+        allowance: impl Fn(usize) -> Duration,
+    ) -> Verdict {
+        for q in 0..self.done.len() {
+            let waiting = busy & (1 << q) != 0;
+            if self.done[q] != self.seen[q] {
+                if let Some(t) = self.since[q] {
+                    let sample = now.saturating_sub(t);
+                    let decayed = self.typical[q].saturating_sub(self.typical[q] / 8);
+                    self.typical[q] = sample.max(decayed);
+                }
+                self.seen[q] = self.done[q];
+                self.moved[q] = now;
+                self.since[q] = waiting.then_some(now);
+            } else if waiting {
+                self.since[q].get_or_insert(now);
+            } else {
+                self.since[q] = None;
+            }
+        }
+        let Some(floor) = self.floor else { return Verdict::Clear };
+        let mut verdict = Verdict::Clear;
+        for q in (0..self.done.len()).filter(|&q| busy & (1 << q) != 0) {
+            let Some(t) = self.since[q] else { continue };
+            let bound = self.bound(floor, q, allowance(q));
+            let waited = now.saturating_sub(t);
+            if waited <= bound {
+                continue;
+            }
+            let others = (0..self.done.len()).filter(|&r| r != q && live & (1 << r) != 0);
+            match others.clone().find(|&r| self.moved[r] > t) {
+                Some(witness) => {
+                    return Verdict::Stalled(Stalled { lane: q, waited, bound, witness });
+                }
+                None if others.count() > 0 => verdict = Verdict::Witness,
+                None => {}
+            }
+        }
+        verdict
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    fn stalled(v: Verdict) -> Option<usize> {
+        match v {
+            Verdict::Stalled(s) => Some(s.lane),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_lane_that_waits_past_its_bound_while_another_completes_is_stalled() {
+        let mut s = Stall::new(2, Some(ms(100)));
+        assert!(stalled(s.check(ms(0), (0b11, 0b11), |_| ms(0))).is_none());
+        s.completed(1);
+        assert!(stalled(s.check(ms(50), (0b11, 0b11), |_| ms(0))).is_none());
+        assert_eq!(stalled(s.check(ms(101), (0b11, 0b11), |_| ms(0))), Some(0));
+    }
+
+    #[test]
+    fn without_a_witness_nothing_is_stalled_and_a_probe_is_wanted() {
+        // Both lanes silent (the process was not scheduled, or the peer is slow everywhere).
+        let mut s = Stall::new(2, Some(ms(100)));
+        s.check(ms(0), (0b11, 0b11), |_| ms(0));
+        assert!(matches!(s.check(ms(500), (0b11, 0b11), |_| ms(0)), Verdict::Witness));
+        // One lane alone has nobody to outlive it: the retry bound is its last resort.
+        let mut one = Stall::new(1, Some(ms(100)));
+        one.check(ms(0), (1, 1), |_| ms(0));
+        assert!(matches!(one.check(ms(500), (1, 1), |_| ms(0)), Verdict::Clear));
+    }
+
+    #[test]
+    fn the_bound_grows_with_the_lanes_own_waits_and_its_allowance() {
+        let mut s = Stall::new(2, Some(ms(100)));
+        s.check(ms(0), (0b01, 0b11), |_| ms(0));
+        // Lane 0 took 300 ms for one completion: its bound is now 1.2 s.
+        s.completed(0);
+        s.check(ms(300), (0b01, 0b11), |_| ms(0));
+        s.completed(1);
+        assert!(stalled(s.check(ms(1000), (0b01, 0b11), |_| ms(0))).is_none());
+        assert_eq!(stalled(s.check(ms(1501), (0b01, 0b11), |_| ms(0))), Some(0));
+        // An allowance for a big oldest chunk moves the bound likewise.
+        let mut a = Stall::new(2, Some(ms(100)));
+        a.check(ms(0), (0b01, 0b11), |_| ms(0));
+        a.completed(1);
+        assert!(stalled(a.check(ms(200), (0b01, 0b11), |_| ms(500))).is_none());
+        assert_eq!(stalled(a.check(ms(601), (0b01, 0b11), |_| ms(500))), Some(0));
+    }
+
+    #[test]
+    fn an_idle_lane_never_stalls_and_off_means_off() {
+        let mut s = Stall::new(2, Some(ms(100)));
+        s.check(ms(0), (0b10, 0b11), |_| ms(0));
+        s.completed(1);
+        assert!(stalled(s.check(ms(5000), (0b10, 0b11), |_| ms(0))).is_none());
+        let mut off = Stall::new(2, None);
+        off.check(ms(0), (0b11, 0b11), |_| ms(0));
+        off.completed(1);
+        assert!(matches!(off.check(ms(60_000), (0b11, 0b11), |_| ms(0)), Verdict::Clear));
+    }
+}
