@@ -361,7 +361,14 @@ impl Config {
         let path_aware = r.int("FERROCE_PATH_AWARE", 1u8, 0..=1)? == 1;
         let failover = r.int("NCCL_IB_RESILIENCY_PORT_FAILOVER", 1u8, 0..=1)? == 1;
         let stall_ms = r.int("FERROCE_LANE_STALL_MS", 250u64, 0..=3_600_000)?;
-        let lane_stall = (stall_ms > 0).then(|| Duration::from_millis(stall_ms));
+        // One lost packet costs the lane one ACK timeout. Where two of them fit in about a
+        // second (NCCL_IB_TIMEOUT 17 or less, as on a lossy fabric's tuning), the floor covers
+        // them, so a resend is never taken for a dead path; where an attempt is longer, a loss
+        // would stall the lane longer than a dead path may, and fencing it (then repairing it)
+        // is the cheaper of the two.
+        let resend = retry_bound(ib_timeout, 0) * 2;
+        let cover = if resend <= Duration::from_millis(1100) { resend } else { Duration::ZERO };
+        let lane_stall = (stall_ms > 0).then(|| Duration::from_millis(stall_ms).max(cover));
         let recovery = r.int("NCCL_IB_RESILIENCY_PORT_RECOVERY", 1u8, 0..=1)? == 1;
         let repair_attempts =
             r.int("NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", 5u32, 0..=100)?;
@@ -756,6 +763,13 @@ mod tests {
             1500
         );
         assert_eq!(retry_bound(14, 3).as_micros(), 268_435);
+        // The stall floor: 250 ms at NCCL's timeouts, two ACK timeouts where those are short.
+        let stall = |c: Config| c.lane_stall.map(|d| d.as_millis());
+        assert_eq!(stall(with("NCCL_IB_TIMEOUT", "20").unwrap()), Some(250));
+        assert_eq!(stall(with("NCCL_IB_TIMEOUT", "16").unwrap()), Some(536));
+        assert_eq!(stall(with("NCCL_IB_TIMEOUT", "14").unwrap()), Some(250));
+        assert_eq!(stall(with("FERROCE_LANE_STALL_MS", "0").unwrap()), None);
+        assert!(with("FERROCE_LANE_STALL_MS", "soon").is_err());
         let c = with("NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", "0").unwrap();
         assert_eq!(c.repair_attempts, 0);
         let c = with("NCCL_IB_RESILIENCY_PORT_RECOVERY", "0").unwrap();

@@ -12,11 +12,13 @@
 //!
 //! Whole messages go on the cheaper of two lanes, the rotation's and one drawn at random (the
 //! power of two choices): by rate where one is under half the other's, else by outstanding
-//! bytes. Both modes give a lane under half the fastest's rate no new work ([`AVOID`]),
-//! until its rate is forgotten and it is tried again. Split mode cuts no finer than that:
-//! lanes that share a NIC complete a split message's chunks in the NIC's own order, which
-//! on Soft-RoCE made healthy lanes differ by up to 0.6x, so a finer weighting would read that
-//! order as path speed. Both leave the rotation and equal chunks alone unless a lane is
+//! bytes. Both modes give a lane under a quarter of the fastest's rate no new work
+//! ([`AVOID`]), until its rate is forgotten (a second after its last sample) and it is tried
+//! again. Split mode cuts no finer than that: lanes that share a NIC complete a split
+//! message's chunks in the NIC's own order, which on Soft-RoCE made healthy lanes differ by up
+//! to 0.6x, and by more than 0.5x on a busy host (one lane then carried every 4 MiB message of a
+//! sweep, avoided for 10 s at a time), so a finer weighting would read that order as path
+//! speed. Both leave the rotation and equal chunks alone unless a lane is
 //! clearly worse ([`CHEAPER`], [`AVOID`]), so a clean fabric's noise changes nothing.
 
 use std::collections::VecDeque;
@@ -27,14 +29,15 @@ const MIN_SAMPLE: Duration = Duration::from_millis(10);
 /// A lane not yet measured counts as stalled once its oldest chunk waited this long.
 const STALLED: Duration = Duration::from_millis(50);
 /// An idle lane's rate is forgotten this long after its last sample, so that a lane avoided
-/// for a slow path is tried again (one message) once in a while: the path may have healed.
-const FORGET: Duration = Duration::from_secs(10);
+/// for a slow path is tried again (one message) once in a while: the path may have healed,
+/// or a healthy lane measured slow by chance.
+const FORGET: Duration = Duration::from_secs(1);
 /// Whole-message mode leaves the rotation's lane only for one this much cheaper.
 const CHEAPER: f64 = 0.75;
 /// A lane below this share of the fastest live lane's rate gets no new work at all (until
 /// its rate is forgotten): a path that slow is usually lossy, and its mean rate hides the
 /// tail: a lost last packet stalls the message for a whole ACK timeout.
-const AVOID: f64 = 0.5;
+const AVOID: f64 = 0.25;
 /// The post time of a chunk not timed (too small to be worth a clock read): it gives no
 /// sample.
 pub const UNTIMED: Duration = Duration::MAX;
@@ -249,8 +252,8 @@ mod tests {
         assert_eq!(choose(&even, 0b11, now, (0, 1), 1 << 20), 0, "rates within 2x: noise");
         let slow = [lane(0, Some(1e7)), lane(2 << 20, Some(1e8))];
         assert_eq!(choose(&slow, 0b11, now, (0, 1), 1 << 20), 1);
-        // Under half the fastest: avoided however loaded the other lane is.
-        let loaded = [lane(0, Some(4e7)), lane(64 << 20, Some(1e8))];
+        // Under a quarter of the fastest: avoided however loaded the other lane is.
+        let loaded = [lane(0, Some(2e7)), lane(64 << 20, Some(1e8))];
         assert_eq!(choose(&loaded, 0b11, now, (0, 1), 1 << 20), 1);
         assert_eq!(choose(&loaded, 0b11, now, (1, 0), 1 << 20), 1);
         // Nothing measured yet: outstanding bytes decide.
@@ -259,11 +262,12 @@ mod tests {
     }
 
     #[test]
-    fn a_lane_under_half_the_fastest_gets_no_chunk_nor_does_a_dead_one() {
+    fn a_lane_under_a_quarter_of_the_fastest_gets_no_chunk_nor_does_a_dead_one() {
         let now = Duration::ZERO;
-        let clean = [lane(0, Some(1e8)), lane(0, Some(0.6e8)), lane(0, None), lane(0, Some(1e8))];
+        // Healthy lanes of one NIC measure up to 2x apart (the NIC's order, a busy host).
+        let clean = [lane(0, Some(1e8)), lane(0, Some(0.4e8)), lane(0, None), lane(0, Some(1e8))];
         assert_eq!(avoided(&clean, 0b1111, now), 0);
-        let slower = [lane(0, Some(1e8)), lane(0, Some(4e7)), lane(0, Some(1e8)), lane(0, None)];
+        let slower = [lane(0, Some(1e8)), lane(0, Some(2e7)), lane(0, Some(1e8)), lane(0, None)];
         assert_eq!(avoided(&slower, 0b1111, now), 0b0010);
         assert_eq!(avoided(&clean, 0b1011, now), 0b0100);
     }

@@ -396,7 +396,7 @@ impl Wire {
             return; // retried forever: the peer's fenced queue pair drops them unanswered
         }
         if (*left > 0 || forever) && !self.sq[0][q].is_empty() && !dead {
-            *left -= 1;
+            *left = left.saturating_sub(1);
             let head = &mut self.sq[0][q].front_mut().expect("checked").wr;
             if head.signaled {
                 unacked.push(head.wr_id);
