@@ -940,6 +940,12 @@ impl Health {
     }
 }
 
+/// The newest CTS row that has landed in `fifo`: it moves only while the receiving comm is
+/// called (its `irecv` writes the rows).
+fn newest_row(fifo: &impl Words) -> u64 {
+    (0..SLOTS).map(|k| Cts::read(fifo, k, 0).idx).max().unwrap_or(0)
+}
+
 /// The live lanes with a signaled request outstanding: those that expect a completion.
 fn busy_lanes(alive: u128, sq: &[SqCount]) -> u128 {
     let busy = sq.iter().enumerate().filter(|(_, c)| !c.signaled.is_empty());
@@ -1652,6 +1658,8 @@ impl SendCore {
         if self.fence.is_some_and(|f| f.2 == lane) {
             self.fence = None; // asked through this lane: asked again through a live one
         }
+        self.mend.lost_via(lane); // likewise a repair request
+
         self.health.lane_lost(lane);
         self.lanes[lane].failed();
         let chunks = self.held(lane).count();
@@ -1850,7 +1858,8 @@ impl SendCore {
     /// is rebuilt gets its probe; the next due attempt rebuilds our end and asks the peer,
     /// through a live lane, to rebuild its own.
     fn repair(&mut self, now: Duration, fifo: &impl Words, stage: &impl Words, io: &mut impl Post) {
-        while let Some((lane, why)) = self.mend.tick(now) {
+        let rows = if self.mend.asking() { newest_row(fifo) } else { 0 };
+        while let Some((lane, why)) = self.mend.tick(now, rows) {
             self.attempt_failed(lane, why);
         }
         if self.fenced(now, fifo, stage, io) {
@@ -1875,7 +1884,7 @@ impl SendCore {
         if self.alive & (1 << ctl) == 0 || !self.sq[ctl].fits(1) {
             return; // no live lane to ask through, or no room on it yet
         }
-        let seq = self.mend.ask(lane, now);
+        let seq = self.mend.ask(lane, now, ctl);
         let qpn = match io.fresh(lane) {
             Ok(qpn) => qpn,
             Err(e) => {

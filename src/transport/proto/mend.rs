@@ -35,8 +35,10 @@ pub enum Stage {
     Live,
     /// Failed: the next attempt is due at `at` (`None`: from the next look at the clock).
     Wait { at: Option<Duration> },
-    /// Our end is rebuilt and the peer was asked (message `seq`) at `since`.
-    Asked { seq: u16, since: Duration },
+    /// Our end is rebuilt and the peer was asked (message `seq`) through lane `via`; the wait
+    /// runs since `since`. Once a wait ran out unanswered, `rows` is the newest CTS row that
+    /// had landed then, and a second wait runs.
+    Asked { seq: u16, since: Duration, via: usize, rows: Option<u64> },
     /// Both ends are rebuilt; the lane's probe has been in flight since `since`.
     Proving { since: Duration },
     /// Every attempt failed: the lane stays out.
@@ -185,16 +187,30 @@ impl Mend {
     }
 
     /// Times the waits that start now, and fails the attempts whose wait ran out. The lanes
-    /// whose attempt failed, with why; the caller takes each as [`Self::failed`].
-    pub fn tick(&mut self, now: Duration) -> Option<(usize, &'static str)> {
+    /// whose attempt failed, with why; the caller takes each as [`Self::failed`]. `rows`: the
+    /// newest CTS row that has landed. A request is answered during the receiving comm's
+    /// calls, so its timeout runs twice: the newest row is noted when the first ends (rows
+    /// written before the request have landed by then), and the attempt counts as failed only
+    /// if a row landed during the second, which shows the receiver was called. Else the
+    /// request is asked again, at once, and no attempt is counted, however long NCCL leaves
+    /// that comm alone (an answer may also have been lost with the lane it went on).
+    pub fn tick(&mut self, now: Duration, rows: u64) -> Option<(usize, &'static str)> {
         self.now = now;
         for (lane, s) in self.stage.iter_mut().enumerate() {
             match *s {
                 Stage::Wait { at: None } => {
                     *s = Stage::Wait { at: Some(now + wait(self.policy, self.tries[lane])) };
                 }
-                Stage::Asked { since, .. } if now.saturating_sub(since) > self.policy.timeout => {
-                    return Some((lane, "the peer did not answer the repair request"));
+                Stage::Asked { seq, since, via, rows: then }
+                    if now.saturating_sub(since) > self.policy.timeout =>
+                {
+                    match then {
+                        None => *s = Stage::Asked { seq, since: now, via, rows: Some(rows) },
+                        Some(then) if rows > then => {
+                            return Some((lane, "the peer did not answer the repair request"));
+                        }
+                        Some(_) => *s = Stage::Wait { at: Some(now) },
+                    }
                 }
                 Stage::Proving { since } if now.saturating_sub(since) > self.policy.timeout => {
                     return Some((lane, "the probe of the rebuilt lane did not complete"));
@@ -213,11 +229,21 @@ impl Mend {
         self.stage.iter().position(|s| matches!(s, Stage::Wait { at: Some(at) } if *at <= now))
     }
 
-    /// Lane `lane`'s attempt starts: its request number.
-    pub fn ask(&mut self, lane: usize, now: Duration) -> u16 {
+    /// Lane `lane`'s attempt starts, asked through lane `via`: its request number.
+    pub fn ask(&mut self, lane: usize, now: Duration, via: usize) -> u16 {
         let seq = self.next_seq();
-        self.stage[lane] = Stage::Asked { seq, since: now };
+        self.stage[lane] = Stage::Asked { seq, since: now, via, rows: None };
         seq
+    }
+
+    /// Lane `via` failed: a request asked through it may never have landed, so it is void
+    /// (not a failed attempt) and asked again after the lane's wait.
+    pub fn lost_via(&mut self, via: usize) {
+        for s in &mut self.stage {
+            if matches!(*s, Stage::Asked { via: v, .. } if v == via) {
+                *s = Stage::Wait { at: None };
+            }
+        }
     }
 
     /// A new request number (repair requests and fences share one sequence and one mailbox).
@@ -286,27 +312,33 @@ mod tests {
     fn attempts_back_off_and_end() {
         let mut m = Mend::new(2, policy());
         assert!(m.failed(1));
-        assert_eq!(m.tick(ms(0)), None);
+        assert_eq!(m.tick(ms(0), 1), None);
         assert_eq!(m.due(ms(99)), None);
         assert_eq!(m.due(ms(100)), Some(1));
-        let seq = m.ask(1, ms(100));
-        // No answer within the timeout: the attempt fails, and the next waits twice as long.
+        let seq = m.ask(1, ms(100), 0);
+        // No answer within the timeout, twice, and a CTS row landed during the second (the
+        // receiving comm was called): the attempt fails, and the next waits twice as long.
         assert_eq!(m.answered(Msg::Done { lane: 1, seq: seq + 1, qpn: 9 }.encode()), None);
-        assert_eq!(m.tick(ms(1100)), None);
-        assert_eq!(m.tick(ms(1101)), Some((1, "the peer did not answer the repair request")));
+        assert_eq!(m.tick(ms(1100), 1), None);
+        assert_eq!(m.tick(ms(1101), 1), None);
+        assert_eq!(m.tick(ms(2102), 2), Some((1, "the peer did not answer the repair request")));
         assert!(m.failed(1));
-        assert_eq!(m.tick(ms(1101)), None);
+        assert_eq!(m.tick(ms(1101), 2), None);
         assert_eq!(m.due(ms(1300)), None);
         assert_eq!(m.due(ms(1301)), Some(1));
-        let seq = m.ask(1, ms(1301));
+        let seq = m.ask(1, ms(1301), 0);
         assert_eq!(m.answered(Msg::Done { lane: 1, seq, qpn: 9 }.encode()), Some((1, seq, 9)));
         m.proving(1, ms(1302));
-        assert_eq!(m.tick(ms(2303)), Some((1, "the probe of the rebuilt lane did not complete")));
+        assert_eq!(
+            m.tick(ms(2303), 1),
+            Some((1, "the probe of the rebuilt lane did not complete"))
+        );
         assert!(m.failed(1));
-        m.tick(ms(2303));
+        m.tick(ms(2303), 1);
         assert_eq!(m.due(ms(2703)), Some(1));
-        m.ask(1, ms(2703));
-        assert!(m.tick(ms(3704)).is_some());
+        m.ask(1, ms(2703), 0);
+        m.tick(ms(3704), 2);
+        assert!(m.tick(ms(4705), 3).is_some());
         // The third failed attempt is the last: the lane stays out.
         assert!(!m.failed(1));
         assert_eq!(m.stage[1], Stage::Out);
@@ -317,9 +349,9 @@ mod tests {
     fn a_proven_lane_starts_afresh_and_one_lane_is_asked_at_a_time() {
         let mut m = Mend::new(3, policy());
         assert!(m.failed(0) && m.failed(2));
-        m.tick(ms(0));
+        m.tick(ms(0), 1);
         assert_eq!(m.due(ms(100)), Some(0));
-        m.ask(0, ms(100));
+        m.ask(0, ms(100), 0);
         assert_eq!(m.due(ms(100)), None, "lane 2 waits while lane 0 is asked");
         m.proving(0, ms(101));
         assert_eq!(m.due(ms(101)), Some(2));
@@ -327,11 +359,40 @@ mod tests {
         assert_eq!(m.stage[0], Stage::Live);
         // Failing again in use, once the lane lived longer than the timeout, starts the count
         // from zero.
-        m.tick(ms(1102));
+        m.tick(ms(1102), 1);
         assert!(m.failed(0));
         assert_eq!(m.tries(0), 0);
         let none = Policy { attempts: 0, ..policy() };
         assert!(!Mend::new(1, none).failed(0), "no attempts: the lane stays out");
+    }
+
+    /// A request past its timeout with no CTS row landed since: the receiving comm was not
+    /// called (NCCL left it alone), so it goes again at once and no attempt is counted.
+    #[test]
+    fn a_request_the_receiver_had_no_call_to_answer_is_asked_again_uncounted() {
+        let mut m = Mend::new(2, policy());
+        assert!(m.failed(1));
+        m.tick(ms(0), 0);
+        m.ask(1, ms(100), 0);
+        // Rows written before the request land during the first wait; none during the second.
+        assert_eq!(m.tick(ms(1101), 7), None);
+        assert_eq!(m.tick(ms(2102), 7), None);
+        assert_eq!((m.stage[1], m.tries(1)), (Stage::Wait { at: Some(ms(2102)) }, 0));
+        assert_eq!(m.due(ms(2102)), Some(1));
+    }
+
+    /// A request asked through a lane that failed is void: the lane waits for its next
+    /// attempt with no failed one counted.
+    #[test]
+    fn a_request_whose_lane_failed_is_asked_again_uncounted() {
+        let mut m = Mend::new(3, policy());
+        assert!(m.failed(2));
+        m.tick(ms(0), 0);
+        m.ask(2, ms(100), 1);
+        m.lost_via(0);
+        assert!(matches!(m.stage[2], Stage::Asked { .. }), "asked through lane 1, not 0");
+        m.lost_via(1);
+        assert_eq!((m.stage[2], m.tries(2)), (Stage::Wait { at: None }, 0));
     }
 
     /// A path that comes back and dies again within the timeout, over and over, is not
@@ -348,14 +409,14 @@ mod tests {
                 break;
             }
             assert_eq!(m.tries(1) > 0, round > 1, "a failure soon after a repair counts");
-            m.tick(ms(t));
+            m.tick(ms(t), 1);
             t += 5000;
             let lane = m.due(ms(t)).expect("due");
-            m.ask(lane, ms(t));
+            m.ask(lane, ms(t), 0);
             m.proving(lane, ms(t));
-            m.tick(ms(t + 10));
+            m.tick(ms(t + 10), 1);
             m.proven(lane);
-            m.tick(ms(t + 500)); // fails again half a second later
+            m.tick(ms(t + 500), 1); // fails again half a second later
         }
         assert_eq!(m.stage[1], Stage::Out);
     }
@@ -366,7 +427,7 @@ mod tests {
     fn a_port_back_up_rearms_its_waiting_and_kept_out_lanes() {
         let policy = Policy { attempts: 1, delay: ms(100), timeout: ms(1000) };
         let mut m = Mend::new(3, policy);
-        m.tick(ms(5));
+        m.tick(ms(5), 1);
         assert!(m.failed(1) && !m.failed(1), "the second failure in a row keeps lane 1 out");
         assert_eq!(m.stage[1], Stage::Out);
         assert!(m.failed(2));

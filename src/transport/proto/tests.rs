@@ -781,6 +781,9 @@ struct Run {
     /// Retries never run out (`NCCL_IB_RETRY_CNT=7` on Soft-RoCE): a one-way black hole
     /// completes nothing on its lane, at either end, until that end fences its queue pair.
     forever: bool,
+    /// Long spells in which one side's process makes no call (NCCL leaves the comm alone):
+    /// from this step, side, for this many steps.
+    naps: Vec<(u64, usize, u64)>,
 }
 
 fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
@@ -840,6 +843,7 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         failover: true,
         stall: None,
         forever: false,
+        naps: Vec::new(),
     }
 }
 
@@ -1147,6 +1151,9 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         // is: for up to 3000 steps only the other side (and both NICs) runs.
         if rng.below(20_000) == 0 {
             asleep[rng.below(2) as usize] = steps + rng.below(3000);
+        }
+        for &(_, side, len) in run.naps.iter().filter(|n| n.0 == steps) {
+            asleep[side] = asleep[side].max(steps + len);
         }
         let pick = rng.below(8);
         let side_of = match pick {
@@ -1762,6 +1769,25 @@ fn a_lane_whose_path_comes_back_is_repaired_and_carries_traffic_again() {
         assert_eq!((o.repaired, o.kept_out), (1, 0), "split {split}");
         let before = o.sent_at_repair.expect("a repair");
         assert!(o.sent[1] > before[1], "split {split}: lane 1 carries nothing after its repair");
+    }
+}
+
+/// Repair does not depend on NCCL's calls: the receiving comm is left alone (no call at all)
+/// for spells of 1000 steps (about 125 ms of the sim clock, twice the repair timeout), again
+/// and again, while a lane dies and comes back. A repair request it could not answer is asked
+/// again, not counted as failed: with one attempt allowed, the lane is still repaired, never
+/// kept out.
+#[test]
+fn a_receiver_left_alone_does_not_use_up_repair_attempts() {
+    for split in [false, true] {
+        let mut rng = Rng(0x1d1e_c0bb);
+        let mut run = random_run(&mut rng, miri_or(600, 100), CAP);
+        (run.nqps, run.split, run.repairs, run.path_aware) = (4, split, 1, false);
+        run.kills.push((200, 1, false));
+        run.heals.push((260, 1));
+        run.naps = (0..40).map(|k| (250 + k * 1500, 1, 1000)).collect();
+        let o = drive(&run, 7);
+        assert_eq!((o.repaired, o.kept_out), (1, 0), "split {split}");
     }
 }
 
