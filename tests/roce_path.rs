@@ -366,6 +366,88 @@ fn a_dead_path_fails_over_at_nccls_default_timeouts() {
     }
 }
 
+/// LL with a dead control lane, at NCCL's default timeouts: optional receives (NCCL's LL and
+/// LL128, whose arrival NCCL sees in the data) all ride lane 0, the lane of the receiver's CTS
+/// rows too. 8 messages in, lane 0's packets vanish at vethB; the stall bound fences it, the
+/// LL messages and the rows move to lane 1, and every one of 32 messages still lands: the
+/// receiver watches each buffer for its bytes (host memory, as NCCL watches the flags), then
+/// poisons it and posts it again (a ring of 8). One WARN names the stall.
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn ll_messages_move_off_a_dead_control_lane() {
+    require_vm();
+    let _g = serial();
+    let r = on_a_pair(0, |drv, send, recv, port| ll_run(drv, (send, recv), port));
+    clear_paths();
+    let ((took, warns), _) = r.unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("LL, lane 0 dropped: the longest message after the drop took {took:?}\n  {warns:#?}");
+    let stalled = |w: &String| {
+        w.contains("lane 0 on ")
+            && w.contains("of the send comm")
+            && w.contains("FERROCE_LANE_STALL_MS")
+    };
+    assert!(warns.iter().any(stalled), "no stall WARN for lane 0: {warns:#?}");
+}
+
+/// [`ll_messages_move_off_a_dead_control_lane`]'s run: the longest message after the drop,
+/// and the WARNs.
+fn ll_run(
+    drv: &Driver,
+    (send, recv): (Ptr, Ptr),
+    port: u16,
+) -> Result<(Duration, Vec<String>), String> {
+    const SIZE: usize = 4096;
+    const RING: usize = 8;
+    let pattern = |m: usize| -> Vec<u8> {
+        (0..SIZE).map(|k| (k as u8).wrapping_mul(7).wrapping_add(m as u8) | 1).collect()
+    };
+    let mut src = vec![vec![0u8; SIZE]; RING];
+    let mut dst = vec![vec![0xeeu8; SIZE]; RING];
+    let smh = (src.iter_mut().map(|b| drv.reg_mr(send, b.as_mut_ptr(), SIZE)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let rmh = (dst.iter_mut().map(|b| drv.reg_mr(recv, b.as_mut_ptr(), SIZE)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut took = Duration::ZERO;
+    for m in 0..32 {
+        if m == 8 {
+            drop_on_vethb(&["sport", &port.to_string()]);
+        }
+        let k = m % RING;
+        let t = Instant::now();
+        src[k].copy_from_slice(&pattern(m));
+        let p = dst[k].as_mut_ptr();
+        let r = until("irecv", || drv.irecv(recv, &[p], &[SIZE], &[0], &[rmh[k]], true))?;
+        let (mut sreq, mut sent, mut got) = (None, None, None);
+        until("LL message", || {
+            match sreq {
+                None => sreq = drv.isend(send, src[k].as_mut_ptr(), SIZE, 0, smh[k])?,
+                Some(q) if sent.is_none() => sent = drv.test(q)?,
+                Some(_) => {}
+            }
+            if got.is_none() {
+                got = drv.test(r)?;
+            }
+            // The data is watched as NCCL watches its flags: read, never written, until whole.
+            // SAFETY: `dst[k]` holds SIZE bytes, registered as host memory; the NIC may write
+            // it meanwhile, hence a volatile read.
+            let landed = unsafe { std::ptr::read_volatile(dst[k].as_ptr().cast::<[u8; SIZE]>()) };
+            Ok((sent.is_some() && got.is_some() && landed[..] == pattern(m)[..]).then_some(()))
+        })
+        .map_err(|e| format!("message {m}: {e}; {:#?}", warnings()))?;
+        dst[k].fill(0xee); // NCCL consumed it: the buffer is posted again, poisoned
+        if m >= 8 {
+            took = took.max(t.elapsed());
+        }
+    }
+    for mh in smh {
+        drv.dereg_mr(send, mh)?;
+    }
+    for mh in rmh {
+        drv.dereg_mr(recv, mh)?;
+    }
+    Ok((took, warnings()))
+}
+
 /// [`a_dead_path_fails_over_at_nccls_default_timeouts`]'s run on one pair: the longest message
 /// after the drop, seconds from the lift to the repair INFO, and the WARNs.
 fn default_timeouts_run(

@@ -50,9 +50,11 @@
 //! detects itself through flags in the data. Their CTS says so; the sender then sends a plain
 //! RDMA write (no immediate, so the receiver posts no WQE and polls no completion), followed
 //! on the same lane by a small write of the row's `idx` into the receiver's ack word. The
-//! receive is a valid request that tests complete once its row has gone out; the ack word (or
-//! a later receive that completed) is what lets the receiver reuse the slot only after the
-//! sender has consumed its previous row, and what tells it when to write the next batch.
+//! receive is a valid request that tests complete once the ack word reached its row (its data
+//! landed): not sooner, because NCCL stops testing a request once it is done, and a receiving
+//! comm whose LL data waits behind a fence must still be called to answer it. The ack word (or
+//! a later receive that completed) is also what lets the receiver reuse the slot only after
+//! the sender has consumed its previous row.
 //! Optional rows go on one lane, in row order, so the ack word is also the last row whose data
 //! landed; the receiver keeps its high-water mark, and a fence's receipts report it: rows up to
 //! it are not sent again, later ones are, in row order. The one exception to the first
@@ -2076,6 +2078,9 @@ pub struct RecvCore {
     /// The `idx` of the last optional receive posted: until the sender's ack word reaches it,
     /// an optional receive's data may still be missing, and the receiver waits on its peer.
     optional_idx: u64,
+    /// Optional receives up to this `idx` are done (their data landed: the ack word reached
+    /// them).
+    optional_done: u64,
     /// Rows written to the sender's FIFO (`idx` up to this); rows after it up to `head` are
     /// staged, and go out in batches (see [`RecvCore::advertise`]).
     advertised: u64,
@@ -2183,6 +2188,7 @@ impl RecvCore {
             remote_fifo,
             waiting: 0,
             optional_idx: 0,
+            optional_done: 0,
             advertised: 0,
             consumed: 0,
             sq: (0..p.nqps).map(|_| SqCount::new(RECV_SEND_QUEUE)).collect(),
@@ -2619,12 +2625,6 @@ impl RecvCore {
             if signaled {
                 self.health.watchdog.posted();
             }
-            for k in 0..rows {
-                let s = &mut self.slots[(first + k) % SLOTS];
-                if s.ack_for != 0 && s.state == State::Pending {
-                    s.state = State::Done;
-                }
-            }
             self.advertised += rows as u64;
         }
     }
@@ -2758,6 +2758,24 @@ impl RecvCore {
         }
     }
 
+    /// Optional receives whose data landed (the ack word, written after the data on the same
+    /// lane, reached their row) are done. Done no earlier: NCCL stops testing a request once
+    /// it is done, and a receiving comm whose LL data waits behind a fence must be called to
+    /// answer it; until the data lands, NCCL's proxy keeps testing the receive.
+    fn optional_landed(&mut self, sizes: &impl Words) {
+        let acked = self.acked.get().max(sizes.load(ACK_WORD));
+        self.acked.set(acked);
+        if acked <= self.optional_done {
+            return;
+        }
+        self.optional_done = acked;
+        for s in &mut self.slots {
+            if s.ack_for != 0 && s.state == State::Pending && s.idx <= acked {
+                s.state = State::Done;
+            }
+        }
+    }
+
     /// After a poll found no more completions: the staged rows go out if the sender runs low
     /// ([`Self::advertise`]), then as [`SendCore::idle`], waiting meaning a receive whose data
     /// has not arrived, optional ones included (`sizes` holds their acks).
@@ -2769,6 +2787,7 @@ impl RecvCore {
         stage: &impl Words,
         sizes: &impl Words,
     ) -> Result<()> {
+        self.optional_landed(sizes);
         if self.health.fatal.is_none() {
             self.serve(now, stage, sizes, io)?;
             if self.waiting > 0 {

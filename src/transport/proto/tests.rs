@@ -1919,7 +1919,7 @@ fn every_row_goes_out_at_its_irecv() {
     let batches = |p: &Pair| p.wire.borrow().batches;
     let mut ids = Vec::new();
     for k in 0..20 {
-        // Receive 6 is optional: it completes once its row is written.
+        // Receive 6 is optional: it completes once its data landed (the ack word says so).
         let id = receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf(k), 0)], k == 5).unwrap();
         ids.push(id.unwrap());
         assert_eq!(batches(&pair), k as u64 + 1, "row {} written by its irecv", k + 1);
@@ -1927,7 +1927,7 @@ fn every_row_goes_out_at_its_irecv() {
         pair.drain(1, 0);
     }
     assert_eq!(pair.wire.borrow().rows_landed, 20);
-    assert_eq!(receiver.test(ids[5], &mut [0; MAX_RECVS]).unwrap(), Some(1), "row written");
+    assert_eq!(receiver.test(ids[5], &mut [0; MAX_RECVS]).unwrap(), None, "no data yet");
     // The sender consumes all 20 rows with no further call on the receiving comm.
     let sbuf = Buf { addr: SEND_DATA, size: 64, lkeys: keys(11), rkeys: keys(11), host: true };
     for k in 0..20 {
@@ -1936,6 +1936,8 @@ fn every_row_goes_out_at_its_irecv() {
         poll(&pair.wire, 0, |c| sender.complete(c));
     }
     assert_eq!(batches(&pair), 20);
+    receiver.idle(Duration::ZERO, None, &mut rio, &rstage, &rsizes).unwrap();
+    assert_eq!(receiver.test(ids[5], &mut [0; MAX_RECVS]).unwrap(), Some(1), "data landed");
 }
 
 /// The property behind [`every_row_goes_out_at_its_irecv`], over random programs: after the
@@ -2530,9 +2532,9 @@ fn a_long_message_on_a_slow_link_is_not_a_dead_peer() {
     assert!(e.contains("no completion"), "{e}");
 }
 
-/// Optional receives complete at once, but the receiver still waits on the sender until its
-/// ack word reaches them: it probes a quiet sender, and a dead one fails the next irecv and
-/// test NCCL makes, though no normal receive is pending.
+/// Optional receives complete once the sender's ack word reaches them (their data landed),
+/// and until then the receiver waits on the sender: it probes a quiet sender, and a dead one
+/// fails the next irecv and test NCCL makes, though no normal receive is pending.
 #[test]
 fn a_dead_sender_of_optional_receives_fails_the_next_call() {
     let pair = Pair::new(4096);
@@ -2548,7 +2550,7 @@ fn a_dead_sender_of_optional_receives_fails_the_next_call() {
     pair.drain(1, 0);
     assert!(receiver.awaits_acks(&rsizes));
     let first = ids.remove(0);
-    assert_eq!(receiver.test(first, &mut [0; MAX_RECVS]).unwrap(), Some(1), "done at once");
+    assert_eq!(receiver.test(first, &mut [0; MAX_RECVS]).unwrap(), None, "no data yet");
     let probes = |w: &RefCell<Wire>| {
         w.borrow().sq[1][0].iter().filter(|q| wr_kind(q.wr.wr_id) == WR_PROBE).count()
     };
