@@ -677,6 +677,18 @@ pub struct Traffic {
     /// Each lane's stalls: it completed nothing for its stall bound while another lane did,
     /// or its port went down, and it was fenced ([`stall`]).
     pub stalled: Vec<u64>,
+    /// The sender's bytes posted on each lane by the size of their message: under 64 KiB,
+    /// under 1 MiB, and larger ([`size_class`]).
+    pub by_size: Vec<[u64; 3]>,
+}
+
+/// The size class of a message of `bytes` for [`Traffic::by_size`].
+pub fn size_class(bytes: u64) -> usize {
+    match bytes {
+        0..0x1_0000 => 0,
+        0x1_0000..0x10_0000 => 1,
+        _ => 2,
+    }
 }
 
 impl Traffic {
@@ -693,6 +705,7 @@ impl Traffic {
             repaired: vec![0; nqps],
             fenced: vec![0; nqps],
             stalled: vec![0; nqps],
+            by_size: vec![[0; 3]; nqps],
         }
     }
 
@@ -1588,6 +1601,7 @@ impl SendCore {
         self.lanes[q].posted(at, data);
         let t = &mut self.health.traffic;
         t.bytes[q] += data;
+        t.by_size[q][size_class(sizes[..nreqs].iter().sum())] += data;
         t.chunks[q] += 1;
         Ok(())
     }

@@ -73,6 +73,21 @@ pub fn line(
             _ => {}
         }
     }
+    // The sender's shares per message size (with lanes to share): a lane starved at some
+    // sizes shows here, where the totals would hide it.
+    let classes = ["under 64 KiB", "64 KiB to 1 MiB", "1 MiB and up"];
+    if t.by_size.len() > 1 {
+        for (k, class) in classes.iter().enumerate() {
+            let total: u64 = t.by_size.iter().map(|b| b[k]).sum();
+            if total == 0 {
+                continue;
+            }
+            let shares: Vec<String> = (t.by_size.iter())
+                .map(|b| format!("{:.1}", 100.0 * b[k] as f64 / total as f64))
+                .collect();
+            let _ = write!(s, "; messages {class}: {}% per QP", shares.join("/"));
+        }
+    }
     if counters.is_empty() {
         let _ = write!(s, "; {device} hw_counters: none moved (or none exposed)");
     } else {
@@ -111,6 +126,7 @@ mod tests {
             repaired: vec![1, 0],
             fenced: vec![1, 0],
             stalled: vec![1, 0],
+            by_size: vec![[1 << 20, 0, 2 << 20], [1 << 20, 0, 0]],
             ..Traffic::default()
         };
         let l = line(
@@ -127,7 +143,8 @@ mod tests {
              QP 0 sport 49152: 3.0 MiB (75.0%), 0 failed completions, 9 chunks, path 2.5 MiB/s, \
              stalled 1 time(s), fenced 1 time(s), repaired 1 time(s); \
              QP 1 sport 49153: 1.0 MiB (25.0%), 2 failed completions, 3 chunks, out (failed; it \
-             stays out); \
+             stays out); messages under 64 KiB: 50.0/50.0% per QP; messages 1 MiB and up: \
+             100.0/0.0% per QP; \
              rxe0 hw_counters over this time: rcvd_seq_err +4"
         );
         // The receiver's: bytes delivered, and per QP the chunks that arrived on it.
