@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs INSIDE the Soft-RoCE VM (ci/vm.sh): every VM test of the given test binaries, each test
 # in its own process (the plugin's global state starts fresh for each), then the perftest
-# platform check. Any failure, or finding no tests at all, fails the run loudly.
+# platform check. Every test runs, whatever failed before it; the failures are listed at the
+# end, each with its last lines, and any failure, or finding no tests at all, fails the run.
 # Usage: ci/vm.sh ci/vm-tests.sh KIND:BINARY...
 #   main:BINARY     a test program with its own main (`test = false` in Cargo.toml): run once;
 #   harness:BINARY  a libtest binary: each of its #[ignore]d tests (the VM ones) in turn; one
@@ -16,15 +17,24 @@ main() {
   [[ -n "${FERROCE_PLUGIN_DIR:-}" ]] || fail "FERROCE_PLUGIN_DIR is not set"
   echo "vm-tests: kernel $(uname -r); RDMA devices:"
   rdma link show
-  local passed=0 arg bin t
+  local passed=0 failed=() arg bin t out log
+  out=$(mktemp -d)
+  # One test: its output to the console and to a log; a failure is noted with its log.
+  one() {
+    local name=$1 limit=$2; shift 2
+    log="$out/$((passed + ${#failed[@]})).log"
+    echo "vm-tests: $name"
+    if timeout -k 5 "$limit" "$@" 2>&1 | tee "$log"; then # pipefail: the test's status
+      passed=$((passed + 1))
+    else
+      echo "vm-tests: FAILED: $name" >&2
+      failed+=("$name|$log")
+    fi
+  }
   for arg in "$@"; do
     bin=${arg#*:}
     case "$arg" in
-      main:*)
-        echo "vm-tests: $(basename "$bin")"
-        timeout -k 5 900 "$bin" || fail "$(basename "$bin")"
-        passed=$((passed + 1))
-        ;;
+      main:*) one "$(basename "$bin")" 900 "$bin" ;;
       harness:*)
         local tests
         tests=$("$bin" --list --ignored --format terse | sed -n 's/: test$//p')
@@ -33,17 +43,29 @@ main() {
           continue
         fi
         for t in $tests; do
-          echo "vm-tests: $(basename "$bin") :: $t"
-          timeout -k 5 300 "$bin" --ignored --exact "$t" --test-threads=1 --nocapture ||
-            fail "$(basename "$bin") :: $t"
-          passed=$((passed + 1))
+          one "$(basename "$bin") :: $t" 300 "$bin" --ignored --exact "$t" --test-threads=1 --nocapture
         done
         ;;
       *) fail "not KIND:BINARY (kind main or harness): $arg" ;;
     esac
   done
+  if "$(dirname "$0")/vm-perftest-smoke.sh"; then
+    passed=$((passed + 1))
+  else
+    failed+=("perftest ib_write_bw between rxe0 and rxe1|/dev/null")
+  fi
+  if ((${#failed[@]} > 0)); then
+    echo >&2
+    echo "vm-tests: ${#failed[@]} of $((passed + ${#failed[@]})) failed; each with its last lines:" >&2
+    local f
+    for f in "${failed[@]}"; do
+      echo "--- vm-tests: FAILED: ${f%%|*}" >&2
+      tail -n 25 "${f#*|}" >&2
+    done
+    echo "vm-tests: FAILED: ${#failed[@]} test(s): $(printf '%s; ' "${failed[@]%%|*}")" >&2
+    exit 1
+  fi
   ((passed > 0)) || fail "no VM tests found in: $*"
   echo "vm-tests: $passed VM tests passed on $(echo $FERROCE_VM_DEVS)"
-  "$(dirname "$0")/vm-perftest-smoke.sh" || fail "perftest ib_write_bw between rxe0 and rxe1"
 }
 main "$@"
