@@ -1591,30 +1591,58 @@ fn a_failed_lane_moves_its_chunks_to_the_live_lanes() {
 #[test]
 fn a_one_way_black_hole_never_writes_a_completed_receive() {
     let mut rng = Rng(0x000e_a7c5_1057);
-    let (mut landed, mut again, mut fences) = (0, 0, 0);
-    for seed in 0..miri_or(120u64, 2) {
-        let mut run = lanes_run(&mut rng, seed);
-        run.split = seed % 2 == 1;
+    let outcomes = lane_runs(&mut rng, miri_or(120, 2), |run, rng, seed| {
         run.repairs = [0, 3][seed as usize / 2 % 2];
-        let mut lanes: Vec<usize> = (0..run.nqps).collect();
-        let dead = 1 + rng.below(lanes.len() as u64 - 1) as usize;
-        for k in 0..dead {
-            let pick = if k == 0 && seed % 3 == 0 { 0 } else { rng.below(lanes.len() as u64) };
-            let lane = lanes.swap_remove(pick as usize);
-            let at = 50 + rng.below(miri_or(3000, 300));
-            run.one_way.push((at, lane, rng.below(40) as u32));
-            if run.repairs > 0 && rng.below(2) == 0 {
-                run.heals.push((at + rng.below(miri_or(1500, 150)), lane));
-            }
-        }
-        let o = drive(&run, seed + 31);
-        let n = run.groups.len();
-        let what = format!("seed {seed}: one-way {:?} heals {:?}", run.one_way, run.heals);
-        assert_eq!((o.recvs_done, o.sends_done), (n, n), "{what}");
-        (landed, again, fences) = (landed + o.landed, again + o.again, fences + o.fences);
-    }
+        one_way_lanes(run, rng, seed, |rng| rng.below(40) as u32);
+    });
+    let (landed, again, fences) =
+        outcomes.iter().fold((0, 0, 0), |(l, a, f), o| (l + o.landed, a + o.again, f + o.fences));
     eprintln!("{fences} fences: {landed} held chunks had landed, {again} went again");
     assert!(cfg!(miri) || landed > 50 && again > 50, "{landed} landed, {again} again");
+}
+
+/// Runs `seeds` runs of [`lanes_run`], split mode by the seed's parity and repair on, each set
+/// up further by `setup`; every request must complete once with its bytes. Their outcomes.
+fn lane_runs(
+    rng: &mut Rng,
+    seeds: u64,
+    mut setup: impl FnMut(&mut Run, &mut Rng, u64),
+) -> Vec<Outcome> {
+    (0..seeds)
+        .map(|seed| {
+            let mut run = lanes_run(rng, seed);
+            run.split = seed % 2 == 1;
+            run.repairs = 3;
+            setup(&mut run, rng, seed);
+            let o = drive(&run, seed + 31);
+            let n = run.groups.len();
+            let what = format!("seed {seed}: one-way {:?} heals {:?}", run.one_way, run.heals);
+            assert_eq!((o.recvs_done, o.sends_done), (n, n), "{what}");
+            o
+        })
+        .collect()
+}
+
+/// Black-holes 1 to all but one of `run`'s lanes one way (lane 0 among them in a third of the
+/// seeds) at random points, each letting `left(rng)` more requests land before its retries run
+/// out; with repair on, half of them come back later.
+fn one_way_lanes(run: &mut Run, rng: &mut Rng, seed: u64, left: impl Fn(&mut Rng) -> u32) {
+    let mut lanes: Vec<usize> = (0..run.nqps).collect();
+    let dead = 1 + rng.below(lanes.len() as u64 - 1) as usize;
+    for k in 0..dead {
+        let pick = if k == 0 && seed.is_multiple_of(3) { 0 } else { rng.below(lanes.len() as u64) };
+        let lane = lanes.swap_remove(pick as usize);
+        let at = 50 + rng.below(miri_or(3000, 300));
+        run.one_way.push((at, lane, left(rng)));
+        if run.repairs > 0 && rng.below(2) == 0 {
+            run.heals.push((at + rng.below(miri_or(1500, 150)), lane));
+        }
+    }
+}
+
+/// The stalls fenced over `outcomes`: by the senders, by the receivers.
+fn stalls(outcomes: &[Outcome]) -> [u64; 2] {
+    outcomes.iter().fold([0, 0], |s, o| [s[0] + o.stalls[0], s[1] + o.stalls[1]])
 }
 
 /// A lane's path goes silent one way and its retries never run out (`NCCL_IB_RETRY_CNT=7` on
@@ -1629,29 +1657,11 @@ fn a_one_way_black_hole_never_writes_a_completed_receive() {
 #[test]
 fn a_silent_path_fails_over_by_its_stall_bound() {
     let mut rng = Rng(0x005a_11ed);
-    let mut stalls = [0, 0];
-    for seed in 0..miri_or(80u64, 2) {
-        let mut run = lanes_run(&mut rng, seed);
-        run.split = seed % 2 == 1;
-        run.repairs = 3; // a stall fences only where repair can bring a live lane back
+    // Repair on (lane_runs): a stall fences only where repair can bring a live lane back.
+    let stalls = stalls(&lane_runs(&mut rng, miri_or(80, 2), |run, rng, seed| {
         (run.forever, run.stall) = (true, Some(Duration::from_millis(20)));
-        let mut lanes: Vec<usize> = (0..run.nqps).collect();
-        let dead = 1 + rng.below(lanes.len() as u64 - 1) as usize;
-        for k in 0..dead {
-            let pick = if k == 0 && seed % 3 == 0 { 0 } else { rng.below(lanes.len() as u64) };
-            let lane = lanes.swap_remove(pick as usize);
-            let at = 50 + rng.below(miri_or(3000, 300));
-            run.one_way.push((at, lane, 0));
-            if run.repairs > 0 && rng.below(2) == 0 {
-                run.heals.push((at + rng.below(miri_or(1500, 150)), lane));
-            }
-        }
-        let o = drive(&run, seed + 51);
-        let n = run.groups.len();
-        let what = format!("seed {seed}: silent {:?} heals {:?}", run.one_way, run.heals);
-        assert_eq!((o.recvs_done, o.sends_done), (n, n), "{what}");
-        stalls = [stalls[0] + o.stalls[0], stalls[1] + o.stalls[1]];
-    }
+        one_way_lanes(run, rng, seed, |_| 0);
+    }));
     eprintln!("stalls fenced: {} by senders, {} by receivers", stalls[0], stalls[1]);
     assert!(cfg!(miri) || stalls[0] > 40 && stalls[1] == 0, "{stalls:?}");
 }
@@ -1663,17 +1673,9 @@ fn a_silent_path_fails_over_by_its_stall_bound() {
 #[test]
 fn fencing_a_live_lane_is_harmless() {
     let mut rng = Rng(0x0f15_e5a1);
-    let mut stalls = [0, 0];
-    for seed in 0..miri_or(80u64, 2) {
-        let mut run = lanes_run(&mut rng, seed);
-        run.split = seed % 2 == 1;
-        run.repairs = 3;
+    let stalls = stalls(&lane_runs(&mut rng, miri_or(80, 2), |run, rng, _| {
         run.stall = Some(Duration::from_millis(1 + rng.below(4)));
-        let o = drive(&run, seed + 61);
-        let n = run.groups.len();
-        assert_eq!((o.recvs_done, o.sends_done), (n, n), "seed {seed}");
-        stalls = [stalls[0] + o.stalls[0], stalls[1] + o.stalls[1]];
-    }
+    }));
     eprintln!("live lanes fenced: {} by senders, {} by receivers", stalls[0], stalls[1]);
     assert!(cfg!(miri) || stalls[0] > 20 && stalls[1] == 0, "{stalls:?}");
 }
