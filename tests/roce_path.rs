@@ -243,7 +243,9 @@ fn total_loss_with_unending_retries_fails_at_the_progress_deadline() {
     ]);
     eprintln!("100% loss, retry 7: error after {took:?} (deadline 2 s): {err}\n  {warns:#?}");
     assert!(err.contains("ncclResult 6"), "{err}");
-    assert!(took >= Duration::from_millis(1900) && took <= Duration::from_secs(4), "{took:?}");
+    // Not before the deadline (a busy machine only makes it later); the upper bound is a
+    // generous deadline, not a measure.
+    assert!(took >= Duration::from_millis(1900) && took <= Duration::from_secs(20), "{took:?}");
     let w = warns
         .iter()
         .find(|w| w.contains("FERROCE_PROGRESS_TIMEOUT_MS"))
