@@ -60,6 +60,8 @@ type Watched = (u8, String, Arc<DeviceFlags>);
 /// must stop.
 struct EventThread {
     stop: Arc<AtomicBool>,
+    /// Set by the thread itself as it starts, cleared as the last thing it does.
+    running: Arc<AtomicBool>,
     handle: std::thread::JoinHandle<()>,
 }
 
@@ -79,6 +81,8 @@ impl EventThread {
         }
         let stop = Arc::new(AtomicBool::new(false));
         let stopping = stop.clone();
+        let running = Arc::new(AtomicBool::new(true));
+        let ran = running.clone();
         let handle = std::thread::Builder::new()
             .name("ferroce-events".into())
             .spawn(move || {
@@ -96,20 +100,24 @@ impl EventThread {
                     }
                     live.retain(|i| !broken.contains(i));
                 }
+                ran.store(false, Ordering::Release);
             })
             .map_err(|err| Error::Os {
                 call: "thread spawn",
                 err,
                 context: "async events".into(),
             })?;
-        Ok(EventThread { stop, handle })
+        Ok(EventThread { stop, running, handle })
     }
 
     fn stop(self) {
         self.stop.store(true, Ordering::Release);
-        if self.handle.join().is_err() {
+        let joined = self.handle.join();
+        if joined.is_err() {
             log::warn!("the async-event thread panicked");
         }
+        // Joined: the thread ran its last instruction (unless it panicked on the way).
+        debug_assert!(joined.is_err() || !self.running.load(Ordering::Acquire));
     }
 }
 
@@ -453,6 +461,30 @@ mod tests {
         assert!(refused(&[0, 6], true).contains("6 is not a port"));
         assert!(refused(&[-1, 0], true).contains("-1 is not a port"));
         assert!(refused(&[0, 3], true).contains("one link layer"));
+    }
+
+    #[test]
+    fn finalize_joins_the_event_thread_before_it_returns() {
+        // The one thread the plugin starts: `stop` (what the last finalize and a dropped
+        // state call) returns only once the thread has run its last instruction, so nothing
+        // of the plugin runs when NCCL unloads it. (Its /proc/self/task entry may linger a
+        // moment longer: tests that count threads wait for the count to settle.)
+        for _ in 0..20 {
+            let t = EventThread::start(&[]).expect("start");
+            let running = t.running.clone();
+            t.stop();
+            assert!(!running.load(Ordering::Acquire), "the event thread outlived its join");
+        }
+        let net = Net {
+            config: Config::from_lookup(|_| None).expect("defaults"),
+            devices: Vec::new(),
+            events: Mutex::new(Some(EventThread::start(&[]).expect("start"))),
+        };
+        let lock = net.events.lock().unwrap();
+        let running = lock.as_ref().map(|t| t.running.clone()).expect("started");
+        drop(lock);
+        drop(net);
+        assert!(!running.load(Ordering::Acquire), "a dropped state left its thread running");
     }
 
     #[test]
