@@ -60,7 +60,9 @@ for l in sys.stdin:
   if [[ ${FERROCE_CI_HOG:-1} != 0 ]]; then
     yes >/dev/null &
     hog=$!
-    trap 'kill "$hog" 2>/dev/null || true' EXIT
+    # The PID goes into the trap now: `hog` is main's local, gone when the trap runs.
+    # shellcheck disable=SC2064
+    trap "kill $hog 2>/dev/null || true" EXIT
     echo "ci/test.sh: one core busy beside the VM tests: pid $hog (yes > /dev/null)"
   fi
 

@@ -1116,6 +1116,8 @@ pub struct SendCore {
     draw: u64,
     /// The last isend found no CTS for its slot: the sender waits on the receiver.
     wants_cts: bool,
+    /// When the last chunk completed, any lane's (split mode's placement, see `complete`).
+    finished: Duration,
     /// Posted slots whose completions have not all arrived (kept, not scanned for, because
     /// every empty poll asks).
     in_flight: usize,
@@ -1155,6 +1157,7 @@ impl SendCore {
             clock: None,
             draw: 0x9e37_79b9_7f4a_7c15,
             wants_cts: false,
+            finished: Duration::ZERO,
             in_flight: 0,
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
             health,
@@ -1966,8 +1969,16 @@ impl SendCore {
             WR_MARK => return self.health.watchdog.completed(false),
             _ => return,
         }
-        // Each chunk ends in one such completion, and a QP completes in order.
-        self.lanes[lane].retired(self.clock.unwrap_or_default());
+        // Each chunk ends in one such completion, and a QP completes in order. In split mode a
+        // lane's time on a chunk starts no earlier than the NIC's last finished chunk of
+        // another lane: healthy lanes that the NIC serves one after the other then measure
+        // alike (timed from their posts, the last served measured half the first's rate).
+        let now = self.clock.unwrap_or_default();
+        let shared = if self.p.split { self.finished } else { Duration::ZERO };
+        self.lanes[lane].retired(now, shared);
+        if self.p.split {
+            self.finished = self.finished.max(now);
+        }
         self.chunk_done(wr_slot(c.wr_id), wr_chunk(c.wr_id));
     }
 

@@ -14,11 +14,12 @@
 //! power of two choices): by rate where one is under half the other's, else by outstanding
 //! bytes. Both modes give a lane under a quarter of the fastest's rate no new work
 //! ([`AVOID`]), until its rate is forgotten (a second after its last sample) and it is tried
-//! again. Split mode cuts no finer than that: lanes that share a NIC complete a split
-//! message's chunks in the NIC's own order, which on Soft-RoCE made healthy lanes differ by up
-//! to 0.6x, and by more than 0.5x on a busy host (one lane then carried every 4 MiB message of a
-//! sweep, avoided for 10 s at a time), so a finer weighting would read that order as path
-//! speed. Both leave the rotation and equal chunks alone unless a lane is
+//! again. In split mode every lane has a chunk of each message and one NIC serves them in its
+//! own order, so a lane's time on a chunk starts no earlier than the NIC's last finished chunk
+//! of any lane: timed from their posts, the lanes served last measured half the first's rate
+//! or less on a busy host (one lane then carried every 4 MiB message of a sweep, the other
+//! avoided for 10 s at a time). Split mode still cuts no finer than avoiding a lane, so that
+//! the NIC's order is never read as path speed. Both leave the rotation and equal chunks alone unless a lane is
 //! clearly worse ([`CHEAPER`], [`AVOID`]), so a clean fabric's noise changes nothing.
 
 use std::collections::VecDeque;
@@ -87,8 +88,10 @@ impl Lane {
         self.timed > 0
     }
 
-    /// The lane's oldest chunk completed at `now`.
-    pub fn retired(&mut self, now: Duration) {
+    /// The lane's oldest chunk completed at `now`; `shared`: when the NIC last finished a
+    /// chunk of another lane that this one waited behind (split mode: every lane has a chunk
+    /// of each message, and one NIC serves them in its own order), else zero.
+    pub fn retired(&mut self, now: Duration, shared: Duration) {
         let Some((at, bytes)) = self.queue.pop_front() else { return };
         self.out = self.out.saturating_sub(bytes);
         self.last = self.last.max(now);
@@ -96,7 +99,7 @@ impl Lane {
             return;
         }
         self.timed -= 1;
-        let spent = now.saturating_sub(at.max(self.last_timed));
+        let spent = now.saturating_sub(at.max(self.last_timed).max(shared));
         self.last_timed = now;
         self.acc = (self.acc.0 + bytes, self.acc.1 + spent);
         if self.acc.1 >= MIN_SAMPLE {
@@ -202,10 +205,10 @@ mod tests {
             // slow lane takes 40 ms.
             for k in 1..=4 {
                 fast.posted(ms(40 * i), 1_000_000);
-                fast.retired(ms(40 * i + 10 * k));
+                fast.retired(ms(40 * i + 10 * k), ms(0));
             }
             slow.posted(ms(40 * i), 1_000_000);
-            slow.retired(ms(40 * i + 40));
+            slow.retired(ms(40 * i + 40), ms(0));
         }
         let (f, s) = (fast.rate.unwrap(), slow.rate.unwrap());
         assert!((f - 1e8).abs() < 1e7 && (s - 2.5e7).abs() < 2.5e6, "fast {f}, slow {s}");
@@ -213,7 +216,7 @@ mod tests {
         let mut quick = Lane::new();
         for i in 0..10 {
             quick.posted(ms(4 * i), 4000);
-            quick.retired(ms(4 * i + 4));
+            quick.retired(ms(4 * i + 4), ms(0));
             if i == 2 {
                 assert_eq!(quick.rate, Some(1e6));
                 break;
@@ -238,7 +241,7 @@ mod tests {
         new.posted(ms(0), 1_000_000);
         assert_eq!(new.effective(ms(10)), None, "not measured, not yet stalled");
         new.posted(ms(0), 1_000_000);
-        new.retired(ms(2));
+        new.retired(ms(2), ms(0));
         assert_eq!(new.effective(ms(2)), Some(1e8), "a partial sample bounds it from below");
         assert_eq!(new.effective(ms(100)), Some(1e6 / 0.098));
         new.failed();
