@@ -361,13 +361,15 @@ impl Config {
         let path_aware = r.int("FERROCE_PATH_AWARE", 1u8, 0..=1)? == 1;
         let failover = r.int("NCCL_IB_RESILIENCY_PORT_FAILOVER", 1u8, 0..=1)? == 1;
         let stall_ms = r.int("FERROCE_LANE_STALL_MS", 250u64, 0..=3_600_000)?;
-        // One lost packet costs the lane one ACK timeout. Where two of them fit in about a
-        // second (NCCL_IB_TIMEOUT 17 or less, as on a lossy fabric's tuning), the floor covers
-        // them, so a resend is never taken for a dead path; where an attempt is longer, a loss
-        // would stall the lane longer than a dead path may, and fencing it (then repairing it)
-        // is the cheaper of the two.
-        let resend = retry_bound(ib_timeout, 0) * 2;
-        let cover = if resend <= Duration::from_millis(1100) { resend } else { Duration::ZERO };
+        // A lost packet costs the lane one ACK timeout, and losses come in runs. Where up to
+        // four of them fit in about a second (NCCL_IB_TIMEOUT 17 or less, a lossy fabric's
+        // tuning), the floor covers as many as fit, so resends are not taken for a dead path;
+        // where an attempt is longer, a loss would stall the lane longer than a dead path may,
+        // and fencing it (then repairing it) is the cheaper of the two.
+        let attempt = retry_bound(ib_timeout, 0);
+        let fits = [4, 3, 2].map(|k| attempt * k);
+        let cover = fits.into_iter().find(|c| *c <= Duration::from_millis(1100));
+        let cover = cover.unwrap_or(Duration::ZERO);
         let lane_stall = (stall_ms > 0).then(|| Duration::from_millis(stall_ms).max(cover));
         let recovery = r.int("NCCL_IB_RESILIENCY_PORT_RECOVERY", 1u8, 0..=1)? == 1;
         let repair_attempts =
@@ -763,11 +765,14 @@ mod tests {
             1500
         );
         assert_eq!(retry_bound(14, 3).as_micros(), 268_435);
-        // The stall floor: 250 ms at NCCL's timeouts, two ACK timeouts where those are short.
+        // The stall floor: 250 ms at NCCL's timeouts, up to four ACK timeouts where those are
+        // short.
         let stall = |c: Config| c.lane_stall.map(|d| d.as_millis());
         assert_eq!(stall(with("NCCL_IB_TIMEOUT", "20").unwrap()), Some(250));
-        assert_eq!(stall(with("NCCL_IB_TIMEOUT", "16").unwrap()), Some(536));
-        assert_eq!(stall(with("NCCL_IB_TIMEOUT", "14").unwrap()), Some(250));
+        assert_eq!(stall(with("NCCL_IB_TIMEOUT", "18").unwrap()), Some(250));
+        assert_eq!(stall(with("NCCL_IB_TIMEOUT", "17").unwrap()), Some(1073));
+        assert_eq!(stall(with("NCCL_IB_TIMEOUT", "16").unwrap()), Some(1073));
+        assert_eq!(stall(with("NCCL_IB_TIMEOUT", "14").unwrap()), Some(268));
         assert_eq!(stall(with("FERROCE_LANE_STALL_MS", "0").unwrap()), None);
         assert!(with("FERROCE_LANE_STALL_MS", "soon").is_err());
         let c = with("NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", "0").unwrap();
