@@ -784,6 +784,11 @@ struct Run {
     /// Long spells in which one side's process makes no call (NCCL leaves the comm alone):
     /// from this step, side, for this many steps.
     naps: Vec<(u64, usize, u64)>,
+    /// Call the cores as NCCL's proxy does: operations of 1 to 8 groups (most of them fewer
+    /// than NCCL_STEPS), at most 8 receives and 8 sends posted ahead, each side testing its
+    /// oldest request only, and between one operation and the next a side makes no call at
+    /// all for a while (an idle receive comm).
+    proxy: bool,
 }
 
 fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
@@ -844,6 +849,7 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         stall: None,
         forever: false,
         naps: Vec::new(),
+        proxy: false,
     }
 }
 
@@ -995,6 +1001,15 @@ impl Journaled {
     }
 }
 
+/// Optional group `o`'s data landed whole (its receive tested done and its send completed):
+/// checked, and the buffer closed.
+fn optional_data(run: &Run, mem: &Mem, o: usize) {
+    let it = run.groups[o][0];
+    let got = mem.read(buf_addr(RECV_DATA, o, 0), it.sent() as usize);
+    assert!(got == pattern(o, 0, it.sent() as usize), "optional group {o}: data");
+    mem.close(buf_addr(RECV_DATA, o, 0), it.capacity);
+}
+
 fn drive(run: &Run, seed: u64) -> Outcome {
     let mut rng = Rng(seed | 1);
     let mem = Mem::both_ends(AREAS * MAX_RECVS * CAP as usize);
@@ -1045,8 +1060,6 @@ fn drive(run: &Run, seed: u64) -> Outcome {
     let mut send_out: Vec<(usize, usize, usize)> = Vec::new(); // (group, buffer, request)
     let mut recv_done = vec![false; n];
     let mut sent = vec![false; n];
-    // Optional receives seen complete whose data is not yet checked.
-    let mut optional_tested: Vec<usize> = Vec::new();
     // Groups whose data was checked: checked again at the end, in case a late write changed
     // them (the invariant checker should have caught it first).
     let mut checked: Vec<usize> = Vec::new();
@@ -1063,6 +1076,15 @@ fn drive(run: &Run, seed: u64) -> Outcome {
     // A fake clock for the cores' idle checks (and so their liveness probes).
     let mut now = Duration::ZERO;
     let done = |o: &Outcome| o.recvs_done == n && o.sends_done == n;
+    // The proxy's operations: where each ends (a group index), and each side's current one.
+    let mut ops = Vec::new();
+    while run.proxy && ops.last().is_none_or(|&e| e < n) {
+        let len = if rng.below(4) == 0 { 8 } else { 1 + rng.below(7) as usize };
+        ops.push((ops.last().copied().unwrap_or(0) + len).min(n));
+    }
+    ops.push(n);
+    let mut op = [0usize; 2];
+    let mut landed = 0;
     while !done(&out) {
         steps += 1;
         idle += 1;
@@ -1155,6 +1177,20 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         for &(_, side, len) in run.naps.iter().filter(|n| n.0 == steps) {
             asleep[side] = asleep[side].max(steps + len);
         }
+        // A side whose operation is done makes no call for a while, then starts the next. The
+        // receiver's is done once every buffer's data landed, as NCCL's GPU sees it (an
+        // optional receive that tested done may still wait for its data).
+        while landed < n && recv_done[landed] {
+            landed += 1;
+        }
+        let finished = [out.sends_done, landed];
+        for side in 0..2 {
+            if run.proxy && finished[side] >= ops[op[side]] && op[side] + 1 < ops.len() {
+                op[side] += 1;
+                asleep[side] = asleep[side].max(steps + rng.below(2000));
+            }
+        }
+        let ahead = |out: usize| !run.proxy || out < 8;
         let pick = rng.below(8);
         let side_of = match pick {
             0 | 2 => Some(1),
@@ -1176,14 +1212,23 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                 now += Duration::from_millis(1);
                 wire.borrow_mut().now = now;
                 // As a comm's progress: the CQ drained first, then the step after the poll.
-                let s = if asleep[0] > steps {
+                // NCCL's proxy calls a comm only while it has requests outstanding (or a send
+                // to post: the comm's isend polls when it cannot post yet).
+                let called = |out: bool| !run.proxy || out;
+                let sending = !send_out.is_empty() || !send_order.is_empty();
+                let s = if asleep[0] > steps || !called(sending) {
                     Ok(())
                 } else {
                     sender.stamp(now);
                     poll(&wire, 0, |c| sender.complete(c));
                     sender.idle(now, None, &mut sio, (&fifo, &sstage))
                 };
-                let r = if asleep[1] > steps {
+                // A receiving rank whose last operation on the connection is done while its
+                // peer still sends comes back to the comm with its next operation (a later
+                // collective, the final barrier): once in a while, here. A fence needs the
+                // receiver's call (README, "What waits for the other side's next call").
+                let later = landed == n && out.sends_done < n && steps % 2000 < 8;
+                let r = if asleep[1] > steps || !called(!recv_out.is_empty() || later) {
                     Ok(())
                 } else {
                     poll(&wire, 1, |c| receiver.complete(c, &rsizes));
@@ -1193,7 +1238,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                     s.and(r).expect("idle on a healthy link");
                 }
             }
-            0 if next_recv < n && !wire.borrow().broken => {
+            0 if next_recv < ops[op[1]] && ahead(recv_out.len()) && !wire.borrow().broken => {
                 let g = next_recv;
                 if g >= AREAS && !recv_done[g - AREAS] {
                     continue; // that buffer area is still in use
@@ -1244,7 +1289,10 @@ fn drive(run: &Run, seed: u64) -> Outcome {
             }
             // After a break, only the multi-receive already being matched is finished (its
             // row has landed), as NCCL would go on posting its sends.
-            1 if next_send < n && (!wire.borrow().broken || !send_order.is_empty()) => {
+            1 if next_send < ops[op[0]]
+                && (ahead(send_out.len()) || !send_order.is_empty())
+                && (!wire.borrow().broken || !send_order.is_empty()) =>
+            {
                 let g = next_send;
                 if g >= AREAS && sends_left[g - AREAS] > 0 {
                     continue; // the previous sends from that area are not complete
@@ -1297,7 +1345,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                 if !wire.borrow().failing() {
                     r.expect("progress on a healthy link");
                 }
-                let i = rng.below(recv_out.len() as u64) as usize;
+                let i = if run.proxy { 0 } else { rng.below(recv_out.len() as u64) as usize };
                 let (g, id) = recv_out[i];
                 let mut sizes = [0u64; MAX_RECVS];
                 match receiver.test(id, &mut sizes) {
@@ -1309,10 +1357,14 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                         journaled.take(&mut sender, &mut receiver, &[], &recvs);
                         journaled.recv_done(id, k);
                         if run.optional[g] {
-                            // Done at once, reporting the posted size; its data is checked
-                            // once the send completed (NCCL would watch its flags).
+                            // Done once its data landed (the ack word, written after it on
+                            // the same lane, reached its row), reporting the posted size:
+                            // the data is whole now, whether or not its send has completed
+                            // (NCCL's GPU would see it through its flags).
                             assert_eq!(sizes[0], items[0].capacity, "group {g}: optional size");
-                            optional_tested.push(g);
+                            optional_data(run, &mem, g);
+                            recv_done[g] = true;
+                            checked.push(g);
                         } else {
                             for (r, it) in items.iter().enumerate() {
                                 assert_eq!(sizes[r], it.sent(), "group {g} buffer {r}: size");
@@ -1325,7 +1377,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                             recv_done[g] = true;
                             checked.push(g);
                         }
-                        recv_out.swap_remove(i);
+                        recv_out.remove(i);
                         out.recvs_done += 1;
                         idle = 0;
                     }
@@ -1336,7 +1388,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                             assert!(matches!(e, Error::Remote(_)), "a lie is the peer's: {m}");
                             assert!(m.contains("posted with") && m.contains("hostile"), "{m}");
                         }
-                        recv_out.swap_remove(i);
+                        recv_out.remove(i);
                         out.errors[1] += 1;
                         idle = 0;
                     }
@@ -1345,7 +1397,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
             3 if !send_out.is_empty() => {
                 sender.stamp(now);
                 poll(&wire, 0, |c| sender.complete(c));
-                let i = rng.below(send_out.len() as u64) as usize;
+                let i = if run.proxy { 0 } else { rng.below(send_out.len() as u64) as usize };
                 let (g, r, id) = send_out[i];
                 match sender.test(id) {
                     Ok(None) => {}
@@ -1356,33 +1408,18 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                         let nreqs = run.groups[g].len();
                         let split = lanes(run.split && run.nqps > 1, run.nqps, id / MAX_RECVS);
                         journaled.send_done(id, size, nreqs, run.optional[g], split.len());
-                        send_out.swap_remove(i);
+                        send_out.remove(i);
                         sends_left[g] -= 1;
                         if sends_left[g] == 0 {
                             out.sends_done += 1;
                             sent[g] = true;
                         }
                         // An optional receive's data has landed once its send completed.
-                        optional_tested.retain(|&o| {
-                            if !sent[o] {
-                                return true;
-                            }
-                            let it = run.groups[o][0];
-                            let got = mem.read(buf_addr(RECV_DATA, o, 0), it.sent() as usize);
-                            assert!(
-                                got == pattern(o, 0, it.sent() as usize),
-                                "optional group {o}: data"
-                            );
-                            mem.close(buf_addr(RECV_DATA, o, 0), it.capacity);
-                            recv_done[o] = true;
-                            checked.push(o);
-                            false
-                        });
                         idle = 0;
                     }
                     Err(_) => {
                         assert!(wire.borrow().failing(), "send error on a healthy link");
-                        send_out.swap_remove(i);
+                        send_out.remove(i);
                         out.errors[0] += 1;
                         idle = 0;
                     }
@@ -1678,6 +1715,41 @@ fn fencing_a_live_lane_is_harmless() {
     }));
     eprintln!("live lanes fenced: {} by senders, {} by receivers", stalls[0], stalls[1]);
     assert!(cfg!(miri) || stalls[0] > 20 && stalls[1] == 0, "{stalls:?}");
+}
+
+/// The cores called as NCCL's proxy calls them (operations of 1 to 8 steps, 8 requests ahead,
+/// the oldest tested, each side idle between operations: a receiving comm not called at all
+/// for up to 2000 steps), while lanes fail in each way: one-way black holes whose retries run
+/// out, silent paths whose retries never do (the stall bound moves them), dead paths, paths
+/// that come back. Every request completes once with its bytes, and no completed receive is
+/// written again.
+#[test]
+fn a_proxy_like_caller_gets_every_message_through_failing_lanes() {
+    let mut rng = Rng(0x0970_c5ee);
+    let outcomes = lane_runs(&mut rng, miri_or(120, 2), |run, rng, seed| {
+        run.proxy = true;
+        run.stall = Some(Duration::from_millis(20));
+        match seed % 3 {
+            0 => one_way_lanes(run, rng, seed, |rng| rng.below(40) as u32),
+            1 => {
+                run.forever = true;
+                one_way_lanes(run, rng, seed, |_| 0);
+            }
+            _ => {
+                let lane = rng.below(run.nqps as u64) as usize;
+                let at = 50 + rng.below(miri_or(3000, 300));
+                run.kills.push((at, lane, rng.below(2) == 0));
+                run.heals.push((at + rng.below(miri_or(1500, 150)), lane));
+            }
+        }
+    });
+    let fences: usize = outcomes.iter().map(|o| o.fences).sum();
+    eprintln!(
+        "{} proxy-like runs, {fences} fences, stalls {:?}",
+        outcomes.len(),
+        stalls(&outcomes)
+    );
+    assert!(cfg!(miri) || fences > 50, "{fences} fences");
 }
 
 /// The ack word is a high-water mark at the receiver: a write that moved it back (none of
