@@ -44,7 +44,7 @@
 //! receive that completed is never written again. The sender posts nothing new until they
 //! have. The receiver's CTS rows move to its next live lane if they rode on the fenced one.
 //! Where messages go is path-aware ([`place`]): a lane's measured rate and queue steer whole
-//! messages, and a lane under half the best rate gets no new work.
+//! messages, and a lane under a quarter of the best rate gets no new work.
 //!
 //! Optional receive completions: NCCL marks LL/LL128 receives (one buffer) whose arrival it
 //! detects itself through flags in the data. Their CTS says so; the sender then sends a plain

@@ -11,7 +11,7 @@
 //! least [`MIN_SAMPLE`].
 //!
 //! Whole messages go on the cheaper of two lanes, the rotation's and one drawn at random (the
-//! power of two choices): by rate where one is under half the other's, else by outstanding
+//! power of two choices): by rate where one is under a quarter of the other's, else by outstanding
 //! bytes. Both modes give a lane under a quarter of the fastest's rate no new work
 //! ([`AVOID`]), until its rate is forgotten (a second after its last sample) and it is tried
 //! again. In split mode every lane has a chunk of each message and one NIC serves them in its
