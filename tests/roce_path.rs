@@ -540,11 +540,11 @@ fn every_lane_carries_its_share_on_a_clean_link() {
             let pct: Vec<String> = share.iter().map(|s| format!("{:.1}%", 100.0 * s)).collect();
             eprintln!("{lanes} lanes, split {split}, {size} B: shares per source port {pct:?}");
             assert_eq!(ports, lanes, "{lanes} lanes, split {split}, {size} B: ports {pct:?}");
-            // Split mode is printed, not asserted: on a busy host (CI's hog) placement once
-            // left one of 4 healthy lanes 4.7% of the 64 KiB messages (issue 28, open).
-            let floor = if split == "1" { 0.0 } else { 0.5 / lanes as f64 };
+            // On a busy host (CI's hog), split mode once left lane 0 4.7% of the 64 KiB
+            // messages: a batch of completions charged its first chunk every descheduled wait
+            // (`place::Nic`).
             assert!(
-                share.iter().all(|&s| s >= floor),
+                share.iter().all(|&s| s >= 0.5 / lanes as f64),
                 "{lanes} lanes, split {split}, {size} B: a lane under half its share: {pct:?}"
             );
         }

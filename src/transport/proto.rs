@@ -1116,8 +1116,8 @@ pub struct SendCore {
     draw: u64,
     /// The last isend found no CTS for its slot: the sender waits on the receiver.
     wants_cts: bool,
-    /// When the last chunk completed, any lane's (split mode's placement, see `complete`).
-    finished: Duration,
+    /// Split mode's NIC, as placement times it.
+    nic: place::Nic,
     /// Posted slots whose completions have not all arrived (kept, not scanned for, because
     /// every empty poll asks).
     in_flight: usize,
@@ -1157,7 +1157,7 @@ impl SendCore {
             clock: None,
             draw: 0x9e37_79b9_7f4a_7c15,
             wants_cts: false,
-            finished: Duration::ZERO,
+            nic: place::Nic::default(),
             in_flight: 0,
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
             health,
@@ -1232,6 +1232,7 @@ impl SendCore {
     /// The precise time at which the completions about to be taken in were polled.
     pub fn stamp(&mut self, now: Duration) {
         self.clock = Some(now);
+        self.nic.polled();
     }
 
     /// The lane for a whole message of `bytes` in slot `slot`: the rotation's (or the next
@@ -1974,10 +1975,10 @@ impl SendCore {
         // another lane: healthy lanes that the NIC serves one after the other then measure
         // alike (timed from their posts, the last served measured half the first's rate).
         let now = self.clock.unwrap_or_default();
-        let shared = if self.p.split { self.finished } else { Duration::ZERO };
-        self.lanes[lane].retired(now, shared);
         if self.p.split {
-            self.finished = self.finished.max(now);
+            self.nic.retired(&mut self.lanes[lane], now);
+        } else {
+            self.lanes[lane].retired(now, Duration::ZERO);
         }
         self.chunk_done(wr_slot(c.wr_id), wr_chunk(c.wr_id));
     }
