@@ -264,8 +264,8 @@ const STAGED_WAIT: Duration = Duration::from_millis(100);
 
 /// One end's core, as the progress loop feeds it.
 trait Drain {
-    /// Completions were polled: the time, for placement, where it wants one.
-    fn polled(&mut self) {}
+    /// `got` completions were polled: the time, for placement, where it wants one.
+    fn polled(&mut self, _got: usize) {}
     /// Lane `lane`'s queue pair failed on its own: `false` if no lane is left.
     fn lane_error(&mut self, lane: usize, why: &str) -> bool;
     fn take(&mut self, c: &Completion);
@@ -281,9 +281,9 @@ struct SendDrain<'a> {
 }
 
 impl Drain for SendDrain<'_> {
-    fn polled(&mut self) {
+    fn polled(&mut self, got: usize) {
         if self.core.needs_clock() {
-            self.core.stamp(crate::os::precise_now());
+            self.core.stamp(crate::os::precise_now(), got);
         }
     }
     fn take(&mut self, c: &Completion) {
@@ -348,7 +348,7 @@ fn progress(side: &mut impl Drain, io: &mut Qps) -> Result<()> {
                 }
             };
             if got > 0 {
-                side.polled();
+                side.polled(got);
             }
             for c in &wcs[..got] {
                 side.take(c);

@@ -1229,10 +1229,10 @@ impl SendCore {
         now
     }
 
-    /// The precise time at which the completions about to be taken in were polled.
-    pub fn stamp(&mut self, now: Duration) {
+    /// The precise time at which the `completions` about to be taken in were polled.
+    pub fn stamp(&mut self, now: Duration, completions: usize) {
+        self.nic.polled(self.clock.unwrap_or(now), now, completions);
         self.clock = Some(now);
-        self.nic.polled();
     }
 
     /// The lane for a whole message of `bytes` in slot `slot`: the rotation's (or the next
@@ -1948,6 +1948,7 @@ impl SendCore {
 
     /// Takes in one completion of the comm's CQ.
     pub fn complete(&mut self, c: &Completion) {
+        let at = self.nic.taken();
         let lane = wr_lane(c.wr_id) % self.p.nqps;
         if wr_life(c.wr_id) != self.health.life[lane] {
             return; // work of an earlier life of a rebuilt lane: dropped, or sent again
@@ -1974,11 +1975,10 @@ impl SendCore {
         // lane's time on a chunk starts no earlier than the NIC's last finished chunk of
         // another lane: healthy lanes that the NIC serves one after the other then measure
         // alike (timed from their posts, the last served measured half the first's rate).
-        let now = self.clock.unwrap_or_default();
         if self.p.split {
-            self.nic.retired(&mut self.lanes[lane], now);
+            self.nic.retired(&mut self.lanes[lane], at);
         } else {
-            self.lanes[lane].retired(now, Duration::ZERO);
+            self.lanes[lane].retired(self.clock.unwrap_or_default(), Duration::ZERO);
         }
         self.chunk_done(wr_slot(c.wr_id), wr_chunk(c.wr_id));
     }

@@ -141,28 +141,39 @@ impl Lane {
     }
 }
 
-/// Split mode's one NIC: when it last finished a chunk of any lane, as of the batch of
-/// completions being taken in and as of now. A lane's time on a chunk starts no earlier than
-/// the NIC's last finished chunk of the batches before. Chunks of one batch share one clock
-/// reading, so none of them is timed from another's: else the first one taken in is charged
-/// the whole wait since the batch before (on a busy host, a descheduled poll's) and the rest
-/// nothing, and the NIC's first lane, lane 0, measured slow and lost its work.
+/// Split mode's one NIC, which serves the lanes' chunks one after another: a lane's time on a
+/// chunk starts no earlier than the NIC's last finished chunk of any lane. A batch of
+/// completions has one clock reading for all of them, so they are given times spread evenly
+/// from the last look before (a post or a poll) to that reading, in the order they are taken
+/// in. Charged the whole wait at once, the first chunk of a batch bore every descheduled wait
+/// of a busy host and the rest nothing: the NIC's first lane, lane 0, measured slow and lost
+/// its work.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Nic {
-    before: Duration,
+    /// When the NIC last finished a chunk.
     last: Duration,
+    /// The batch being taken in: from when, to when, its completions, and those taken so far.
+    batch: (Duration, Duration, u32, u32),
 }
 
 impl Nic {
-    /// A batch of completions was polled.
-    pub fn polled(&mut self) {
-        self.before = self.last;
+    /// `completions` were polled at `now`; the process last looked at `looked`.
+    pub fn polled(&mut self, looked: Duration, now: Duration, completions: usize) {
+        let from = self.last.max(looked).min(now);
+        self.batch = (from, now, completions.clamp(1, 1 << 20) as u32, 0);
     }
 
-    /// `lane`'s oldest chunk is among those polled at `now`.
-    pub fn retired(&mut self, lane: &mut Lane, now: Duration) {
-        lane.retired(now, self.before);
-        self.last = self.last.max(now);
+    /// The next completion of the batch is taken in; its time.
+    pub fn taken(&mut self) -> Duration {
+        let (from, to, n, k) = &mut self.batch;
+        *k = (*k + 1).min(*n);
+        *from + (*to - *from) * *k / (*n).max(1)
+    }
+
+    /// `lane`'s oldest chunk finished at `at` (from [`Self::taken`]).
+    pub fn retired(&mut self, lane: &mut Lane, at: Duration) {
+        lane.retired(at, self.last);
+        self.last = self.last.max(at);
     }
 }
 
@@ -284,17 +295,22 @@ mod tests {
             for l in &mut lanes {
                 l.posted(t, 16 << 10);
             }
+            let posted = t;
             if round % 4 == 3 {
                 t += ms(20);
-                nic.polled();
+                nic.polled(posted, t, 4);
                 for l in &mut lanes {
-                    nic.retired(l, t);
+                    let at = nic.taken();
+                    nic.retired(l, at);
                 }
             } else {
                 for l in &mut lanes {
+                    let looked = t;
                     t += ms(1);
-                    nic.polled();
-                    nic.retired(l, t);
+                    nic.polled(looked, t, 1);
+                    let at = nic.taken();
+                    assert_eq!(at, t, "one completion: its time is the poll's");
+                    nic.retired(l, at);
                 }
             }
         }

@@ -240,6 +240,11 @@ struct Wire {
     failover: bool,
     /// Retries never run out on a one-way black hole ([`Run::forever`]).
     forever: bool,
+    /// Stragglers ([`Run::late`]): per write caught on a dead path, its lane, the life of the
+    /// receiver's QP it was sent to, and the write; how many landed and how many were dropped.
+    late: Option<Vec<(usize, u32, Queued)>>,
+    late_landed: u64,
+    late_dropped: u64,
 }
 
 impl Wire {
@@ -273,6 +278,9 @@ impl Wire {
             members: Vec::new(),
             failover: true,
             forever: false,
+            late: None,
+            late_landed: 0,
+            late_dropped: 0,
         }
     }
 
@@ -419,7 +427,48 @@ impl Wire {
     /// Executes the head work request of `side`'s QP `q` on a path that answers.
     fn step_ok(&mut self, mem: &Mem, side: usize, q: usize) {
         let Some(Queued { wr, inline }) = self.sq[side][q].pop_front() else { return };
+        let landed = self.land(mem, side, q, &wr, inline);
+        assert!(landed, "receiver not ready: a write-with-immediate found no receive posted");
+        let held = &mut self.held[side][q];
+        held.1 += 1;
+        if wr.signaled {
+            self.frees[side].push_back((wr.wr_id, q, held.1, self.life[side][q]));
+            held.1 = 0;
+            self.cq[side].push_back(Completion { wr_id: wr.wr_id, ..Default::default() });
+        }
+    }
+
+    /// A straggler arrives ([`Run::late`]): the receiver's QP it was sent to drops it if it
+    /// failed or was replaced since (an RC QP in the error state, or a new QP number), and so
+    /// does a QP with no receive posted for its immediate; else it lands, however long after
+    /// its chunk was counted, sent again or completed.
+    fn arrive_late(&mut self, mem: &Mem, k: usize) {
+        let Some((q, life, Queued { wr, inline })) = self.late.as_mut().map(|l| l.remove(k)) else {
+            return;
+        };
+        let open = !self.failed[1][q] && self.life[1][q] == life && self.connected(q);
+        if open && self.land(mem, 0, q, &wr, inline) {
+            self.late_landed += 1;
+        } else {
+            self.late_dropped += 1;
+        }
+    }
+
+    /// What `side`'s work request `wr` on QP `q` does at the responder: its data lands and its
+    /// immediate consumes a posted receive. False, doing nothing, if the immediate finds no
+    /// receive.
+    fn land(
+        &mut self,
+        mem: &Mem,
+        side: usize,
+        q: usize,
+        wr: &SendWr,
+        inline: Option<Vec<u8>>,
+    ) -> bool {
         let peer = 1 - side;
+        if matches!(wr.op, Op::WriteImm(_)) && self.rq[peer][q].is_empty() {
+            return false;
+        }
         // The responding QP must grant the operation: the peer's QP `q`, or for the loopback
         // flush QP (the receiver's QP `nqps`) itself.
         let nqps = self.sq[side].len() - 1;
@@ -469,9 +518,7 @@ impl Wire {
             if self.lying && side == 0 && imm & IMM_SIZES == 0 {
                 imm += (CAP as u32 + 1) << IMM_SIZE_SHIFT;
             }
-            let r = self.rq[peer][q]
-                .pop_front()
-                .expect("receiver not ready: a write-with-immediate found no receive posted");
+            let r = self.rq[peer][q].pop_front().expect("checked");
             self.cq[peer].push_back(Completion { wr_id: r, imm: Some(imm), ..Default::default() });
             // The same chunk again, on the next lane, as a sender does that resends a chunk whose
             // first copy landed but whose ACK was lost: the receiver must count it once.
@@ -483,13 +530,7 @@ impl Wire {
                 self.dups += 1;
             }
         }
-        let held = &mut self.held[side][q];
-        held.1 += 1;
-        if wr.signaled {
-            self.frees[side].push_back((wr.wr_id, q, held.1, self.life[side][q]));
-            held.1 = 0;
-            self.cq[side].push_back(Completion { wr_id: wr.wr_id, ..Default::default() });
-        }
+        true
     }
 
     /// `side`'s QP `q` on a black-holed path: its head fails with retries exhausted (having
@@ -511,7 +552,12 @@ impl Wire {
             self.sq[0][q].front_mut().expect("checked").wr.signaled = false;
             self.step_ok(mem, 0, q);
         } else {
-            self.sq[side][q].pop_front();
+            let head = self.sq[side][q].pop_front().expect("checked");
+            // The write on the wire when the path died may still arrive, late.
+            let life = self.life[1][q];
+            if let Some(late) = self.late.as_mut().filter(|_| side == 0 && wr.op != Op::Read) {
+                late.push((q, life, head));
+            }
         }
         self.cq[side].push_back(Completion { wr_id: wr.wr_id, status: 12, ..Default::default() });
         self.failed[side][q] = true;
@@ -789,6 +835,10 @@ struct Run {
     /// oldest request only, and between one operation and the next a side makes no call at
     /// all for a while (an idle receive comm).
     proxy: bool,
+    /// A killed lane's write that was on the wire when its path died arrives late: at a
+    /// random later step, or after the run (every receive completed, its buffer NCCL's), into
+    /// whatever the receiver's QP of that lane is then ([`Wire::arrive_late`]).
+    late: bool,
 }
 
 fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
@@ -850,6 +900,7 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         forever: false,
         naps: Vec::new(),
         proxy: false,
+        late: false,
     }
 }
 
@@ -866,6 +917,8 @@ struct Outcome {
     wrapped: u64,
     /// Chunks delivered twice.
     dups: u64,
+    /// Stragglers ([`Run::late`]) that landed, and those the receiver's QP dropped.
+    late: (u64, u64),
     /// The sender's bytes posted per lane.
     sent: Vec<u64>,
     /// Lanes repaired, and lanes the sender gave up on.
@@ -1049,6 +1102,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
     wire.borrow_mut().failover = run.failover;
     wire.borrow_mut().duplicates = run.duplicates;
     wire.borrow_mut().forever = run.forever;
+    wire.borrow_mut().late = run.late.then(Vec::new);
     let mut sio = Io { wire: &wire, mem: &mem, side: 0, depth: SEND_QUEUE };
     let mut rio = Io { wire: &wire, mem: &mem, side: 1, depth: RECV_SEND_QUEUE };
 
@@ -1219,7 +1273,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                 let s = if asleep[0] > steps || !called(sending) {
                     Ok(())
                 } else {
-                    sender.stamp(now);
+                    sender.stamp(now, wire.borrow().cq[0].len());
                     poll(&wire, 0, |c| sender.complete(c));
                     sender.idle(now, None, &mut sio, (&fifo, &sstage))
                 };
@@ -1395,7 +1449,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                 }
             }
             3 if !send_out.is_empty() => {
-                sender.stamp(now);
+                sender.stamp(now, wire.borrow().cq[0].len());
                 poll(&wire, 0, |c| sender.complete(c));
                 let i = if run.proxy { 0 } else { rng.below(send_out.len() as u64) as usize };
                 let (g, r, id) = send_out[i];
@@ -1426,6 +1480,11 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                 }
             }
             _ => {
+                let stragglers = wire.borrow().late.as_ref().map_or(0, Vec::len);
+                if stragglers > 0 && rng.below(64) == 0 {
+                    let k = rng.below(stragglers as u64) as usize;
+                    wire.borrow_mut().arrive_late(&mem, k);
+                }
                 let busy = wire.borrow().busy();
                 if !busy.is_empty() {
                     let (s, q) = busy[rng.below(busy.len() as u64) as usize];
@@ -1437,6 +1496,12 @@ fn drive(run: &Run, seed: u64) -> Outcome {
             }
         }
     }
+    // The stragglers still on the wire arrive after the run, when every receive completed and
+    // its buffer is NCCL's.
+    while wire.borrow().late.as_ref().is_some_and(|l| !l.is_empty()) {
+        wire.borrow_mut().arrive_late(&mem, 0);
+    }
+    out.late = (wire.borrow().late_landed, wire.borrow().late_dropped);
     take_lines(&mut sender, &mut receiver, &mut lines);
     // Every request was seen complete exactly once (the counters would have gone past n
     // otherwise, and tests of freed requests are errors), and nothing is left queued.
@@ -1615,6 +1680,37 @@ fn a_failed_lane_moves_its_chunks_to_the_live_lanes() {
         let n = run.groups.len();
         assert_eq!((o.recvs_done, o.sends_done), (n, n), "seed {seed}: {:?}", run.kills);
     }
+}
+
+/// A dead path's last write arrives late: at any later step, or after the run, when every
+/// receive completed and its buffer is NCCL's again. Fence, confirm, re-send: a straggler
+/// that comes before the receiver fenced its lane is counted there and not sent again, one
+/// that comes after finds the lane's QP in the error state or replaced and is dropped. No NIC
+/// writes a completed receive, and every request completes once with its bytes. Half the
+/// runs repair their lanes after the path comes back.
+#[test]
+fn a_dead_paths_late_write_never_lands_in_a_completed_receive() {
+    let mut rng = Rng(0x1a7e_57a9);
+    let (mut landed, mut dropped) = (0, 0);
+    for seed in 0..miri_or(60u64, 2) {
+        let mut run = lanes_run(&mut rng, seed);
+        run.late = true;
+        let lanes = 1 + rng.below(run.nqps as u64 - 1) as usize;
+        for lane in 0..lanes {
+            let at = 50 + rng.below(miri_or(4000, 300));
+            run.kills.push((at, lane, false));
+            if seed % 2 == 0 {
+                (run.repairs, run.stall) = (3, Some(Duration::from_millis(20)));
+                run.heals.push((at + 200 + rng.below(2000), lane));
+            }
+        }
+        let o = drive(&run, seed + 5);
+        let n = run.groups.len();
+        assert_eq!((o.recvs_done, o.sends_done), (n, n), "seed {seed}: {:?}", run.kills);
+        (landed, dropped) = (landed + o.late.0, dropped + o.late.1);
+    }
+    eprintln!("stragglers: {landed} landed, {dropped} dropped");
+    assert!(cfg!(miri) || landed > 0 && dropped > 0, "{landed} landed, {dropped} dropped");
 }
 
 /// A lane's path drops the receiver-to-sender direction only, for longer than the retry
