@@ -8,7 +8,11 @@
 //! - **A path that dies mid-all-reduce:** 4 ranks, 2 lanes per connection (the default); once
 //!   rank 0 has received 4 MiB of the run's ~18, a u32 filter on every rank's veth drops each RoCE packet whose UDP source port
 //!   is odd: one lane of every connection (its two ports are consecutive), both ways. The
-//!   all-reduce finishes with `#wrong` 0, and the ranks warn of failed lanes.
+//!   all-reduce finishes with `#wrong` 0, and the ranks warn of failed lanes. Three runs: a
+//!   retry bound of 2.7 s, then NCCL's default timeouts (where only the stall bound moves
+//!   work) with whole messages and with split data; in the last two the drop is lifted 1.5 s
+//!   later (and the run is 36 all-reduces, not 12), and some lane must be repaired before the
+//!   run ends.
 //! - **A rank that cannot start** (a device that does not exist): it fails naming the device,
 //!   and the launcher ends the rank left waiting for it: exit 1 within 60 s, not a hang.
 //! - **ECMP:** with 4 QPs per connection, a capture on the bridge sees every connection's
@@ -61,8 +65,12 @@ fn run() -> Result<(), String> {
     a_dying_path(
         &[("NCCL_IB_TIMEOUT", "17"), ("NCCL_IB_RETRY_CNT", "4")],
         "a retry bound of 2.7 s",
+        None,
     )?;
-    a_dying_path(&[], "NCCL's default timeouts")?;
+    // At the defaults, in both split modes, the drop is lifted 1.5 s in: the lanes come back.
+    let lift = Some(Duration::from_millis(1500));
+    a_dying_path(&[], "NCCL's default timeouts", lift)?;
+    a_dying_path(&[("NCCL_IB_SPLIT_DATA_ON_QPS", "1")], "split data, default timeouts", lift)?;
     a_rank_that_cannot_start()?;
     ecmp(2)?;
     ecmp(RANKS)?;
@@ -170,12 +178,18 @@ fn odd_ports_dropped(on: bool) -> Result<(), String> {
 
 /// An all-reduce over 4 ranks in which one lane of every connection loses its path a few
 /// seconds in, with the knobs `env` (`what`): it finishes, every element checked, and the
-/// ranks say which lanes failed.
-fn a_dying_path(env: &[(&str, &str)], what: &str) -> Result<(), String> {
+/// ranks say which lanes failed. With `lift`, the path answers again that long after the
+/// drop, and some rank's lane is repaired before the run ends.
+fn a_dying_path(env: &[(&str, &str)], what: &str, lift: Option<Duration>) -> Result<(), String> {
     let t = Instant::now();
     let n = RANKS.to_string();
-    let mut c = ferroce(&["allreduce", "--nranks", &n, "-b", "1M", "-e", "1M", "-n", "12"]);
+    // A lifted drop leaves the run time to repair its lanes: three times the all-reduces.
+    let iters = if lift.is_some() { "36" } else { "12" };
+    let mut c = ferroce(&["allreduce", "--nranks", &n, "-b", "1M", "-e", "1M", "-n", iters]);
     c.envs(env.iter().copied()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    if lift.is_some() {
+        c.env("NCCL_DEBUG", "INFO"); // the repairs are INFO lines
+    }
     // The drop comes once rank 0 has received 4 MiB (of about 18): two or three all-reduces
     // in, whatever the machine's pace.
     let rx = || {
@@ -195,8 +209,23 @@ fn a_dying_path(env: &[(&str, &str)], what: &str) -> Result<(), String> {
     }
     let at = t0.elapsed();
     let dropped = odd_ports_dropped(true);
+    if let Some(lift) = lift {
+        let t1 = Instant::now();
+        while t1.elapsed() < lift && matches!(child.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if t1.elapsed() < lift {
+            let _ = odd_ports_dropped(false);
+            return Err(format!(
+                "the all-reduce ended within {lift:?} of the drop, before the lift"
+            ));
+        }
+        odd_ports_dropped(false)?;
+    }
     let out = child.wait_with_output().map_err(|e| e.to_string());
-    odd_ports_dropped(false)?;
+    if lift.is_none() {
+        odd_ports_dropped(false)?;
+    }
     dropped?;
     let out = out?;
     let (text, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
@@ -219,10 +248,15 @@ fn a_dying_path(env: &[(&str, &str)], what: &str) -> Result<(), String> {
         return Err(format!("no rank warned of a failed lane: the drop missed the run\n{err}"));
     }
     let stalls = lanes.iter().filter(|l| l.contains("FERROCE_LANE_STALL_MS")).count();
+    let repaired = err.lines().filter(|l| l.contains(" is repaired")).count();
+    if lift.is_some() && repaired == 0 {
+        eprint!("{err}");
+        return Err(format!("{what}: no lane was repaired after the drop was lifted"));
+    }
     eprintln!(
-        "cluster: all-reduce of 1 MiB x 12 on {RANKS} ranks, {what}, with one lane of every \
+        "cluster: all-reduce of 1 MiB x {iters} on {RANKS} ranks, {what}, with one lane of every \
          connection dropped {:.1} s in (4 MiB received by rank 0): #wrong 0, {} lane WARNs \
-         ({stalls} of them stalls), {:.1} s",
+         ({stalls} of them stalls), {repaired} lanes repaired after a lift, {:.1} s",
         at.as_secs_f64(),
         lanes.len(),
         t.elapsed().as_secs_f64()
