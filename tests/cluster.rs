@@ -209,24 +209,22 @@ fn a_dying_path(env: &[(&str, &str)], what: &str, lift: Option<Duration>) -> Res
     }
     let at = t0.elapsed();
     let dropped = odd_ports_dropped(true);
-    if let Some(lift) = lift {
+    // With `lift`, the drop goes once that long has passed (unless the run ended first), and
+    // the run goes on; else it goes when the run ends.
+    let lifted = lift.map(|lift| {
         let t1 = Instant::now();
         while t1.elapsed() < lift && matches!(child.try_wait(), Ok(None)) {
             std::thread::sleep(Duration::from_millis(20));
         }
-        if t1.elapsed() < lift {
-            let _ = odd_ports_dropped(false);
-            return Err(format!(
-                "the all-reduce ended within {lift:?} of the drop, before the lift"
-            ));
-        }
-        odd_ports_dropped(false)?;
-    }
+        (t1.elapsed() >= lift, odd_ports_dropped(false))
+    });
     let out = child.wait_with_output().map_err(|e| e.to_string());
-    if lift.is_none() {
-        odd_ports_dropped(false)?;
-    }
+    let (in_time, cleared) = lifted.unwrap_or_else(|| (true, odd_ports_dropped(false)));
+    cleared?;
     dropped?;
+    if !in_time {
+        return Err(format!("{what}: the all-reduce ended before the drop was lifted"));
+    }
     let out = out?;
     let (text, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     print!("{text}");
@@ -253,10 +251,14 @@ fn a_dying_path(env: &[(&str, &str)], what: &str, lift: Option<Duration>) -> Res
         eprint!("{err}");
         return Err(format!("{what}: no lane was repaired after the drop was lifted"));
     }
+    let repairs = match lift {
+        Some(_) => format!(", {repaired} lanes repaired after the lift"),
+        None => String::new(),
+    };
     eprintln!(
         "cluster: all-reduce of 1 MiB x {iters} on {RANKS} ranks, {what}, with one lane of every \
          connection dropped {:.1} s in (4 MiB received by rank 0): #wrong 0, {} lane WARNs \
-         ({stalls} of them stalls), {repaired} lanes repaired after a lift, {:.1} s",
+         ({stalls} of them stalls){repairs}, {:.1} s",
         at.as_secs_f64(),
         lanes.len(),
         t.elapsed().as_secs_f64()
