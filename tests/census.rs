@@ -54,7 +54,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::{RdmaCounts, fds_threads, open_plugin, rdma_counts, require_vm, rss_bytes, settle};
-use ferroce::transport::handshake::{Handle, Kind as MsgKind, MAX_QPS, MSG_LEN, Msg};
+use ferroce_core::setup::wire::{Handle, Kind as MsgKind, MAX_QPS, MSG_LEN, Msg};
 use ferroce_tools::Rng;
 use ferroce_tools::driver::{Close, Driver, Ptr};
 use ferroce_tools::handle::{from_hex, to_hex};

@@ -46,8 +46,8 @@ use std::time::{Duration, Instant};
 
 use common::{open_plugin, require_vm};
 use ferroce::ffi::abi::ncclResult_t;
-use ferroce::transport::handshake::{Handle, Kind, MAGIC, MAX_QPS, MSG_LEN, Msg};
 use ferroce::transport::setup::{HELLO_TIMEOUT, MAX_PENDING, REJECT_WARNS};
+use ferroce_core::setup::wire::{Handle, Kind, MAGIC, MAX_QPS, MSG_LEN, Msg};
 use ferroce_tools::Rng;
 use ferroce_tools::driver::{Close, Driver, Ptr};
 

@@ -259,14 +259,14 @@ fn a_connect_id_the_plugin_does_not_know_is_an_error_not_a_new_connect() {
     let net = unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.unwrap();
     // A well-formed handle whose state bytes name a connect that does not exist (finished,
     // expired, pushed out or ended by finalize, as far as the plugin can tell).
-    let h = ferroce::transport::handshake::Handle {
+    let h = ferroce_core::setup::wire::Handle {
         addr: "127.0.0.1:9".parse().unwrap(),
         nonce: 0x1234_5678,
         members: 1,
     };
     let mut handle = [0u8; 128];
     h.encode(&mut handle);
-    let state = ferroce::transport::handshake::HANDLE_STATE_OFFSET;
+    let state = ferroce_core::setup::wire::HANDLE_STATE_OFFSET;
     handle[state..state + 8].copy_from_slice(&0x0bad_c0de_u64.to_le_bytes());
     let mut comm = std::ptr::dangling_mut::<c_void>();
     install_logger(net);

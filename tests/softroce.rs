@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use ferroce::ffi::abi::*;
-use ferroce::transport::handshake::{Handle, Kind, Msg};
+use ferroce_core::setup::wire::{Handle, Kind, Msg};
 use ferroce_tools::driver::{Close, Driver, Ptr};
 use ferroce_tools::loader::{Library, capture_logger, take_captured};
 

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use once_cell::sync::Lazy;
 
 use crate::error::{Error, Result};
-use crate::transport::comm::{RecvComm, ReqKind, SendComm};
+use crate::transport::data::{RecvComm, ReqKind, SendComm};
 use crate::transport::reg::MrHandle;
 use crate::transport::setup::Listener;
 use crate::transport::{CommContext, Net};

@@ -16,7 +16,7 @@ use super::handles::{self, clear, out};
 use super::{guard, log, plugin};
 use crate::error::{Error, Result};
 use crate::transport;
-use crate::transport::comm::MAX_RECVS;
+use crate::transport::data::MAX_RECVS;
 
 /// The context every v6–v10 call runs on; NULL until the first legacy `init` succeeds.
 static LEGACY_CTX: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());

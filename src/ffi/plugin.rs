@@ -15,12 +15,12 @@ use super::connects::{MAX_CONNECTS, Pending, connects, fresh_id};
 use super::handles::{self, AnyComm, clear, out};
 use super::{guard, log};
 use crate::error::{Error, Result};
-use crate::transport::comm::{Buf, FLUSH_BASE, MAX_RECVS, ReqKind};
-use crate::transport::handshake::{self, HANDLE_SIZE};
+use crate::transport::data::{Buf, FLUSH_BASE, MAX_RECVS, ReqKind, buf_within};
 use crate::transport::mr_cache::MemKind;
 use crate::transport::reg;
 use crate::transport::setup::{Connector, Listener};
 use crate::transport::{self, CommContext, NetDevice};
+use ferroce_core::setup::wire::{self, HANDLE_SIZE};
 
 pub(super) unsafe extern "C" fn init(
     ctx: *mut *mut c_void,
@@ -206,7 +206,7 @@ fn intern(s: &str) -> *mut c_char {
 
 /// Where a connect in progress keeps its id in NCCL's handle buffer between `connect` calls
 /// (the bytes `listen` leaves zero and never sends).
-const STATE: usize = handshake::HANDLE_STATE_OFFSET;
+const STATE: usize = wire::HANDLE_STATE_OFFSET;
 
 fn handle_bytes<'a>(handle: *mut c_void) -> Result<&'a mut [u8; HANDLE_SIZE]> {
     // SAFETY: NCCL's handle buffer is NCCL_NET_HANDLE_MAXSIZE (128) bytes, valid for the call.
@@ -262,7 +262,7 @@ pub(super) unsafe fn connect_with(
         // Cleared until this call parks the connect again: after an error, nothing points at
         // a connect that no longer exists.
         bytes[STATE..HANDLE_SIZE].fill(0);
-        let h = handshake::Handle::decode(bytes)
+        let h = wire::Handle::decode(bytes)
             .map_err(|r| Error::Internal(format!("connect: invalid handle: {r}")))?;
         // Abandoned connects go first (dropped once the table is unlocked).
         let expired = connects().expire(Instant::now());
@@ -397,7 +397,7 @@ fn buf(data: *mut c_void, size: u64, mhandle: *mut c_void, devs: &[usize]) -> Re
     // SAFETY: mhandle came from regMr and is alive until deregMr; the caller holds a comm's
     // gate.
     let h = unsafe { handles::mr(mhandle) }?;
-    Buf::within(h, devs, data as u64, size)
+    buf_within(h, devs, data as u64, size)
 }
 
 pub(super) unsafe extern "C" fn isend(

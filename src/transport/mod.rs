@@ -6,16 +6,14 @@
 
 #![forbid(unsafe_code)]
 
-pub mod comm;
+pub mod data;
 pub mod device;
 pub mod ecmp;
 pub mod gdr;
 pub mod gid;
-pub mod handshake;
 pub mod mr_cache;
 pub mod net;
 pub mod profile;
-pub mod proto;
 pub mod reg;
 pub mod setup;
 pub mod stats;

@@ -22,8 +22,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::device::{self, DeviceFlags, NetDevice, Queue};
 use super::profile::Profiler;
-use super::proto::MAX_MEMBERS;
 use crate::verbs;
+use ferroce_core::data::MAX_MEMBERS;
 
 /// The devices and configuration shared by every communicator.
 pub struct Net {

@@ -1,14 +1,14 @@
 //! Net profiler events (ABI v10+): one event per request per queue-pair post, as NCCL's own
 //! transport reports them, so profiler plugins and Nsight see the network's work.
 //!
-//! The core journals what it posts ([`super::proto::Posted`]) only when a comm has a
+//! The core journals what it posts ([`ferroce_core::data::Posted`]) only when a comm has a
 //! profiler; the comm turns each entry into a start event keyed by the `phandle` NCCL gave the
 //! request, and stops a request's events when `test` reports it done (or when the comm
 //! closes). `ffi` implements [`Profiler`] over NCCL's callback.
 
 use std::sync::Arc;
 
-use super::proto::{MAX_RECVS, Posted, SLOTS};
+use ferroce_core::data::{MAX_RECVS, Posted, SLOTS};
 
 /// `IBV_WR_RDMA_WRITE` and `IBV_WR_RDMA_WRITE_WITH_IMM`, the opcodes events report.
 pub const WR_RDMA_WRITE: i32 = 0;

@@ -1,5 +1,5 @@
 //! Connection setup: `listen`, and the resumable `connect` and `accept`. This is the shell
-//! around `machine`, which holds the logic; here are the TCP sockets (non-blocking, through
+//! around `ferroce_core::setup`, which holds the logic; here are the TCP sockets (non-blocking, through
 //! `crate::os`), the clock and the verbs objects (queue pairs, their transitions, the flush QP).
 //! A call feeds the machine what the sockets and verbs did and does what it answers, until it
 //! says to wait (`Ok(None)`), or the connection is done or failed. `accept` reads the clock
@@ -9,7 +9,7 @@
 //! Called by `ffi` (listen, connect, accept, closeListen), which parks a connector between
 //! calls in the handle's state bytes. Nothing here decides anything the machine could: a
 //! shell that only moves bytes and runs verbs is what the VM tests exercise, and the machine
-//! is what `machine/tests.rs` checks.
+//! is what `ferroce_core::setup`'s tests check.
 //!
 //! Every step has a deadline (`FERROCE_SETUP_TIMEOUT_MS`); a passed deadline is an error
 //! naming the peer and the step.
@@ -35,8 +35,6 @@
 //! MTU, size records), after moving its QP to RTS; connector → `Ready`, after moving its QP to
 //! RTS. So no CTS is ever written before the sender's QP can take it.
 
-mod machine;
-
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
@@ -45,20 +43,22 @@ use std::sync::Arc;
 use once_cell::sync::Lazy;
 use std::time::Instant;
 
-use super::comm::{Flusher, Path, Peer, RecvComm, RecvParts, SendComm, SendParts, port_of};
+use super::data::{Flusher, Path, Peer, RecvComm, RecvParts, SendComm, SendParts, port_of};
 use super::device;
 use super::ecmp;
 use super::gid::{self, GidChoice};
-use super::handshake::{End, Handle, MAX_QPS, MSG_LEN, Msg};
 use super::net::{CommContext, Net};
 use super::profile::Profiler;
-use super::proto::MAX_MEMBERS;
 use crate::error::{Error, Result};
 use crate::verbs::{self, RegisteredBuf, RtrAttr, RtsAttr};
-pub use machine::{
+use ferroce_core::data::MAX_MEMBERS;
+use ferroce_core::setup::wire::{End, Handle, MAX_QPS, MSG_LEN, Msg};
+pub use ferroce_core::setup::{
     ACCEPT_BACKOFF, HELLO_TIMEOUT, MAX_PENDING, MAX_UNPROVEN, REJECT_SUMMARY_EVERY, REJECT_WARNS,
 };
-use machine::{AcceptErr, Cmd, ConnId, Dial, Input, Listen, Local, Policy, QpPlan, Unproven, ours};
+use ferroce_core::setup::{
+    AcceptErr, Cmd, ConnId, Dial, Input, Listen, Local, Policy, QpPlan, Unproven, ours,
+};
 
 /// The connections to this process's listeners that have not proven themselves.
 static UNPROVEN: Lazy<Arc<Unproven>> = Lazy::new(|| Arc::new(Unproven::new(MAX_UNPROVEN)));
@@ -421,14 +421,16 @@ impl Listener {
                     }
                     Err(e) => self.core.refuse(&peer, &format!("setsockopt: {e}"), now),
                 },
-                Err(err) => match self.core.accept_failed(err.raw_os_error(), &err, now) {
-                    AcceptErr::Empty | AcceptErr::Exhausted => break,
-                    AcceptErr::Transient => {}
-                    AcceptErr::Fatal => {
-                        let context = self.core.describe().to_string();
-                        return Err(Error::Os { call: "accept", err, context });
+                Err(err) => {
+                    match self.core.accept_failed(classify_accept(err.raw_os_error()), &err, now) {
+                        AcceptErr::Empty | AcceptErr::Exhausted => break,
+                        AcceptErr::Transient => {}
+                        AcceptErr::Fatal => {
+                            let context = self.core.describe().to_string();
+                            return Err(Error::Os { call: "accept", err, context });
+                        }
                     }
-                },
+                }
             }
         }
         Ok(ids)
@@ -536,7 +538,7 @@ fn flusher(net: &Arc<Net>, dev: usize, cq: &Arc<verbs::Cq>) -> Result<Flusher> {
         verbs::QpCaps { max_send_wr: 64, max_recv_wr: 1, max_inline: 0 },
     )?;
     qp.to_init(d.port, Flusher::ACCESS)?;
-    let target = RegisteredBuf::new(&d.pd, 8, super::comm::FLUSH_TARGET)?;
+    let target = RegisteredBuf::new(&d.pd, 8, super::data::FLUSH_TARGET)?;
     let me = endpoint(net, &[dev], std::slice::from_ref(&qp), &target)?;
     let mut remote_ends = [End::default(); MAX_MEMBERS];
     remote_ends[0] = End { gid: me.gid, mtu: me.mtu, port: me.port, rkey: me.buf_rkey };
@@ -667,5 +669,65 @@ impl Connector {
             (theirs, sizes),
             self.profiler.clone(),
         )
+    }
+}
+
+/// What an `accept(2)` error means for the listener, from its errno (the core knows no errno).
+fn classify_accept(errno: Option<i32>) -> AcceptErr {
+    match errno {
+        Some(libc::EAGAIN) => AcceptErr::Empty,
+        Some(
+            libc::EINTR
+            | libc::ECONNABORTED
+            | libc::ECONNRESET
+            | libc::EPROTO
+            | libc::ENETDOWN
+            | libc::ENOPROTOOPT
+            | libc::EHOSTDOWN
+            | libc::ENONET
+            | libc::EHOSTUNREACH
+            | libc::EOPNOTSUPP
+            | libc::ENETUNREACH
+            | libc::EPERM
+            | libc::ETIMEDOUT
+            | libc::ENOSR
+            | libc::ESOCKTNOSUPPORT
+            | libc::EPROTONOSUPPORT,
+        ) => AcceptErr::Transient,
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => AcceptErr::Exhausted,
+        _ => AcceptErr::Fatal,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accept_errors_are_classified_as_accept_2_says() {
+        for e in [
+            libc::ECONNABORTED,
+            libc::EPROTO,
+            libc::ENETDOWN,
+            libc::ENOPROTOOPT,
+            libc::EHOSTDOWN,
+            libc::ENONET,
+            libc::EHOSTUNREACH,
+            libc::EOPNOTSUPP,
+            libc::ENETUNREACH,
+            libc::EPERM,
+            libc::EINTR,
+            libc::ETIMEDOUT,
+        ] {
+            assert_eq!(classify_accept(Some(e)), AcceptErr::Transient, "errno {e}");
+        }
+        assert_eq!(classify_accept(Some(libc::EAGAIN)), AcceptErr::Empty);
+        assert_eq!(classify_accept(Some(libc::EWOULDBLOCK)), AcceptErr::Empty);
+        for e in [libc::EMFILE, libc::ENFILE, libc::ENOBUFS, libc::ENOMEM] {
+            assert_eq!(classify_accept(Some(e)), AcceptErr::Exhausted, "errno {e}");
+        }
+        for e in [Some(libc::EBADF), Some(libc::EINVAL), Some(libc::ENOTSOCK), None] {
+            assert_eq!(classify_accept(e), AcceptErr::Fatal, "errno {e:?}");
+        }
     }
 }

@@ -5,7 +5,7 @@
 use std::fmt::Write;
 use std::time::Duration;
 
-use super::proto::Traffic;
+use ferroce_core::data::Traffic;
 
 /// The counters that grew between `before` and `after` (both sorted by name), with how much.
 pub fn grown(before: &[(String, u64)], after: &[(String, u64)]) -> Vec<(String, u64)> {

@@ -387,7 +387,7 @@ fn rank_inner(o: &Args, rank: usize) -> Result<(), String> {
     let mut listens = Vec::new();
     for ch in 0..o.channels {
         let (handle, listen) = drv.listen(ctx, dev)?;
-        let addr = ferroce::transport::handshake::Handle::decode(&handle)
+        let addr = ferroce_core::setup::wire::Handle::decode(&handle)
             .map_err(|e| format!("the plugin's own handle: {e}"))?
             .addr;
         let path = dir.join(format!("rank{rank}.ch{ch}"));

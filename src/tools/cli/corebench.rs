@@ -12,11 +12,11 @@ use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use ferroce::transport::proto::{
+use ferroce::wr::{Completion, Op, SendWr};
+use ferroce_core::data::{
     Buf, FIFO_AREA, MAX_MEMBERS, Params, Path, Post, RecvCore, Remote, Repair, SIZE_AREA, SendCore,
     Words,
 };
-use ferroce::wr::{Completion, Op, SendWr};
 
 /// Regions, told apart by the top bits of their fake addresses.
 const FIFO: u64 = 1 << 40;
@@ -141,9 +141,9 @@ fn run(n: usize, size: u64, inline: u32, optional: bool, depth: usize) -> Result
         max_inline: inline,
         progress_timeout: Duration::from_secs(60),
         probe_interval: Duration::from_secs(60),
-        mark: ferroce::transport::proto::MARK_BYTES,
+        mark: ferroce_core::data::MARK_BYTES,
         path_aware: true,
-        timed_from: ferroce::transport::proto::TIMED_FROM,
+        timed_from: ferroce_core::data::TIMED_FROM,
         journal: false,
         failover: true,
         stall: None,

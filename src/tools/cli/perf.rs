@@ -231,7 +231,7 @@ fn run_rank(
         let ctx = drv.init(COMM_ID)?;
         let (dev, name) = drv.resolve(dev)?;
         let (handle, listen) = drv.listen(ctx, dev)?;
-        let addr = ferroce::transport::handshake::Handle::decode(&handle)
+        let addr = ferroce_core::setup::wire::Handle::decode(&handle)
             .map_err(|e| format!("the plugin's own handle: {e}"))?
             .addr;
         let io = &*chan.insert(io(&name, addr)?);

@@ -1,5 +1,5 @@
 //! The data path's I/O: each comm owns its verbs objects (queue pairs, completion queue, the
-//! registered control buffers) and a protocol core from [`super::proto`], which decides
+//! registered control buffers) and a protocol core from [`ferroce_core::data`], which decides
 //! everything. This layer only posts what the core asks for ([`Qps`]), shows the core the
 //! buffers the NICs read and write ([`Words`] over [`RegisteredBuf`]), and feeds the CQ's
 //! completions back through one progress loop ([`progress`]) shared by both ends.
@@ -21,17 +21,17 @@ use super::device::{NetDevice, Queue, Watch};
 use super::mr_cache::MemKind;
 use super::net::Net;
 use super::profile::{Events, Profiler};
-use super::proto::Traffic;
-use super::proto::{
-    FIFO_AREA, Fault, Grant, Keys, Line, Post, Posted, RECV_SEND_QUEUE, RecvCore, Remote,
-    SIZE_AREA, SendCore, Words, recv_grant, send_grant,
-};
 use super::reg::MrHandle;
 use crate::error::{Error, Result};
 use crate::verbs::{self, Cq, Mr, Qp, RegisteredBuf, RtrAttr, RtsAttr};
 use crate::wr::{Completion, SendWr};
+use ferroce_core::data::Traffic;
+use ferroce_core::data::{
+    FIFO_AREA, Fault, Grant, Keys, Line, Post, Posted, RECV_SEND_QUEUE, RecvCore, Remote,
+    SIZE_AREA, SendCore, Words, recv_grant, send_grant,
+};
 
-pub use super::proto::{Buf, FLUSH_BASE, MAX_RECVS, Params, Path, SEND_QUEUE, SLOTS};
+pub use ferroce_core::data::{Buf, FLUSH_BASE, MAX_RECVS, Params, Path, SEND_QUEUE, SLOTS};
 
 /// The `qp_access_flags` of a QP that grants `g`. `IBV_ACCESS_LOCAL_WRITE` is never asked:
 /// on a QP it means nothing (the local NIC's own operations are checked against the memory
@@ -67,7 +67,7 @@ const SEND_CAPS: verbs::QpCaps =
 fn recv_caps(nqps: usize) -> verbs::QpCaps {
     verbs::QpCaps {
         max_send_wr: RECV_SEND_QUEUE as u32,
-        max_recv_wr: super::proto::recv_pool(nqps) as u32,
+        max_recv_wr: ferroce_core::data::recv_pool(nqps) as u32,
         max_inline: INLINE,
     }
 }
@@ -81,31 +81,29 @@ pub enum ReqKind {
     Flush,
 }
 
-impl Buf {
-    /// `[addr, addr + size)` of the registration `h`, with its keys on each of a comm's member
-    /// ports `members` (device indices): it must lie inside the registration on every one.
-    pub fn within(h: &MrHandle, members: &[usize], addr: u64, size: u64) -> Result<Buf> {
-        let end = addr.checked_add(size).ok_or_else(|| Error::Internal("buffer wraps".into()))?;
-        let mut b = Buf { addr, size, host: h.kind == MemKind::Host, ..Buf::default() };
-        for (m, dev) in members.iter().enumerate() {
-            let Some(part) = h.parts.iter().find(|p| p.dev == *dev) else {
-                return Err(Error::InvalidUsage(format!(
-                    "a buffer registered on device(s) {:?} used on a comm over devices \
-                     {members:?}: register it on this comm",
-                    h.parts.iter().map(|p| p.dev).collect::<Vec<_>>()
-                )));
-            };
-            let mr: &Mr = &part.mr;
-            if size > 0 && (addr < mr.addr || end > mr.addr + mr.len as u64) {
-                return Err(Error::Internal(format!(
-                    "buffer {addr:#x}+{size} is outside its registration {:#x}+{}",
-                    mr.addr, mr.len
-                )));
-            }
-            (b.lkeys[m], b.rkeys[m]) = (mr.lkey, mr.rkey);
+/// `[addr, addr + size)` of the registration `h`, with its keys on each of a comm's member
+/// ports `members` (device indices): it must lie inside the registration on every one.
+pub fn buf_within(h: &MrHandle, members: &[usize], addr: u64, size: u64) -> Result<Buf> {
+    let end = addr.checked_add(size).ok_or_else(|| Error::Internal("buffer wraps".into()))?;
+    let mut b = Buf { addr, size, host: h.kind == MemKind::Host, ..Buf::default() };
+    for (m, dev) in members.iter().enumerate() {
+        let Some(part) = h.parts.iter().find(|p| p.dev == *dev) else {
+            return Err(Error::InvalidUsage(format!(
+                "a buffer registered on device(s) {:?} used on a comm over devices \
+                 {members:?}: register it on this comm",
+                h.parts.iter().map(|p| p.dev).collect::<Vec<_>>()
+            )));
+        };
+        let mr: &Mr = &part.mr;
+        if size > 0 && (addr < mr.addr || end > mr.addr + mr.len as u64) {
+            return Err(Error::Internal(format!(
+                "buffer {addr:#x}+{size} is outside its registration {:#x}+{}",
+                mr.addr, mr.len
+            )));
         }
-        Ok(b)
+        (b.lkeys[m], b.rkeys[m]) = (mr.lkey, mr.rkey);
     }
+    Ok(b)
 }
 
 impl Words for RegisteredBuf {
@@ -528,10 +526,10 @@ fn params(
         max_inline: qps.iter().map(Qp::max_inline).min().unwrap_or(0),
         progress_timeout: net.config.progress_timeout,
         probe_interval: net.config.probe_interval,
-        mark: super::proto::MARK_BYTES,
+        mark: ferroce_core::data::MARK_BYTES,
         path_aware: net.config.path_aware,
-        timed_from: super::proto::TIMED_FROM,
-        repair: super::proto::Repair {
+        timed_from: ferroce_core::data::TIMED_FROM,
+        repair: ferroce_core::data::Repair {
             attempts: net.config.repair_attempts,
             delay: net.config.repair_delay,
             timeout: net.config.repair_timeout,
@@ -758,7 +756,7 @@ impl RecvParts {
     pub fn new(net: &Arc<Net>, devs: &[usize], nqps: usize) -> Result<RecvParts> {
         // Room for every receive WQE of every lane (all flushed at once when the comm closes or
         // fails), the flushes, and the CTS writes and probes.
-        let pool = super::proto::recv_pool(nqps);
+        let pool = ferroce_core::data::recv_pool(nqps);
         let cqs = port_cqs(net, devs, nqps, pool, 4 * 2 * SLOTS)?;
         let qps = create_qps(net, (devs, &cqs), nqps, recv_caps(nqps), |q| recv_grant(q, nqps))?;
         let cts_stage = RegisteredBuf::on(&pds(net, devs), FIFO_AREA * 8, STAGE)?;
@@ -862,7 +860,7 @@ impl RecvComm {
         let force = self.net.config.force_flush;
         let target = bufs.iter().rev().find(|b| b.size > 0 && (force || !b.host));
         let Some(&b) = target.filter(|_| !self.flushers.is_empty()) else { return Ok(None) };
-        let mut scratch = [(0, 0); super::proto::MAX_MEMBERS];
+        let mut scratch = [(0, 0); ferroce_core::data::MAX_MEMBERS];
         for (s, f) in scratch.iter_mut().zip(&self.flushers) {
             *s = (f.target.addr(0), f.target.lkey());
         }

@@ -9,7 +9,7 @@
 //! [`Cmd`] says: wait for the TCP connect, write or read bytes, build this side's endpoint, move
 //! the queue pairs to RTR and RTS along a [`QpPlan`], or stop (wait for the next call, close a
 //! stranger, done, fail). Nothing here reads a clock, touches a socket or names a verbs type, so
-//! `machine/tests.rs` drives both ends over a simulated network and clock.
+//! `setup/tests.rs` drives both ends over a simulated network and clock.
 //!
 //! Invariants:
 //! - Each stage has a deadline, checked only when the shell reports that it would block: a step
@@ -38,9 +38,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::data::MAX_MEMBERS;
 use crate::error::Error;
-use crate::transport::handshake::{End, Handle, Kind, MAX_QPS, MSG_LEN, Msg, Reject, header_len};
-use crate::transport::proto::MAX_MEMBERS;
+use wire::{End, Handle, Kind, MAX_QPS, MSG_LEN, Msg, Reject, header_len};
+
+pub mod wire;
 
 /// The most connections a listener holds before they prove themselves. A newcomer beyond it is
 /// refused rather than any of them pushed out: one that arrived first, as the rightful peer's
@@ -737,32 +739,6 @@ pub enum AcceptErr {
     Fatal,
 }
 
-fn classify_accept(errno: Option<i32>) -> AcceptErr {
-    match errno {
-        Some(libc::EAGAIN) => AcceptErr::Empty,
-        Some(
-            libc::EINTR
-            | libc::ECONNABORTED
-            | libc::ECONNRESET
-            | libc::EPROTO
-            | libc::ENETDOWN
-            | libc::ENOPROTOOPT
-            | libc::EHOSTDOWN
-            | libc::ENONET
-            | libc::EHOSTUNREACH
-            | libc::EOPNOTSUPP
-            | libc::ENETUNREACH
-            | libc::EPERM
-            | libc::ETIMEDOUT
-            | libc::ENOSR
-            | libc::ESOCKTNOSUPPORT
-            | libc::EPROTONOSUPPORT,
-        ) => AcceptErr::Transient,
-        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => AcceptErr::Exhausted,
-        _ => AcceptErr::Fatal,
-    }
-}
-
 /// The rate limit of one kind of WARN: the first [`REJECT_WARNS`] are logged one by one, the
 /// rest only counted and reported as one line when [`RejectLog::summary`] says so.
 #[derive(Debug, Default)]
@@ -929,14 +905,14 @@ impl Listen {
         self.reject(from, why, now);
     }
 
-    /// An `accept(2)` error, as `errno` (and `err` in words): what the shell does next.
+    /// An `accept(2)` error, as the shell classed it (and `err` in words): what the shell does
+    /// next.
     pub fn accept_failed(
         &mut self,
-        errno: Option<i32>,
+        class: AcceptErr,
         err: &dyn fmt::Display,
         now: Instant,
     ) -> AcceptErr {
-        let class = classify_accept(errno);
         match class {
             AcceptErr::Transient => {
                 let why = format!("accept: {err}; that connection is lost");

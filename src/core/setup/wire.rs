@@ -13,7 +13,7 @@
 use std::fmt;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr, SocketAddrV6};
 
-use super::proto::MAX_MEMBERS;
+use crate::data::MAX_MEMBERS;
 
 pub const MAGIC: u64 = 0x3145_434f_5252_4546; // "FERROCE1", little-endian
 /// The protocol version both ends must share: 2 since the CTS FIFO's dense layout (32-byte

@@ -1,8 +1,8 @@
 //! The data-path protocol with no I/O inside (in the style of quinn-proto): the send and
 //! receive slot tables, the CTS FIFO, tag matching, the multi-QP split and round-robin, the
-//! `wr_id`/immediate encoding and the completion accounting. `comm` owns the verbs objects,
+//! `wr_id`/immediate encoding and the completion accounting. The shell, `ferroce::transport::data`, owns the verbs objects,
 //! feeds completions in and posts what the core asks for through [`Post`]; the tests below
-//! drive both ends against a simulated network, with no verbs at all. Of ferroce it imports only
+//! drive both ends against a simulated network, with no verbs at all. Of its crate it imports only
 //! `wr` (the work requests it asks for, the completions it is fed) and `error`: no verbs, no FFI.
 //!
 //! The protocol, receiver-driven:

@@ -9,7 +9,7 @@
 //! meet what its target queue pair grants ([`Grant`]); a sender that lies about sizes must fail
 //! the receiver.
 //!
-//! Mutants of `proto.rs` these tests kill (each applied by hand, seen failing, reverted):
+//! Mutants of `data.rs` (then `transport/proto.rs`) these tests kill (each applied by hand, seen failing, reverted):
 //! - no check of the reported sizes against the posted ones:
 //!   `a_size_beyond_the_posted_one_fails_the_receiver`;
 //! - the check with `>=` for `>` (a send truncated to exactly the receive's size fails):
@@ -40,6 +40,9 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 
 use super::*;
+
+/// The errno the simulated verbs fail with (Linux's ENOMEM; the core has no libc).
+const ENOMEM: i32 = 12;
 
 // --- the simulated hosts and network -----------------------------------------------------------
 
@@ -643,7 +646,7 @@ impl Post for Io<'_> {
             let n = wrs.len() / 2;
             drop(w);
             self.send_ok(qp, &wrs[..n]);
-            return Err(Error::verbs("ibv_post_send", libc::ENOMEM, "sim"));
+            return Err(Error::verbs("ibv_post_send", ENOMEM, "sim"));
         }
         drop(w);
         self.send_ok(qp, wrs);
@@ -657,7 +660,7 @@ impl Post for Io<'_> {
         let side = self.side;
         assert!(qp < w.sq[side].len() - 1, "only a lane's QP is replaced");
         if w.posts_fail {
-            return Err(Error::verbs("ibv_create_qp", libc::ENOMEM, "sim"));
+            return Err(Error::verbs("ibv_create_qp", ENOMEM, "sim"));
         }
         // The old QP goes with its queued work, uncompleted; what already completed stays in
         // the CQ.
@@ -698,7 +701,7 @@ impl Post for Io<'_> {
     fn recv(&mut self, qp: usize, wr_id: u64) -> Result<()> {
         let mut w = self.wire.borrow_mut();
         if w.posts_fail {
-            return Err(Error::verbs("ibv_post_recv", libc::ENOMEM, "sim"));
+            return Err(Error::verbs("ibv_post_recv", ENOMEM, "sim"));
         }
         if w.broken || w.failed[self.side][qp] {
             w.cq[self.side].push_back(Completion { wr_id, status: 5, ..Default::default() });
@@ -2759,7 +2762,7 @@ fn flushes_take_any_free_slot() {
     receiver.iflush(&mut rio, target, &[(SCRATCH, 17)]).unwrap_err();
 }
 
-/// One message at a time, each side driven as `comm` drives it (a receiver that polls only
+/// One message at a time, each side driven as `transport::data` drives it (a receiver that polls only
 /// when a call of its own needs it): normal receives, then optional ones, whose tests never
 /// poll. The CTS queue's entries are freed only by polls, so the receiver must poll before it
 /// runs out of them, or its next row waits for room while the caller waits in isend.

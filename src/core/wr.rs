@@ -1,4 +1,4 @@
-//! Work requests and completions as plain data: what the data-path core (`transport::proto`)
+//! Work requests and completions as plain data: what the data-path core ([`crate::data`])
 //! asks to post and what it is fed back, and the names of completion statuses.
 //!
 //! Invariants: no dependency beyond `core`, no `unsafe`, no I/O (the compiler enforces the
@@ -6,9 +6,8 @@
 //! translates these to and from `ibv_send_wr` and `ibv_wc`; its tests check [`status_name`]
 //! against libibverbs' own `ibv_wc_status_str`, so the two cannot drift.
 //!
-//! Callers: `verbs` (posting, polling), `transport` (the core and `comm`, which feeds it).
-
-#![forbid(unsafe_code)]
+//! Callers: [`crate::data`], and in the plugin `verbs` (posting, polling) and `transport::data`,
+//! which feeds the core.
 
 /// The most work requests one post chains together.
 pub const MAX_CHAIN: usize = 16;
