@@ -49,3 +49,18 @@ pub mod transport;
 pub mod verbs;
 
 pub use ferroce_core::{error, wr};
+
+/// The design of the plugin, for those who work on it.
+pub mod design {
+    #![doc = include_str!("doc/design.md")]
+}
+
+/// Every test and what it proves.
+pub mod testing {
+    #![doc = include_str!("doc/testing.md")]
+}
+
+/// Every measurement, with its method.
+pub mod performance {
+    #![doc = include_str!("doc/performance.md")]
+}

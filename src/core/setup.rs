@@ -30,6 +30,7 @@
 //! Error classes: what the peer or the network caused (closed, garbled, late, wrong nonce) is
 //! `Error::Remote`; a failure of our own side that the shell reports ([`Input::Local`]: queue
 //! pairs, registration, a fatal device) keeps its class through `Error::context`.
+#![doc = include_str!("doc/setup.md")]
 
 use std::collections::VecDeque;
 use std::fmt;

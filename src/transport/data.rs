@@ -839,7 +839,7 @@ impl RecvComm {
         }
         // A row left staged (the CTS send queue was full) must not wait for NCCL's next call:
         // the signaled write that frees the queue is on its way, a round trip; poll for it, for
-        // a bounded while (then the row goes out at the next call, as the README says).
+        // a bounded while (then the row goes out at the next call, as `ferroce_core::data` says).
         if r.is_some() && self.core.staged() > 0 {
             let since = crate::os::precise_now();
             while self.core.staged() > 0

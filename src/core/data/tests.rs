@@ -1283,7 +1283,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
                 // A receiving rank whose last operation on the connection is done while its
                 // peer still sends comes back to the comm with its next operation (a later
                 // collective, the final barrier): once in a while, here. A fence needs the
-                // receiver's call (README, "What waits for the other side's next call").
+                // receiver's call (`ferroce_core::data`, "What waits for the other side's next call").
                 let later = landed == n && out.sends_done < n && steps % 2000 < 8;
                 let r = if asleep[1] > steps || !called(!recv_out.is_empty() || later) {
                     Ok(())

@@ -1,0 +1,829 @@
+//! The send side: the slot table of `isend`s, the chain of work requests each message becomes,
+//! and its failover: a chunk whose lane fails is sent again on a live lane only once the
+//! receiver proves it did not land (see the module docs of [`super`]).
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use super::*;
+
+/// The live lanes with a signaled request outstanding: those that expect a completion.
+pub(super) fn busy_lanes(alive: u128, sq: &[SqCount]) -> u128 {
+    let busy = sq.iter().enumerate().filter(|(_, c)| !c.signaled.is_empty());
+    busy.fold(0, |m, (q, _)| m | 1 << q) & alive
+}
+
+/// A growing chain of work requests for one QP, posted in batches of `MAX_CHAIN` and counted
+/// in the QP's send queue.
+pub(super) struct Chain<'a> {
+    pub(super) qp: usize,
+    /// The comm's own buffer, reused by every post: nothing is initialised per post.
+    pub(super) wrs: &'a mut [SendWr; MAX_CHAIN],
+    pub(super) sq: &'a mut SqCount,
+    pub(super) len: usize,
+}
+
+impl<'a> Chain<'a> {
+    pub(super) fn new(
+        qp: usize,
+        wrs: &'a mut [SendWr; MAX_CHAIN],
+        sq: &'a mut SqCount,
+    ) -> Chain<'a> {
+        Chain { qp, wrs, sq, len: 0 }
+    }
+
+    pub(super) fn push(&mut self, io: &mut impl Post, wr: SendWr) -> Result<()> {
+        if self.len == MAX_CHAIN {
+            self.flush(io)?;
+        }
+        self.wrs[self.len] = wr;
+        self.len += 1;
+        Ok(())
+    }
+
+    pub(super) fn last(&mut self) -> Option<&mut SendWr> {
+        self.len.checked_sub(1).map(|i| &mut self.wrs[i])
+    }
+
+    pub(super) fn flush(&mut self, io: &mut impl Post) -> Result<()> {
+        io.send(self.qp, &self.wrs[..self.len])?;
+        for w in &self.wrs[..self.len] {
+            self.sq.posted(1, w.signaled);
+        }
+        self.len = 0;
+        Ok(())
+    }
+}
+
+/// The work requests of one chunk on one lane, built into its [`Chain`]: what each builder
+/// needs to name the chunk, its lane and the peer's keys.
+pub(super) struct ChunkWrs {
+    pub(super) slot: usize,
+    pub(super) chunk: usize,
+    pub(super) lane: usize,
+    pub(super) life: u8,
+    /// The chunk's own id (tagged with the lane's life): its final completion.
+    pub(super) id: u64,
+    /// The lane's (ours, theirs) member ports, which pick the keys.
+    pub(super) members: (usize, usize),
+    pub(super) inline: u32,
+}
+
+impl ChunkWrs {
+    /// The data writes of the chunk's part of each request, cut at `max_msg`; every `mark`
+    /// bytes one is signaled, so the sender learns of progress within a long chunk. The bytes
+    /// written.
+    pub(super) fn data(
+        &self,
+        chain: &mut Chain,
+        io: &mut impl Post,
+        s: &SendSlot,
+        parts: &[(u64, u64); MAX_RECVS],
+        (max_msg, mark): (u64, u64),
+    ) -> Result<u64> {
+        let (ours, theirs) = self.members;
+        let marked = tagged(data_wr_id(WR_MARK, self.lane, self.slot, self.chunk), self.life);
+        let (mut data, mut unmarked) = (0, 0);
+        let row = &s.row[..usize::from(s.nreqs)];
+        for ((b, cts), &(off, len)) in s.bufs.iter().zip(row).zip(parts) {
+            let Some(b) = b else { continue };
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(max_msg);
+                let at = off + done;
+                unmarked += n;
+                let signaled = unmarked >= mark;
+                if signaled {
+                    unmarked = 0;
+                }
+                chain.push(
+                    io,
+                    SendWr {
+                        wr_id: if signaled { marked } else { self.id },
+                        op: Op::Write,
+                        signaled,
+                        local: Some((b.addr + at, n as u32, b.lkeys[ours])),
+                        remote_addr: cts.addr + at,
+                        rkey: cts.rkeys[theirs],
+                        inline: b.host && n <= u64::from(self.inline),
+                    },
+                )?;
+                done += n;
+            }
+            data += len;
+        }
+        Ok(data)
+    }
+
+    /// An optional row's ack, after its data on its lane: its `idx` in the receiver's ack word.
+    ///
+    /// Optional rows go on one lane in row order, so the ack's high-water mark is the last row
+    /// whose data landed: what a fence's receipts tell the sender (NCCL's flags tell nothing to
+    /// the plugin). Inline where the QP takes inline data; else staged in the slot's own first
+    /// size record (an optional row has none), which stays as it is until the slot is reused,
+    /// after this write completed: a NIC that reads it late still writes this row's `idx`, not
+    /// a later row's, which would claim data that has not landed.
+    pub(super) fn ack(
+        &self,
+        chain: &mut Chain,
+        io: &mut impl Post,
+        stage: &impl Words,
+        sizes: &Remote,
+        idx: u64,
+    ) -> Result<()> {
+        let (ours, theirs) = self.members;
+        let word = self.slot * MAX_RECVS;
+        stage.store(word, idx);
+        let (remote_addr, rkey) = sizes.at(ACK_WORD, theirs);
+        let wr = SendWr {
+            wr_id: self.id,
+            signaled: true,
+            local: Some((stage.addr(word), 8, stage.lkey(ours))),
+            remote_addr,
+            rkey,
+            inline: 8 <= self.inline,
+            ..SendWr::default()
+        };
+        chain.push(io, wr)
+    }
+
+    /// The size records of a message the immediate cannot carry (several requests, or one too
+    /// large), staged by `isend`, written ahead of chunk 0's immediate.
+    pub(super) fn size_record(
+        &self,
+        chain: &mut Chain,
+        io: &mut impl Post,
+        stage: &impl Words,
+        sizes: &Remote,
+        nreqs: usize,
+    ) -> Result<()> {
+        let (ours, theirs) = self.members;
+        let len = (nreqs * 8) as u32;
+        let (remote_addr, rkey) = sizes.at(self.slot * MAX_RECVS, theirs);
+        let wr = SendWr {
+            wr_id: self.id,
+            op: Op::Write,
+            local: Some((stage.addr(self.slot * MAX_RECVS), len, stage.lkey(ours))),
+            remote_addr,
+            rkey,
+            inline: len <= self.inline,
+            ..SendWr::default()
+        };
+        chain.push(io, wr)
+    }
+
+    /// The chunk's immediate: on its last data write where that write ends a single message
+    /// (`on_data`), otherwise a 0-byte write-with-immediate of its own.
+    pub(super) fn imm(
+        &self,
+        chain: &mut Chain,
+        io: &mut impl Post,
+        imm: u32,
+        on_data: bool,
+    ) -> Result<()> {
+        match chain.last() {
+            Some(w) if on_data && w.op == Op::Write => {
+                w.op = Op::WriteImm(imm);
+                w.wr_id = self.id;
+                w.signaled = true;
+                Ok(())
+            }
+            _ => {
+                let wr = SendWr {
+                    wr_id: self.id,
+                    op: Op::WriteImm(imm),
+                    signaled: true,
+                    ..SendWr::default()
+                };
+                chain.push(io, wr)
+            }
+        }
+    }
+}
+
+// --- the sender ---------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct SendReq {
+    pub(super) state: State,
+    pub(super) size: u64,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct SendSlot {
+    /// Bitmask of the entries matched by an `isend`.
+    pub(super) matched: u8,
+    /// The sends matched so far, by entry; kept until the slot completes, so that a chunk can
+    /// be sent again.
+    pub(super) bufs: [Option<Buf>; MAX_RECVS],
+    /// The row they answer, likewise kept.
+    pub(super) row: [Cts; MAX_RECVS],
+    pub(super) nreqs: u8,
+    /// Chunks posted whose final completion has not arrived yet.
+    pub(super) pending: u128,
+    /// Chunks left empty (their lane is dead or avoided): the others share the bytes.
+    pub(super) empty: u128,
+}
+
+/// The sending end's protocol state.
+pub struct SendCore {
+    pub(super) reqs: [SendReq; SLOTS * MAX_RECVS],
+    pub(super) slots: [SendSlot; SLOTS],
+    /// Slots fully posted so far; the next slot is `head % SLOTS`.
+    pub(super) head: u64,
+    pub(super) p: Params,
+    /// Where the receiver's size records are.
+    pub(super) remote_sizes: Remote,
+    /// Per lane: its send queue, counted.
+    pub(super) sq: Vec<SqCount>,
+    /// Per slot and chunk: the lane that carries it now.
+    pub(super) chunk_lane: Vec<u8>,
+    /// The lanes whose path still answers (bit `q` for lane `q`).
+    pub(super) alive: u128,
+    /// Chunks to send again on a live lane: their lane failed before they completed, and the
+    /// receiver's receipts say it did not count them. In row order.
+    pub(super) resend: VecDeque<(usize, usize)>,
+    /// Lanes that failed and wait for their fence: their chunks in flight are held (left
+    /// pending on the lane) until the receiver says which of them it counted ([`Self::settle`]).
+    pub(super) unfenced: u128,
+    /// The fence asked and not yet answered: its request number, its lane, the lane it was
+    /// asked through, and when.
+    pub(super) fence: Option<(u16, usize, usize, Duration)>,
+    /// Where [`Self::live_lane`] looks for the next live lane.
+    pub(super) spread: usize,
+    /// The lane of the optional rows in flight, and how many there are ([`Self::ll_lane`]).
+    pub(super) ll: (usize, usize),
+    /// Per lane: its chunks in flight and measured rate.
+    pub(super) lanes: Vec<place::Lane>,
+    /// The repair of failed lanes.
+    pub(super) mend: mend::Mend,
+    /// The precise time of the last timed post or batch of completions (path-aware with
+    /// several lanes only; else never read), and the state of the lane draw.
+    pub(super) clock: Option<Duration>,
+    pub(super) draw: u64,
+    /// The last isend found no CTS for its slot: the sender waits on the receiver.
+    pub(super) wants_cts: bool,
+    /// Split mode's NIC, as placement times it.
+    pub(super) nic: place::Nic,
+    /// Posted slots whose completions have not all arrived (kept, not scanned for, because
+    /// every empty poll asks).
+    pub(super) in_flight: usize,
+    /// Where chains are built before posting.
+    pub(super) chain: Box<[SendWr; MAX_CHAIN]>,
+    pub(super) health: Health,
+    /// A send of this comm was truncated (reported once).
+    pub(super) truncated: bool,
+    /// Warnings for the log not yet taken: the first truncation, each lane that failed.
+    pub(super) warnings: VecDeque<Line>,
+    /// What was posted, for profiler events (only with [`Params::journal`]).
+    pub(super) journal: Vec<Posted>,
+}
+
+impl SendCore {
+    pub fn new(mut p: Params, remote_sizes: Remote) -> SendCore {
+        p.split = p.split && p.nqps > 1;
+        p.members.resize(p.nqps, (0, 0));
+        p.mark = p.mark.max(4096);
+        p.max_msg = p.max_msg.max(4096).min(p.mark);
+        let health = Health::new(&p);
+        SendCore {
+            reqs: [SendReq::default(); SLOTS * MAX_RECVS],
+            slots: [SendSlot::default(); SLOTS],
+            head: 0,
+            remote_sizes,
+            sq: (0..p.nqps).map(|_| SqCount::new(SEND_QUEUE)).collect(),
+            chunk_lane: vec![0; SLOTS * p.nqps],
+            alive: lanes_mask(p.nqps),
+            resend: VecDeque::new(),
+            unfenced: 0,
+            fence: None,
+            spread: 0,
+            ll: (0, 0),
+            lanes: (0..p.nqps).map(|_| place::Lane::new()).collect(),
+            mend: mend::Mend::new(p.nqps, p.repair),
+            clock: None,
+            draw: 0x9e37_79b9_7f4a_7c15,
+            wants_cts: false,
+            nic: place::Nic::default(),
+            in_flight: 0,
+            chain: Box::new([SendWr::default(); MAX_CHAIN]),
+            health,
+            truncated: false,
+            warnings: VecDeque::new(),
+            journal: Vec::new(),
+            p,
+        }
+    }
+
+    /// A line for the log: the first truncated send, each lane that failed or came back.
+    pub fn take_line(&mut self) -> Option<Line> {
+        self.warnings.pop_front()
+    }
+
+    /// What was posted since the last look (empty unless [`Params::journal`]); the caller
+    /// drains it.
+    pub fn journal(&mut self) -> &mut Vec<Posted> {
+        &mut self.journal
+    }
+
+    /// The first live lane: the one for probes and mailbox requests.
+    pub(super) fn control_lane(&self) -> usize {
+        first_live(self.alive, self.p.nqps)
+    }
+
+    /// The lane for optional rows: the one their rows in flight are on while it lives, else the
+    /// control lane. All of them ride one lane, in row order, so that the ack word's high-water
+    /// mark is the last row whose data landed (a rejoining lane 0 must not take new rows while
+    /// older ones are still in flight on another).
+    pub(super) fn ll_lane(&mut self) -> usize {
+        if self.ll.1 == 0 || self.alive & (1 << self.ll.0) == 0 {
+            self.ll.0 = self.control_lane();
+        }
+        self.ll.0
+    }
+
+    /// Lane `q` if it lives; else a live lane, taken in turn, so that the chunks of dead
+    /// lanes spread evenly over the live ones.
+    pub(super) fn live_lane(&mut self, q: usize) -> usize {
+        if self.alive & (1 << q) != 0 {
+            return q;
+        }
+        let n = self.p.nqps;
+        let next = (0..n).map(|k| (self.spread + k) % n).find(|&l| self.alive & (1 << l) != 0);
+        let l = next.unwrap_or(q);
+        self.spread = l + 1;
+        l
+    }
+
+    /// Whether placement reads the clock: path-aware, with lanes to choose from.
+    pub(super) fn places(&self) -> bool {
+        self.p.path_aware && self.p.nqps > 1
+    }
+
+    /// Whether completions about to be polled want the clock: a timed chunk is in flight.
+    pub fn needs_clock(&self) -> bool {
+        self.places() && self.lanes.iter().any(place::Lane::timing)
+    }
+
+    /// The post time of chunks about to be posted: the clock, read now, if they are `worth`
+    /// timing and placement measures; else [`place::UNTIMED`].
+    pub(super) fn timestamp(&mut self, io: &impl Post, worth: bool) -> Duration {
+        if !(worth && self.places()) {
+            return place::UNTIMED;
+        }
+        let now = io.now();
+        self.clock = Some(now);
+        now
+    }
+
+    /// The precise time at which the `completions` about to be taken in were polled.
+    pub fn stamp(&mut self, now: Duration, completions: usize) {
+        self.nic.polled(self.clock.unwrap_or(now), now, completions);
+        self.clock = Some(now);
+    }
+
+    /// The lane for a whole message of `bytes` in slot `slot`: the rotation's (or the next
+    /// live one); path-aware, the cheaper of it and a live lane drawn at random.
+    pub(super) fn whole_lane(&mut self, slot: usize, bytes: u64) -> usize {
+        let rotation = self.live_lane(slot % self.p.nqps);
+        let live = self.alive.count_ones() as u64;
+        if !self.p.path_aware || live < 2 {
+            return rotation;
+        }
+        // xorshift64: the k-th live lane other than the rotation's.
+        self.draw ^= self.draw << 13;
+        self.draw ^= self.draw >> 7;
+        self.draw ^= self.draw << 17;
+        let k = (self.draw % (live - 1)) as usize;
+        let other = (0..self.p.nqps)
+            .filter(|&q| q != rotation && self.alive & (1 << q) != 0)
+            .nth(k)
+            .unwrap_or(rotation);
+        let now = self.clock.unwrap_or_default();
+        place::choose(&self.lanes, self.alive, now, (rotation, other), bytes)
+    }
+
+    /// The lane for chunk `c` of a split message: its own, unless that lane is dead or its
+    /// chunk empty; then a lane whose chunk is not, taken in turn.
+    pub(super) fn split_lane(&mut self, slot: usize, c: usize) -> usize {
+        let (n, empty) = (self.p.nqps, self.slots[slot].empty);
+        if empty & (1 << c) == 0 {
+            return self.live_lane(c);
+        }
+        let next = (0..n).map(|k| (self.spread + k) % n).find(|&l| empty & (1 << l) == 0);
+        let l = next.unwrap_or(c);
+        self.spread = l + 1;
+        self.live_lane(l)
+    }
+
+    /// Decides which of slot `slot`'s chunks stay empty: path-aware in split mode, those of
+    /// dead and avoided lanes; else none (a dead lane's chunk rides on a live lane).
+    pub(super) fn plan(&mut self, slot: usize, optional: bool) {
+        let split = self.p.split && !optional;
+        let now = self.clock.unwrap_or_default();
+        self.slots[slot].empty = if split && self.p.path_aware {
+            place::avoided(&self.lanes, self.alive, now) & lanes_mask(self.p.nqps)
+        } else {
+            0
+        };
+    }
+
+    /// The byte range `(offset, len)` of a `size`-byte buffer that chunk `c` of slot `slot`
+    /// carries: the equal split over the chunks that are not empty.
+    pub(super) fn part(&self, slot: usize, size: u64, split: bool, c: usize) -> (u64, u64) {
+        let (n, empty) = (self.p.nqps, self.slots[slot].empty);
+        if !split || empty == 0 {
+            return lane_part(size, split, n, c);
+        }
+        if empty & (1 << c) != 0 {
+            return (0, 0);
+        }
+        let full = lanes_mask(n) & !empty;
+        let before = (full & ((1u128 << c) - 1)).count_ones() as usize;
+        lane_part(size, true, full.count_ones() as usize, before)
+    }
+
+    pub fn check(&self) -> Result<()> {
+        self.health.check()
+    }
+
+    /// What this end has sent: messages, and per QP the bytes and failed completions.
+    pub fn traffic(&self) -> &Traffic {
+        &self.health.traffic
+    }
+
+    /// Matches a send against the receiver's posted buffers in `fifo`; posts the row once it
+    /// is complete. `Ok(None)`: not yet (the receive is not posted, or this slot's previous
+    /// requests are still outstanding, or the send queue is full: poll and call again).
+    pub fn isend(
+        &mut self,
+        fifo: &impl Words,
+        stage: &impl Words,
+        io: &mut impl Post,
+        buf: Buf,
+        tag: i32,
+    ) -> Result<Option<usize>> {
+        self.check()?;
+        self.resend(stage, io)?;
+        if self.unfenced != 0 || !self.resend.is_empty() {
+            // Held and re-sent chunks go first: an optional row's data and ack must follow
+            // those of every earlier row.
+            return Ok(None);
+        }
+        let Some((slot, row, nreqs)) = self.next_row(fifo)? else {
+            return Ok(None);
+        };
+        // A fresh slot must not still hold requests NCCL has not yet seen complete.
+        let s = &self.slots[slot];
+        let range = slot * MAX_RECVS..(slot + 1) * MAX_RECVS;
+        if s.matched == 0 && self.reqs[range].iter().any(|r| r.state != State::Free) {
+            return Ok(None);
+        }
+        let Some(r) = (0..nreqs).find(|&r| s.matched & (1 << r) == 0 && row[r].tag == tag) else {
+            return Ok(None);
+        };
+        let last = s.matched.count_ones() as usize + 1 == nreqs;
+        let mut bufs = s.bufs;
+        let buf = self.fit_to(buf, tag, row[r].size);
+        bufs[r] = Some(buf);
+        let optional = nreqs == 1 && row[0].optional;
+        if last {
+            self.plan(slot, optional);
+            if !self.fits(slot, &bufs[..nreqs], optional) {
+                return Ok(None);
+            }
+        }
+        let id = slot * MAX_RECVS + r;
+        self.reqs[id] = SendReq { state: State::Pending, size: buf.size };
+        self.health.traffic.messages += 1;
+        let s = &mut self.slots[slot];
+        s.matched |= 1 << r;
+        s.bufs = bufs;
+        if last {
+            if let Err(e) = self.post(stage, io, slot, &row[..nreqs]) {
+                // Never handed out; the row's earlier requests fail with the comm.
+                self.reqs[id] = SendReq::default();
+                return Err(self.health.post_failed(e));
+            }
+            self.head += 1;
+        }
+        Ok(Some(id))
+    }
+
+    /// The row of clear-to-send entries for the next slot, once all of it has landed:
+    /// `(slot, row, nreqs)`. A row that cannot be one of a ferroce peer's fails the comm.
+    fn next_row(&mut self, fifo: &impl Words) -> Result<Option<(usize, [Cts; MAX_RECVS], usize)>> {
+        let slot = (self.head % SLOTS as u64) as usize;
+        let want = self.head + 1;
+        let first = Cts::read(fifo, slot, 0);
+        self.wants_cts = first.idx != want;
+        if self.wants_cts {
+            return Ok(None);
+        }
+        let nreqs = usize::from(first.nreqs);
+        if !(1..=MAX_RECVS).contains(&nreqs) {
+            let peer = &self.p.path.peer;
+            return Err(self.health.fail(Fault::Remote(format!(
+                "{peer} sent a CTS with {nreqs} buffers: its memory is corrupt or it is not \
+                 a ferroce peer; the connection is unusable from now on"
+            ))));
+        }
+        let mut row = [first; MAX_RECVS];
+        for (r, e) in row.iter_mut().enumerate().take(nreqs).skip(1) {
+            *e = Cts::read(fifo, slot, r);
+            if e.idx != want {
+                return Ok(None); // the rest of the row is still landing
+            }
+        }
+        Ok(Some((slot, row, nreqs)))
+    }
+
+    /// `buf`, cut to the receive's `size` if it is larger.
+    fn fit_to(&mut self, mut buf: Buf, tag: i32, size: u64) -> Buf {
+        // A send larger than its receive is cut to the receive's size, as NCCL's transport
+        // does; the first of a comm is reported (once: a mismatch repeats every step).
+        if buf.size > size {
+            if !self.truncated {
+                self.truncated = true;
+                self.warnings.push_back(Line::Warn(format!(
+                    "send of {} bytes (tag {tag}) to {} is larger than the posted receive of {} \
+                     bytes: truncated to {} bytes, as NCCL's own transport does (a size mismatch \
+                     between the ranks' calls; later truncations on this comm are not reported)",
+                    buf.size, self.p.path.peer, size, size
+                )));
+            }
+            buf.size = size;
+        }
+        buf
+    }
+
+    /// Work requests chunk `c` of slot `slot` needs for `bufs` (data pieces, then the size
+    /// record and the immediate, or the ack).
+    pub(super) fn wrs_for(&self, slot: usize, bufs: &[Option<Buf>], split: bool, c: usize) -> u64 {
+        let data: u64 = bufs
+            .iter()
+            .map(|b| {
+                let size = b.map_or(0, |b| b.size);
+                self.part(slot, size, split, c).1.div_ceil(self.p.max_msg)
+            })
+            .sum();
+        data + 2
+    }
+
+    /// Whether every chunk of the slot fits the send queue of its lane, and of every live lane
+    /// (which may carry it instead).
+    pub(super) fn fits(&self, slot: usize, bufs: &[Option<Buf>], optional: bool) -> bool {
+        let (split, n) = if optional {
+            (false, 1)
+        } else {
+            (self.p.split, lanes(self.p.split, self.p.nqps, slot).len())
+        };
+        let most = (0..n).map(|c| self.wrs_for(slot, bufs, split, c)).max().unwrap_or(0);
+        let live = (0..self.p.nqps).filter(|&q| self.alive & (1 << q) != 0);
+        // Once lanes failed a live lane may take several chunks of the slot: all of them.
+        let per_lane =
+            if self.alive.count_ones() as usize == self.p.nqps { most } else { most * n as u64 };
+        live.into_iter().all(|q| self.sq[q].fits(per_lane))
+    }
+
+    /// Posts the slot's chunks: chunk `c` of a split message (or the whole message, chunk 0)
+    /// on its lane, or on the next live one where that lane failed.
+    pub(super) fn post(
+        &mut self,
+        stage: &impl Words,
+        io: &mut impl Post,
+        slot: usize,
+        row: &[Cts],
+    ) -> Result<()> {
+        let nreqs = row.len();
+        let s = &mut self.slots[slot];
+        s.row[..nreqs].copy_from_slice(row);
+        s.nreqs = nreqs as u8;
+        s.matched = 0;
+        let bufs = s.bufs;
+        let sizes: [u64; MAX_RECVS] = std::array::from_fn(|r| bufs[r].map_or(0, |b| b.size));
+        let optional = nreqs == 1 && row[0].optional;
+        if !optional && size_in_imm(&sizes[..nreqs]).is_none() {
+            for (r, &sz) in sizes.iter().enumerate().take(nreqs) {
+                stage.store(slot * MAX_RECVS + r, sz);
+            }
+        }
+        // Only messages of `timed_from` bytes and up are timed: a clock read may cost microseconds
+        // (in a VM), which small messages would feel and their rates would not repay.
+        let at = self.timestamp(io, sizes.iter().sum::<u64>() >= self.p.timed_from);
+        let lanes = if optional { 0..1 } else { lanes(self.p.split, self.p.nqps, slot) };
+        // A split message's chunks go out starting at a different one each time: the NIC
+        // serves a post's lanes in order, and each lane should wait behind the others as
+        // often as the next, or placement would read the order as path speed.
+        let n = lanes.len();
+        for c in (0..n).map(|k| (k + slot) % n) {
+            let q = if optional {
+                self.ll_lane()
+            } else if self.p.split {
+                self.split_lane(slot, c)
+            } else {
+                self.whole_lane(slot, sizes.iter().sum())
+            };
+            self.post_chunk(stage, io, (slot, c, q), at)?;
+        }
+        self.slots[slot].pending = lanes_mask(lanes.len());
+        self.ll.1 += usize::from(optional);
+        self.in_flight += 1;
+        self.health.watchdog.posted();
+        Ok(())
+    }
+
+    /// Posts chunk `c` of the slot on lane `q`, as of `at` (for placement): the data writes of
+    /// its part, the size record (chunk 0, when needed), and its final write-with-immediate;
+    /// or, for an optional receive, the data and the ack.
+    pub(super) fn post_chunk(
+        &mut self,
+        stage: &impl Words,
+        io: &mut impl Post,
+        (slot, c, q): (usize, usize, usize),
+        at: Duration,
+    ) -> Result<()> {
+        let s = self.slots[slot];
+        let nreqs = usize::from(s.nreqs);
+        let optional = nreqs == 1 && s.row[0].optional;
+        let split = self.p.split && !optional;
+        let sizes: [u64; MAX_RECVS] = std::array::from_fn(|r| s.bufs[r].map_or(0, |b| b.size));
+        let size = if optional { None } else { size_in_imm(&sizes[..nreqs]) };
+        let parts: [(u64, u64); MAX_RECVS] = std::array::from_fn(|r| {
+            s.bufs[r].map_or((0, 0), |b| self.part(slot, b.size, split, c))
+        });
+        let life = self.health.life[q];
+        let k = ChunkWrs {
+            slot,
+            chunk: c,
+            lane: q,
+            life,
+            id: tagged(data_wr_id(WR_SEND, q, slot, c), life),
+            members: self.p.members[q],
+            inline: self.p.max_inline,
+        };
+        let mut chain = Chain::new(q, &mut self.chain, &mut self.sq[q]);
+        let mark = if optional { u64::MAX } else { self.p.mark };
+        let data = k.data(&mut chain, io, &s, &parts, (self.p.max_msg, mark))?;
+        if optional {
+            k.ack(&mut chain, io, stage, &self.remote_sizes, s.row[0].idx)?;
+        } else {
+            if size.is_none() && c == 0 {
+                k.size_record(&mut chain, io, stage, &self.remote_sizes, nreqs)?;
+            }
+            let imm = Imm { slot, chunk: c, epoch: epoch(s.row[0].idx), size }.encode();
+            k.imm(&mut chain, io, imm, size.is_some() && data > 0)?;
+        }
+        chain.flush(io)?;
+        self.chunk_posted((slot, c, q), &parts[..nreqs], (optional, size.is_some()), k.id);
+        self.lanes[q].posted(at, data);
+        let t = &mut self.health.traffic;
+        t.bytes[q] += data;
+        t.by_size[q][size_class(sizes[..nreqs].iter().sum())] += data;
+        t.chunks[q] += 1;
+        Ok(())
+    }
+
+    /// Records where chunk `c` went, and its work requests for the profiler's journal.
+    fn chunk_posted(
+        &mut self,
+        (slot, c, q): (usize, usize, usize),
+        parts: &[(u64, u64)],
+        (optional, single): (bool, bool),
+        wr_id: u64,
+    ) {
+        if self.p.journal {
+            for (r, &(_, len)) in parts.iter().enumerate() {
+                // The immediate ends a single message's data, or is all a request without
+                // bytes in this chunk gets.
+                let imm = !optional && (single || len == 0);
+                let key = slot * MAX_RECVS + r;
+                self.journal.push(Posted { key, wr_id, imm, lane: q, len });
+            }
+        }
+        self.chunk_lane[slot * self.p.nqps + c] = q as u8;
+    }
+
+    /// Takes in one completion of the comm's CQ.
+    pub fn complete(&mut self, c: &Completion) {
+        let at = self.nic.taken();
+        let lane = wr_lane(c.wr_id) % self.p.nqps;
+        if wr_life(c.wr_id) != self.health.life[lane] {
+            return; // work of an earlier life of a rebuilt lane: dropped, or sent again
+        }
+        let kind = wr_kind(c.wr_id);
+        if kind == WR_MEND {
+            return self.proven(lane, c);
+        }
+        if c.status != 0 && self.lane_failed(lane, c) {
+            return;
+        }
+        if c.status == 0 && matches!(kind, WR_SEND | WR_MARK | WR_PROBE | WR_MAIL) {
+            self.sq[lane].completed();
+        }
+        if !self.health.completion(c) {
+            return;
+        }
+        match kind {
+            WR_SEND => {}
+            WR_MARK => return self.health.watchdog.completed(false),
+            _ => return,
+        }
+        // Each chunk ends in one such completion, and a QP completes in order. In split mode a
+        // lane's time on a chunk starts no earlier than the NIC's last finished chunk of
+        // another lane: healthy lanes that the NIC serves one after the other then measure
+        // alike (timed from their posts, the last served measured half the first's rate).
+        if self.p.split {
+            self.nic.retired(&mut self.lanes[lane], at);
+        } else {
+            self.lanes[lane].retired(self.clock.unwrap_or_default(), Duration::ZERO);
+        }
+        self.chunk_done(wr_slot(c.wr_id), wr_chunk(c.wr_id));
+    }
+
+    /// Chunk `chunk` of slot `slot` is delivered: its completion arrived, or the receipts of a
+    /// fence say it landed.
+    pub(super) fn chunk_done(&mut self, slot: usize, chunk: usize) {
+        let s = &mut self.slots[slot];
+        let bit = 1u128 << chunk;
+        if s.pending & bit == 0 {
+            return; // not this slot's: nothing of it is in flight
+        }
+        s.pending &= !bit;
+        self.health.watchdog.completed(s.pending == 0);
+        if s.pending == 0 {
+            self.in_flight -= 1;
+            self.ll.1 -= usize::from(s.nreqs == 1 && s.row[0].optional);
+            s.bufs = [None; MAX_RECVS];
+            for req in &mut self.reqs[slot * MAX_RECVS..(slot + 1) * MAX_RECVS] {
+                if req.state == State::Pending {
+                    req.state = State::Done;
+                }
+            }
+        }
+    }
+
+    /// After a poll found no more completions at `now` (any monotonic clock): chunks of a
+    /// failed lane go again on live ones, failed lanes are repaired ([`mend`]), then the
+    /// watchdog, the device, and a liveness probe (on every live lane) if the sender has been
+    /// waiting quietly. `fifo` holds the receiver's answers, `stage` the sender's requests.
+    pub fn idle(
+        &mut self,
+        now: Duration,
+        elsewhere: Option<Fault>,
+        io: &mut impl Post,
+        (fifo, stage): (&impl Words, &impl Words),
+    ) -> Result<()> {
+        if self.health.fatal.is_none() {
+            self.resend(stage, io)?;
+            self.repair(now, fifo, stage, io);
+            if self.p.failover {
+                let busy = busy_lanes(self.alive, &self.sq);
+                let on_down = self.health.on_down(self.alive, &self.p.members);
+                let lanes = &self.lanes;
+                let allowance = |q: usize| lanes[q].allowance();
+                let found = self.health.stalled(now, (busy, self.alive, on_down), allowance);
+                if let Some((lane, why)) = found {
+                    io.fence(lane).map_err(|e| self.health.post_failed(e))?;
+                    self.drop_lane(lane, &why);
+                }
+            }
+        }
+        for (q, l) in self.lanes.iter().enumerate() {
+            self.health.traffic.rate[q] = l.rate;
+        }
+        // Waiting on the peer: for a CTS, for completions, or with a row half matched.
+        let half = self.slots[(self.head % SLOTS as u64) as usize].matched != 0;
+        let waiting = self.wants_cts || self.in_flight > 0 || half || self.unfenced != 0;
+        let room = (0..self.p.nqps).filter(|&q| self.alive & (1 << q) != 0 && self.sq[q].fits(0));
+        let lanes = room.fold(0u128, |m, q| m | 1 << q);
+        let (target, members) = (self.remote_sizes, &self.p.members);
+        let at = |q: usize| target.at(0, members[q].1);
+        let probed = self.health.probe(now, (waiting, self.wants_cts), io, (lanes, at))?;
+        for q in (0..self.p.nqps).filter(|&q| probed & (1 << q) != 0) {
+            self.sq[q].posted(1, true);
+        }
+        self.health.idle(now, elsewhere)
+    }
+
+    /// Whether request `id` still waits for completions (the caller polls before [`Self::test`]).
+    pub fn pending(&self, id: usize) -> bool {
+        self.reqs.get(id).is_some_and(|r| r.state == State::Pending)
+    }
+
+    /// `Some(size)` once request `id` completed (the request is then free again).
+    pub fn test(&mut self, id: usize) -> Result<Option<u64>> {
+        let req = self
+            .reqs
+            .get_mut(id)
+            .ok_or_else(|| Error::Internal(format!("bad send request {id}")))?;
+        match req.state {
+            State::Free => Err(Error::Internal(format!("test of a free send request {id}"))),
+            State::Pending => self.health.check().map(|_| None),
+            State::Done => {
+                req.state = State::Free;
+                Ok(Some(req.size))
+            }
+        }
+    }
+}
