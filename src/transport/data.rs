@@ -207,11 +207,11 @@ struct Qps<'a> {
 macro_rules! qps {
     ($comm:expr, $flush:expr) => {
         Qps {
-            qps: &mut $comm.qps,
+            qps: &mut $comm.lanes.qps,
             flush: $flush,
-            links: &$comm.links,
+            links: &$comm.lanes.links,
             net: &$comm.net,
-            ports: &$comm.ports,
+            ports: &$comm.lanes.ports,
         }
     };
 }
@@ -492,20 +492,75 @@ impl Life {
     }
 }
 
-/// Logs a line the core left.
-fn log(l: Line) {
-    match l {
-        Line::Warn(w) => log::warn!("{w}"),
-        Line::Info(i) => log::info!("{i}"),
-    }
+/// How each end names itself in its log lines, before the peer.
+const SEND: &str = "send comm to";
+const RECV: &str = "receive comm from";
+
+/// What each end of a connection drives beside its core: its queue pairs and how each was
+/// brought up, its member ports, its statistics and its profiler events.
+struct Lanes {
+    path: Path,
+    qps: Vec<Qp>,
+    links: Vec<Link>,
+    ports: Vec<Port>,
+    life: Life,
+    /// Profiler events, with a profiler (`None`: the core journals nothing).
+    events: Option<Events>,
 }
 
-/// Turns what the core journaled into profiler events (the core journals nothing without a
-/// profiler, so then this is one branch); `ports`: how many member ports the comm spans.
-fn report(events: &mut Option<Events>, journal: &mut Vec<Posted>, qps: &[Qp], ports: usize) {
-    let Some(ev) = events else { return };
-    for p in journal.drain(..) {
-        ev.posted(&p, qps.get(p.lane).map_or(0, Qp::qpn), port_of(p.lane, ports));
+impl Lanes {
+    /// The lanes of `role` (e.g. "send comm to") of `qps` over the member ports `devs` (their
+    /// CQs `cqs`), brought up as `links` say; `flush`: the receiver's flush QPs, watched with
+    /// the lanes.
+    fn new(
+        role: &str,
+        net: &Net,
+        (devs, cqs, qps): (&[usize], Vec<Arc<Cq>>, Vec<Qp>),
+        links: Vec<Link>,
+        path: Path,
+        profiler: Option<Arc<dyn Profiler>>,
+        flush: &[Flusher],
+    ) -> Lanes {
+        let name = format!("{role} {}", path.peer);
+        let ports = ports(net, (devs, cqs), &name, &qps, flush);
+        let life = Life::start(net, devs);
+        Lanes { path, qps, links, ports, life, events: profiler.map(Events::new) }
+    }
+
+    /// Logs the lines the core left.
+    fn log(&self, mut take: impl FnMut() -> Option<Line>) {
+        while let Some(l) = take() {
+            match l {
+                Line::Warn(w) => log::warn!("{w}"),
+                Line::Info(i) => log::info!("{i}"),
+            }
+        }
+    }
+
+    /// Turns what the core journaled into profiler events (the core journals nothing without
+    /// a profiler, so then this is one branch); `ports`: how many member ports the comm spans.
+    fn report(&mut self, journal: &mut Vec<Posted>, ports: usize) {
+        let Some(ev) = &mut self.events else { return };
+        for p in journal.drain(..) {
+            ev.posted(&p, self.qps.get(p.lane).map_or(0, Qp::qpn), port_of(p.lane, ports));
+        }
+    }
+
+    /// Logs the statistics line of `role` (e.g. "send comm to") when one is due.
+    fn tick(&mut self, role: &str, t: &Traffic, net: &Net, devs: &[usize]) {
+        self.life.tick(role, t, &self.path, net, devs);
+    }
+
+    /// At close: outstanding work flushes before the buffers go (a failure is logged, teardown
+    /// goes on), then the comm's statistics line.
+    fn close(&self, role: &str, flush: &[Flusher], t: &Traffic, net: &Net, devs: &[usize]) {
+        for qp in self.qps.iter().chain(flush.iter().map(|f| &f.qp)) {
+            if let Err(e) = qp.to_error() {
+                log::warn!("closing the {role} {}: {e}", self.path.peer);
+            }
+        }
+        let what = format!("{role} {} closed", self.path.peer);
+        log::info!("{}", self.life.line(&what, t, &self.path, net, devs));
     }
 }
 
@@ -560,13 +615,7 @@ pub struct SendComm {
     fifo: RegisteredBuf,
     /// Source of the size-record writes.
     sizes_stage: RegisteredBuf,
-    pub path: Path,
-    qps: Vec<Qp>,
-    links: Vec<Link>,
-    ports: Vec<Port>,
-    life: Life,
-    /// Profiler events, with a profiler (`None`: the core journals nothing).
-    events: Option<Events>,
+    lanes: Lanes,
     pub net: Arc<Net>,
     /// Its member ports (device indices): one, or a fused device's.
     pub devs: Vec<usize>,
@@ -611,18 +660,14 @@ impl SendComm {
         let ours = parts.devs.len();
         let p = params(&net, &parts.qps, (ours, theirs), (split, peer.max_msg), &path, journal);
         let core = SendCore::new(p, remote(peer.addr, &peer.rkeys));
-        let name = format!("send comm to {}", path.peer);
-        let ports = ports(&net, (&parts.devs, parts.cqs), &name, &parts.qps, &[]);
+        let links = links(SEND_CAPS, attrs, send_grant);
+        let built = (&parts.devs[..], parts.cqs, parts.qps);
+        let lanes = Lanes::new(SEND, &net, built, links, path, profiler, &[]);
         Box::new(SendComm {
             core,
             fifo: parts.fifo,
             sizes_stage: parts.sizes_stage,
-            path,
-            qps: parts.qps,
-            links: links(SEND_CAPS, attrs, send_grant),
-            ports,
-            life: Life::start(&net, &parts.devs),
-            events: profiler.map(Events::new),
+            lanes,
             net,
             devs: parts.devs,
         })
@@ -638,14 +683,12 @@ impl SendComm {
     pub fn isend(&mut self, buf: Buf, tag: i32, phandle: usize) -> Result<Option<usize>> {
         let mut io = qps!(self, &[]);
         let r = self.core.isend(&self.fifo, &self.sizes_stage, &mut io, buf, tag);
-        if let (Ok(Some(id)), Some(ev)) = (&r, &mut self.events) {
+        if let (Ok(Some(id)), Some(ev)) = (&r, &mut self.lanes.events) {
             ev.handed(*id, phandle);
         }
-        report(&mut self.events, self.core.journal(), &self.qps, self.devs.len());
+        self.lanes.report(self.core.journal(), self.devs.len());
         let r = r?;
-        while let Some(l) = self.core.take_line() {
-            log(l);
-        }
+        self.lanes.log(|| self.core.take_line());
         if r.is_none() {
             self.progress()?; // what frees a slot or the send queue is a completion
         }
@@ -654,23 +697,22 @@ impl SendComm {
 
     pub fn progress(&mut self) -> Result<()> {
         // A port that came back: its lanes are repaired now (port recovery).
-        for (m, p) in self.ports.iter_mut().enumerate() {
+        for (m, p) in self.lanes.ports.iter_mut().enumerate() {
             let up = self.net.devices[p.dev].flags.port_up.load(Ordering::Acquire);
             if up != p.seen_up {
                 p.seen_up = up;
                 self.core.port_up(m);
             }
         }
-        links_down(&self.net, &mut self.ports, |down, bits| self.core.links_down(down, bits));
+        let ports = &mut self.lanes.ports;
+        links_down(&self.net, ports, |down, bits| self.core.links_down(down, bits));
         let mut io = qps!(self, &[]);
         let mut side =
             SendDrain { core: &mut self.core, stage: &self.sizes_stage, fifo: &self.fifo };
         let r = progress(&mut side, &mut io);
-        report(&mut self.events, self.core.journal(), &self.qps, self.devs.len());
-        while let Some(l) = self.core.take_line() {
-            log(l);
-        }
-        self.life.tick("send comm to", self.core.traffic(), &self.path, &self.net, &self.devs);
+        self.lanes.report(self.core.journal(), self.devs.len());
+        self.lanes.log(|| self.core.take_line());
+        self.lanes.tick(SEND, self.core.traffic(), &self.net, &self.devs);
         r
     }
 
@@ -680,7 +722,7 @@ impl SendComm {
             self.progress()?;
         }
         let r = self.core.test(id)?;
-        if let (Some(_), Some(ev)) = (r, &mut self.events) {
+        if let (Some(_), Some(ev)) = (r, &mut self.lanes.events) {
             ev.done(id);
         }
         Ok(r)
@@ -689,15 +731,7 @@ impl SendComm {
 
 impl Drop for SendComm {
     fn drop(&mut self) {
-        // Flush outstanding work before the buffers go; a failure is logged, teardown goes on.
-        for qp in &self.qps {
-            if let Err(e) = qp.to_error() {
-                log::warn!("closing the send comm to {}: {e}", self.path.peer);
-            }
-        }
-        let what = format!("send comm to {} closed", self.path.peer);
-        let line = self.life.line(&what, self.core.traffic(), &self.path, &self.net, &self.devs);
-        log::info!("{line}");
+        self.lanes.close(SEND, &[], self.core.traffic(), &self.net, &self.devs);
     }
 }
 
@@ -723,15 +757,9 @@ pub struct RecvComm {
     cts_stage: RegisteredBuf,
     /// Written by the sender's NIC: the size records.
     sizes: RegisteredBuf,
-    pub path: Path,
     /// One per member port, or none (no device that flushes).
     flushers: Vec<Flusher>,
-    qps: Vec<Qp>,
-    links: Vec<Link>,
-    ports: Vec<Port>,
-    life: Life,
-    /// Profiler events, with a profiler (`None`: the core journals nothing).
-    events: Option<Events>,
+    lanes: Lanes,
     pub net: Arc<Net>,
     /// Its member ports (device indices): one, or a fused device's.
     pub devs: Vec<usize>,
@@ -785,19 +813,15 @@ impl RecvComm {
         let ours = parts.devs.len();
         let p = params(&net, &parts.qps, (ours, theirs), (split, 0), &path, journal);
         let core = RecvCore::new(p, remote(peer.addr, &peer.rkeys));
-        let name = format!("receive comm from {}", path.peer);
-        let ports = ports(&net, (&parts.devs, parts.cqs), &name, &parts.qps, &flushers);
+        let links = links(recv_caps(nqps), attrs, |q| recv_grant(q, nqps));
+        let built = (&parts.devs[..], parts.cqs, parts.qps);
+        let lanes = Lanes::new(RECV, &net, built, links, path, profiler, &flushers);
         Box::new(RecvComm {
             core,
             cts_stage: parts.cts_stage,
             sizes: parts.sizes,
-            path,
             flushers,
-            qps: parts.qps,
-            links: links(recv_caps(nqps), attrs, |q| recv_grant(q, nqps)),
-            ports,
-            life: Life::start(&net, &parts.devs),
-            events: profiler.map(Events::new),
+            lanes,
             net,
             devs: parts.devs,
         })
@@ -827,12 +851,12 @@ impl RecvComm {
         }
         let mut io = qps!(self, &[]);
         let r = self.core.irecv(&self.cts_stage, &self.sizes, &mut io, bufs, optional);
-        if let (Ok(Some(slot)), Some(ev)) = (&r, &mut self.events) {
+        if let (Ok(Some(slot)), Some(ev)) = (&r, &mut self.lanes.events) {
             for i in 0..MAX_RECVS {
                 ev.handed(slot * MAX_RECVS + i, phandles.get(i).copied().unwrap_or(0));
             }
         }
-        report(&mut self.events, self.core.journal(), &self.qps, self.devs.len());
+        self.lanes.report(self.core.journal(), self.devs.len());
         let r = r?;
         if r.is_none() && !polled {
             self.progress()?;
@@ -870,17 +894,15 @@ impl RecvComm {
     }
 
     pub fn progress(&mut self) -> Result<()> {
-        links_down(&self.net, &mut self.ports, |down, bits| self.core.links_down(down, bits));
+        let ports = &mut self.lanes.ports;
+        links_down(&self.net, ports, |down, bits| self.core.links_down(down, bits));
         let mut side =
             RecvDrain { core: &mut self.core, stage: &self.cts_stage, sizes: &self.sizes };
         let mut io = qps!(self, &self.flushers);
         let r = progress(&mut side, &mut io);
-        report(&mut self.events, self.core.journal(), &self.qps, self.devs.len());
-        while let Some(l) = self.core.take_line() {
-            log(l);
-        }
-        let t = self.core.traffic();
-        self.life.tick("receive comm from", t, &self.path, &self.net, &self.devs);
+        self.lanes.report(self.core.journal(), self.devs.len());
+        self.lanes.log(|| self.core.take_line());
+        self.lanes.tick(RECV, self.core.traffic(), &self.net, &self.devs);
         r
     }
 
@@ -891,7 +913,7 @@ impl RecvComm {
             self.progress()?;
         }
         let r = self.core.test(id, sizes)?;
-        if let (Some(_), Some(ev)) = (r, &mut self.events)
+        if let (Some(_), Some(ev)) = (r, &mut self.lanes.events)
             && id < FLUSH_BASE
         {
             for i in 0..MAX_RECVS {
@@ -904,15 +926,8 @@ impl RecvComm {
 
 impl Drop for RecvComm {
     fn drop(&mut self) {
-        let flush_qps = self.flushers.iter().map(|f| &f.qp);
-        for qp in self.qps.iter().chain(flush_qps) {
-            if let Err(e) = qp.to_error() {
-                log::warn!("closing the receive comm from {}: {e}", self.path.peer);
-            }
-        }
-        let what = format!("receive comm from {} closed", self.path.peer);
-        let line = self.life.line(&what, self.core.traffic(), &self.path, &self.net, &self.devs);
-        log::info!("{line}");
+        let (t, net, devs) = (self.core.traffic(), &self.net, &self.devs);
+        self.lanes.close(RECV, &self.flushers, t, net, devs);
     }
 }
 
