@@ -171,6 +171,8 @@ impl Default for Config {
 struct Reader<F: Fn(&str) -> Option<String>> {
     get: F,
     effective: Vec<(&'static str, String)>,
+    /// Values replaced by what ferroce uses instead, in words, for one WARN each.
+    warnings: Vec<String>,
 }
 
 impl<F: Fn(&str) -> Option<String>> Reader<F> {
@@ -226,6 +228,195 @@ impl<F: Fn(&str) -> Option<String>> Reader<F> {
     fn tc(&mut self, knob: &'static str) -> Result<Option<u8>> {
         Ok(u8::try_from(self.int(knob, -1i32, -1..=255)?).ok())
     }
+
+    /// `NCCL_IB_HCA`: which devices and ports.
+    fn hca(&mut self) -> Result<HcaFilter> {
+        let ib_hca = match self.raw("NCCL_IB_HCA") {
+            None => HcaFilter::default(),
+            Some(v) => HcaFilter::parse(&v).map_err(|e| Error::config("NCCL_IB_HCA", &v, e.0))?,
+        };
+        self.record(
+            "NCCL_IB_HCA",
+            if ib_hca.is_empty() { "(all devices)".into() } else { ib_hca.raw.clone() },
+        );
+        Ok(ib_hca)
+    }
+
+    /// `FERROCE_GID_INDEX`: a GID index per device, as `device:index`.
+    fn gid_index_per_dev(&mut self) -> Result<Vec<(String, u8)>> {
+        let mut gid_index_per_dev = Vec::new();
+        for item in self.list("FERROCE_GID_INDEX") {
+            let bad =
+                || Error::config("FERROCE_GID_INDEX", &item, "expected device:index, e.g. rxe0:1");
+            let (dev, idx) = item.split_once(':').ok_or_else(bad)?;
+            let idx = parse_int(idx.trim()).ok().and_then(|i| u8::try_from(i).ok());
+            gid_index_per_dev.push((dev.trim().to_string(), idx.ok_or_else(bad)?));
+        }
+        Ok(gid_index_per_dev)
+    }
+
+    /// `FERROCE_GID_IP`: the addresses whose GIDs to prefer.
+    fn gid_ips(&mut self) -> Result<Vec<IpAddr>> {
+        let ips = self.list("FERROCE_GID_IP");
+        let ip = |s: &String| {
+            parse_ip(s).ok_or_else(|| Error::config("FERROCE_GID_IP", s, "not an IP address"))
+        };
+        ips.iter().map(ip).collect()
+    }
+
+    /// `NCCL_IB_ADDR_FAMILY`.
+    fn addr_family(&mut self) -> Family {
+        // NCCL treats any value but AF_INET6 as AF_INET; ferroce says so.
+        let family_raw = self.raw("NCCL_IB_ADDR_FAMILY");
+        let addr_family = match family_raw.as_deref() {
+            None | Some("AF_INET") => Family::V4,
+            Some("AF_INET6") => Family::V6,
+            Some(other) => {
+                self.warnings.push(format!(
+                    "NCCL_IB_ADDR_FAMILY={other} is neither AF_INET nor AF_INET6; using AF_INET"
+                ));
+                Family::V4
+            }
+        };
+        self.record(
+            "NCCL_IB_ADDR_FAMILY",
+            if addr_family == Family::V6 { "AF_INET6" } else { "AF_INET" },
+        );
+        addr_family
+    }
+
+    /// `NCCL_IB_ADDR_RANGE`: a CIDR the GID's address must lie in.
+    fn addr_range(&mut self) -> Result<Option<Cidr>> {
+        let range_raw = self.raw("NCCL_IB_ADDR_RANGE");
+        self.record("NCCL_IB_ADDR_RANGE", range_raw.clone().unwrap_or("(any)".into()));
+        let addr_range = match range_raw {
+            None => None,
+            Some(v) => Some(parse_cidr(&v).ok_or_else(|| {
+                Error::config(
+                    "NCCL_IB_ADDR_RANGE",
+                    &v,
+                    "expected address/prefix-length, e.g. 10.0.0.0/8",
+                )
+            })?),
+        };
+        Ok(addr_range)
+    }
+
+    /// The ACK timeout, the retry counts and the progress deadline, kept bounded unless
+    /// `FERROCE_ALLOW_UNBOUNDED` asks otherwise: `(ib_timeout, ib_retry_cnt, rnr_retry,
+    /// progress_timeout)`.
+    fn timeouts(&mut self) -> Result<(u8, u8, u8, Duration)> {
+        // Timeouts: parse, then keep them bounded unless asked not to.
+        let allow = self.int("FERROCE_ALLOW_UNBOUNDED", 0u8, 0..=1)? == 1;
+        let mut ib_timeout = self.int("NCCL_IB_TIMEOUT", 20u8, 0..=255)?;
+        if ib_timeout >= 32 || (ib_timeout == 0 && !allow) {
+            self.warnings.push(format!(
+                "NCCL_IB_TIMEOUT={ib_timeout} {}; using 20 (4.3 s per attempt){}",
+                if ib_timeout == 0 {
+                    "disables the ACK timeout (a dead peer hangs the job)"
+                } else {
+                    "does not fit the 5-bit field"
+                },
+                if ib_timeout == 0 { "; FERROCE_ALLOW_UNBOUNDED=1 keeps 0" } else { "" }
+            ));
+            ib_timeout = 20;
+        }
+        let ib_retry_cnt = self.int("NCCL_IB_RETRY_CNT", 7u8, 0..=7)?;
+        let mut rnr_retry = self.int("FERROCE_RNR_RETRY", 6u8, 0..=7)?;
+        if rnr_retry == 7 && !allow {
+            self.warnings.push(
+                "FERROCE_RNR_RETRY=7 retries forever; using 6 (FERROCE_ALLOW_UNBOUNDED=1 keeps 7)"
+                    .into(),
+            );
+            rnr_retry = 6;
+        }
+        let progress_ms = self.int("FERROCE_PROGRESS_TIMEOUT_MS", 0u64, 0..=86_400_000)?;
+        let bound = retry_bound(ib_timeout, ib_retry_cnt);
+        let progress_timeout = match progress_ms {
+            // NCCL_IB_TIMEOUT=0 kept on purpose disables the ACK timeout: the derived deadline
+            // would be 10 s, far tighter than what was asked for, so there is none.
+            0 if ib_timeout == 0 => Duration::MAX,
+            0 => bound * 2 + Duration::from_secs(10),
+            ms => {
+                let t = Duration::from_millis(ms);
+                if t < bound && ib_timeout != 0 {
+                    self.warnings.push(format!(
+                        "FERROCE_PROGRESS_TIMEOUT_MS={ms} is below the retry bound of {} ms \
+                         (NCCL_IB_TIMEOUT {ib_timeout}, NCCL_IB_RETRY_CNT {ib_retry_cnt}): a \
+                         path that only needs its retries is declared dead early",
+                        bound.as_millis()
+                    ));
+                }
+                t
+            }
+        };
+        Ok((ib_timeout, ib_retry_cnt, rnr_retry, progress_timeout))
+    }
+
+    /// `FERROCE_LANE_STALL_MS`, with its floor from the ACK timeout `ib_timeout`.
+    fn lane_stall(&mut self, ib_timeout: u8) -> Result<Option<Duration>> {
+        let stall_ms = self.int("FERROCE_LANE_STALL_MS", 250u64, 0..=3_600_000)?;
+        // A lost packet costs the lane one ACK timeout, and losses come in runs. Where up to
+        // four of them fit in about a second (NCCL_IB_TIMEOUT 17 or less, a lossy fabric's
+        // tuning), the floor covers as many as fit, so resends are not taken for a dead path;
+        // where an attempt is longer, a loss would stall the lane longer than a dead path may,
+        // and fencing it (then repairing it) is the cheaper of the two.
+        let attempt = retry_bound(ib_timeout, 0);
+        let fits = [4, 3, 2].map(|k| attempt * k);
+        let cover = fits.into_iter().find(|c| *c <= Duration::from_millis(1100));
+        let cover = cover.unwrap_or(Duration::ZERO);
+        let lane_stall = (stall_ms > 0).then(|| Duration::from_millis(stall_ms).max(cover));
+        Ok(lane_stall)
+    }
+
+    /// Lane repair: `(attempts, delay, ack timeout)`; no attempt without `failover`.
+    fn repair(&mut self, failover: bool) -> Result<(u32, Duration, Duration)> {
+        let recovery = self.int("NCCL_IB_RESILIENCY_PORT_RECOVERY", 1u8, 0..=1)? == 1;
+        let repair_attempts =
+            self.int("NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", 5u32, 0..=100)?;
+        // No failover, nothing to repair; no recovery, no attempt.
+        let repair_attempts = if failover && recovery { repair_attempts } else { 0 };
+        let repair_delay = Duration::from_millis(self.int(
+            "NCCL_IB_RESILIENCY_PORT_RECOVERY_START_DELAY",
+            200u64,
+            1..=3_600_000,
+        )?);
+        let repair_timeout = Duration::from_millis(self.int(
+            "NCCL_IB_RESILIENCY_PORT_RECOVERY_ACK_TIMEOUT",
+            5000u64,
+            10..=3_600_000,
+        )?);
+        Ok((repair_attempts, repair_delay, repair_timeout))
+    }
+
+    /// The UDP source ports of the lanes: `(base, range)`.
+    fn sports(&mut self) -> Result<(u16, u16)> {
+        let sport_base = self.int("FERROCE_SPORT_BASE", 0xc000u16, 0xc000..=0xffff)?;
+        // By default the range runs from the base to the top of the port space.
+        let top = (0x1_0000 - u32::from(sport_base)) as u16;
+        let sport_range = self.int("FERROCE_SPORT_RANGE", top, 1..=0x4000)?;
+        if u32::from(sport_base) + u32::from(sport_range) > 0x1_0000 {
+            return Err(Error::config(
+                "FERROCE_SPORT_RANGE",
+                &sport_range.to_string(),
+                format!("FERROCE_SPORT_BASE {sport_base} + range must stay within 65535"),
+            ));
+        }
+        Ok((sport_base, sport_range))
+    }
+
+    /// `NCCL_SOCKET_IFNAME`.
+    fn socket_ifname(&mut self) -> Result<Option<HcaFilter>> {
+        let socket_ifname = match self.raw("NCCL_SOCKET_IFNAME") {
+            None => None,
+            Some(v) => Some(parse_ifname(&v)?),
+        };
+        self.record(
+            "NCCL_SOCKET_IFNAME",
+            socket_ifname.as_ref().map_or("(the GID's interface)".into(), |f| f.raw.clone()),
+        );
+        Ok(socket_ifname)
+    }
 }
 
 impl Config {
@@ -246,111 +437,24 @@ impl Config {
     }
 
     /// Reads knobs through `get`, so tests need not touch the process environment.
+    ///
+    /// Long on purpose: one line per knob, in the order of [`KNOBS`], then the struct they fill;
+    /// what takes more than a line is a method of the reader.
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config> {
-        let mut r = Reader { get, effective: Vec::new() };
-        let mut warnings = Vec::new();
+        let mut r = Reader { get, effective: Vec::new(), warnings: Vec::new() };
 
-        let ib_hca = match r.raw("NCCL_IB_HCA") {
-            None => HcaFilter::default(),
-            Some(v) => HcaFilter::parse(&v).map_err(|e| Error::config("NCCL_IB_HCA", &v, e.0))?,
-        };
-        r.record(
-            "NCCL_IB_HCA",
-            if ib_hca.is_empty() { "(all devices)".into() } else { ib_hca.raw.clone() },
-        );
+        let ib_hca = r.hca()?;
         let merge_vfs = r.int("NCCL_IB_MERGE_VFS", 1u8, 0..=1)? == 1;
         let merge_nics = r.int("NCCL_IB_MERGE_NICS", 1u8, 0..=1)? == 1;
         let gid_index = u8::try_from(r.int("NCCL_IB_GID_INDEX", -1i32, -1..=255)?).ok();
-        let mut gid_index_per_dev = Vec::new();
-        for item in r.list("FERROCE_GID_INDEX") {
-            let bad =
-                || Error::config("FERROCE_GID_INDEX", &item, "expected device:index, e.g. rxe0:1");
-            let (dev, idx) = item.split_once(':').ok_or_else(bad)?;
-            let idx = parse_int(idx.trim()).ok().and_then(|i| u8::try_from(i).ok());
-            gid_index_per_dev.push((dev.trim().to_string(), idx.ok_or_else(bad)?));
-        }
+        let gid_index_per_dev = r.gid_index_per_dev()?;
         let gid_netdevs = r.list("FERROCE_GID_NETDEV");
-        let gid_ips = r
-            .list("FERROCE_GID_IP")
-            .iter()
-            .map(|s| {
-                parse_ip(s).ok_or_else(|| Error::config("FERROCE_GID_IP", s, "not an IP address"))
-            })
-            .collect::<Result<Vec<IpAddr>>>()?;
-        // NCCL treats any value but AF_INET6 as AF_INET; ferroce says so.
-        let family_raw = r.raw("NCCL_IB_ADDR_FAMILY");
-        let addr_family = match family_raw.as_deref() {
-            None | Some("AF_INET") => Family::V4,
-            Some("AF_INET6") => Family::V6,
-            Some(other) => {
-                warnings.push(format!(
-                    "NCCL_IB_ADDR_FAMILY={other} is neither AF_INET nor AF_INET6; using AF_INET"
-                ));
-                Family::V4
-            }
-        };
-        r.record(
-            "NCCL_IB_ADDR_FAMILY",
-            if addr_family == Family::V6 { "AF_INET6" } else { "AF_INET" },
-        );
-        let range_raw = r.raw("NCCL_IB_ADDR_RANGE");
-        r.record("NCCL_IB_ADDR_RANGE", range_raw.clone().unwrap_or("(any)".into()));
-        let addr_range = match range_raw {
-            None => None,
-            Some(v) => Some(parse_cidr(&v).ok_or_else(|| {
-                Error::config(
-                    "NCCL_IB_ADDR_RANGE",
-                    &v,
-                    "expected address/prefix-length, e.g. 10.0.0.0/8",
-                )
-            })?),
-        };
+        let gid_ips = r.gid_ips()?;
+        let addr_family = r.addr_family();
+        let addr_range = r.addr_range()?;
         let roce_version = r.int("NCCL_IB_ROCE_VERSION_NUM", 2u8, 1..=2)?;
 
-        // Timeouts: parse, then keep them bounded unless asked not to.
-        let allow = r.int("FERROCE_ALLOW_UNBOUNDED", 0u8, 0..=1)? == 1;
-        let mut ib_timeout = r.int("NCCL_IB_TIMEOUT", 20u8, 0..=255)?;
-        if ib_timeout >= 32 || (ib_timeout == 0 && !allow) {
-            warnings.push(format!(
-                "NCCL_IB_TIMEOUT={ib_timeout} {}; using 20 (4.3 s per attempt){}",
-                if ib_timeout == 0 {
-                    "disables the ACK timeout (a dead peer hangs the job)"
-                } else {
-                    "does not fit the 5-bit field"
-                },
-                if ib_timeout == 0 { "; FERROCE_ALLOW_UNBOUNDED=1 keeps 0" } else { "" }
-            ));
-            ib_timeout = 20;
-        }
-        let ib_retry_cnt = r.int("NCCL_IB_RETRY_CNT", 7u8, 0..=7)?;
-        let mut rnr_retry = r.int("FERROCE_RNR_RETRY", 6u8, 0..=7)?;
-        if rnr_retry == 7 && !allow {
-            warnings.push(
-                "FERROCE_RNR_RETRY=7 retries forever; using 6 (FERROCE_ALLOW_UNBOUNDED=1 keeps 7)"
-                    .into(),
-            );
-            rnr_retry = 6;
-        }
-        let progress_ms = r.int("FERROCE_PROGRESS_TIMEOUT_MS", 0u64, 0..=86_400_000)?;
-        let bound = retry_bound(ib_timeout, ib_retry_cnt);
-        let progress_timeout = match progress_ms {
-            // NCCL_IB_TIMEOUT=0 kept on purpose disables the ACK timeout: the derived deadline
-            // would be 10 s, far tighter than what was asked for, so there is none.
-            0 if ib_timeout == 0 => Duration::MAX,
-            0 => bound * 2 + Duration::from_secs(10),
-            ms => {
-                let t = Duration::from_millis(ms);
-                if t < bound && ib_timeout != 0 {
-                    warnings.push(format!(
-                        "FERROCE_PROGRESS_TIMEOUT_MS={ms} is below the retry bound of {} ms \
-                         (NCCL_IB_TIMEOUT {ib_timeout}, NCCL_IB_RETRY_CNT {ib_retry_cnt}): a \
-                         path that only needs its retries is declared dead early",
-                        bound.as_millis()
-                    ));
-                }
-                t
-            }
-        };
+        let (ib_timeout, ib_retry_cnt, rnr_retry, progress_timeout) = r.timeouts()?;
         let probe_interval =
             Duration::from_millis(r.int("FERROCE_PROBE_INTERVAL_MS", 5000u64, 10..=86_400_000)?);
 
@@ -360,55 +464,14 @@ impl Config {
         let split_data = r.int("NCCL_IB_SPLIT_DATA_ON_QPS", 0u8, 0..=1)? == 1;
         let path_aware = r.int("FERROCE_PATH_AWARE", 1u8, 0..=1)? == 1;
         let failover = r.int("NCCL_IB_RESILIENCY_PORT_FAILOVER", 1u8, 0..=1)? == 1;
-        let stall_ms = r.int("FERROCE_LANE_STALL_MS", 250u64, 0..=3_600_000)?;
-        // A lost packet costs the lane one ACK timeout, and losses come in runs. Where up to
-        // four of them fit in about a second (NCCL_IB_TIMEOUT 17 or less, a lossy fabric's
-        // tuning), the floor covers as many as fit, so resends are not taken for a dead path;
-        // where an attempt is longer, a loss would stall the lane longer than a dead path may,
-        // and fencing it (then repairing it) is the cheaper of the two.
-        let attempt = retry_bound(ib_timeout, 0);
-        let fits = [4, 3, 2].map(|k| attempt * k);
-        let cover = fits.into_iter().find(|c| *c <= Duration::from_millis(1100));
-        let cover = cover.unwrap_or(Duration::ZERO);
-        let lane_stall = (stall_ms > 0).then(|| Duration::from_millis(stall_ms).max(cover));
-        let recovery = r.int("NCCL_IB_RESILIENCY_PORT_RECOVERY", 1u8, 0..=1)? == 1;
-        let repair_attempts =
-            r.int("NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", 5u32, 0..=100)?;
-        // No failover, nothing to repair; no recovery, no attempt.
-        let repair_attempts = if failover && recovery { repair_attempts } else { 0 };
-        let repair_delay = Duration::from_millis(r.int(
-            "NCCL_IB_RESILIENCY_PORT_RECOVERY_START_DELAY",
-            200u64,
-            1..=3_600_000,
-        )?);
-        let repair_timeout = Duration::from_millis(r.int(
-            "NCCL_IB_RESILIENCY_PORT_RECOVERY_ACK_TIMEOUT",
-            5000u64,
-            10..=3_600_000,
-        )?);
-        let sport_base = r.int("FERROCE_SPORT_BASE", 0xc000u16, 0xc000..=0xffff)?;
-        // By default the range runs from the base to the top of the port space.
-        let top = (0x1_0000 - u32::from(sport_base)) as u16;
-        let sport_range = r.int("FERROCE_SPORT_RANGE", top, 1..=0x4000)?;
-        if u32::from(sport_base) + u32::from(sport_range) > 0x1_0000 {
-            return Err(Error::config(
-                "FERROCE_SPORT_RANGE",
-                &sport_range.to_string(),
-                format!("FERROCE_SPORT_BASE {sport_base} + range must stay within 65535"),
-            ));
-        }
+        let lane_stall = r.lane_stall(ib_timeout)?;
+        let (repair_attempts, repair_delay, repair_timeout) = r.repair(failover)?;
+        let (sport_base, sport_range) = r.sports()?;
         let sport_spread = r.int("FERROCE_SPORT_SPREAD", 1u8, 0..=1)? == 1;
         let tc = r.tc("NCCL_IB_TC")?;
         let fifo_tc = r.tc("NCCL_IB_FIFO_TC")?;
         let sl = u8::try_from(r.int("NCCL_IB_SL", -1i32, -1..=15)?).ok();
-        let socket_ifname = match r.raw("NCCL_SOCKET_IFNAME") {
-            None => None,
-            Some(v) => Some(parse_ifname(&v)?),
-        };
-        r.record(
-            "NCCL_SOCKET_IFNAME",
-            socket_ifname.as_ref().map_or("(the GID's interface)".into(), |f| f.raw.clone()),
-        );
+        let socket_ifname = r.socket_ifname()?;
         let setup_timeout =
             Duration::from_millis(r.int("FERROCE_SETUP_TIMEOUT_MS", 120_000u64, 1..=86_400_000)?);
         let force_flush = r.int("FERROCE_FORCE_FLUSH", 0u8, 0..=1)? == 1;
@@ -417,7 +480,7 @@ impl Config {
         let gdr_flush_disable = r.int("NCCL_GDR_FLUSH_DISABLE", 0u8, 0..=1)? == 1;
         let relaxed_ordering = r.int("NCCL_IB_PCI_RELAXED_ORDERING", 2u8, 0..=2)?;
 
-        let mut effective = r.effective;
+        let mut effective = std::mem::take(&mut r.effective);
         effective.sort_by_key(|(k, _)| KNOBS.iter().position(|d| d.name == *k));
         Ok(Config {
             ib_hca,
@@ -458,7 +521,7 @@ impl Config {
             gdr_flush_disable,
             relaxed_ordering,
             effective,
-            warnings,
+            warnings: r.warnings,
         })
     }
 
