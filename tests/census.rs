@@ -55,10 +55,10 @@ use std::time::{Duration, Instant};
 
 use common::{RdmaCounts, fds_threads, open_plugin, rdma_counts, require_vm, rss_bytes, settle};
 use ferroce_core::setup::wire::{Handle, Kind as MsgKind, MAX_QPS, MSG_LEN, Msg};
-use ferroce_tools::Rng;
 use ferroce_tools::driver::{Close, Driver, Ptr};
 use ferroce_tools::handle::{from_hex, to_hex};
 use ferroce_tools::proc::Proc;
+use ferroce_tools::rng::Rng;
 use ferroce_tools::wait::until;
 
 const SETUP_TIMEOUT_MS: &str = "10000";

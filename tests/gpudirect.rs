@@ -27,9 +27,9 @@ use std::process::Command;
 
 use common::{open_plugin, pair, require_vm};
 use ferroce::ffi::abi::{NCCL_PTR_CUDA, NCCL_PTR_DMABUF, NCCL_PTR_HOST};
-use ferroce_tools::Rng;
 use ferroce_tools::driver::{Close, Driver, Ptr};
 use ferroce_tools::loader::take_captured;
+use ferroce_tools::rng::Rng;
 
 const CUDA: c_int = NCCL_PTR_CUDA as c_int;
 const HOST: c_int = NCCL_PTR_HOST as c_int;

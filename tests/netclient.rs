@@ -20,11 +20,11 @@ use std::collections::VecDeque;
 use std::ffi::c_int;
 use std::time::{Duration, Instant};
 
-use ferroce_tools::Rng;
 use ferroce_tools::driver::{Close, Driver, Ptr};
 use ferroce_tools::handle::{from_hex, to_hex};
 use ferroce_tools::loader::{ECHO, Library};
 use ferroce_tools::proc::Proc;
+use ferroce_tools::rng::Rng;
 
 const WINDOW: usize = 32;
 const AREA: usize = 512 << 10; // per in-flight group: 8 buffers x 64 KiB, or one of 256 KiB

@@ -45,11 +45,11 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::{Duration, Instant};
 
-use ferroce_tools::Rng;
 use ferroce_tools::driver::{Close, Driver, Ptr};
 use ferroce_tools::handle::{from_hex, to_hex};
 use ferroce_tools::loader::ECHO;
 use ferroce_tools::proc::{Proc, lines_of};
+use ferroce_tools::rng::Rng;
 
 /// Multi-receives in flight (the plugin allows 32).
 const WINDOW: usize = 16;

@@ -26,9 +26,10 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::TryRecvError;
 use std::time::{Duration, Instant};
 
+use ferroce_tools::buffer::HostBuf;
 use ferroce_tools::driver::{Close, Driver, Ptr};
 use ferroce_tools::handle::{from_hex, to_hex};
-use ferroce_tools::loader::{ECHO, Library, flush_log};
+use ferroce_tools::loader::{ECHO, Library, default_plugin, flush_log};
 use ferroce_tools::out::Table;
 use ferroce_tools::proc::Proc;
 use ferroce_tools::wait::Stall;
@@ -187,7 +188,7 @@ impl Args {
     }
 
     fn plugin(&self) -> String {
-        self.plugin.clone().unwrap_or_else(crate::default_plugin)
+        self.plugin.clone().unwrap_or_else(default_plugin)
     }
 }
 
@@ -589,8 +590,6 @@ struct Run<'p> {
     free: Vec<usize>,
 }
 
-/// The working buffer and the staging slots, registered with every channel's comms; every
-/// registration made is undone when this drops, also after a failure half-way.
 impl Run<'_> {
     fn send_done(&self) -> usize {
         self.sent - self.sends.len()
@@ -601,10 +600,14 @@ impl Run<'_> {
     }
 }
 
+/// The working buffer and the staging slots, registered with every channel's comms; every
+/// registration made is undone when this drops, also after a failure half-way.
 struct Buffers<'d, 'a> {
     drv: &'d Driver<'a>,
-    data: Vec<f32>,
-    staging: Vec<Vec<f32>>,
+    /// The working buffer, `count` floats.
+    data: HostBuf,
+    /// Per channel: [`STEPS`] slots of [`SLICE`] bytes that reduce receives land in.
+    staging: Vec<HostBuf>,
     /// Per channel: the data buffer's handle with the send and the receive comm, and each
     /// staging slot's with the receive comm.
     mhs: Vec<(Ptr, Ptr, Vec<Ptr>)>,
@@ -616,18 +619,17 @@ impl<'d, 'a> Buffers<'d, 'a> {
     fn new(drv: &'d Driver<'a>, chans: &[Channel], count: usize) -> Result<Self, String> {
         let mut b = Buffers {
             drv,
-            data: vec![0f32; count],
-            staging: (0..chans.len()).map(|_| vec![0f32; STEPS * SLICE / 4]).collect(),
+            data: HostBuf::new(count * 4),
+            staging: (0..chans.len()).map(|_| HostBuf::new(STEPS * SLICE)).collect(),
             mhs: Vec::new(),
             regs: Vec::new(),
         };
         for (ch, c) in chans.iter().enumerate() {
-            let (ptr, len) = (b.data.as_mut_ptr().cast::<u8>(), b.data.len() * 4);
-            let st = b.staging[ch].as_mut_ptr().cast::<u8>();
+            let (ptr, len) = (b.data.ptr(), b.data.len());
             let smh = b.reg(c.send, ptr, len)?;
             let rmh = b.reg(c.recv, ptr, len)?;
             let slots = (0..STEPS)
-                .map(|s| b.reg(c.recv, st.wrapping_add(s * SLICE), SLICE))
+                .map(|s| b.reg(c.recv, b.staging[ch].at(s * SLICE), SLICE))
                 .collect::<Result<Vec<_>, _>>()?;
             b.mhs.push((smh, rmh, slots));
         }
@@ -753,7 +755,7 @@ fn one_size(
     let fill = |d: &mut [f32]| {
         d.iter_mut().enumerate().for_each(|(i, x)| *x = input(coll, count, n, rank, i))
     };
-    fill(&mut b.data[..count]);
+    fill(&mut b.data.floats_mut()[..count]);
     for _ in 0..o.warmup {
         once(drv, chans, &plans, b)?;
     }
@@ -765,10 +767,11 @@ fn one_size(
     if o.check == 0 {
         return Ok((us, 0));
     }
-    fill(&mut b.data[..count]);
+    fill(&mut b.data.floats_mut()[..count]);
     once(drv, chans, &plans, b)?;
+    let got = b.data.floats_mut();
     let wrong = (0..count)
-        .filter(|&i| expected(coll, count, n, rank, i).is_some_and(|e| b.data[i] != e))
+        .filter(|&i| expected(coll, count, n, rank, i).is_some_and(|e| got[i] != e))
         .count();
     Ok((us, wrong))
 }
@@ -834,8 +837,6 @@ impl Run<'_> {
         ch: usize,
         b: &mut Buffers,
     ) -> Result<bool, String> {
-        let data = b.data.as_mut_ptr();
-        let stage = b.staging[ch].as_mut_ptr();
         let (rmh, slots) = (b.mhs[ch].1, &b.mhs[ch].2);
         let p = self.plan;
         let fail = |e: String| format!("channel {ch}: receiving from {}: {e}", c.prev);
@@ -844,12 +845,12 @@ impl Run<'_> {
             let (s, reduce) = p.recvs[self.posted];
             let (ptr, mh, slot) = if reduce {
                 let Some(&slot) = self.free.last() else { break };
-                (stage.wrapping_add(slot * SLICE / 4).cast::<u8>(), slots[slot], slot)
+                (b.staging[ch].at(slot * SLICE), slots[slot], slot)
             } else {
                 // In place. An earlier step's send of this range may not have reported its
                 // completion yet, but its data has left: what lands here was reduced from it
                 // by the ranks after us.
-                (data.wrapping_add(s.off).cast::<u8>(), rmh, usize::MAX)
+                (b.data.at(s.off * 4), rmh, usize::MAX)
             };
             let Some(q) =
                 drv.irecv(c.recv, &[ptr], &[s.len * 4], &[0], &[mh], false).map_err(fail)?
@@ -870,15 +871,12 @@ impl Run<'_> {
                 return Err(fail(format!("received {} bytes, expected {}", got[0], s.len * 4)));
             }
             if reduce {
-                // SAFETY: the slot holds the completed receive of `s.len` floats and the
-                // range of `data` lies inside the buffer. No request uses either: a slot is
-                // reused only after this, and this range of `data` is sent on only by a
-                // later step, whose send waits for this receive.
-                unsafe {
-                    let src = std::slice::from_raw_parts(stage.add(slot * SLICE / 4), s.len);
-                    let dst = std::slice::from_raw_parts_mut(data.add(s.off), s.len);
-                    dst.iter_mut().zip(src).for_each(|(d, x)| *d += x);
-                }
+                // The slot holds the completed receive of `s.len` floats. No request uses it or
+                // this range of the data: a slot is reused only after this, and this range is
+                // sent on only by a later step, whose send waits for this receive.
+                let src = &b.staging[ch].floats_mut()[slot * SLICE / 4..][..s.len];
+                let dst = &mut b.data.floats_mut()[s.off..][..s.len];
+                dst.iter_mut().zip(src).for_each(|(d, x)| *d += x);
                 self.free.push(slot);
             }
             self.recvs.pop_front();
@@ -889,14 +887,7 @@ impl Run<'_> {
 
     /// Posts sends in order, up to [`STEPS`] in flight, each once the slice it forwards is
     /// here, and completes the finished ones. True if anything moved.
-    fn send(
-        &mut self,
-        drv: &Driver,
-        c: &Channel,
-        ch: usize,
-        b: &mut Buffers,
-    ) -> Result<bool, String> {
-        let data = b.data.as_mut_ptr();
+    fn send(&mut self, drv: &Driver, c: &Channel, ch: usize, b: &Buffers) -> Result<bool, String> {
         let smh = b.mhs[ch].0;
         let p = self.plan;
         let fail = |e: String| format!("channel {ch}: sending to {}: {e}", c.next);
@@ -906,7 +897,7 @@ impl Run<'_> {
             if dep.is_some_and(|d| d >= self.recv_done()) {
                 break;
             }
-            let ptr = data.wrapping_add(s.off).cast::<u8>();
+            let ptr = b.data.at(s.off * 4);
             let Some(q) = drv.isend(c.send, ptr, s.len * 4, 0, smh).map_err(fail)? else { break };
             self.sends.push_back(q);
             self.sent += 1;
