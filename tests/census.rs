@@ -129,11 +129,7 @@ struct Census<'a> {
 }
 
 fn fill(seed: usize, buf: &mut [u8]) {
-    let mut x = Rng(0x00dd_ba11 ^ ((seed as u64) << 16) | 1);
-    for chunk in buf.chunks_mut(8) {
-        let w = x.next().to_le_bytes();
-        chunk.copy_from_slice(&w[..chunk.len()]);
-    }
+    Rng(0x00dd_ba11 ^ ((seed as u64) << 16) | 1).fill(buf);
 }
 
 /// Whether the other end closed `s` (EOF or reset), looking without blocking.
