@@ -55,10 +55,10 @@ use std::time::{Duration, Instant};
 
 use common::{RdmaCounts, fds_threads, open_plugin, rdma_counts, require_vm, rss_bytes, settle};
 use ferroce_core::setup::wire::{Handle, Kind as MsgKind, MAX_QPS, MSG_LEN, Msg};
-use ferroce_tools::Rng;
 use ferroce_tools::driver::{Close, Driver, Ptr};
 use ferroce_tools::handle::{from_hex, to_hex};
 use ferroce_tools::proc::Proc;
+use ferroce_tools::rng::Rng;
 use ferroce_tools::wait::until;
 
 const SETUP_TIMEOUT_MS: &str = "10000";
@@ -129,11 +129,7 @@ struct Census<'a> {
 }
 
 fn fill(seed: usize, buf: &mut [u8]) {
-    let mut x = Rng(0x00dd_ba11 ^ ((seed as u64) << 16) | 1);
-    for chunk in buf.chunks_mut(8) {
-        let w = x.next().to_le_bytes();
-        chunk.copy_from_slice(&w[..chunk.len()]);
-    }
+    Rng(0x00dd_ba11 ^ ((seed as u64) << 16) | 1).fill(buf);
 }
 
 /// Whether the other end closed `s` (EOF or reset), looking without blocking.

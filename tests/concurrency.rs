@@ -31,10 +31,10 @@ use std::time::{Duration, Instant};
 use common::{
     RdmaCounts, Shared, fds_threads, open_plugin, rdma_counts, rdma_resources, require_vm, settle,
 };
-use ferroce_tools::Rng;
 use ferroce_tools::driver::{Close, Driver, Ptr};
 use ferroce_tools::handle::{from_hex, to_hex};
 use ferroce_tools::proc::Proc;
+use ferroce_tools::rng::Rng;
 
 const THREADS: usize = 4;
 const COMMS: usize = 4; // per data thread
@@ -103,11 +103,7 @@ fn capacity_of(k: usize, m: usize) -> usize {
 
 /// The byte pattern of message `m` of comm `k`.
 fn fill(k: usize, m: usize, buf: &mut [u8]) {
-    let mut x = Rng(0xc0ff_ee00 ^ ((k as u64) << 40) ^ ((m as u64) << 8) | 1);
-    for chunk in buf.chunks_mut(8) {
-        let w = x.next().to_le_bytes();
-        chunk.copy_from_slice(&w[..chunk.len()]);
-    }
+    Rng(0xc0ff_ee00 ^ ((k as u64) << 40) ^ ((m as u64) << 8) | 1).fill(buf);
 }
 
 fn tag_of(m: usize) -> c_int {

@@ -48,8 +48,8 @@ use common::{open_plugin, require_vm};
 use ferroce::ffi::abi::ncclResult_t;
 use ferroce::transport::setup::{HELLO_TIMEOUT, MAX_PENDING, REJECT_WARNS};
 use ferroce_core::setup::wire::{Handle, Kind, MAGIC, MAX_QPS, MSG_LEN, Msg};
-use ferroce_tools::Rng;
 use ferroce_tools::driver::{Close, Driver, Ptr};
+use ferroce_tools::rng::Rng;
 
 /// Streams per CI run, as the issue asks: about 5 minutes of the TCG VM (355 streams/s measured
 /// alone on the 2-core host; 90 with three other VMs beside it).

@@ -27,9 +27,9 @@ use std::process::Command;
 
 use common::{open_plugin, pair, require_vm};
 use ferroce::ffi::abi::{NCCL_PTR_CUDA, NCCL_PTR_DMABUF, NCCL_PTR_HOST};
-use ferroce_tools::Rng;
 use ferroce_tools::driver::{Close, Driver, Ptr};
 use ferroce_tools::loader::take_captured;
+use ferroce_tools::rng::{Rng, mix};
 
 const CUDA: c_int = NCCL_PTR_CUDA as c_int;
 const HOST: c_int = NCCL_PTR_HOST as c_int;
@@ -298,14 +298,9 @@ fn rdma_mrs() -> Result<u64, String> {
     Ok(total)
 }
 
+/// The bytes of buffer `r` of group `g`.
 fn pattern(g: usize, r: usize, buf: &mut [u8]) {
-    let mut x = (g as u32).wrapping_mul(2_654_435_761) ^ (r as u32).wrapping_mul(40503) | 1;
-    for b in buf {
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        *b = x as u8;
-    }
+    Rng(mix((g as u64) << 32 | r as u64)).fill(buf);
 }
 
 /// One group: a (multi-)receive of `(offset, size)` buffers, all inside one half of the arena.

@@ -28,8 +28,8 @@ use std::time::{Duration, Instant};
 
 use common::{fds_threads, open_plugin, rdma_resources, require_vm, settle};
 use ferroce_tools::driver::{Close, Driver, Ptr};
-use ferroce_tools::handle::{from_hex, to_hex};
 use ferroce_tools::proc::{Proc, lines_of};
+use ferroce_tools::rank::one_comm;
 
 const SIZE: usize = 1 << 20;
 const BIG: usize = 8 << 20;
@@ -74,16 +74,11 @@ fn role(sender: bool, handle: Option<&String>) -> Result<(), String> {
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12)?;
     let ctx = drv.init(7)?;
-    let comm = if sender {
-        let mut h = from_hex(handle.ok_or("send needs the receiver's handle")?)?;
-        common::until("connect", || drv.connect(ctx, 0, &mut h))?
-    } else {
-        let (h, listen) = drv.listen(ctx, 1)?;
-        say(format!("HANDLE {}", to_hex(&h)))?;
-        let c = common::until("accept", || drv.accept(listen))?;
-        drv.close(Close::Listen, listen)?;
-        c
-    };
+    if sender && handle.is_none() {
+        return Err("send needs the receiver's handle".into());
+    }
+    let (dev, peer) = if sender { (0, handle.map(String::as_str)) } else { (1, None) };
+    let comm = one_comm(&drv, ctx, dev, peer, Duration::from_secs(30))?;
     let mut buf = vec![0u8; 4 * BIG];
     let mh = drv.reg_mr(comm, buf.as_mut_ptr(), buf.len())?;
     say("READY".into())?;
@@ -240,8 +235,8 @@ impl Side for Proc {
 /// A connected receiver and sender, both ready.
 fn pair() -> Result<(Proc, Proc), String> {
     let recv = start("recv", None)?;
-    let handle = recv.expect("HANDLE", Duration::from_secs(60))?;
-    let send = start("send", handle.split_whitespace().nth(1))?;
+    let handle = recv.handle(Duration::from_secs(60))?;
+    let send = start("send", Some(&handle))?;
     recv.expect("READY", Duration::from_secs(60))?;
     send.expect("READY", Duration::from_secs(60))?;
     Ok((recv, send))

@@ -20,11 +20,11 @@ use std::collections::VecDeque;
 use std::ffi::c_int;
 use std::time::{Duration, Instant};
 
-use ferroce_tools::Rng;
 use ferroce_tools::driver::{Close, Driver, Ptr};
-use ferroce_tools::handle::{from_hex, to_hex};
 use ferroce_tools::loader::{ECHO, Library};
 use ferroce_tools::proc::Proc;
+use ferroce_tools::rank::one_comm;
+use ferroce_tools::rng::Rng;
 
 const WINDOW: usize = 32;
 const AREA: usize = 512 << 10; // per in-flight group: 8 buffers x 64 KiB, or one of 256 KiB
@@ -113,11 +113,7 @@ fn schedule() -> Vec<Group> {
 
 /// The byte pattern of buffer `r` of group `g`.
 fn pattern(g: usize, r: usize, buf: &mut [u8]) {
-    let mut x = Rng(0x1234_5678 ^ ((g as u64) << 8) ^ r as u64 | 1);
-    for chunk in buf.chunks_mut(8) {
-        let w = x.next().to_le_bytes();
-        chunk.copy_from_slice(&w[..chunk.len()]);
-    }
+    Rng(0x1234_5678 ^ ((g as u64) << 8) ^ r as u64 | 1).fill(buf);
 }
 
 // --- the two roles --------------------------------------------------------------------------------
@@ -144,18 +140,8 @@ fn role(sender: bool, args: &[String]) -> Result<(), String> {
     let lib = Library::open(&arg(args, "--plugin")?)?;
     let drv = Driver::new(&lib, version)?;
     let ctx = drv.init(version as u64)?;
-    let comm = if sender {
-        let mut handle = from_hex(&arg(args, "--handle")?)?;
-        until("connect", || drv.connect(ctx, dev, &mut handle))?
-    } else {
-        let (handle, listen) = drv.listen(ctx, dev)?;
-        println!("HANDLE {}", to_hex(&handle));
-        use std::io::Write;
-        std::io::stdout().flush().map_err(|e| e.to_string())?;
-        let c = until("accept", || drv.accept(listen))?;
-        drv.close(Close::Listen, listen)?;
-        c
-    };
+    let peer = if sender { Some(arg(args, "--handle")?) } else { None };
+    let comm = one_comm(&drv, ctx, dev, peer.as_deref(), STEP)?;
     let mut arena = vec![0u8; ARENA + 4096];
     let base = arena.as_mut_ptr();
     let mh = drv.reg_mr(comm, base, arena.len())?;
@@ -343,9 +329,9 @@ fn run_pair(
         rc.env("FERROCE_FORCE_FLUSH", "1");
     }
     let mut recv = Proc::spawn("receiver", rc)?;
-    let line = recv.expect("HANDLE ", Duration::from_secs(60))?;
+    let handle = recv.handle(Duration::from_secs(60))?;
     let mut sc = role("send", send_dev);
-    sc.args(["--handle", &line["HANDLE ".len()..]]);
+    sc.args(["--handle", &handle]);
     let mut send = Proc::spawn("sender", sc)?;
     let left = || deadline.saturating_duration_since(Instant::now());
     let r1 = send.exits_ok(left());

@@ -193,47 +193,44 @@ fn four_threads_each_with_its_own_pairs_post_then_send() {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn a_sender_spinning_while_the_receiver_sleeps_gets_every_row() {
-    require_vm();
-    let _g = serial();
-    let lib = open_plugin();
-    let drv = Driver::new(&lib, 12).unwrap();
-    let ctx = drv.init(1).unwrap();
-    let (send, recv) = pair(&drv, ctx, 1, 0).unwrap();
-    let mut rbufs = Bufs::new(&drv, recv, N, |_, _| 0);
-    let mut sbufs = Bufs::new(&drv, send, N, |k, i| byte(k, i, 7));
-    let rreqs = post(&drv, recv, &mut rbufs, N).unwrap();
-    let done = AtomicBool::new(false);
-    // The plugin's handles are raw pointers: they cross to the sending thread as addresses.
-    let send_addr = send as usize;
-    let bufs: Vec<(usize, usize)> =
-        (0..N).map(|k| (sbufs.data[k].as_mut_ptr() as usize, sbufs.mhs[k] as usize)).collect();
-    let sent: Result<Vec<usize>, String> = std::thread::scope(|s| {
-        let sender = s.spawn(|| {
-            let lib = open_plugin();
-            let drv = Driver::new(&lib, 12)?;
-            let r: Result<Vec<usize>, String> = (bufs.iter().enumerate())
-                .map(|(k, &(p, mh))| {
-                    let what = format!("isend {k} while the receiver sleeps");
-                    let isend = || drv.isend(send_addr as Ptr, p as *mut u8, SIZE, 0, mh as Ptr);
-                    spin(&what, isend).map(|r| r as usize)
-                })
-                .collect();
-            done.store(true, Ordering::Release);
-            r
+    in_vm(1, &[], |drv, ctx| {
+        let (send, recv) = pair(drv, ctx, 1, 0).unwrap();
+        let mut rbufs = Bufs::new(drv, recv, N, |_, _| 0);
+        let mut sbufs = Bufs::new(drv, send, N, |k, i| byte(k, i, 7));
+        let rreqs = post(drv, recv, &mut rbufs, N).unwrap();
+        let done = AtomicBool::new(false);
+        // The plugin's handles are raw pointers: they cross to the sending thread as addresses.
+        let send_addr = send as usize;
+        let bufs: Vec<(usize, usize)> =
+            (0..N).map(|k| (sbufs.data[k].as_mut_ptr() as usize, sbufs.mhs[k] as usize)).collect();
+        let sent: Result<Vec<usize>, String> = std::thread::scope(|s| {
+            let sender = s.spawn(|| {
+                let lib = open_plugin();
+                let drv = Driver::new(&lib, 12)?;
+                let r: Result<Vec<usize>, String> = (bufs.iter().enumerate())
+                    .map(|(k, &(p, mh))| {
+                        let what = format!("isend {k} while the receiver sleeps");
+                        let isend =
+                            || drv.isend(send_addr as Ptr, p as *mut u8, SIZE, 0, mh as Ptr);
+                        spin(&what, isend).map(|r| r as usize)
+                    })
+                    .collect();
+                done.store(true, Ordering::Release);
+                r
+            });
+            // The receiving "rank" sleeps: no call on its comm until the sender is done.
+            let t = Instant::now();
+            while !done.load(Ordering::Acquire) && t.elapsed() < Duration::from_secs(60) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            sender.join().unwrap_or_else(|_| Err("the sending thread panicked".into()))
         });
-        // The receiving "rank" sleeps: no call on its comm until the sender is done.
-        let t = Instant::now();
-        while !done.load(Ordering::Acquire) && t.elapsed() < Duration::from_secs(60) {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        sender.join().unwrap_or_else(|_| Err("the sending thread panicked".into()))
+        let sreqs: Vec<Ptr> = sent.unwrap().into_iter().map(|p| p as Ptr).collect();
+        finish(drv, &sreqs).unwrap();
+        finish(drv, &rreqs).unwrap();
+        assert!((0..N).all(|k| rbufs.data[k] == sbufs.data[k]), "data corrupted");
+        close_pair(drv, (send, sbufs), (recv, rbufs)).unwrap();
     });
-    let sreqs: Vec<Ptr> = sent.unwrap().into_iter().map(|p| p as Ptr).collect();
-    finish(&drv, &sreqs).unwrap();
-    finish(&drv, &rreqs).unwrap();
-    assert!((0..N).all(|k| rbufs.data[k] == sbufs.data[k]), "data corrupted");
-    close_pair(&drv, (send, sbufs), (recv, rbufs)).unwrap();
-    drv.finalize(ctx).unwrap();
 }
 
 /// The latency pattern, one message at a time: post one receive, then spin on `isend` with no

@@ -1065,8 +1065,7 @@ fn a_deleted_peer_device_fails_the_sender_within_the_progress_deadline() {
     let mut to_peer = peer.stdin.take().unwrap();
     let mut lines = std::io::BufReader::new(peer.stdout.take().unwrap()).lines();
     let first = lines.next().unwrap().unwrap();
-    let hex = first.strip_prefix("HANDLE ").unwrap().split(' ').next().unwrap();
-    let mut handle = ferroce_tools::handle::from_hex(hex).unwrap();
+    let mut handle = ferroce_tools::rank::handle_in(&first).unwrap();
     // Like a sender on another host, this process must not hold rxe1 open (deleting a device
     // waits for every process using it): NCCL_IB_HCA keeps ferroce from opening it at all.
     set_env(&[("NCCL_IB_HCA", Some("=rxe0"))]);

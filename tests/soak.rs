@@ -45,11 +45,11 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::{Duration, Instant};
 
-use ferroce_tools::Rng;
 use ferroce_tools::driver::{Close, Driver, Ptr};
-use ferroce_tools::handle::{from_hex, to_hex};
 use ferroce_tools::loader::ECHO;
 use ferroce_tools::proc::{Proc, lines_of};
+use ferroce_tools::rank::one_comm;
+use ferroce_tools::rng::{Rng, mix};
 
 /// Multi-receives in flight (the plugin allows 32).
 const WINDOW: usize = 16;
@@ -112,14 +112,6 @@ fn num(args: &[String], name: &str) -> Result<Option<u64>, String> {
 
 // --- the schedule ------------------------------------------------------------------------------
 
-/// SplitMix64: spreads nearby seeds apart before they feed the xorshift generator.
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    (z ^ (z >> 31)) | 1
-}
-
 /// One buffer of a multi-receive: its tag, the size sent, the size posted.
 #[derive(Clone, Copy, Debug)]
 struct Item {
@@ -159,11 +151,7 @@ fn group(seed: u64, g: u64, max_size: usize) -> (Vec<Item>, Vec<usize>) {
 
 /// The content of the buffer with `tag` in group `g`.
 fn pattern(seed: u64, g: u64, tag: c_int, buf: &mut [u8]) {
-    let mut x = Rng(mix(seed ^ mix(g ^ (u64::from(tag as u32) << 32))));
-    for chunk in buf.chunks_mut(8) {
-        let w = x.next().to_le_bytes();
-        chunk.copy_from_slice(&w[..chunk.len()]);
-    }
+    Rng(mix(seed ^ mix(g ^ (u64::from(tag as u32) << 32)))).fill(buf);
 }
 
 // --- one side (a child process) ----------------------------------------------------------------
@@ -231,16 +219,10 @@ fn role(sender: bool, args: &[String]) -> Result<(), String> {
     let lib = common::open_plugin();
     let drv = Driver::new(&lib, 12)?;
     let ctx = drv.init(9)?;
-    let comm = if sender {
-        let mut h = from_hex(&arg(args, "--handle")?.ok_or("send needs --handle")?)?;
-        common::until("connect", || drv.connect(ctx, 0, &mut h))?
-    } else {
-        let (h, listen) = drv.listen(ctx, 1)?;
-        say(format!("HANDLE {}", to_hex(&h)))?;
-        let c = common::until("accept", || drv.accept(listen))?;
-        drv.close(Close::Listen, listen)?;
-        c
-    };
+    let peer =
+        if sender { Some(arg(args, "--handle")?.ok_or("send needs --handle")?) } else { None };
+    let dev = if sender { 0 } else { 1 };
+    let comm = one_comm(&drv, ctx, dev, peer.as_deref(), Duration::from_secs(30))?;
     let mut arena = vec![POISON; WINDOW * AREA];
     let mh = drv.reg_mr(comm, arena.as_mut_ptr(), arena.len())?;
     say("READY".into())?;
@@ -730,8 +712,8 @@ fn run_phase(
 ) -> Result<(Totals, f64), String> {
     netem.clear();
     let mut recv = start("recv", seed, split, max_size, None)?;
-    let handle = recv.expect("HANDLE", Duration::from_secs(60))?;
-    let mut send = start("send", seed, split, max_size, handle.split_whitespace().nth(1))?;
+    let handle = recv.handle(Duration::from_secs(60))?;
+    let mut send = start("send", seed, split, max_size, Some(&handle))?;
     recv.expect("READY", Duration::from_secs(60))?;
     send.expect("READY", Duration::from_secs(60))?;
     netem.apply(spec)?;

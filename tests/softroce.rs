@@ -332,12 +332,6 @@ fn no_active_port_fails_init_with_the_port_states() {
     finalize(net, ctx);
 }
 
-/// Sets the setup deadline for this process (tests hold the SERIAL lock).
-fn short_setup_timeout() {
-    // SAFETY: tests that change the environment hold the SERIAL lock.
-    unsafe { std::env::set_var("FERROCE_SETUP_TIMEOUT_MS", "1500") };
-}
-
 fn hello(nonce: u64) -> Msg {
     Msg {
         kind: Kind::Hello,
@@ -429,70 +423,62 @@ fn garbage_and_silent_peers_are_dropped_and_the_rightful_peer_is_served() {
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn a_peer_that_dies_after_its_hello_fails_accept_naming_peer_and_step() {
     use std::io::Write;
-    require_vm();
-    let _g = serial();
-    short_setup_timeout();
-    let lib = open_plugin();
-    let drv = Driver::new(&lib, 12).unwrap();
-    let ctx = drv.init(1).unwrap();
-    let (handle, listen) = drv.listen(ctx, 1).unwrap();
-    let h = Handle::decode(&handle).unwrap();
-    let mut s = Some(std::net::TcpStream::connect(h.addr).unwrap());
-    let me = s.as_ref().unwrap().local_addr().unwrap();
-    s.as_mut().unwrap().write_all(&hello(h.nonce).encode()).unwrap();
-    let t = Instant::now();
-    let err = loop {
-        match drv.accept(listen) {
-            Ok(None) => {}
-            Ok(Some(_)) => panic!("accepted a dead peer"),
-            Err(e) => break e,
-        }
-        if t.elapsed() > Duration::from_millis(300) {
-            drop(s.take()); // the peer dies after its hello was answered
-        }
-        assert!(t.elapsed() < Duration::from_secs(10), "accept did not fail in time");
-    };
-    assert!(err.contains("ncclResult 6"), "{err}");
-    let warns: Vec<String> = warnings();
-    let w =
-        warns.iter().find(|w| w.contains("accept from")).unwrap_or_else(|| panic!("{warns:#?}"));
-    assert!(w.contains(&me.to_string()) && w.contains("wait for ready"), "{w}");
-    drv.close(Close::Listen, listen).unwrap();
-    drv.finalize(ctx).unwrap();
+    in_vm(1, &[("FERROCE_SETUP_TIMEOUT_MS", Some("1500"))], |drv, ctx| {
+        let (handle, listen) = drv.listen(ctx, 1).unwrap();
+        let h = Handle::decode(&handle).unwrap();
+        let mut s = Some(std::net::TcpStream::connect(h.addr).unwrap());
+        let me = s.as_ref().unwrap().local_addr().unwrap();
+        s.as_mut().unwrap().write_all(&hello(h.nonce).encode()).unwrap();
+        let t = Instant::now();
+        let err = loop {
+            match drv.accept(listen) {
+                Ok(None) => {}
+                Ok(Some(_)) => panic!("accepted a dead peer"),
+                Err(e) => break e,
+            }
+            if t.elapsed() > Duration::from_millis(300) {
+                drop(s.take()); // the peer dies after its hello was answered
+            }
+            assert!(t.elapsed() < Duration::from_secs(10), "accept did not fail in time");
+        };
+        assert!(err.contains("ncclResult 6"), "{err}");
+        let warns: Vec<String> = warnings();
+        let w = warns
+            .iter()
+            .find(|w| w.contains("accept from"))
+            .unwrap_or_else(|| panic!("{warns:#?}"));
+        assert!(w.contains(&me.to_string()) && w.contains("wait for ready"), "{w}");
+        drv.close(Close::Listen, listen).unwrap();
+    });
 }
 
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn a_silent_listener_fails_connect_within_the_deadline() {
-    require_vm();
-    let _g = serial();
-    short_setup_timeout();
-    let lib = open_plugin();
-    let drv = Driver::new(&lib, 12).unwrap();
-    let ctx = drv.init(1).unwrap();
-    let silent = std::net::TcpListener::bind("198.18.0.2:0").unwrap();
-    let mut handle = [0u8; 128];
-    Handle { addr: silent.local_addr().unwrap(), nonce: 5, members: 1 }.encode(&mut handle);
-    let t = Instant::now();
-    let err = loop {
-        match drv.connect(ctx, 0, &mut handle) {
-            Ok(None) => {}
-            Ok(Some(_)) => panic!("connected to a silent listener"),
-            Err(e) => break e,
-        }
-        assert!(t.elapsed() < Duration::from_secs(20), "connect did not fail in time");
-    };
-    let took = t.elapsed();
-    // Not before the setup deadline (a busy machine only makes it later).
-    assert!(took >= Duration::from_millis(1400), "{took:?}");
-    assert!(err.contains("ncclResult 6"), "{err}");
-    let warns: Vec<String> = warnings();
-    let want = format!("connect to {}: wait for reply", silent.local_addr().unwrap());
-    assert!(
-        warns.iter().any(|w| w.contains(&want) && w.contains("FERROCE_SETUP_TIMEOUT_MS")),
-        "{warns:#?}"
-    );
-    drv.finalize(ctx).unwrap();
+    in_vm(1, &[("FERROCE_SETUP_TIMEOUT_MS", Some("1500"))], |drv, ctx| {
+        let silent = std::net::TcpListener::bind("198.18.0.2:0").unwrap();
+        let mut handle = [0u8; 128];
+        Handle { addr: silent.local_addr().unwrap(), nonce: 5, members: 1 }.encode(&mut handle);
+        let t = Instant::now();
+        let err = loop {
+            match drv.connect(ctx, 0, &mut handle) {
+                Ok(None) => {}
+                Ok(Some(_)) => panic!("connected to a silent listener"),
+                Err(e) => break e,
+            }
+            assert!(t.elapsed() < Duration::from_secs(20), "connect did not fail in time");
+        };
+        let took = t.elapsed();
+        // Not before the setup deadline (a busy machine only makes it later).
+        assert!(took >= Duration::from_millis(1400), "{took:?}");
+        assert!(err.contains("ncclResult 6"), "{err}");
+        let warns: Vec<String> = warnings();
+        let want = format!("connect to {}: wait for reply", silent.local_addr().unwrap());
+        assert!(
+            warns.iter().any(|w| w.contains(&want) && w.contains("FERROCE_SETUP_TIMEOUT_MS")),
+            "{warns:#?}"
+        );
+    });
 }
 
 /// A send larger than its receive is truncated to the receive's size, as NCCL's transport and
@@ -501,41 +487,39 @@ fn a_silent_listener_fails_connect_within_the_deadline() {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn a_send_larger_than_the_posted_receive_is_truncated() {
-    require_vm();
-    let _g = serial();
-    let lib = open_plugin();
-    let drv = Driver::new(&lib, 12).unwrap();
-    let ctx = drv.init(1).unwrap();
-    let (send, recv) = pair(&drv, ctx, 1, 0).unwrap();
-    let mut src: Vec<u8> = (0..8192).map(|i| (i % 251) as u8 + 1).collect();
-    let mut dst = vec![0u8; 8192];
-    let smh = drv.reg_mr(send, src.as_mut_ptr(), src.len()).unwrap();
-    let rmh = drv.reg_mr(recv, dst.as_mut_ptr(), dst.len()).unwrap();
-    take_captured();
-    let t = Instant::now();
-    for (posted, sent) in [(100, 200), (1000, 8192), (4096, 4096)] {
-        let d = dst.as_mut_ptr();
-        let rreq =
-            until("irecv", || drv.irecv(recv, &[d], &[posted], &[0], &[rmh], false)).unwrap();
-        let sreq = until("isend", || drv.isend(send, src.as_mut_ptr(), sent, 0, smh)).unwrap();
-        let ss = until("test send", || drv.test(sreq)).unwrap();
-        let rs = until("test recv", || drv.test(rreq)).unwrap();
-        assert_eq!((ss[0], rs[0]), (posted as i32, posted as i32), "{sent} into {posted}");
-        assert_eq!(dst[..posted], src[..posted], "{sent} into {posted}: the bytes");
-        assert!(dst[posted..].iter().all(|&b| b == 0), "{sent} into {posted}: written past it");
-        dst.fill(0);
-    }
-    assert!(t.elapsed() < Duration::from_secs(10), "truncation took {:?}", t.elapsed());
-    let warns: Vec<String> = warnings();
-    assert!(
-        warns.len() == 1 && warns[0].contains("200 bytes") && warns[0].contains("receive of 100"),
-        "one WARN per comm, naming both sizes: {warns:#?}"
-    );
-    drv.dereg_mr(send, smh).unwrap();
-    drv.dereg_mr(recv, rmh).unwrap();
-    drv.close(Close::Send, send).unwrap();
-    drv.close(Close::Recv, recv).unwrap();
-    drv.finalize(ctx).unwrap();
+    in_vm(1, &[], |drv, ctx| {
+        let (send, recv) = pair(drv, ctx, 1, 0).unwrap();
+        let mut src: Vec<u8> = (0..8192).map(|i| (i % 251) as u8 + 1).collect();
+        let mut dst = vec![0u8; 8192];
+        let smh = drv.reg_mr(send, src.as_mut_ptr(), src.len()).unwrap();
+        let rmh = drv.reg_mr(recv, dst.as_mut_ptr(), dst.len()).unwrap();
+        take_captured();
+        let t = Instant::now();
+        for (posted, sent) in [(100, 200), (1000, 8192), (4096, 4096)] {
+            let d = dst.as_mut_ptr();
+            let rreq =
+                until("irecv", || drv.irecv(recv, &[d], &[posted], &[0], &[rmh], false)).unwrap();
+            let sreq = until("isend", || drv.isend(send, src.as_mut_ptr(), sent, 0, smh)).unwrap();
+            let ss = until("test send", || drv.test(sreq)).unwrap();
+            let rs = until("test recv", || drv.test(rreq)).unwrap();
+            assert_eq!((ss[0], rs[0]), (posted as i32, posted as i32), "{sent} into {posted}");
+            assert_eq!(dst[..posted], src[..posted], "{sent} into {posted}: the bytes");
+            assert!(dst[posted..].iter().all(|&b| b == 0), "{sent} into {posted}: written past it");
+            dst.fill(0);
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "truncation took {:?}", t.elapsed());
+        let warns: Vec<String> = warnings();
+        assert!(
+            warns.len() == 1
+                && warns[0].contains("200 bytes")
+                && warns[0].contains("receive of 100"),
+            "one WARN per comm, naming both sizes: {warns:#?}"
+        );
+        drv.dereg_mr(send, smh).unwrap();
+        drv.dereg_mr(recv, rmh).unwrap();
+        drv.close(Close::Send, send).unwrap();
+        drv.close(Close::Recv, recv).unwrap();
+    });
 }
 
 /// QP, CQ and MR counts of rxe0 and rxe1 from `rdma resource show`.

@@ -89,15 +89,33 @@ pub fn open_plugin() -> Library {
 
 use std::time::Duration;
 
+use ferroce_tools::buffer::HostBuf;
 use ferroce_tools::driver::{Close, Driver, Ptr};
 
 /// Connects a send comm on `sdev` to a receive comm on `rdev`, driving both ends from this
-/// thread (connect and accept never block).
+/// thread, within 30 s.
 pub fn pair(drv: &Driver, ctx: Ptr, rdev: i32, sdev: i32) -> Result<(Ptr, Ptr), String> {
-    let (mut handle, listen) = drv.listen(ctx, rdev)?;
-    let comms = drv.connect_both(ctx, sdev, &mut handle, listen, Duration::from_secs(30))?;
-    drv.close(Close::Listen, listen)?;
-    Ok(comms)
+    ferroce_tools::rank::pair(drv, ctx, rdev, sdev, Duration::from_secs(30))
+}
+
+/// Closes the two comms of a [`pair`].
+pub fn close_both(drv: &Driver, send: Ptr, recv: Ptr) -> Result<(), String> {
+    drv.close(Close::Send, send)?;
+    drv.close(Close::Recv, recv)
+}
+
+/// The frame of an in-process VM test: it must run in the VM and holds the SERIAL lock; `env`
+/// is set, then the plugin is opened and initialised at v12 with `comm_id`; `body` runs with
+/// the driver and the context, which is finalized after.
+pub fn in_vm(comm_id: u64, env: &[(&str, Option<&str>)], body: impl FnOnce(&Driver, Ptr)) {
+    require_vm();
+    let _g = serial();
+    set_env(env);
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12).unwrap();
+    let ctx = drv.init(comm_id).unwrap();
+    body(&drv, ctx);
+    drv.finalize(ctx).unwrap();
 }
 
 /// The WARN lines the plugin logged since the last look (the capture is emptied).
@@ -127,14 +145,11 @@ pub fn require_vm() {
 
 /// Sends `size` bytes over a connected pair and checks they arrive intact.
 pub fn transfer(drv: &Driver, send: Ptr, recv: Ptr, size: usize, seed: u8) -> Result<(), String> {
-    let mut src: Vec<u8> =
-        (0..size).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
-    let mut dst = vec![0u8; size.max(1)];
-    let smh = drv.reg_mr(send, src.as_mut_ptr(), size.max(1))?;
-    let rmh = drv.reg_mr(recv, dst.as_mut_ptr(), size.max(1))?;
-    let rreq =
-        until("irecv", || drv.irecv(recv, &[dst.as_mut_ptr()], &[size], &[0], &[rmh], false))?;
-    let sreq = until("isend", || drv.isend(send, src.as_mut_ptr(), size, 0, smh))?;
+    let (src, dst) = (HostBuf::patterned(size, seed), HostBuf::new(size));
+    let smh = drv.reg_mr(send, src.ptr(), size.max(1))?;
+    let rmh = drv.reg_mr(recv, dst.ptr(), size.max(1))?;
+    let rreq = until("irecv", || drv.irecv(recv, &[dst.ptr()], &[size], &[0], &[rmh], false))?;
+    let sreq = until("isend", || drv.isend(send, src.ptr(), size, 0, smh))?;
     let ss = until("test send", || drv.test(sreq))?;
     let rs = until("test recv", || drv.test(rreq))?;
     drv.dereg_mr(send, smh)?;
@@ -142,10 +157,7 @@ pub fn transfer(drv: &Driver, send: Ptr, recv: Ptr, size: usize, seed: u8) -> Re
     if ss[0] as usize != size || rs[0] as usize != size {
         return Err(format!("sizes: sent {} received {}, expected {size}", ss[0], rs[0]));
     }
-    if dst[..size] != src[..] {
-        return Err("data corrupted".into());
-    }
-    Ok(())
+    dst.check(0..size, seed)
 }
 
 /// A running `tcpdump` writing RoCEv2 packets (UDP 4791) of one interface to a file.

@@ -14,8 +14,11 @@
 //! The command line is parsed by clap, so every subcommand has `--help` and its errors look
 //! alike. Exit status 0 on success, 1 on any failure, a bad command line included (with the
 //! reason on stderr): scripts and tests tell success from failure by that alone.
+//!
+//! No `unsafe` here: what needs it (opening and calling the plugin, its buffers, the few
+//! system calls) is the `ferroce_tools` library's, behind safe functions.
+#![forbid(unsafe_code)]
 
-use std::ffi::{CStr, CString};
 use std::io::Write;
 use std::process::ExitCode;
 
@@ -28,6 +31,8 @@ mod corebench;
 mod doctor;
 mod info;
 mod perf;
+mod ports;
+mod rank;
 
 #[derive(Parser)]
 #[command(
@@ -58,7 +63,7 @@ enum Cmd {
     Perf(perf::Args),
     /// One rank of `ferroce perf`, driven over its stdin and stdout (not run by hand)
     #[command(hide = true)]
-    PerfRank(perf::RankArgs),
+    PerfRank(rank::serve::RankArgs),
     Doctor(doctor::Args),
     Collective(collective::Args),
     CoreBench(corebench::Args),
@@ -78,10 +83,10 @@ fn main() -> ExitCode {
         Cmd::Load { name } => load(&name).map(drop),
         Cmd::Info { name } => load(&name).and_then(|lib| info::info(&lib)),
         Cmd::Perf(a) => match a.opts() {
-            Ok(o) => perf::perf(&o, doctor::port_facts),
+            Ok(o) => perf::perf(&o),
             Err(e) => return usage(invalid("perf", e)),
         },
-        Cmd::PerfRank(a) => perf::rank(&a, doctor::port_facts),
+        Cmd::PerfRank(a) => rank::serve::rank(&a),
         Cmd::Doctor(a) => doctor::doctor(&a),
         Cmd::Collective(a) => match a.check() {
             Ok(()) => collective::collective(&a),
@@ -122,30 +127,16 @@ fn invalid(sub: &str, why: String) -> clap::Error {
     }
 }
 
-/// The plugin a subcommand loads when `--plugin` is not given: `libnccl-net-ferroce.so` beside
-/// this program (where `ci/build.sh` puts both), else `ferroce` as NCCL would look it up.
-fn default_plugin() -> String {
-    std::env::current_exe()
-        .ok()
-        .and_then(|e| Some(e.parent()?.join("libnccl-net-ferroce.so")))
-        .filter(|p| p.exists())
-        .map_or("ferroce".into(), |p| p.to_string_lossy().into_owned())
-}
-
 fn load(name: &str) -> Result<Library, String> {
     let lib = Library::open_like_nccl(name)?;
     println!("loaded {name:?} as {}", lib.opened_as);
     for v in (6..=12).rev() {
-        let sym = CString::new(format!("ncclNetPlugin_v{v}")).expect("no NUL");
-        // SAFETY: every version's table starts with `const char* name`; only that is read.
-        let table = unsafe { lib.table::<*const std::ffi::c_char>(&sym) }
-            .ok_or_else(|| format!("{} lacks {}", lib.opened_as, sym.to_string_lossy()))?;
-        // SAFETY: the name member points to a static NUL-terminated string.
-        let n = unsafe { CStr::from_ptr(*table) }.to_string_lossy();
+        let sym = format!("ncclNetPlugin_v{v}");
+        let n = lib.table_name(v).ok_or_else(|| format!("{} lacks {sym}", lib.opened_as))?;
         if n != "ferroce" {
-            return Err(format!("{} has name {n:?}", sym.to_string_lossy()));
+            return Err(format!("{sym} has name {n:?}"));
         }
-        println!("  {} name={n:?}", sym.to_string_lossy());
+        println!("  {sym} name={n:?}");
     }
     Ok(lib)
 }

@@ -4,38 +4,27 @@
 //!
 //! - [`loader`] opens the plugin the way NCCL does and captures what it logs;
 //! - [`driver`] calls it through any ABI version (v6–v12) the way NCCL's proxy thread does;
+//! - [`buffer`] is the host memory it registers, and the data pattern every transfer checks;
 //! - [`handle`] carries the 128-byte connection handle between processes as hex;
+//! - [`rank`] connects comms: listen, hand over the handle, connect and accept;
 //! - [`proc`] runs the other ranks of a test or benchmark and reads their lines;
 //! - [`profiler`] records the net profiler events the plugin reports;
 //! - [`wait`] bounds every "call again" loop;
 //! - [`out`] writes the tools' tables and JSON;
-//! - [`Rng`] gives both sides of a test the same schedule.
+//! - [`rng`] gives both sides of a test the same schedule;
+//! - [`sys`] holds the few system calls the tools make beyond `std`.
+//!
+//! This is where the tools' `unsafe` lives (the `ferroce` program itself forbids it): each
+//! block says why it is sound, and the modules offer safe functions on top of them.
 
+pub mod buffer;
 pub mod driver;
 pub mod handle;
 pub mod loader;
 pub mod out;
 pub mod proc;
 pub mod profiler;
+pub mod rank;
+pub mod rng;
+pub mod sys;
 pub mod wait;
-
-/// A small deterministic generator (xorshift64) for test schedules: the same seed gives the
-/// same sizes and orders on both sides of a test.
-pub struct Rng(pub u64);
-
-impl Rng {
-    /// The next word. Not `Iterator::next`: the sequence never ends, and an `Option` would only
-    /// be unwrapped at every call.
-    #[allow(clippy::should_implement_trait)]
-    pub fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    /// Uniform-ish in `0..n` (`0` for `n == 0`).
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}

@@ -68,6 +68,32 @@ impl Library {
     }
 }
 
+impl Library {
+    /// The `name` member of the exported table `ncclNetPlugin_v{version}`; `None` where the
+    /// library lacks that symbol.
+    pub fn table_name(&self, version: u32) -> Option<String> {
+        let sym = CString::new(format!("ncclNetPlugin_v{version}")).expect("no NUL");
+        // SAFETY: every version's table starts with `const char* name`; only that is read, and
+        // not after `self` is dropped.
+        let name = unsafe { self.table::<*const c_char>(&sym) }?;
+        // SAFETY: the name member is NULL or points to a static NUL-terminated string.
+        (!name.is_null()).then(|| unsafe { CStr::from_ptr(*name) }.to_string_lossy().into_owned())
+    }
+}
+
+/// `file` beside this program, where `ci/build.sh` puts the tool and the plugin, if it is
+/// there.
+pub fn beside_me(file: &str) -> Option<String> {
+    let p = std::env::current_exe().ok()?.parent()?.join(file);
+    p.exists().then(|| p.to_string_lossy().into_owned())
+}
+
+/// The plugin a tool loads when not told: `libnccl-net-ferroce.so` beside this program, else
+/// `ferroce` as NCCL would look it up.
+pub fn default_plugin() -> String {
+    beside_me("libnccl-net-ferroce.so").unwrap_or_else(|| "ferroce".into())
+}
+
 impl Drop for Library {
     fn drop(&mut self) {
         // SAFETY: handle came from dlopen and is closed once.

@@ -3,7 +3,8 @@
 //! Used by `ferroce perf`, `collective` and `doctor`.
 //!
 //! A number that could not be measured is NaN inside the tools; it is `-` in a table and
-//! `null` in JSON (which `serde_json` does by itself), never a made-up zero.
+//! `null` in JSON (which `serde_json` does by itself), never a made-up zero. The statistics
+//! here ([`median`], [`mean`], [`spread`]) pass over such numbers.
 
 /// A table of right-aligned columns. Each line starts with a mark (`#` on headings, a space on
 /// rows) that takes the first character of the first column, so headings and rows line up.
@@ -42,6 +43,42 @@ pub fn rounded(x: f64, decimals: i32) -> f64 {
 /// Prints `v` as one line of JSON on stdout.
 pub fn print_json(v: &serde_json::Value) {
     println!("{v}");
+}
+
+/// The finite numbers of `v`: a NaN is a round with no result.
+fn finite(v: &[f64]) -> impl Iterator<Item = f64> + Clone + '_ {
+    v.iter().copied().filter(|x| x.is_finite())
+}
+
+/// The middle number (the mean of the two middle ones for an even count); NaN for none.
+pub fn median(v: &[f64]) -> f64 {
+    let mut s: Vec<f64> = finite(v).collect();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
+}
+
+/// NaN for none.
+pub fn mean(v: &[f64]) -> f64 {
+    let n = finite(v).count();
+    if n == 0 { f64::NAN } else { finite(v).sum::<f64>() / n as f64 }
+}
+
+/// The smallest and the largest number; NaN for both when there is none.
+pub fn spread(v: &[f64]) -> (f64, f64) {
+    let f = finite(v);
+    match f.clone().next() {
+        None => (f64::NAN, f64::NAN),
+        Some(x) => (f.clone().fold(x, f64::min), f.fold(x, f64::max)),
+    }
+}
+
+/// `a / b`, NaN where `b` is not a positive number.
+pub fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 { a / b } else { f64::NAN }
 }
 
 #[cfg(test)]

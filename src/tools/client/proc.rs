@@ -128,6 +128,14 @@ impl Proc {
         }
     }
 
+    /// The handle, in hex, of its next line, which must be a [`crate::rank::handle_line`]
+    /// (with any words after it), within `limit`: what to pass to the sending rank.
+    pub fn handle(&self, limit: Duration) -> Result<String, String> {
+        let line = self.expect("HANDLE ", limit)?;
+        crate::rank::handle_in(&line).map_err(|e| format!("{}: {e}", self.name))?;
+        Ok(line.split_whitespace().nth(1).unwrap_or_default().to_string())
+    }
+
     /// The words after `word` in the next line that starts with it; other lines are passed on
     /// to stderr (they are its diagnostics, not answers). Fails as soon as `other` fails: this
     /// one might otherwise wait for a peer that is gone until its own limit.
