@@ -1591,9 +1591,9 @@ fn slow_run(
 /// healthy lanes carry at least 80% of the bytes once the paths are learnt ([`LEARN`]
 /// messages), in the median of 5 rounds (a clean 3-lane run and a slowed 4-lane run of 32
 /// timed messages each); with `FERROCE_PATH_AWARE=0` and `FERROCE_LANE_STALL_MS=0` the slow
-/// lane keeps its quarter (the comparison). The bandwidth ratio to the clean run is printed, not asserted: it is the
-/// benchmark's (the README has it), and under emulation on a busy machine one round's ratio
-/// ranges from 0.14x to 1.2x. Split mode is measured and printed. 160 MiB.
+/// lane keeps its quarter (the comparison). The bandwidth ratio to the clean run is printed,
+/// not asserted: it is the benchmark's (`ferroce_core::data`, "Slow paths", has it), and under
+/// emulation on a busy machine one round's ratio ranges from 0.14x to 1.2x. Split mode is measured and printed. 160 MiB.
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn a_slow_path_loses_its_work_to_the_healthy_ones() {

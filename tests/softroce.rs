@@ -587,8 +587,9 @@ fn a_thousand_connect_transfer_close_cycles_leak_nothing() {
     take_captured();
 }
 
-/// What a protection domain per comm would cost, for the README's choice of one per device:
-/// the time to allocate and free a PD, the memory a held PD takes in this process, and the
+/// What a protection domain per comm would cost, for the choice of one per device
+/// (`ferroce_core::setup`, "What a peer can reach"): the time to allocate and free a PD, the
+/// memory a held PD takes in this process, and the
 /// registration every extra comm would repeat for each buffer it could no longer share (an MR
 /// belongs to one PD, and NCCL registers a buffer once for every comm on the device:
 /// `regIsGlobal`). Prints one line with the numbers.
