@@ -368,20 +368,31 @@ fn progress(side: &mut impl Drain, io: &mut Qps) -> Result<()> {
     side.idle(now, elsewhere, io)
 }
 
-/// `nqps` RC queue pairs, lane `q` on member port `port_of(q)` with that port's CQ, moved to
-/// INIT granting `grant(q)`.
-fn create_qps(
-    net: &Net,
-    (devs, cqs): (&[usize], &[Arc<Cq>]),
-    nqps: usize,
-    caps: verbs::QpCaps,
-    grant: impl Fn(usize) -> Grant,
-) -> Result<Vec<Qp>> {
-    let one = |q: usize| {
-        let m = port_of(q, devs.len());
-        new_qp(&net.devices[devs[m]], &cqs[m], caps, qp_access(grant(q)))
-    };
-    (0..nqps).map(one).collect()
+/// The queue pairs `setup` builds for a comm before the peer answers: its lanes over the
+/// member ports `devs`, lane `q` on `port_of(q)`, with one CQ per port.
+pub struct Queues {
+    pub devs: Vec<usize>,
+    pub qps: Vec<Qp>,
+    pub cqs: Vec<Arc<Cq>>,
+}
+
+impl Queues {
+    /// `nqps` lanes with `caps` and the access `grant` gives each; CQs as in [`port_cqs`].
+    fn new(
+        net: &Net,
+        (devs, nqps): (&[usize], usize),
+        (per_lane, extra): (usize, usize),
+        caps: verbs::QpCaps,
+        grant: impl Fn(usize) -> Grant,
+    ) -> Result<Queues> {
+        let cqs = port_cqs(net, devs, nqps, per_lane, extra)?;
+        let one = |q: usize| {
+            let m = port_of(q, devs.len());
+            new_qp(&net.devices[devs[m]], &cqs[m], caps, qp_access(grant(q)))
+        };
+        let qps = (0..nqps).map(one).collect::<Result<_>>()?;
+        Ok(Queues { devs: devs.to_vec(), qps, cqs })
+    }
 }
 
 /// One CQ per member port, each with room for `per_lane` entries of each lane on it (and one
@@ -515,15 +526,15 @@ impl Lanes {
     fn new(
         role: &str,
         net: &Net,
-        (devs, cqs, qps): (&[usize], Vec<Arc<Cq>>, Vec<Qp>),
+        Queues { devs, qps, cqs }: Queues,
         links: Vec<Link>,
         path: Path,
         profiler: Option<Arc<dyn Profiler>>,
         flush: &[Flusher],
     ) -> Lanes {
         let name = format!("{role} {}", path.peer);
-        let ports = ports(net, (devs, cqs), &name, &qps, flush);
-        let life = Life::start(net, devs);
+        let ports = ports(net, (&devs, cqs), &name, &qps, flush);
+        let life = Life::start(net, &devs);
         Lanes { path, qps, links, ports, life, events: profiler.map(Events::new) }
     }
 
@@ -610,22 +621,20 @@ pub struct Peer {
 
 /// The sending end of a connection.
 pub struct SendComm {
+    pub net: Arc<Net>,
+    /// Its member ports (device indices): one, or a fused device's.
+    pub devs: Vec<usize>,
     core: SendCore,
     /// Written by the receiver's NIC: the CTS entries.
     fifo: RegisteredBuf,
     /// Source of the size-record writes.
     sizes_stage: RegisteredBuf,
     lanes: Lanes,
-    pub net: Arc<Net>,
-    /// Its member ports (device indices): one, or a fused device's.
-    pub devs: Vec<usize>,
 }
 
 /// Everything `setup` builds for a send comm before the peer answers.
 pub struct SendParts {
-    pub devs: Vec<usize>,
-    pub qps: Vec<Qp>,
-    pub cqs: Vec<Arc<Cq>>,
+    pub q: Queues,
     pub fifo: RegisteredBuf,
     pub sizes_stage: RegisteredBuf,
 }
@@ -633,14 +642,13 @@ pub struct SendParts {
 impl SendParts {
     /// `nqps` lanes over the member ports `devs` (lane `q` on `port_of(q)`).
     pub fn new(net: &Arc<Net>, devs: &[usize], nqps: usize) -> Result<SendParts> {
-        let cqs = port_cqs(net, devs, nqps, SEND_QUEUE, 64)?;
-        let qps = create_qps(net, (devs, &cqs), nqps, SEND_CAPS, send_grant)?;
+        let q = Queues::new(net, (devs, nqps), (SEND_QUEUE, 64), SEND_CAPS, send_grant)?;
         // The CTS FIFO is registered without IBV_ACCESS_RELAXED_ORDERING, always: isend reads an
         // entry as valid once its last word (idx) has landed, which is only sound if the
         // receiver's RDMA write lands in order. Relaxed ordering is for NCCL's buffers only.
         let fifo = RegisteredBuf::on(&pds(net, devs), FIFO_AREA * 8, CONTROL_IN)?;
         let sizes_stage = RegisteredBuf::on(&pds(net, devs), SIZE_AREA * 8, STAGE)?;
-        Ok(SendParts { devs: devs.to_vec(), qps, cqs, fifo, sizes_stage })
+        Ok(SendParts { q, fifo, sizes_stage })
     }
 }
 
@@ -657,19 +665,19 @@ impl SendComm {
         profiler: Option<Arc<dyn Profiler>>,
     ) -> Box<SendComm> {
         let journal = profiler.is_some();
-        let ours = parts.devs.len();
-        let p = params(&net, &parts.qps, (ours, theirs), (split, peer.max_msg), &path, journal);
+        let ours = parts.q.devs.len();
+        let p = params(&net, &parts.q.qps, (ours, theirs), (split, peer.max_msg), &path, journal);
         let core = SendCore::new(p, remote(peer.addr, &peer.rkeys));
         let links = links(SEND_CAPS, attrs, send_grant);
-        let built = (&parts.devs[..], parts.cqs, parts.qps);
-        let lanes = Lanes::new(SEND, &net, built, links, path, profiler, &[]);
+        let devs = parts.q.devs.clone();
+        let lanes = Lanes::new(SEND, &net, parts.q, links, path, profiler, &[]);
         Box::new(SendComm {
+            net,
+            devs,
             core,
             fifo: parts.fifo,
             sizes_stage: parts.sizes_stage,
             lanes,
-            net,
-            devs: parts.devs,
         })
     }
 
@@ -752,6 +760,9 @@ pub struct Flusher {
 
 /// The receiving end of a connection.
 pub struct RecvComm {
+    pub net: Arc<Net>,
+    /// Its member ports (device indices): one, or a fused device's.
+    pub devs: Vec<usize>,
     core: RecvCore,
     /// Source of the CTS writes.
     cts_stage: RegisteredBuf,
@@ -760,16 +771,11 @@ pub struct RecvComm {
     /// One per member port, or none (no device that flushes).
     flushers: Vec<Flusher>,
     lanes: Lanes,
-    pub net: Arc<Net>,
-    /// Its member ports (device indices): one, or a fused device's.
-    pub devs: Vec<usize>,
 }
 
 /// Everything `setup` builds for a receive comm.
 pub struct RecvParts {
-    pub devs: Vec<usize>,
-    pub qps: Vec<Qp>,
-    pub cqs: Vec<Arc<Cq>>,
+    pub q: Queues,
     pub cts_stage: RegisteredBuf,
     pub sizes: RegisteredBuf,
 }
@@ -785,11 +791,11 @@ impl RecvParts {
         // Room for every receive WQE of every lane (all flushed at once when the comm closes or
         // fails), the flushes, and the CTS writes and probes.
         let pool = ferroce_core::data::recv_pool(nqps);
-        let cqs = port_cqs(net, devs, nqps, pool, 4 * 2 * SLOTS)?;
-        let qps = create_qps(net, (devs, &cqs), nqps, recv_caps(nqps), |q| recv_grant(q, nqps))?;
+        let grant = |q| recv_grant(q, nqps);
+        let q = Queues::new(net, (devs, nqps), (pool, 4 * 2 * SLOTS), recv_caps(nqps), grant)?;
         let cts_stage = RegisteredBuf::on(&pds(net, devs), FIFO_AREA * 8, STAGE)?;
         let sizes = RegisteredBuf::on(&pds(net, devs), SIZE_AREA * 8, CONTROL_IN)?;
-        Ok(RecvParts { devs: devs.to_vec(), qps, cqs, cts_stage, sizes })
+        Ok(RecvParts { q, cts_stage, sizes })
     }
 }
 
@@ -808,23 +814,16 @@ impl RecvComm {
     ) -> Box<RecvComm> {
         // The receiver only sends CTS rows and probes, on its control lane; all its QPs are
         // created alike.
-        let nqps = parts.qps.len();
+        let nqps = parts.q.qps.len();
         let journal = profiler.is_some();
-        let ours = parts.devs.len();
-        let p = params(&net, &parts.qps, (ours, theirs), (split, 0), &path, journal);
+        let ours = parts.q.devs.len();
+        let p = params(&net, &parts.q.qps, (ours, theirs), (split, 0), &path, journal);
         let core = RecvCore::new(p, remote(peer.addr, &peer.rkeys));
         let links = links(recv_caps(nqps), attrs, |q| recv_grant(q, nqps));
-        let built = (&parts.devs[..], parts.cqs, parts.qps);
-        let lanes = Lanes::new(RECV, &net, built, links, path, profiler, &flushers);
-        Box::new(RecvComm {
-            core,
-            cts_stage: parts.cts_stage,
-            sizes: parts.sizes,
-            flushers,
-            lanes,
-            net,
-            devs: parts.devs,
-        })
+        let devs = parts.q.devs.clone();
+        let lanes = Lanes::new(RECV, &net, parts.q, links, path, profiler, &flushers);
+        let (cts_stage, sizes) = (parts.cts_stage, parts.sizes);
+        Box::new(RecvComm { net, devs, core, cts_stage, sizes, flushers, lanes })
     }
 
     /// Its requests, in the order of the ids `irecv` and `iflush` return: `SLOTS` receives,

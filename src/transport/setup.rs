@@ -456,7 +456,7 @@ impl Listener {
                 },
                 Cmd::Endpoint => {
                     let parts = &conn.accepted.as_ref().expect("queue pairs first").parts;
-                    match endpoint(&self.net, &self.devs, &parts.qps, &parts.sizes) {
+                    match endpoint(&self.net, &self.devs, &parts.q.qps, &parts.sizes) {
                         Ok(local) => Input::Endpoint(Box::new(local)),
                         Err(e) => Input::Local(e),
                     }
@@ -518,11 +518,11 @@ fn rkeys(m: &Msg) -> Vec<u32> {
 /// The proven peer's queue pairs, at RTS along `plan`, and the flush QPs where needed.
 fn accept_parts(net: &Arc<Net>, devs: &[usize], plan: &QpPlan) -> Result<Accepted> {
     let parts = RecvParts::new(net, devs, plan.nqps)?;
-    let links = connect_qps(net, devs, &parts.qps, plan)?;
+    let links = connect_qps(net, devs, &parts.q.qps, plan)?;
     // Only devices that can write GPU memory need a flush QP (or FERROCE_FORCE_FLUSH=1): one on
     // every member port, as each port's NIC writes into the buffers.
     let flushers = if devs.iter().any(|&d| net.devices[d].gdr.flush) {
-        (0..devs.len()).map(|m| flusher(net, devs[m], &parts.cqs[m])).collect::<Result<_>>()?
+        (0..devs.len()).map(|m| flusher(net, devs[m], &parts.q.cqs[m])).collect::<Result<_>>()?
     } else {
         Vec::new()
     };
@@ -625,15 +625,16 @@ impl Connector {
                     Ok(false) => Input::Blocked,
                     Err(e) => Input::Failed(e.to_string()),
                 },
-                Cmd::Endpoint => match endpoint(&self.net, &self.devs, &parts().qps, &parts().fifo)
-                {
-                    Ok(local) => Input::Endpoint(Box::new(local)),
-                    Err(e) => Input::Local(e),
-                },
+                Cmd::Endpoint => {
+                    match endpoint(&self.net, &self.devs, &parts().q.qps, &parts().fifo) {
+                        Ok(local) => Input::Endpoint(Box::new(local)),
+                        Err(e) => Input::Local(e),
+                    }
+                }
                 Cmd::Send(bytes) => write(&mut self.stream, bytes),
                 Cmd::Recv(n) => read(&mut self.stream, &mut buf[..n]),
                 Cmd::ConnectQps(plan) => {
-                    match connect_qps(&self.net, &self.devs, &parts().qps, &plan) {
+                    match connect_qps(&self.net, &self.devs, &parts().q.qps, &plan) {
                         Ok(links) => {
                             self.links = links;
                             Input::QpsReady
