@@ -131,20 +131,10 @@ impl ChunkWrs {
         sizes: &Remote,
         idx: u64,
     ) -> Result<()> {
-        let (ours, theirs) = self.members;
         let word = self.slot * MAX_RECVS;
         stage.store(word, idx);
-        let (remote_addr, rkey) = sizes.at(ACK_WORD, theirs);
-        let wr = SendWr {
-            wr_id: self.id,
-            signaled: true,
-            local: Some((stage.addr(word), 8, stage.lkey(ours))),
-            remote_addr,
-            rkey,
-            inline: 8 <= self.inline,
-            ..SendWr::default()
-        };
-        chain.push(io, wr)
+        let wr = self.staged_write(stage, (word, 8), sizes.at(ACK_WORD, self.members.1));
+        chain.push(io, SendWr { signaled: true, ..wr })
     }
 
     /// The size records of a message the immediate cannot carry (several requests, or one too
@@ -157,19 +147,27 @@ impl ChunkWrs {
         sizes: &Remote,
         nreqs: usize,
     ) -> Result<()> {
-        let (ours, theirs) = self.members;
-        let len = (nreqs * 8) as u32;
-        let (remote_addr, rkey) = sizes.at(self.slot * MAX_RECVS, theirs);
-        let wr = SendWr {
+        let word = self.slot * MAX_RECVS;
+        let target = sizes.at(word, self.members.1);
+        chain.push(io, self.staged_write(stage, (word, (nreqs * 8) as u32), target))
+    }
+
+    /// An unsignaled write of `len` bytes from word `word` of `stage` to `(addr, rkey)`.
+    fn staged_write(
+        &self,
+        stage: &impl Words,
+        (word, len): (usize, u32),
+        (addr, rkey): (u64, u32),
+    ) -> SendWr {
+        SendWr {
             wr_id: self.id,
             op: Op::Write,
-            local: Some((stage.addr(self.slot * MAX_RECVS), len, stage.lkey(ours))),
-            remote_addr,
+            local: Some((stage.addr(word), len, stage.lkey(self.members.0))),
+            remote_addr: addr,
             rkey,
             inline: len <= self.inline,
             ..SendWr::default()
-        };
-        chain.push(io, wr)
+        }
     }
 
     /// The chunk's immediate: on its last data write where that write ends a single message
