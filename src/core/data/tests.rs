@@ -1066,17 +1066,100 @@ fn optional_data(run: &Run, mem: &Mem, o: usize) {
     mem.close(buf_addr(RECV_DATA, o, 0), it.capacity);
 }
 
+/// NCCL driving a send core and a receive core over the simulated wire, one random action a
+/// step, as [`drive`] runs it: the cores and their areas in `mem`, both ends' views of `wire`,
+/// and what NCCL knows of its requests.
+struct Harness<'a> {
+    run: &'a Run,
+    seed: u64,
+    mem: &'a Mem,
+    wire: &'a RefCell<Wire>,
+    rng: Rng,
+    fifo: Area<'a>,
+    sstage: Area<'a>,
+    rstage: Area<'a>,
+    rsizes: Area<'a>,
+    sender: SendCore,
+    receiver: RecvCore,
+    sio: Io<'a>,
+    rio: Io<'a>,
+    /// The groups of the run.
+    n: usize,
+    next_recv: usize,
+    next_send: usize,
+    /// Sends of the current group still to post, in a random order of its buffers.
+    send_order: Vec<usize>,
+    recv_out: Vec<(usize, usize)>,        // (group, request)
+    send_out: Vec<(usize, usize, usize)>, // (group, buffer, request)
+    recv_done: Vec<bool>,
+    sent: Vec<bool>,
+    /// Groups whose data was checked: checked again at the end, in case a late write changed
+    /// them (the invariant checker should have caught it first).
+    checked: Vec<usize>,
+    /// The group whose receive last filled each buffer area.
+    filled: [usize; AREAS],
+    sends_left: Vec<usize>,
+    out: Outcome,
+    steps: u64,
+    idle: u64,
+    lines: Lines,
+    journaled: Journaled,
+    /// Per side: the step until which its process makes no call.
+    asleep: [u64; 2],
+    /// A fake clock for the cores' idle checks (and so their liveness probes).
+    now: Duration,
+    /// The proxy's operations: where each ends (a group index), and each side's current one.
+    ops: Vec<usize>,
+    op: [usize; 2],
+    /// The groups whose data landed, as NCCL's GPU sees it: all those before this one.
+    landed: usize,
+}
+
+/// Runs `run` with random interleavings picked by `seed`: NCCL posting and testing requests
+/// on both ends while the NICs move the wire, with the checks of [`Harness`] at every step
+/// and at the end.
 fn drive(run: &Run, seed: u64) -> Outcome {
-    let mut rng = Rng(seed | 1);
     let mem = Mem::both_ends(AREAS * MAX_RECVS * CAP as usize);
     if run.gpu {
         mem.gpu.borrow_mut().push(SEND_DATA);
     }
-    let fifo = Area { mem: &mem, base: FIFO, key: 13 };
-    let sstage = Area { mem: &mem, base: SEND_STAGE, key: 14 };
-    let rstage = Area { mem: &mem, base: RECV_STAGE, key: 15 };
-    let rsizes = Area { mem: &mem, base: RECV_SIZES, key: 16 };
-    let params = Params {
+    let wire = RefCell::new(Wire::new(run.nqps));
+    let mut h = Harness::new(run, seed, &mem, &wire);
+    while !h.done() {
+        h.tick();
+        h.check_step();
+        h.inject_faults();
+        h.read_lines();
+        if h.ended() {
+            break;
+        }
+        h.sleep();
+        let pick = h.rng.below(8);
+        if h.asleep_for(pick) {
+            continue;
+        }
+        match pick {
+            // An empty poll: the cores may probe their quiet peer.
+            7 => {
+                h.check_tables();
+                h.empty_poll();
+            }
+            0 if h.may_irecv() => h.irecv(),
+            // After a break, only the multi-receive already being matched is finished (its
+            // row has landed), as NCCL would go on posting its sends.
+            1 if h.may_isend() => h.isend(),
+            2 if !h.recv_out.is_empty() => h.test_recv(),
+            3 if !h.send_out.is_empty() => h.test_send(),
+            _ => h.nic_step(),
+        }
+    }
+    h.finish()
+}
+
+/// The parameters both cores of `run` start from (the receiver's with the member pairs
+/// swapped).
+fn params(run: &Run) -> Params {
+    Params {
         nqps: run.nqps,
         split: run.split,
         max_msg: run.max_msg,
@@ -1096,87 +1179,90 @@ fn drive(run: &Run, seed: u64) -> Outcome {
             timeout: Duration::from_millis(60),
         },
         path: Path { peer: "sim".into(), ..Default::default() },
-    };
-    let mut sender = SendCore::new(params.clone(), remote(RECV_SIZES, 16));
-    let swapped = run.members.iter().map(|&(s, r)| (r, s)).collect();
-    let mut receiver = RecvCore::new(Params { members: swapped, ..params }, remote(FIFO, 13));
-    let wire = RefCell::new(Wire::new(run.nqps));
-    wire.borrow_mut().members = run.members.clone();
-    wire.borrow_mut().failover = run.failover;
-    wire.borrow_mut().duplicates = run.duplicates;
-    wire.borrow_mut().forever = run.forever;
-    wire.borrow_mut().late = run.late.then(Vec::new);
-    let mut sio = Io { wire: &wire, mem: &mem, side: 0, depth: SEND_QUEUE };
-    let mut rio = Io { wire: &wire, mem: &mem, side: 1, depth: RECV_SEND_QUEUE };
+    }
+}
 
-    let n = run.groups.len();
-    let (mut next_recv, mut next_send) = (0usize, 0usize);
-    // Sends of the current group still to post, in a random order of its buffers.
-    let mut send_order: Vec<usize> = Vec::new();
-    let mut recv_out: Vec<(usize, usize)> = Vec::new(); // (group, request)
-    let mut send_out: Vec<(usize, usize, usize)> = Vec::new(); // (group, buffer, request)
-    let mut recv_done = vec![false; n];
-    let mut sent = vec![false; n];
-    // Groups whose data was checked: checked again at the end, in case a late write changed
-    // them (the invariant checker should have caught it first).
-    let mut checked: Vec<usize> = Vec::new();
-    // The group whose receive last filled each buffer area.
-    let mut filled = [usize::MAX; AREAS];
-    let mut sends_left = vec![0usize; n];
-    let mut out = Outcome::default();
-    let mut steps = 0u64;
-    let mut idle = 0u64;
-    let mut lines = Lines::default();
-    let mut journaled = Journaled::new(run);
-    // Per side: the step until which its process makes no call.
-    let mut asleep = [0u64; 2];
-    // A fake clock for the cores' idle checks (and so their liveness probes).
-    let mut now = Duration::ZERO;
-    let done = |o: &Outcome| o.recvs_done == n && o.sends_done == n;
-    // The proxy's operations: where each ends (a group index), and each side's current one.
+/// The proxy's operations over `n` groups: where each ends (a group index), the last at `n`;
+/// one operation of them all where `proxy` is off.
+fn proxy_ops(rng: &mut Rng, proxy: bool, n: usize) -> Vec<usize> {
     let mut ops = Vec::new();
-    while run.proxy && ops.last().is_none_or(|&e| e < n) {
+    while proxy && ops.last().is_none_or(|&e| e < n) {
         let len = if rng.below(4) == 0 { 8 } else { 1 + rng.below(7) as usize };
         ops.push((ops.last().copied().unwrap_or(0) + len).min(n));
     }
     ops.push(n);
-    let mut op = [0usize; 2];
-    let mut landed = 0;
-    while !done(&out) {
-        steps += 1;
-        idle += 1;
-        let sends: Vec<usize> = send_out.iter().map(|s| s.2).collect();
-        let recvs: Vec<usize> = recv_out.iter().map(|r| r.1).collect();
-        journaled.take(&mut sender, &mut receiver, &sends, &recvs);
-        assert!(
-            idle < 200_000,
-            "no progress: {out:?} after {steps} steps, seed {seed}; receiver head {} advertised \
-             {} consumed {} ack {}; sender head {}",
-            receiver.head,
-            receiver.advertised,
-            receiver.consumed,
-            rsizes.load(ACK_WORD),
-            sender.head
-        );
-        assert!(
-            steps < 4_000_000 + 200 * n as u64,
-            "livelock: {out:?} after {steps} steps, seed {seed}: sender unfenced {:#x} fence \
-             {:?} resend {} alive {:#x}; receiver serving {:?} alive {:#x} ctl {} pool {:?} \
-             sq {:?} proving {:#x}",
-            sender.unfenced,
-            sender.fence,
-            sender.resend.len(),
-            sender.alive,
-            receiver.serving,
-            receiver.alive,
-            receiver.ctl,
-            receiver.pool,
-            receiver.sq.iter().map(|q| (q.used(), q.signaled.len())).collect::<Vec<_>>(),
-            receiver.proving
-        );
+    ops
+}
 
-        let sq = receiver.sq.iter().map(SqCount::used).max().unwrap_or(0);
-        assert!(sq < RECV_SEND_QUEUE as u64, "CTS send queue overcounted");
+/// The run's set-up and the bookkeeping of each step.
+impl<'a> Harness<'a> {
+    /// Both cores of `run`, their areas in `mem` and `wire` set up for the run; nothing posted.
+    fn new(run: &'a Run, seed: u64, mem: &'a Mem, wire: &'a RefCell<Wire>) -> Harness<'a> {
+        let mut rng = Rng(seed | 1);
+        let params = params(run);
+        let sender = SendCore::new(params.clone(), remote(RECV_SIZES, 16));
+        let swapped = run.members.iter().map(|&(s, r)| (r, s)).collect();
+        let receiver = RecvCore::new(Params { members: swapped, ..params }, remote(FIFO, 13));
+        wire.borrow_mut().members = run.members.clone();
+        wire.borrow_mut().failover = run.failover;
+        wire.borrow_mut().duplicates = run.duplicates;
+        wire.borrow_mut().forever = run.forever;
+        wire.borrow_mut().late = run.late.then(Vec::new);
+        let n = run.groups.len();
+        let ops = proxy_ops(&mut rng, run.proxy, n);
+        Harness {
+            run,
+            seed,
+            mem,
+            wire,
+            rng,
+            fifo: Area { mem, base: FIFO, key: 13 },
+            sstage: Area { mem, base: SEND_STAGE, key: 14 },
+            rstage: Area { mem, base: RECV_STAGE, key: 15 },
+            rsizes: Area { mem, base: RECV_SIZES, key: 16 },
+            sender,
+            receiver,
+            sio: Io { wire, mem, side: 0, depth: SEND_QUEUE },
+            rio: Io { wire, mem, side: 1, depth: RECV_SEND_QUEUE },
+            n,
+            next_recv: 0,
+            next_send: 0,
+            send_order: Vec::new(),
+            recv_out: Vec::new(),
+            send_out: Vec::new(),
+            recv_done: vec![false; n],
+            sent: vec![false; n],
+            checked: Vec::new(),
+            filled: [usize::MAX; AREAS],
+            sends_left: vec![0; n],
+            out: Outcome::default(),
+            steps: 0,
+            idle: 0,
+            lines: Lines::default(),
+            journaled: Journaled::new(run),
+            asleep: [0; 2],
+            now: Duration::ZERO,
+            ops,
+            op: [0; 2],
+            landed: 0,
+        }
+    }
+
+    /// Every request completed.
+    fn done(&self) -> bool {
+        self.out.recvs_done == self.n && self.out.sends_done == self.n
+    }
+
+    /// A step begins: one more, and one more without progress until an action makes some.
+    fn tick(&mut self) {
+        self.steps += 1;
+        self.idle += 1;
+    }
+
+    /// The breaks, kills, one-way paths, heals and queue-pair errors the run schedules at this
+    /// step, and the async events of those errors that are due.
+    fn inject_faults(&mut self) {
+        let (run, wire, steps) = (self.run, self.wire, self.steps);
         if run.break_at == Some(steps) {
             wire.borrow_mut().break_all();
         }
@@ -1204,311 +1290,446 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         let events = run.qp_errors.iter().filter(|k| k.0 + run.event_lag == steps);
         for &(_, lane, side) in events {
             let ok = if side == 0 {
-                sender.lane_error(lane, "QP_FATAL")
+                self.sender.lane_error(lane, "QP_FATAL")
             } else {
-                receiver.lane_error(lane, "QP_FATAL", &rsizes)
+                self.receiver.lane_error(lane, "QP_FATAL", &self.rsizes)
             };
             assert!(ok, "a lane error with another lane alive is taken");
         }
-        take_lines(&mut sender, &mut receiver, &mut lines);
-        if lines.repaired > 0 && out.sent_at_repair.is_none() {
-            out.sent_at_repair = Some(sender.traffic().bytes.clone());
+    }
+
+    /// Both ends' log lines, counted; the sender's bytes per lane kept at the first repair.
+    fn read_lines(&mut self) {
+        take_lines(&mut self.sender, &mut self.receiver, &mut self.lines);
+        if self.lines.repaired > 0 && self.out.sent_at_repair.is_none() {
+            self.out.sent_at_repair = Some(self.sender.traffic().bytes.clone());
         }
+    }
+
+    /// Whether NCCL is done with a failed connection: the run ends.
+    fn ended(&self) -> bool {
+        let wire = self.wire;
         // A lie fails the receiving comm: once NCCL has seen every receive fail or complete,
         // it gives up on the connection (the sender, still healthy, is closed with it).
-        if wire.borrow().lying && receiver.check().is_err() && recv_out.is_empty() {
-            break;
+        if wire.borrow().lying && self.receiver.check().is_err() && self.recv_out.is_empty() {
+            return true;
         }
         if wire.borrow().failing()
-            && recv_out.is_empty()
-            && send_out.is_empty()
-            && send_order.is_empty()
+            && self.recv_out.is_empty()
+            && self.send_out.is_empty()
+            && self.send_order.is_empty()
         {
-            break; // what was outstanding has resolved
+            return true; // what was outstanding has resolved
         }
+        false
+    }
+
+    /// The sides' processes busy elsewhere: at random, at the run's naps, and between a
+    /// proxy's operations.
+    fn sleep(&mut self) {
+        let (run, steps) = (self.run, self.steps);
         // Now and then one side's process is busy elsewhere, as a proxy serving other comms
         // is: for up to 3000 steps only the other side (and both NICs) runs.
-        if rng.below(20_000) == 0 {
-            asleep[rng.below(2) as usize] = steps + rng.below(3000);
+        if self.rng.below(20_000) == 0 {
+            self.asleep[self.rng.below(2) as usize] = steps + self.rng.below(3000);
         }
         for &(_, side, len) in run.naps.iter().filter(|n| n.0 == steps) {
-            asleep[side] = asleep[side].max(steps + len);
+            self.asleep[side] = self.asleep[side].max(steps + len);
         }
         // A side whose operation is done makes no call for a while, then starts the next. The
         // receiver's is done once every buffer's data landed, as NCCL's GPU sees it (an
         // optional receive that tested done may still wait for its data).
-        while landed < n && recv_done[landed] {
-            landed += 1;
+        while self.landed < self.n && self.recv_done[self.landed] {
+            self.landed += 1;
         }
-        let finished = [out.sends_done, landed];
-        for side in 0..2 {
-            if run.proxy && finished[side] >= ops[op[side]] && op[side] + 1 < ops.len() {
-                op[side] += 1;
-                asleep[side] = asleep[side].max(steps + rng.below(2000));
+        let finished = [self.out.sends_done, self.landed];
+        for (side, &finished) in finished.iter().enumerate() {
+            if run.proxy
+                && finished >= self.ops[self.op[side]]
+                && self.op[side] + 1 < self.ops.len()
+            {
+                self.op[side] += 1;
+                self.asleep[side] = self.asleep[side].max(steps + self.rng.below(2000));
             }
         }
-        let ahead = |out: usize| !run.proxy || out < 8;
-        let pick = rng.below(8);
+    }
+
+    /// Whether action `pick` is a call of a side whose process is asleep: it is not made.
+    fn asleep_for(&self, pick: u64) -> bool {
         let side_of = match pick {
             0 | 2 => Some(1),
             1 | 3 => Some(0),
             _ => None,
         };
-        if side_of.is_some_and(|s| asleep[s] > steps) {
-            continue;
+        side_of.is_some_and(|s| self.asleep[s] > self.steps)
+    }
+
+    /// Whether NCCL posts more with `out` requests outstanding (a proxy: fewer than 8).
+    fn ahead(&self, out: usize) -> bool {
+        !self.run.proxy || out < 8
+    }
+
+    /// Whether NCCL posts a receive now: one is left in its operation and the link is whole.
+    fn may_irecv(&self) -> bool {
+        self.next_recv < self.ops[self.op[1]]
+            && self.ahead(self.recv_out.len())
+            && !self.wire.borrow().broken
+    }
+
+    /// Whether NCCL posts a send now: one is left in its operation, and the group under way
+    /// is finished even when the link is broken.
+    fn may_isend(&self) -> bool {
+        self.next_send < self.ops[self.op[0]]
+            && (self.ahead(self.send_out.len()) || !self.send_order.is_empty())
+            && (!self.wire.borrow().broken || !self.send_order.is_empty())
+    }
+}
+
+/// NCCL's actions, one a step, each with the checks of its result.
+impl Harness<'_> {
+    /// NCCL's irecv of the next group (pick 0), once its buffer area is free again.
+    fn irecv(&mut self) {
+        let (run, mem, wire, n) = (self.run, self.mem, self.wire, self.n);
+        let g = self.next_recv;
+        if g >= AREAS && !self.recv_done[g - AREAS] {
+            return; // that buffer area is still in use
         }
-        match pick {
-            // An empty poll: the cores may probe their quiet peer.
-            7 => {
-                // The counters the idle check reads agree with the tables they summarise.
-                let normal = |s: &&RecvSlot| s.state == State::Pending && s.ack_for == 0;
-                let pending = receiver.slots.iter().filter(normal).count();
-                assert_eq!(receiver.waiting, pending, "receives waiting");
-                let posted = sender.slots.iter().filter(|s| s.pending != 0).count();
-                assert_eq!(sender.in_flight, posted, "slots in flight");
-                now += Duration::from_millis(1);
-                wire.borrow_mut().now = now;
-                // As a comm's progress: the CQ drained first, then the step after the poll.
-                // NCCL's proxy calls a comm only while it has requests outstanding (or a send
-                // to post: the comm's isend polls when it cannot post yet).
-                let called = |out: bool| !run.proxy || out;
-                let sending = !send_out.is_empty() || !send_order.is_empty();
-                let s = if asleep[0] > steps || !called(sending) {
-                    Ok(())
-                } else {
-                    sender.stamp(now, wire.borrow().cq[0].len());
-                    poll(&wire, 0, |c| sender.complete(c));
-                    sender.idle(now, None, &mut sio, (&fifo, &sstage))
-                };
-                // A receiving rank whose last operation on the connection is done while its
-                // peer still sends comes back to the comm with its next operation (a later
-                // collective, the final barrier): once in a while, here. A fence needs the
-                // receiver's call (`ferroce_core::data`, "What waits for the other side's next call").
-                let later = landed == n && out.sends_done < n && steps % 2000 < 8;
-                let r = if asleep[1] > steps || !called(!recv_out.is_empty() || later) {
-                    Ok(())
-                } else {
-                    poll(&wire, 1, |c| receiver.complete(c, &rsizes));
-                    receiver.idle(now, None, &mut rio, &rstage, &rsizes)
-                };
-                if !wire.borrow().failing() {
-                    s.and(r).expect("idle on a healthy link");
-                }
+        let items = &run.groups[g];
+        self.filled[g % AREAS] = g;
+        let bufs: Vec<(Buf, i32)> = items
+            .iter()
+            .enumerate()
+            .map(|(r, it)| {
+                let addr = buf_addr(RECV_DATA, g, r);
+                mem.with(addr, CAP as usize, None, |b| b.fill(0xee));
+                (
+                    Buf { addr, size: it.capacity, lkeys: keys(12), rkeys: keys(12), host: true },
+                    it.tag,
+                )
+            })
+            .collect();
+        let optional = run.optional[g];
+        let posted =
+            self.receiver.irecv(&self.rstage, &self.rsizes, &mut self.rio, &bufs, optional);
+        let posted = match posted {
+            Err(e) if wire.borrow().posts_fail => {
+                assert!(matches!(e, Error::Local(_)), "a failed post is local: {e}");
+                self.next_recv = n; // NCCL stops posting on a failed comm
+                return;
             }
-            0 if next_recv < ops[op[1]] && ahead(recv_out.len()) && !wire.borrow().broken => {
-                let g = next_recv;
-                if g >= AREAS && !recv_done[g - AREAS] {
-                    continue; // that buffer area is still in use
+            Err(e) if wire.borrow().lying || wire.borrow().failing() => {
+                assert!(matches!(e, Error::Remote(_)), "the peer's or the path's: {e}");
+                self.next_recv = n;
+                return;
+            }
+            other => other.unwrap(),
+        };
+        if let Some(id) = posted {
+            for (r, it) in items.iter().enumerate() {
+                mem.reopen(buf_addr(RECV_DATA, g, r), it.capacity);
+            }
+            self.recv_out.push((g, id));
+            self.next_recv += 1;
+            self.idle = 0;
+        }
+    }
+
+    /// NCCL's isend of the next buffer of the group under way (pick 1), the group's sends in
+    /// a random order; a new group once the sends from its buffer area completed.
+    fn isend(&mut self) {
+        let (run, mem, wire, n) = (self.run, self.mem, self.wire, self.n);
+        let g = self.next_send;
+        if g >= AREAS && self.sends_left[g - AREAS] > 0 {
+            return; // the previous sends from that area are not complete
+        }
+        if self.send_order.is_empty() {
+            let k = run.groups[g].len();
+            self.send_order = (0..k).collect();
+            for i in (1..k).rev() {
+                self.send_order.swap(i, self.rng.below(i as u64 + 1) as usize);
+            }
+            for (r, it) in run.groups[g].iter().enumerate() {
+                let p = pattern(g, r, it.size as usize);
+                mem.with(buf_addr(SEND_DATA, g, r), p.len(), None, |b| b.copy_from_slice(&p));
+            }
+            self.sends_left[g] = k;
+        }
+        let r = *self.send_order.last().expect("non-empty");
+        let it = run.groups[g][r];
+        let addr = buf_addr(SEND_DATA, g, r);
+        let b = Buf { addr, size: it.size, lkeys: keys(11), rkeys: keys(11), host: !run.gpu };
+        let posted = self.sender.isend(&self.fifo, &self.sstage, &mut self.sio, b, it.tag);
+        let posted = match posted {
+            Err(e) if wire.borrow().failing() => {
+                if wire.borrow().posts_fail && !wire.borrow().broken {
+                    assert!(matches!(e, Error::Local(_)), "a failed post is local: {e}");
                 }
+                self.send_order.clear();
+                self.next_send = n;
+                self.out.errors[0] += 1;
+                return;
+            }
+            other => other.unwrap(),
+        };
+        if let Some(id) = posted {
+            self.send_out.push((g, r, id));
+            self.send_order.pop();
+            self.idle = 0;
+            if self.send_order.is_empty() {
+                self.next_send += 1;
+            }
+        }
+    }
+
+    /// NCCL's test of an outstanding receive (pick 2; a proxy tests the oldest): a completed
+    /// one has its sizes and its data, an error is one the link's faults explain.
+    fn test_recv(&mut self) {
+        let (run, mem, wire) = (self.run, self.mem, self.wire);
+        // As a comm's progress: drain the CQ, then the step after the poll.
+        poll(wire, 1, |c| self.receiver.complete(c, &self.rsizes));
+        let r = self.receiver.idle(self.now, None, &mut self.rio, &self.rstage, &self.rsizes);
+        if !wire.borrow().failing() {
+            r.expect("progress on a healthy link");
+        }
+        let i = if run.proxy { 0 } else { self.rng.below(self.recv_out.len() as u64) as usize };
+        let (g, id) = self.recv_out[i];
+        let mut sizes = [0u64; MAX_RECVS];
+        match self.receiver.test(id, &mut sizes) {
+            Ok(None) => {}
+            Ok(Some(k)) => {
                 let items = &run.groups[g];
-                filled[g % AREAS] = g;
-                let bufs: Vec<(Buf, i32)> = items
-                    .iter()
-                    .enumerate()
-                    .map(|(r, it)| {
-                        let addr = buf_addr(RECV_DATA, g, r);
-                        mem.with(addr, CAP as usize, None, |b| b.fill(0xee));
-                        (
-                            Buf {
-                                addr,
-                                size: it.capacity,
-                                lkeys: keys(12),
-                                rkeys: keys(12),
-                                host: true,
-                            },
-                            it.tag,
-                        )
-                    })
-                    .collect();
-                let optional = run.optional[g];
-                let posted = receiver.irecv(&rstage, &rsizes, &mut rio, &bufs, optional);
-                let posted = match posted {
-                    Err(e) if wire.borrow().posts_fail => {
-                        assert!(matches!(e, Error::Local(_)), "a failed post is local: {e}");
-                        next_recv = n; // NCCL stops posting on a failed comm
-                        continue;
-                    }
-                    Err(e) if wire.borrow().lying || wire.borrow().failing() => {
-                        assert!(matches!(e, Error::Remote(_)), "the peer's or the path's: {e}");
-                        next_recv = n;
-                        continue;
-                    }
-                    other => other.unwrap(),
-                };
-                if let Some(id) = posted {
+                assert_eq!(k, items.len(), "group {g}: buffer count");
+                let recvs: Vec<usize> = self.recv_out.iter().map(|r| r.1).collect();
+                self.journaled.take(&mut self.sender, &mut self.receiver, &[], &recvs);
+                self.journaled.recv_done(id, k);
+                if run.optional[g] {
+                    // Done once its data landed (the ack word, written after it on
+                    // the same lane, reached its row), reporting the posted size:
+                    // the data is whole now, whether or not its send has completed
+                    // (NCCL's GPU would see it through its flags).
+                    assert_eq!(sizes[0], items[0].capacity, "group {g}: optional size");
+                    optional_data(run, mem, g);
+                    self.recv_done[g] = true;
+                    self.checked.push(g);
+                } else {
                     for (r, it) in items.iter().enumerate() {
-                        mem.reopen(buf_addr(RECV_DATA, g, r), it.capacity);
+                        assert_eq!(sizes[r], it.sent(), "group {g} buffer {r}: size");
+                        let got = mem.read(buf_addr(RECV_DATA, g, r), it.sent() as usize);
+                        let want = pattern(g, r, it.sent() as usize);
+                        assert!(got == want, "group {g} buffer {r}: data");
+                        // The buffer is NCCL's again: no NIC may write it from now on.
+                        mem.close(buf_addr(RECV_DATA, g, r), it.capacity);
                     }
-                    recv_out.push((g, id));
-                    next_recv += 1;
-                    idle = 0;
+                    self.recv_done[g] = true;
+                    self.checked.push(g);
                 }
+                self.recv_out.remove(i);
+                self.out.recvs_done += 1;
+                self.idle = 0;
             }
-            // After a break, only the multi-receive already being matched is finished (its
-            // row has landed), as NCCL would go on posting its sends.
-            1 if next_send < ops[op[0]]
-                && (ahead(send_out.len()) || !send_order.is_empty())
-                && (!wire.borrow().broken || !send_order.is_empty()) =>
-            {
-                let g = next_send;
-                if g >= AREAS && sends_left[g - AREAS] > 0 {
-                    continue; // the previous sends from that area are not complete
+            Err(e) => {
+                assert!(wire.borrow().failing(), "receive error on a healthy link");
+                if wire.borrow().lying && !wire.borrow().broken {
+                    let m = e.to_string();
+                    assert!(matches!(e, Error::Remote(_)), "a lie is the peer's: {m}");
+                    assert!(m.contains("posted with") && m.contains("hostile"), "{m}");
                 }
-                if send_order.is_empty() {
-                    let k = run.groups[g].len();
-                    send_order = (0..k).collect();
-                    for i in (1..k).rev() {
-                        send_order.swap(i, rng.below(i as u64 + 1) as usize);
-                    }
-                    for (r, it) in run.groups[g].iter().enumerate() {
-                        let p = pattern(g, r, it.size as usize);
-                        mem.with(buf_addr(SEND_DATA, g, r), p.len(), None, |b| {
-                            b.copy_from_slice(&p)
-                        });
-                    }
-                    sends_left[g] = k;
-                }
-                let r = *send_order.last().expect("non-empty");
-                let it = run.groups[g][r];
-                let addr = buf_addr(SEND_DATA, g, r);
-                let b =
-                    Buf { addr, size: it.size, lkeys: keys(11), rkeys: keys(11), host: !run.gpu };
-                let posted = sender.isend(&fifo, &sstage, &mut sio, b, it.tag);
-                let posted = match posted {
-                    Err(e) if wire.borrow().failing() => {
-                        if wire.borrow().posts_fail && !wire.borrow().broken {
-                            assert!(matches!(e, Error::Local(_)), "a failed post is local: {e}");
-                        }
-                        send_order.clear();
-                        next_send = n;
-                        out.errors[0] += 1;
-                        continue;
-                    }
-                    other => other.unwrap(),
-                };
-                if let Some(id) = posted {
-                    send_out.push((g, r, id));
-                    send_order.pop();
-                    idle = 0;
-                    if send_order.is_empty() {
-                        next_send += 1;
-                    }
-                }
-            }
-            2 if !recv_out.is_empty() => {
-                // As a comm's progress: drain the CQ, then the step after the poll.
-                poll(&wire, 1, |c| receiver.complete(c, &rsizes));
-                let r = receiver.idle(now, None, &mut rio, &rstage, &rsizes);
-                if !wire.borrow().failing() {
-                    r.expect("progress on a healthy link");
-                }
-                let i = if run.proxy { 0 } else { rng.below(recv_out.len() as u64) as usize };
-                let (g, id) = recv_out[i];
-                let mut sizes = [0u64; MAX_RECVS];
-                match receiver.test(id, &mut sizes) {
-                    Ok(None) => {}
-                    Ok(Some(k)) => {
-                        let items = &run.groups[g];
-                        assert_eq!(k, items.len(), "group {g}: buffer count");
-                        let recvs: Vec<usize> = recv_out.iter().map(|r| r.1).collect();
-                        journaled.take(&mut sender, &mut receiver, &[], &recvs);
-                        journaled.recv_done(id, k);
-                        if run.optional[g] {
-                            // Done once its data landed (the ack word, written after it on
-                            // the same lane, reached its row), reporting the posted size:
-                            // the data is whole now, whether or not its send has completed
-                            // (NCCL's GPU would see it through its flags).
-                            assert_eq!(sizes[0], items[0].capacity, "group {g}: optional size");
-                            optional_data(run, &mem, g);
-                            recv_done[g] = true;
-                            checked.push(g);
-                        } else {
-                            for (r, it) in items.iter().enumerate() {
-                                assert_eq!(sizes[r], it.sent(), "group {g} buffer {r}: size");
-                                let got = mem.read(buf_addr(RECV_DATA, g, r), it.sent() as usize);
-                                let want = pattern(g, r, it.sent() as usize);
-                                assert!(got == want, "group {g} buffer {r}: data");
-                                // The buffer is NCCL's again: no NIC may write it from now on.
-                                mem.close(buf_addr(RECV_DATA, g, r), it.capacity);
-                            }
-                            recv_done[g] = true;
-                            checked.push(g);
-                        }
-                        recv_out.remove(i);
-                        out.recvs_done += 1;
-                        idle = 0;
-                    }
-                    Err(e) => {
-                        assert!(wire.borrow().failing(), "receive error on a healthy link");
-                        if wire.borrow().lying && !wire.borrow().broken {
-                            let m = e.to_string();
-                            assert!(matches!(e, Error::Remote(_)), "a lie is the peer's: {m}");
-                            assert!(m.contains("posted with") && m.contains("hostile"), "{m}");
-                        }
-                        recv_out.remove(i);
-                        out.errors[1] += 1;
-                        idle = 0;
-                    }
-                }
-            }
-            3 if !send_out.is_empty() => {
-                sender.stamp(now, wire.borrow().cq[0].len());
-                poll(&wire, 0, |c| sender.complete(c));
-                let i = if run.proxy { 0 } else { rng.below(send_out.len() as u64) as usize };
-                let (g, r, id) = send_out[i];
-                match sender.test(id) {
-                    Ok(None) => {}
-                    Ok(Some(size)) => {
-                        assert_eq!(size, run.groups[g][r].sent(), "group {g} send {r}: size");
-                        let sends: Vec<usize> = send_out.iter().map(|s| s.2).collect();
-                        journaled.take(&mut sender, &mut receiver, &sends, &[]);
-                        let nreqs = run.groups[g].len();
-                        let split = lanes(run.split && run.nqps > 1, run.nqps, id / MAX_RECVS);
-                        journaled.send_done(id, size, nreqs, run.optional[g], split.len());
-                        send_out.remove(i);
-                        sends_left[g] -= 1;
-                        if sends_left[g] == 0 {
-                            out.sends_done += 1;
-                            sent[g] = true;
-                        }
-                        // An optional receive's data has landed once its send completed.
-                        idle = 0;
-                    }
-                    Err(_) => {
-                        assert!(wire.borrow().failing(), "send error on a healthy link");
-                        send_out.remove(i);
-                        out.errors[0] += 1;
-                        idle = 0;
-                    }
-                }
-            }
-            _ => {
-                let stragglers = wire.borrow().late.as_ref().map_or(0, Vec::len);
-                if stragglers > 0 && rng.below(64) == 0 {
-                    let k = rng.below(stragglers as u64) as usize;
-                    wire.borrow_mut().arrive_late(&mem, k);
-                }
-                let busy = wire.borrow().busy();
-                if !busy.is_empty() {
-                    let (s, q) = busy[rng.below(busy.len() as u64) as usize];
-                    if s == 1 || run.slow != Some(q) || rng.below(8) == 0 {
-                        wire.borrow_mut().step(&mem, s, q);
-                        idle = 0;
-                    }
-                }
+                self.recv_out.remove(i);
+                self.out.errors[1] += 1;
+                self.idle = 0;
             }
         }
     }
-    // The stragglers still on the wire arrive after the run, when every receive completed and
-    // its buffer is NCCL's.
-    while wire.borrow().late.as_ref().is_some_and(|l| !l.is_empty()) {
-        wire.borrow_mut().arrive_late(&mem, 0);
+
+    /// NCCL's test of an outstanding send (pick 3; a proxy tests the oldest): a completed one
+    /// has its size and its journal, an error is one the link's faults explain.
+    fn test_send(&mut self) {
+        let (run, wire) = (self.run, self.wire);
+        self.sender.stamp(self.now, wire.borrow().cq[0].len());
+        poll(wire, 0, |c| self.sender.complete(c));
+        let i = if run.proxy { 0 } else { self.rng.below(self.send_out.len() as u64) as usize };
+        let (g, r, id) = self.send_out[i];
+        match self.sender.test(id) {
+            Ok(None) => {}
+            Ok(Some(size)) => {
+                assert_eq!(size, run.groups[g][r].sent(), "group {g} send {r}: size");
+                let sends: Vec<usize> = self.send_out.iter().map(|s| s.2).collect();
+                self.journaled.take(&mut self.sender, &mut self.receiver, &sends, &[]);
+                let nreqs = run.groups[g].len();
+                let split = lanes(run.split && run.nqps > 1, run.nqps, id / MAX_RECVS);
+                self.journaled.send_done(id, size, nreqs, run.optional[g], split.len());
+                self.send_out.remove(i);
+                self.sends_left[g] -= 1;
+                if self.sends_left[g] == 0 {
+                    self.out.sends_done += 1;
+                    self.sent[g] = true;
+                }
+                // An optional receive's data has landed once its send completed.
+                self.idle = 0;
+            }
+            Err(_) => {
+                assert!(wire.borrow().failing(), "send error on a healthy link");
+                self.send_out.remove(i);
+                self.out.errors[0] += 1;
+                self.idle = 0;
+            }
+        }
     }
-    out.late = (wire.borrow().late_landed, wire.borrow().late_dropped);
-    take_lines(&mut sender, &mut receiver, &mut lines);
-    // Every request was seen complete exactly once (the counters would have gone past n
-    // otherwise, and tests of freed requests are errors), and nothing is left queued.
-    if !wire.borrow().failing() {
+
+    /// An empty poll (pick 7): the clock moves, and each side NCCL calls drains its CQ and
+    /// makes its progress step, which may probe the quiet peer.
+    fn empty_poll(&mut self) {
+        let (run, wire, steps, n) = (self.run, self.wire, self.steps, self.n);
+        self.now += Duration::from_millis(1);
+        let now = self.now;
+        wire.borrow_mut().now = now;
+        // As a comm's progress: the CQ drained first, then the step after the poll.
+        // NCCL's proxy calls a comm only while it has requests outstanding (or a send
+        // to post: the comm's isend polls when it cannot post yet).
+        let called = |out: bool| !run.proxy || out;
+        let sending = !self.send_out.is_empty() || !self.send_order.is_empty();
+        let s = if self.asleep[0] > steps || !called(sending) {
+            Ok(())
+        } else {
+            self.sender.stamp(now, wire.borrow().cq[0].len());
+            poll(wire, 0, |c| self.sender.complete(c));
+            self.sender.idle(now, None, &mut self.sio, (&self.fifo, &self.sstage))
+        };
+        // A receiving rank whose last operation on the connection is done while its
+        // peer still sends comes back to the comm with its next operation (a later
+        // collective, the final barrier): once in a while, here. A fence needs the
+        // receiver's call (`ferroce_core::data`, "What waits for the other side's next call").
+        let later = self.landed == n && self.out.sends_done < n && steps % 2000 < 8;
+        let r = if self.asleep[1] > steps || !called(!self.recv_out.is_empty() || later) {
+            Ok(())
+        } else {
+            poll(wire, 1, |c| self.receiver.complete(c, &self.rsizes));
+            self.receiver.idle(now, None, &mut self.rio, &self.rstage, &self.rsizes)
+        };
+        if !wire.borrow().failing() {
+            s.and(r).expect("idle on a healthy link");
+        }
+    }
+
+    /// The NICs (any other pick, or a pick whose call NCCL cannot make now): now and then a
+    /// straggler arrives, and a queue pair with work executes its next request (a slow lane's
+    /// one time in 8).
+    fn nic_step(&mut self) {
+        let (run, mem, wire) = (self.run, self.mem, self.wire);
+        let stragglers = wire.borrow().late.as_ref().map_or(0, Vec::len);
+        if stragglers > 0 && self.rng.below(64) == 0 {
+            let k = self.rng.below(stragglers as u64) as usize;
+            wire.borrow_mut().arrive_late(mem, k);
+        }
+        let busy = wire.borrow().busy();
+        if !busy.is_empty() {
+            let (s, q) = busy[self.rng.below(busy.len() as u64) as usize];
+            if s == 1 || run.slow != Some(q) || self.rng.below(8) == 0 {
+                wire.borrow_mut().step(mem, s, q);
+                self.idle = 0;
+            }
+        }
+    }
+
+    /// The run is over: the last stragglers arrive, the end is checked, and the outcome
+    /// gathered.
+    fn finish(mut self) -> Outcome {
+        let (mem, wire) = (self.mem, self.wire);
+        // The stragglers still on the wire arrive after the run, when every receive completed
+        // and its buffer is NCCL's.
+        while wire.borrow().late.as_ref().is_some_and(|l| !l.is_empty()) {
+            wire.borrow_mut().arrive_late(mem, 0);
+        }
+        self.out.late = (wire.borrow().late_landed, wire.borrow().late_dropped);
+        take_lines(&mut self.sender, &mut self.receiver, &mut self.lines);
+        self.check_end();
+        let (out, lines) = (&mut self.out, &self.lines);
+        (out.fences, out.landed, out.again) = (lines.fences, lines.landed, lines.again);
+        out.repaired = lines.repaired;
+        out.kept_out = lines.kept_out;
+        (out.batches, out.wrapped) = (wire.borrow().batches, wire.borrow().wrapped);
+        out.sent = self.sender.traffic().bytes.clone();
+        out.stalls =
+            [self.sender.traffic(), self.receiver.traffic()].map(|t| t.stalled.iter().sum());
+        out.dups = wire.borrow().dups;
+        self.out
+    }
+}
+
+/// The invariant checker: what holds at every step, and at the end of the run.
+impl Harness<'_> {
+    /// At every step: the journals hold entries of outstanding requests only, the run makes
+    /// progress and ends, and the CTS send queue is not overcounted.
+    fn check_step(&mut self) {
+        let sends: Vec<usize> = self.send_out.iter().map(|s| s.2).collect();
+        let recvs: Vec<usize> = self.recv_out.iter().map(|r| r.1).collect();
+        self.journaled.take(&mut self.sender, &mut self.receiver, &sends, &recvs);
+        let (sender, receiver, out) = (&self.sender, &self.receiver, &self.out);
+        let (idle, steps, seed, n) = (self.idle, self.steps, self.seed, self.n);
+        assert!(
+            idle < 200_000,
+            "no progress: {out:?} after {steps} steps, seed {seed}; receiver head {} advertised \
+             {} consumed {} ack {}; sender head {}",
+            receiver.head,
+            receiver.advertised,
+            receiver.consumed,
+            self.rsizes.load(ACK_WORD),
+            sender.head
+        );
+        assert!(
+            steps < 4_000_000 + 200 * n as u64,
+            "livelock: {out:?} after {steps} steps, seed {seed}: sender unfenced {:#x} fence \
+             {:?} resend {} alive {:#x}; receiver serving {:?} alive {:#x} ctl {} pool {:?} \
+             sq {:?} proving {:#x}",
+            sender.unfenced,
+            sender.fence,
+            sender.resend.len(),
+            sender.alive,
+            receiver.serving,
+            receiver.alive,
+            receiver.ctl,
+            receiver.pool,
+            receiver.sq.iter().map(|q| (q.used(), q.signaled.len())).collect::<Vec<_>>(),
+            receiver.proving
+        );
+
+        let sq = receiver.sq.iter().map(SqCount::used).max().unwrap_or(0);
+        assert!(sq < RECV_SEND_QUEUE as u64, "CTS send queue overcounted");
+    }
+
+    /// Before each empty poll: the counters the idle check reads agree with the tables they
+    /// summarise.
+    fn check_tables(&self) {
+        let (sender, receiver) = (&self.sender, &self.receiver);
+        let normal = |s: &&RecvSlot| s.state == State::Pending && s.ack_for == 0;
+        let pending = receiver.slots.iter().filter(normal).count();
+        assert_eq!(receiver.waiting, pending, "receives waiting");
+        let posted = sender.slots.iter().filter(|s| s.pending != 0).count();
+        assert_eq!(sender.in_flight, posted, "slots in flight");
+    }
+
+    /// At the end of the run.
+    fn check_end(&mut self) {
+        let (run, mem) = (self.run, self.mem);
+        // Every request was seen complete exactly once (the counters would have gone past n
+        // otherwise, and tests of freed requests are errors), and nothing is left queued.
+        if !self.wire.borrow().failing() {
+            self.check_stats();
+            self.check_drained();
+        }
+        // Every checked buffer not posted again since still holds its message.
+        for &g in self.checked.iter().filter(|&&g| self.filled[g % AREAS] == g) {
+            for (r, it) in run.groups[g].iter().enumerate() {
+                let got = mem.read(buf_addr(RECV_DATA, g, r), it.sent() as usize);
+                assert!(got == pattern(g, r, it.sent() as usize), "group {g} buffer {r}: changed");
+            }
+        }
+    }
+
+    /// At the end of a run on a healthy link: both ends' statistics and log lines count what
+    /// was sent, received and failed.
+    fn check_stats(&self) {
+        let (run, wire, lines) = (self.run, self.wire, &self.lines);
         // The statistics count every message and byte once: the sender's all of them, the
         // receiver's all but the bytes of optional receives (their size is never reported).
         let items = run.groups.iter().map(Vec::len).sum::<usize>() as u64;
@@ -1516,7 +1737,7 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         let sent: u64 = run.groups.iter().map(size).sum();
         let seen: u64 =
             run.groups.iter().zip(&run.optional).filter(|(_, o)| !**o).map(|(g, _)| size(g)).sum();
-        let (st, rt) = (sender.traffic(), receiver.traffic());
+        let (st, rt) = (self.sender.traffic(), self.receiver.traffic());
         let failures = lines.lanes;
         if run.repairs == 0 {
             let killed = wire.borrow().lanes_failed(0).1;
@@ -1542,6 +1763,12 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         if !run.optional.contains(&true) && failures == 0 {
             assert_eq!(st.chunks, rt.chunks, "both ends count the same chunks per QP");
         }
+    }
+
+    /// At the end of a run on a healthy link: nothing left on the wire or counted by the
+    /// receiver's watchdog but what may be, no request left, every row landed.
+    fn check_drained(&mut self) {
+        let (run, wire, seed, n) = (self.run, self.wire, self.seed, self.n);
         // Only a liveness probe may still be in flight (it was due when the last request
         // completed), and a repair under way.
         let w = wire.borrow();
@@ -1554,37 +1781,25 @@ fn drive(run: &Run, seed: u64) -> Outcome {
         // The receiver's watchdog counts exactly its signaled work still out on its live
         // lanes: a lane it rebuilt or lost leaves nothing counted (a count left over would
         // fail an idle comm after the progress timeout).
-        poll(&wire, 1, |c| receiver.complete(c, &rsizes));
+        poll(wire, 1, |c| self.receiver.complete(c, &self.rsizes));
         let counted = |id: u64| matches!(wr_kind(id), WR_CTS | WR_PROBE | WR_MAIL);
         let out = (wire.borrow().sq[1].iter().enumerate())
-            .filter(|&(q, _)| receiver.alive & (1 << q) != 0)
+            .filter(|&(q, _)| self.receiver.alive & (1 << q) != 0)
             .flat_map(|(_, queue)| queue.iter())
             .filter(|queued| queued.wr.signaled && counted(queued.wr.wr_id))
             .count();
         assert_eq!(
-            receiver.health.watchdog.outstanding, out,
+            self.receiver.health.watchdog.outstanding, out,
             "the receiver's watchdog, seed {seed}"
         );
-        assert!(sender.test(0).is_err() && receiver.test(0, &mut [0; MAX_RECVS]).is_err());
+        assert!(
+            self.sender.test(0).is_err() && self.receiver.test(0, &mut [0; MAX_RECVS]).is_err()
+        );
         assert_eq!(wire.borrow().rows_landed, n as u64, "every row reached the sender");
         let truncating = run.groups.iter().flatten().any(|i| i.size > i.capacity);
-        assert_eq!(lines.truncations, usize::from(truncating), "one truncation warning per comm");
+        let truncations = self.lines.truncations;
+        assert_eq!(truncations, usize::from(truncating), "one truncation warning per comm");
     }
-    // Every checked buffer not posted again since still holds its message.
-    for &g in checked.iter().filter(|&&g| filled[g % AREAS] == g) {
-        for (r, it) in run.groups[g].iter().enumerate() {
-            let got = mem.read(buf_addr(RECV_DATA, g, r), it.sent() as usize);
-            assert!(got == pattern(g, r, it.sent() as usize), "group {g} buffer {r}: changed");
-        }
-    }
-    (out.fences, out.landed, out.again) = (lines.fences, lines.landed, lines.again);
-    out.repaired = lines.repaired;
-    out.kept_out = lines.kept_out;
-    (out.batches, out.wrapped) = (wire.borrow().batches, wire.borrow().wrapped);
-    out.sent = sender.traffic().bytes.clone();
-    out.stalls = [sender.traffic(), receiver.traffic()].map(|t| t.stalled.iter().sum());
-    out.dups = wire.borrow().dups;
-    out
 }
 
 /// Feeds one side's completions to its core, as the comm's progress loop does; polling a
