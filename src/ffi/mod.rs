@@ -5,7 +5,6 @@
 //! - `boundary`: the one funnel every entry point runs through (panic catching, error codes).
 //! - `handles`: typed conversions between NCCL's `void*` and ferroce objects, and the register
 //!   of everything NCCL holds, which the last `finalize` ends.
-//! - `connects`: the connects in progress between `connect` calls.
 //! - `log`: the `log` facade onto NCCL's logger.
 //! - `plugin`: the entry points, written once against the newest signatures.
 //! - `legacy`: the shims several older versions share (no context, `int` sizes, narrower
@@ -17,7 +16,6 @@
 
 pub mod abi;
 mod boundary;
-mod connects;
 mod handles;
 mod legacy;
 pub mod log;

@@ -8,17 +8,16 @@
 
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::sync::Mutex;
-use std::time::Instant;
 
 use super::abi::*;
-use super::connects::{MAX_CONNECTS, Pending, connects, fresh_id};
 use super::handles::{self, AnyComm, clear, out};
 use super::{guard, log};
 use crate::error::{Error, Result};
+use crate::transport::connects::{self, Step};
 use crate::transport::data::{Buf, FLUSH_BASE, MAX_RECVS, ReqKind, buf_within};
 use crate::transport::mr_cache::MemKind;
 use crate::transport::reg;
-use crate::transport::setup::{Connector, Listener};
+use crate::transport::setup::Listener;
 use crate::transport::{self, CommContext, NetDevice};
 use ferroce_core::setup::wire::{self, HANDLE_SIZE};
 
@@ -58,11 +57,7 @@ pub(super) unsafe extern "C" fn finalize(ctx: *mut c_void) -> ncclResult_t {
 /// every listener, comm and registration NCCL still holds, so nothing holds the device state
 /// any more and the library can be unloaded.
 fn end_everything() {
-    let purged = connects().purge();
-    if !purged.is_empty() {
-        ::log::info!("finalize: ended {} connect(s) NCCL left unfinished", purged.len());
-    }
-    drop(purged);
+    transport::connects::end_all();
     let e = handles::end_all();
     if e.listeners + e.comms > 0 {
         ::log::warn!(
@@ -264,36 +259,15 @@ pub(super) unsafe fn connect_with(
         bytes[STATE..HANDLE_SIZE].fill(0);
         let h = wire::Handle::decode(bytes)
             .map_err(|r| Error::Internal(format!("connect: invalid handle: {r}")))?;
-        // Abandoned connects go first (dropped once the table is unlocked).
-        let expired = connects().expire(Instant::now());
-        drop(expired);
-        let (id, mut p) = if id != 0 {
-            // The published part, decoded afresh on every call: a parked connect is taken only
-            // for the same listener.
-            let p = connects().take(id, |p| p.connector.handle() == h).map_err(|m| m.error(id))?;
-            (id, p)
-        } else {
-            // SAFETY: ctx is what init returned (or the legacy context).
-            let c = unsafe { handles::ctx(ctx) }?;
-            let tc = tc.and_then(|t| u8::try_from(t).ok()).or(c.traffic_class);
-            let connector = Box::new(Connector::start(c, dev, h, tc)?);
-            (fresh_id()?, Pending { connector, timeout: c.net.config.setup_timeout })
-        };
-        // On error the connector is dropped here, closing everything it built.
-        if let Some(comm) = p.connector.progress()? {
-            // SAFETY: valid slot per the ABI (NULL rejected).
-            *unsafe { out(send_comm, "sendComm") }? = handles::comm_into_raw(AnyComm::Send(comm));
-            return Ok(());
-        }
-        let deadline = Instant::now() + p.timeout;
-        let pushed_out = connects().park(id, p, deadline);
-        bytes[STATE..STATE + 8].copy_from_slice(&id.to_le_bytes());
-        if let Some((_, old)) = pushed_out {
-            ::log::warn!(
-                "connect: {MAX_CONNECTS} connects in progress; dropped the one to {} advanced \
-                 least recently (NCCL's next connect call for it fails)",
-                old.connector.handle().addr
-            );
+        let tc = tc.and_then(|t| u8::try_from(t).ok());
+        // SAFETY: ctx is what init returned (or the legacy context).
+        match connects::step(id, h, dev, tc, || unsafe { handles::ctx(ctx) })? {
+            Step::Done(comm) => {
+                // SAFETY: valid slot per the ABI (NULL rejected).
+                *unsafe { out(send_comm, "sendComm") }? =
+                    handles::comm_into_raw(AnyComm::Send(comm));
+            }
+            Step::Parked(id) => bytes[STATE..STATE + 8].copy_from_slice(&id.to_le_bytes()),
         }
         Ok(())
     })

@@ -6,6 +6,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod connects;
 pub mod data;
 pub mod device;
 pub mod ecmp;
