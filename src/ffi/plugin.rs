@@ -16,9 +16,10 @@ use crate::error::{Error, Result};
 use crate::transport::connects::{self, Step};
 use crate::transport::data::{Buf, FLUSH_BASE, MAX_RECVS, ReqKind, buf_within};
 use crate::transport::mr_cache::MemKind;
+use crate::transport::props::Props;
 use crate::transport::reg;
 use crate::transport::setup::Listener;
-use crate::transport::{self, CommContext, NetDevice};
+use crate::transport::{self, CommContext};
 use ferroce_core::setup::wire::{self, HANDLE_SIZE};
 
 pub(super) unsafe extern "C" fn init(
@@ -105,47 +106,33 @@ pub(super) unsafe extern "C" fn get_properties(
 }
 
 /// The properties of device `dev` in the newest struct (v12); older versions narrow this.
-/// A fused device's are its first port's, as NCCL's IB transport gives them, except: its name
-/// joins the ports' (`mlx5_0+mlx5_1`), its speed is their sum, its `vProps` lists them, the
-/// QPs a comm takes scale with its ports, its rail is the ports' common one (else undefined)
-/// and its plane undefined.
 pub(super) fn properties(dev: c_int) -> Result<ncclNetProperties_v12_t> {
-    let net = transport::net::current()?;
-    let members = net.members(dev)?;
-    let ports: Vec<&NetDevice> = members.iter().map(|&m| &net.devices[m]).collect();
-    let d = ports[0];
+    let p = transport::net::current()?.props(dev)?;
     let mut devs = [0; NCCL_NET_MAX_DEVS_PER_NIC_V12 as usize];
-    for (slot, &m) in devs.iter_mut().zip(&members) {
+    for (slot, &m) in devs.iter_mut().zip(&p.members) {
         *slot = m as c_int;
     }
-    let names: Vec<&str> = ports.iter().map(|p| p.name.as_str()).collect();
-    let fused = ports.len() > 1;
-    let rail = ports.iter().map(|p| p.rail).reduce(|a, b| if a == b { a } else { None }).flatten();
     let undef = NCCL_NET_ID_UNDEF as i16;
     Ok(ncclNetProperties_v12_t {
-        name: intern(&names.join("+")),
-        pciPath: d.pci_path.as_deref().map_or(std::ptr::null_mut(), intern),
-        guid: d.guid,
-        ptrSupport: ptr_support(d),
+        name: intern(&p.name),
+        pciPath: p.pci_path.as_deref().map_or(std::ptr::null_mut(), intern),
+        guid: p.guid,
+        ptrSupport: ptr_support(&p),
         regIsGlobal: 1,
         forceFlush: 0,
-        speed: ports.iter().map(|p| p.speed_mbps).sum(),
-        port: d.nccl_port,
-        latency: 0.0,
-        maxComms: ports
-            .iter()
-            .map(|p| p.max_comms(net.config.qps_per_conn * ports.len()))
-            .min()
-            .unwrap_or(0),
-        maxRecvs: MAX_RECVS as c_int,
+        speed: p.speed_mbps,
+        port: p.port,
+        latency: p.latency,
+        maxComms: p.max_comms,
+        maxRecvs: p.max_recvs as c_int,
         netDeviceType: ncclNetDeviceType::NCCL_NET_DEVICE_HOST,
         netDeviceVersion: NCCL_NET_DEVICE_INVALID_VERSION as c_int,
-        vProps: ncclNetVDeviceProps_v12_t { ndevs: ports.len() as c_int, devs },
+        vProps: ncclNetVDeviceProps_v12_t { ndevs: p.members.len() as c_int, devs },
         maxP2pBytes: NCCL_MAX_NET_SIZE_BYTES as usize,
         maxCollBytes: NCCL_MAX_COLLNET_SIZE as usize,
         maxMultiRequestSize: 1,
-        railId: rail.unwrap_or(undef),
-        planeId: if fused { undef } else { rail_or_undef(d, |d| d.plane) },
+        railId: p.rail.unwrap_or(undef),
+        planeId: p.plane.unwrap_or(undef),
     })
 }
 
@@ -169,19 +156,15 @@ pub(super) unsafe extern "C" fn make_vdevice(
 }
 
 /// `NCCL_PTR_HOST`, plus `_CUDA` with peer memory, plus `_DMABUF` where dma-buf works.
-fn ptr_support(d: &NetDevice) -> c_int {
+fn ptr_support(p: &Props) -> c_int {
     let mut bits = NCCL_PTR_HOST;
-    if d.gdr.cuda {
+    if p.cuda {
         bits |= NCCL_PTR_CUDA;
     }
-    if d.gdr.dmabuf {
+    if p.dmabuf {
         bits |= NCCL_PTR_DMABUF;
     }
     bits as c_int
-}
-
-fn rail_or_undef(d: &NetDevice, f: impl Fn(&NetDevice) -> Option<i16>) -> i16 {
-    f(d).unwrap_or(NCCL_NET_ID_UNDEF as i16)
 }
 
 /// NCCL may keep the `name` and `pciPath` pointers of the properties, so they must outlive the
