@@ -164,42 +164,23 @@ mod layout {
         assert_eq!(size_of::<ncclNetDeviceType>(), 4);
     }
 
+    /// Every listed version's table has its reference size; a version without one fails.
     #[test]
     fn vtable_sizes() {
-        assert_eq!(size_of::<ncclNet_v6_t>(), 136);
-        assert_eq!(size_of::<ncclNet_v7_t>(), 152);
-        assert_eq!(size_of::<ncclNet_v8_t>(), 152);
-        assert_eq!(size_of::<ncclNet_v9_t>(), 160);
-        assert_eq!(size_of::<ncclNet_v10_t>(), 160);
-        assert_eq!(size_of::<ncclNet_v11_t>(), 176);
-        assert_eq!(size_of::<ncclNet_v12_t>(), 176);
+        let want = [(6, 136), (7, 152), (8, 152), (9, 160), (10, 160), (11, 176), (12, 176)];
+        macro_rules! sizes {
+            ($($n:literal $v:ident $t:ident { $($extra:ident)* }),*) => {$(
+                let size = want.iter().find(|w| w.0 == $n).map(|w| w.1);
+                assert_eq!(Some(size_of::<$t>()), size, "{}", stringify!($t));
+            )*};
+        }
+        crate::ncclnet_versions!(sizes);
     }
 
+    /// The newest table's offsets are the reference's; every older table has each of its
+    /// members where the newest has it (members are only ever appended).
     #[test]
     fn vtable_offsets() {
-        offsets!(ncclNet_v6_t {
-            name: 0,
-            init: 8,
-            devices: 16,
-            getProperties: 24,
-            listen: 32,
-            connect: 40,
-            accept: 48,
-            regMr: 56,
-            regMrDmaBuf: 64,
-            deregMr: 72,
-            isend: 80,
-            irecv: 88,
-            iflush: 96,
-            test: 104,
-            closeSend: 112,
-            closeRecv: 120,
-            closeListen: 128
-        });
-        offsets!(ncclNet_v7_t { closeListen: 128, getDeviceMr: 136, irecvConsumed: 144 });
-        offsets!(ncclNet_v9_t { irecvConsumed: 144, makeVDevice: 152 });
-        offsets!(ncclNet_v10_t { makeVDevice: 152 });
-        offsets!(ncclNet_v11_t { makeVDevice: 152, finalize: 160, setNetAttr: 168 });
         offsets!(ncclNet_v12_t {
             name: 0,
             init: 8,
@@ -224,6 +205,20 @@ mod layout {
             finalize: 160,
             setNetAttr: 168
         });
+        macro_rules! like_newest {
+            ($t:ident: $($f:ident)*) => {$(
+                let newest = offset_of!(ncclNet_v12_t, $f);
+                assert_eq!(offset_of!($t, $f), newest, "{}::{}", stringify!($t), stringify!($f));
+            )*};
+        }
+        macro_rules! same {
+            ($($n:literal $v:ident $t:ident { $($extra:ident)* }),*) => {$(
+                like_newest!($t: name init devices getProperties listen connect accept regMr
+                    regMrDmaBuf deregMr isend irecv iflush test closeSend closeRecv closeListen
+                    $($extra)*);
+            )*};
+        }
+        crate::ncclnet_versions!(same);
     }
 
     #[test]

@@ -9,10 +9,30 @@
 //! - `plugin`: the entry points, written once against the newest signatures.
 //! - `legacy`: the shims several older versions share (no context, `int` sizes, narrower
 //!   property structs).
-//! - `v12` … `v6`: one exported table per ABI version, naming `plugin` and `legacy` only. A new
-//!   version is one more file here.
+//! - `v12` … `v6`: one exported table per ABI version, naming `plugin` and `legacy`, and the
+//!   shims only that version needs. A new version is one more file here, its struct in
+//!   `include/ferroce_net.h` and one entry in [`ncclnet_versions!`].
 
 #![allow(unsafe_code)]
+
+/// The ncclNet versions, newest first, one entry a version: its number, its module here (which
+/// exports its table), its table type, and the members that table has beyond v6's. Everything
+/// that differs by version reads this list: the modules and checks below, the client driver in
+/// ferroce-tools, the ABI layout tests and `tests/loadability.rs`. Calls `$then!` with it.
+#[macro_export]
+macro_rules! ncclnet_versions {
+    ($then:ident) => {
+        $then! {
+            12 v12 ncclNet_v12_t { getDeviceMr irecvConsumed makeVDevice finalize setNetAttr },
+            11 v11 ncclNet_v11_t { getDeviceMr irecvConsumed makeVDevice finalize setNetAttr },
+            10 v10 ncclNet_v10_t { getDeviceMr irecvConsumed makeVDevice },
+            9 v9 ncclNet_v9_t { getDeviceMr irecvConsumed makeVDevice },
+            8 v8 ncclNet_v8_t { getDeviceMr irecvConsumed },
+            7 v7 ncclNet_v7_t { getDeviceMr irecvConsumed },
+            6 v6 ncclNet_v6_t {}
+        }
+    };
+}
 
 pub mod abi;
 mod boundary;
@@ -21,13 +41,6 @@ mod legacy;
 pub mod log;
 mod plugin;
 mod profiler;
-mod v10;
-mod v11;
-mod v12;
-mod v6;
-mod v7;
-mod v8;
-mod v9;
 
 pub use boundary::guard;
 
@@ -41,23 +54,24 @@ pub struct Exported<T>(pub T);
 /// their own.
 pub trait Table {}
 
-/// Marks each listed type a [`Table`], after checking that it is the ncclNet table of its
-/// version: its `name` field is a `*const c_char`.
+/// For each listed version: its module, its table type marked a [`Table`] (after checking that
+/// it is an ncclNet table: its `name` is a `*const c_char`, and it has the members the list
+/// says), and its number in [`VERSIONS`].
 macro_rules! tables {
-    ($($t:ty),*) => {$(
-        impl Table for $t {}
-        const _: fn(&$t) -> *const std::ffi::c_char = |t| t.name;
-    )*};
+    ($($n:literal $v:ident $t:ident { $($extra:ident)* }),*) => {
+        $(
+            mod $v;
+            impl Table for abi::$t {}
+            const _: fn(&abi::$t) -> *const std::ffi::c_char = |t| {
+                $(let _ = t.$extra;)*
+                t.name
+            };
+        )*
+        /// The ABI versions the plugin exports, newest first.
+        pub const VERSIONS: &[u32] = &[$($n),*];
+    };
 }
-tables!(
-    abi::ncclNet_v6_t,
-    abi::ncclNet_v7_t,
-    abi::ncclNet_v8_t,
-    abi::ncclNet_v9_t,
-    abi::ncclNet_v10_t,
-    abi::ncclNet_v11_t,
-    abi::ncclNet_v12_t
-);
+ncclnet_versions!(tables);
 
 // SAFETY: a `Table` holds function pointers (Sync) and `name`, which every export sets to
 // `PLUGIN_NAME`, a static C string nobody writes; the exports are immutable statics. So

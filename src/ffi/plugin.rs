@@ -11,6 +11,7 @@ use std::sync::Mutex;
 
 use super::abi::*;
 use super::handles::{self, AnyComm, clear, out};
+use super::legacy::Narrow;
 use super::{guard, log};
 use crate::error::{Error, Result};
 use crate::transport::connects::{self, Step};
@@ -93,20 +94,21 @@ pub(super) unsafe extern "C" fn devices(ndev: *mut c_int) -> ncclResult_t {
     })
 }
 
-pub(super) unsafe extern "C" fn get_properties(
+/// `getProperties` of every version: the newest properties, narrowed to the version's struct.
+pub(super) unsafe extern "C" fn get_properties<T: Narrow<ncclNetProperties_v12_t>>(
     dev: c_int,
-    props: *mut ncclNetProperties_v12_t,
+    props: *mut T,
 ) -> ncclResult_t {
     guard("getProperties", || {
         let p = properties(dev)?;
-        // SAFETY: NCCL passes a valid properties struct (NULL rejected by `out`).
-        *unsafe { out(props, "props") }? = p;
+        // SAFETY: NCCL passes a valid properties struct of this version (NULL rejected).
+        *unsafe { out(props, "props") }? = T::narrow(&p);
         Ok(())
     })
 }
 
-/// The properties of device `dev` in the newest struct (v12); older versions narrow this.
-pub(super) fn properties(dev: c_int) -> Result<ncclNetProperties_v12_t> {
+/// The properties of device `dev` in the newest struct (v12).
+fn properties(dev: c_int) -> Result<ncclNetProperties_v12_t> {
     let p = transport::net::current()?.props(dev)?;
     let mut devs = [0; NCCL_NET_MAX_DEVS_PER_NIC_V12 as usize];
     for (slot, &m) in devs.iter_mut().zip(&p.members) {

@@ -11,7 +11,7 @@ pub static ncclNetPlugin_v10: Exported<ncclNet_v10_t> = Exported(ncclNet_v10_t {
     name: PLUGIN_NAME.as_ptr(),
     init: Some(init),
     devices: Some(plugin::devices),
-    getProperties: Some(legacy::get_properties_v9),
+    getProperties: Some(plugin::get_properties),
     listen: Some(legacy::listen),
     connect: Some(connect),
     accept: Some(plugin::accept),

@@ -11,7 +11,7 @@ pub static ncclNetPlugin_v6: Exported<ncclNet_v6_t> = Exported(ncclNet_v6_t {
     name: PLUGIN_NAME.as_ptr(),
     init: Some(legacy::init),
     devices: Some(plugin::devices),
-    getProperties: Some(get_properties),
+    getProperties: Some(plugin::get_properties),
     listen: Some(legacy::listen),
     connect: Some(connect),
     accept: Some(accept),
@@ -27,26 +27,10 @@ pub static ncclNetPlugin_v6: Exported<ncclNet_v6_t> = Exported(ncclNet_v6_t {
     closeListen: Some(plugin::close_listen),
 });
 
-unsafe extern "C" fn get_properties(
-    dev: c_int,
-    props: *mut ncclNetProperties_v6_t,
-) -> ncclResult_t {
-    legacy::get_properties(dev, props, |p| {
-        narrow!(
-            p,
-            ncclNetProperties_v6_t {
-                name,
-                pciPath,
-                guid,
-                ptrSupport,
-                speed,
-                port,
-                latency,
-                maxComms,
-                maxRecvs
-            }
-        )
-    })
+// Its properties struct has these fields of the newest one.
+narrow! {
+    ncclNetProperties_v6_t:
+    name pciPath guid ptrSupport speed port latency maxComms maxRecvs
 }
 
 unsafe extern "C" fn connect(

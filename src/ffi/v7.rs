@@ -1,7 +1,5 @@
 //! ncclNet v7: v8 with an `int` size in `regMr` and no `regIsGlobal`.
 
-use std::ffi::c_int;
-
 use super::abi::*;
 use super::legacy::{self, narrow};
 use super::{Exported, PLUGIN_NAME, plugin};
@@ -11,7 +9,7 @@ pub static ncclNetPlugin_v7: Exported<ncclNet_v7_t> = Exported(ncclNet_v7_t {
     name: PLUGIN_NAME.as_ptr(),
     init: Some(legacy::init),
     devices: Some(plugin::devices),
-    getProperties: Some(get_properties),
+    getProperties: Some(plugin::get_properties),
     listen: Some(legacy::listen),
     connect: Some(legacy::connect),
     accept: Some(plugin::accept),
@@ -29,26 +27,9 @@ pub static ncclNetPlugin_v7: Exported<ncclNet_v7_t> = Exported(ncclNet_v7_t {
     irecvConsumed: None,
 });
 
-unsafe extern "C" fn get_properties(
-    dev: c_int,
-    props: *mut ncclNetProperties_v7_t,
-) -> ncclResult_t {
-    legacy::get_properties(dev, props, |p| {
-        narrow!(
-            p,
-            ncclNetProperties_v7_t {
-                name,
-                pciPath,
-                guid,
-                ptrSupport,
-                speed,
-                port,
-                latency,
-                maxComms,
-                maxRecvs,
-                netDeviceType,
-                netDeviceVersion
-            }
-        )
-    })
+// Its properties struct has these fields of the newest one.
+narrow! {
+    ncclNetProperties_v7_t:
+    name pciPath guid ptrSupport speed port latency maxComms maxRecvs netDeviceType
+    netDeviceVersion
 }

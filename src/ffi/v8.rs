@@ -1,7 +1,5 @@
 //! ncclNet v8: `int` sizes in `isend`/`irecv`, no virtual devices in the properties.
 
-use std::ffi::c_int;
-
 use super::abi::*;
 use super::legacy::{self, narrow};
 use super::{Exported, PLUGIN_NAME, plugin};
@@ -11,7 +9,7 @@ pub static ncclNetPlugin_v8: Exported<ncclNet_v8_t> = Exported(ncclNet_v8_t {
     name: PLUGIN_NAME.as_ptr(),
     init: Some(legacy::init),
     devices: Some(plugin::devices),
-    getProperties: Some(get_properties),
+    getProperties: Some(plugin::get_properties),
     listen: Some(legacy::listen),
     connect: Some(legacy::connect),
     accept: Some(plugin::accept),
@@ -29,27 +27,9 @@ pub static ncclNetPlugin_v8: Exported<ncclNet_v8_t> = Exported(ncclNet_v8_t {
     irecvConsumed: None,
 });
 
-unsafe extern "C" fn get_properties(
-    dev: c_int,
-    props: *mut ncclNetProperties_v8_t,
-) -> ncclResult_t {
-    legacy::get_properties(dev, props, |p| {
-        narrow!(
-            p,
-            ncclNetProperties_v8_t {
-                name,
-                pciPath,
-                guid,
-                ptrSupport,
-                regIsGlobal,
-                speed,
-                port,
-                latency,
-                maxComms,
-                maxRecvs,
-                netDeviceType,
-                netDeviceVersion
-            }
-        )
-    })
+// Its properties struct has these fields of the newest one.
+narrow! {
+    ncclNetProperties_v8_t:
+    name pciPath guid ptrSupport regIsGlobal speed port latency maxComms maxRecvs netDeviceType
+    netDeviceVersion
 }
