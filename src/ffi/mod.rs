@@ -11,7 +11,7 @@
 //!   property structs).
 //! - `v12` … `v6`: one exported table per ABI version, naming `plugin` and `legacy`, and the
 //!   shims only that version needs. A new version is one more file here, its struct in
-//!   `include/ferroce_net.h` and one entry in [`ncclnet_versions!`].
+//!   `include/ferroce_net.h` and one entry in [`ncclnet_versions!`](crate::ncclnet_versions).
 
 #![allow(unsafe_code)]
 
