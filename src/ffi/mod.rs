@@ -36,6 +36,7 @@ macro_rules! ncclnet_versions {
 
 pub mod abi;
 mod boundary;
+mod entries;
 mod handles;
 mod legacy;
 pub mod log;
@@ -54,21 +55,34 @@ pub struct Exported<T>(pub T);
 /// their own.
 pub trait Table {}
 
-/// For each listed version: its module, its table type marked a [`Table`] (after checking that
-/// it is an ncclNet table: its `name` is a `*const c_char`, and it has the members the list
-/// says), and its number in [`VERSIONS`].
+/// For each listed version: its module, its table type marked a [`Table`], its table exported
+/// under the symbol NCCL looks up (`ncclNetPlugin_v12`), and its number in [`VERSIONS`].
 macro_rules! tables {
     ($($n:literal $v:ident $t:ident { $($extra:ident)* }),*) => {
         $(
             mod $v;
             impl Table for abi::$t {}
-            const _: fn(&abi::$t) -> *const std::ffi::c_char = |t| {
-                $(let _ = t.$extra;)*
-                t.name
+            const _: () = {
+                #[unsafe(export_name = concat!("ncclNetPlugin_", stringify!($v)))]
+                static TABLE: Exported<abi::$t> = Exported(table!($t: init devices getProperties
+                    listen connect accept regMr regMrDmaBuf deregMr isend irecv iflush test
+                    closeSend closeRecv closeListen $($extra)*));
             };
         )*
         /// The ABI versions the plugin exports, newest first.
         pub const VERSIONS: &[u32] = &[$($n),*];
+    };
+}
+
+/// The table of type `$t` whose members are those named, each filled by the [`entries`] entry
+/// point of its signature (a table that lacks a member named, or has one not named, fails to
+/// compile).
+macro_rules! table {
+    ($t:ident: $($member:ident)*) => {
+        abi::$t {
+            name: PLUGIN_NAME.as_ptr(),
+            $($member: <entries::$member as entries::Entry<_>>::FN,)*
+        }
     };
 }
 ncclnet_versions!(tables);
