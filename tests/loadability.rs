@@ -19,8 +19,15 @@ fn v12(lib: &Library) -> &ncclNet_v12_t {
     unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.unwrap()
 }
 
-fn has_rdma_devices() -> bool {
-    std::fs::read_dir("/sys/class/infiniband").map(|d| d.count() > 0).unwrap_or(false)
+/// The serial lock and the plugin, on a host without RDMA devices; `None` (saying so) on one
+/// with them, where the no-device path is left to the unit tests.
+fn without_devices() -> Option<(std::sync::MutexGuard<'static, ()>, Library)> {
+    let devices = std::fs::read_dir("/sys/class/infiniband").map(|d| d.count() > 0);
+    if devices.unwrap_or(false) {
+        eprintln!("this host has RDMA devices; the no-device path is covered by unit tests");
+        return None;
+    }
+    Some((serial(), open_plugin()))
 }
 
 #[test]
@@ -91,12 +98,7 @@ fn warns(lines: &[(i32, u64, String)]) -> Vec<String> {
 
 #[test]
 fn init_without_devices_fails_with_one_warn_saying_why() {
-    if has_rdma_devices() {
-        eprintln!("this host has RDMA devices; the no-device path is covered by unit tests");
-        return;
-    }
-    let _g = serial();
-    let lib = open_plugin();
+    let Some((_g, lib)) = without_devices() else { return };
     let net = v12(&lib);
     take_captured();
     let mut ctx: *mut c_void = std::ptr::dangling_mut::<c_void>(); // must be reset to NULL
@@ -114,12 +116,7 @@ fn init_without_devices_fails_with_one_warn_saying_why() {
 
 #[test]
 fn every_versions_init_fails_the_same_way_without_devices() {
-    if has_rdma_devices() {
-        eprintln!("this host has RDMA devices; the no-device path is covered by unit tests");
-        return;
-    }
-    let _g = serial();
-    let lib = open_plugin();
+    let Some((_g, lib)) = without_devices() else { return };
     for &v in VERSIONS {
         let driver = Driver::new(&lib, v).unwrap();
         take_captured();

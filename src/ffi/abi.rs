@@ -14,6 +14,14 @@ mod layout {
     use super::*;
     use std::mem::{align_of, offset_of, size_of};
 
+    /// Each field named is where it is in `$newest`.
+    macro_rules! same_offsets {
+        ($t:ident as $newest:ident: $($f:ident)*) => {$(
+            let newest = offset_of!($newest, $f);
+            assert_eq!(offset_of!($t, $f), newest, "{}::{}", stringify!($t), stringify!($f));
+        )*};
+    }
+
     macro_rules! offsets {
         ($ty:ty { $($field:ident : $off:expr),* $(,)? }) => {
             $( assert_eq!(offset_of!($ty, $field), $off, "{}::{}", stringify!($ty), stringify!($field)); )*
@@ -86,28 +94,6 @@ mod layout {
             netDeviceType: 52,
             netDeviceVersion: 56
         });
-        offsets!(ncclNetProperties_v9_t {
-            regIsGlobal: 28,
-            forceFlush: 32,
-            speed: 36,
-            port: 40,
-            latency: 44,
-            maxComms: 48,
-            maxRecvs: 52,
-            netDeviceType: 56,
-            netDeviceVersion: 60,
-            vProps: 64,
-            maxP2pBytes: 88,
-            maxCollBytes: 96
-        });
-        offsets!(ncclNetProperties_v11_t {
-            forceFlush: 32,
-            speed: 36,
-            vProps: 64,
-            maxP2pBytes: 88,
-            maxCollBytes: 96,
-            maxMultiRequestSize: 104
-        });
         offsets!(ncclNetProperties_v12_t {
             name: 0,
             pciPath: 8,
@@ -128,6 +114,19 @@ mod layout {
             maxMultiRequestSize: 120,
             railId: 124,
             planeId: 126
+        });
+        // v9 and v11 have v12's layout up to `vProps`, which holds 4 ports instead of 8.
+        same_offsets!(ncclNetProperties_v9_t as ncclNetProperties_v12_t: name pciPath guid
+            ptrSupport regIsGlobal forceFlush speed port latency maxComms maxRecvs netDeviceType
+            netDeviceVersion vProps);
+        same_offsets!(ncclNetProperties_v11_t as ncclNetProperties_v12_t: name pciPath guid
+            ptrSupport regIsGlobal forceFlush speed port latency maxComms maxRecvs netDeviceType
+            netDeviceVersion vProps);
+        offsets!(ncclNetProperties_v9_t { maxP2pBytes: 88, maxCollBytes: 96 });
+        offsets!(ncclNetProperties_v11_t {
+            maxP2pBytes: 88,
+            maxCollBytes: 96,
+            maxMultiRequestSize: 104
         });
     }
 
@@ -206,15 +205,9 @@ mod layout {
             finalize: 160,
             setNetAttr: 168
         });
-        macro_rules! like_newest {
-            ($t:ident: $($f:ident)*) => {$(
-                let newest = offset_of!(ncclNet_v12_t, $f);
-                assert_eq!(offset_of!($t, $f), newest, "{}::{}", stringify!($t), stringify!($f));
-            )*};
-        }
         macro_rules! same {
             ($($n:literal $v:ident $t:ident { $($extra:ident)* }),*) => {$(
-                like_newest!($t: name init devices getProperties listen connect accept regMr
+                same_offsets!($t as ncclNet_v12_t: name init devices getProperties listen connect accept regMr
                     regMrDmaBuf deregMr isend irecv iflush test closeSend closeRecv closeListen
                     $($extra)*);
             )*};

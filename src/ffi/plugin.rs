@@ -359,6 +359,31 @@ fn buf(data: *mut c_void, size: u64, mhandle: *mut c_void, devs: &[usize]) -> Re
     buf_within(h, devs, data as u64, size)
 }
 
+/// What `isend`, `irecv` and `iflush` share: `body` runs in the guard on the comm `comm` (under
+/// its gate) with its member ports, and a request it posts goes out through `request`, which is
+/// cleared first ("not yet" is a NULL request).
+///
+/// # Safety
+/// `comm` came from connect or accept and is not closed; `request` is NULL or a valid slot.
+unsafe fn post(
+    call: &'static str,
+    comm: *mut c_void,
+    request: *mut *mut c_void,
+    body: impl FnOnce(&mut AnyComm, &[usize]) -> Result<Option<usize>>,
+) -> ncclResult_t {
+    // SAFETY: per the contract.
+    unsafe { clear(request) };
+    guard(call, || {
+        // SAFETY: per the contract.
+        let h = unsafe { handles::comm(comm) }?;
+        if let Some(id) = body(&mut *h.enter()?, &h.devs)? {
+            // SAFETY: valid slot per the ABI (NULL rejected).
+            *unsafe { out(request, "request") }? = h.request(id);
+        }
+        Ok(())
+    })
+}
+
 pub(super) unsafe extern "C" fn isend(
     send_comm: *mut c_void,
     data: *mut c_void,
@@ -368,21 +393,14 @@ pub(super) unsafe extern "C" fn isend(
     phandle: *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    // SAFETY: NCCL passes NULL or a valid slot.
-    unsafe { clear(request) };
-    guard("isend", || {
-        // SAFETY: send_comm came from connect and is not closed.
-        let h = unsafe { handles::comm(send_comm) }?;
-        let AnyComm::Send(c) = &mut *h.enter()? else {
+    let send = |c: &mut AnyComm, devs: &[usize]| {
+        let AnyComm::Send(c) = c else {
             return Err(Error::Internal("isend on a receive comm".into()));
         };
-        let b = buf(data, size as u64, mhandle, &h.devs)?;
-        if let Some(id) = c.isend(b, tag, phandle as usize)? {
-            // SAFETY: valid slot per the ABI (NULL rejected).
-            *unsafe { out(request, "request") }? = h.request(id);
-        }
-        Ok(())
-    })
+        c.isend(buf(data, size as u64, mhandle, devs)?, tag, phandle as usize)
+    };
+    // SAFETY: send_comm came from connect and is not closed; NCCL passes NULL or a valid slot.
+    unsafe { post("isend", send_comm, request, send) }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -401,12 +419,8 @@ pub(super) unsafe extern "C" fn irecv(
     // SAFETY: NCCL passes NULL or a valid slot.
     let optional = unsafe { request.as_ref() }
         .is_some_and(|r| *r as usize == NCCL_NET_OPTIONAL_RECV_COMPLETION as usize);
-    // SAFETY: as above.
-    unsafe { clear(request) };
-    guard("irecv", || {
-        // SAFETY: recv_comm came from accept and is not closed.
-        let h = unsafe { handles::comm(recv_comm) }?;
-        let AnyComm::Recv(c) = &mut *h.enter()? else {
+    let recv = |c: &mut AnyComm, devs: &[usize]| {
+        let AnyComm::Recv(c) = c else {
             return Err(Error::Internal("irecv on a send comm".into()));
         };
         let count = usize::try_from(n).ok().filter(|k| (1..=MAX_RECVS).contains(k));
@@ -421,18 +435,16 @@ pub(super) unsafe extern "C" fn irecv(
             // SAFETY: NCCL passes n valid entries in each array.
             let (d, s, t, m) =
                 unsafe { (*data.add(i), *sizes.add(i), *tags.add(i), *mhandles.add(i)) };
-            *b = (buf(d, s as u64, m, &h.devs)?, t);
+            *b = (buf(d, s as u64, m, devs)?, t);
             if !phandles.is_null() {
                 // SAFETY: a non-NULL phandles has n entries (v10+).
                 ph[i] = unsafe { *phandles.add(i) } as usize;
             }
         }
-        if let Some(id) = c.irecv(&bufs[..count], optional, &ph[..count])? {
-            // SAFETY: valid slot per the ABI (NULL rejected).
-            *unsafe { out(request, "request") }? = h.request(id);
-        }
-        Ok(())
-    })
+        c.irecv(&bufs[..count], optional, &ph[..count])
+    };
+    // SAFETY: recv_comm came from accept and is not closed; the slot is as above.
+    unsafe { post("irecv", recv_comm, request, recv) }
 }
 
 pub(super) unsafe extern "C" fn iflush(
@@ -443,12 +455,8 @@ pub(super) unsafe extern "C" fn iflush(
     mhandles: *mut *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    // SAFETY: NCCL passes NULL or a valid slot.
-    unsafe { clear(request) };
-    guard("iflush", || {
-        // SAFETY: recv_comm came from accept and is not closed.
-        let h = unsafe { handles::comm(recv_comm) }?;
-        let AnyComm::Recv(c) = &mut *h.enter()? else {
+    let flush = |c: &mut AnyComm, devs: &[usize]| {
+        let AnyComm::Recv(c) = c else {
             return Err(Error::Internal("iflush on a send comm".into()));
         };
         let count = usize::try_from(n).unwrap_or(0).min(MAX_RECVS);
@@ -463,16 +471,14 @@ pub(super) unsafe extern "C" fn iflush(
             // SAFETY: NCCL passes n valid entries in each array.
             let (d, s, m) = unsafe { (*data.add(i), *sizes.add(i), *mhandles.add(i)) };
             if s > 0 && !m.is_null() {
-                bufs[k] = buf(d, 1, m, &h.devs)?;
+                bufs[k] = buf(d, 1, m, devs)?;
                 k += 1;
             }
         }
-        if let Some(id) = c.iflush(&bufs[..k])? {
-            // SAFETY: valid slot per the ABI (NULL rejected).
-            *unsafe { out(request, "request") }? = h.request(id);
-        }
-        Ok(())
-    })
+        c.iflush(&bufs[..k])
+    };
+    // SAFETY: recv_comm came from accept and is not closed; NCCL passes NULL or a valid slot.
+    unsafe { post("iflush", recv_comm, request, flush) }
 }
 
 pub(super) unsafe extern "C" fn test(

@@ -822,14 +822,11 @@ mod tests {
             .pci("mlx5_2", "0000:3b:00.2")
             .pci("mlx5_3", "0000:3b:01.3");
         let devs = [("mlx5_0", 1), ("mlx5_2", 1), ("mlx5_3", 1)];
-        assert_eq!(
-            sys.places(&devs, true),
-            [card("0000:3b:00.0", 1), card("0000:3b:00.0", 2), card("0000:3b:00.0", 3)]
-        );
-        assert_eq!(
-            sys.places(&devs, false),
-            [card("0000:3b:00.0", 1), card("0000:3b:00.0", 2), card("0000:3b:01.0", 1)]
-        );
+        // Merged, the VF on function 01.3 is the card's third port; unmerged, its own first.
+        let (merged, own) = ("0000:3b:00.0", "0000:3b:01.0");
+        let third = |vf, port| [card(merged, 1), card(merged, 2), card(vf, port)];
+        assert_eq!(sys.places(&devs, true), third(merged, 3));
+        assert_eq!(sys.places(&devs, false), third(own, 1));
     }
 
     #[test]
