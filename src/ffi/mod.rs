@@ -1,5 +1,5 @@
-//! The C boundary: the only module with `extern "C"`, `#[unsafe(no_mangle)]`, `void*` casts and
-//! NCCL out-pointers.
+//! The C boundary: the only module with `extern "C"`, exported symbols, `void*` casts and NCCL
+//! out-pointers.
 //!
 //! - `abi`: the bindgen view of `include/ferroce_net.h`.
 //! - `boundary`: the one funnel every entry point runs through (panic catching, error codes).
@@ -9,14 +9,16 @@
 //! - `plugin`: the entry points, written once against the newest signatures.
 //! - `legacy`: the shims several older versions share (no context, `int` sizes, narrower
 //!   property structs).
-//! - `v12` … `v6`: one exported table per ABI version, naming `plugin` and `legacy`, and the
-//!   shims only that version needs. A new version is one more file here, its struct in
-//!   `include/ferroce_net.h` and one entry in [`ncclnet_versions!`](crate::ncclnet_versions).
+//! - `entries`: which of those fills each member of a table, by the member's signature.
+//! - `v12` … `v6`: what one version alone has (its properties struct's fields, shims of a
+//!   signature no other version has). Each version's table is written from its type by
+//!   `tables!` below. A new version is its struct in `include/ferroce_net.h`, one more file
+//!   here and one entry in [`ncclnet_versions!`](crate::ncclnet_versions).
 
 #![allow(unsafe_code)]
 
-/// The ncclNet versions, newest first, one entry a version: its number, its module here (which
-/// exports its table), its table type, and the members that table has beyond v6's. Everything
+/// The ncclNet versions, newest first, one entry a version: its number, its module here, its
+/// table type, and the members that table has beyond v6's. Everything
 /// that differs by version reads this list: the modules and checks below, the client driver in
 /// ferroce-tools, the ABI layout tests and `tests/loadability.rs`. Calls `$then!` with it.
 #[macro_export]

@@ -1,7 +1,6 @@
-//! The plugin's entry points, written once: the `vN` modules only export tables that point here,
-//! or at shims that adapt an older signature (`legacy` holds the shims several versions share).
-//! The signatures are the newest ABI's, so the newest table points here directly, and adding a
-//! version means adding one `vN` file.
+//! The plugin's entry points, written once against the newest signatures: `entries` fills each
+//! table member with one of these where its signature is the newest, else with a shim that
+//! adapts an older signature (`legacy` holds the shims several versions share).
 //!
 //! Every function is plumbing around a safe call: clear the "not ready" outputs, run the body in
 //! [`guard`], write outputs only on success.
