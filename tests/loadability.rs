@@ -8,15 +8,30 @@ use std::process::Command;
 use std::ptr::null_mut;
 
 use common::*;
+use ferroce::ffi::VERSIONS;
 use ferroce::ffi::abi::*;
-use ferroce_tools::loader::{capture_logger, take_captured};
+use ferroce_tools::driver::Driver;
+use ferroce_tools::loader::{Library, capture_logger, take_captured};
 
-fn has_rdma_devices() -> bool {
-    std::fs::read_dir("/sys/class/infiniband").map(|d| d.count() > 0).unwrap_or(false)
+/// The plugin's v12 table, which the tests below call directly.
+fn v12(lib: &Library) -> &ncclNet_v12_t {
+    // SAFETY: the symbol is an ncclNet_v12_t.
+    unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.unwrap()
+}
+
+/// The serial lock and the plugin, on a host without RDMA devices; `None` (saying so) on one
+/// with them, where the no-device path is left to the unit tests.
+fn without_devices() -> Option<(std::sync::MutexGuard<'static, ()>, Library)> {
+    let devices = std::fs::read_dir("/sys/class/infiniband").map(|d| d.count() > 0);
+    if devices.unwrap_or(false) {
+        eprintln!("this host has RDMA devices; the no-device path is covered by unit tests");
+        return None;
+    }
+    Some((serial(), open_plugin()))
 }
 
 #[test]
-fn exported_dynamic_symbols_are_exactly_the_seven_tables() {
+fn exported_dynamic_symbols_are_exactly_the_listed_tables() {
     let lib = plugin_dir().join("libnccl-net-ferroce.so");
     let out = Command::new("nm").args(["-D", "--defined-only"]).arg(&lib).output().expect("run nm");
     assert!(out.status.success(), "nm failed: {}", String::from_utf8_lossy(&out.stderr));
@@ -25,8 +40,8 @@ fn exported_dynamic_symbols_are_exactly_the_seven_tables() {
         .filter_map(|l| l.split_whitespace().last().map(str::to_string))
         .collect();
     names.sort();
-    let want: Vec<String> =
-        [10, 11, 12, 6, 7, 8, 9].iter().map(|v| format!("ncclNetPlugin_v{v}")).collect();
+    let mut want: Vec<String> = VERSIONS.iter().map(|v| format!("ncclNetPlugin_v{v}")).collect();
+    want.sort();
     assert_eq!(names, want);
 }
 
@@ -51,7 +66,7 @@ fn nccl_net_plugin_name_resolves_through_ld_library_path() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("as libnccl-net-ferroce.so"), "{stdout}");
-    for v in 6..=12 {
+    for v in VERSIONS {
         assert!(stdout.contains(&format!("ncclNetPlugin_v{v} name=\"ferroce\"")), "{stdout}");
     }
 }
@@ -83,14 +98,8 @@ fn warns(lines: &[(i32, u64, String)]) -> Vec<String> {
 
 #[test]
 fn init_without_devices_fails_with_one_warn_saying_why() {
-    if has_rdma_devices() {
-        eprintln!("this host has RDMA devices; the no-device path is covered by unit tests");
-        return;
-    }
-    let _g = serial();
-    let lib = open_plugin();
-    // SAFETY: the symbol is an ncclNet_v12_t.
-    let net = unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.unwrap();
+    let Some((_g, lib)) = without_devices() else { return };
+    let net = v12(&lib);
     take_captured();
     let mut ctx: *mut c_void = std::ptr::dangling_mut::<c_void>(); // must be reset to NULL
     let mut cfg = ncclNetCommConfig_v10_t { trafficClass: -1 };
@@ -106,41 +115,25 @@ fn init_without_devices_fails_with_one_warn_saying_why() {
 }
 
 #[test]
-fn every_legacy_init_fails_the_same_way_without_devices() {
-    if has_rdma_devices() {
-        eprintln!("this host has RDMA devices; the no-device path is covered by unit tests");
-        return;
-    }
-    let _g = serial();
-    let lib = open_plugin();
-    type Init = unsafe extern "C" fn(ncclDebugLogger_t) -> ncclResult_t;
-    for v in [6, 7, 8, 9] {
-        let sym = std::ffi::CString::new(format!("ncclNetPlugin_v{v}")).unwrap();
-        // SAFETY: v6..v9 tables start with name then init(logger).
-        let table = unsafe { lib.table::<(*const i8, Option<Init>)>(&sym) }.unwrap();
+fn every_versions_init_fails_the_same_way_without_devices() {
+    let Some((_g, lib)) = without_devices() else { return };
+    for &v in VERSIONS {
+        let driver = Driver::new(&lib, v).unwrap();
         take_captured();
-        // SAFETY: init(logger) per the v6..v9 ABI.
-        let r = unsafe { table.1.unwrap()(capture_logger()) };
+        let (r, ctx) = driver.init_raw(7, -1).unwrap();
         assert_eq!(r, ncclResult_t::ncclInvalidUsage, "v{v}");
+        assert!(ctx.is_null(), "v{v}");
         let lines = take_captured();
         assert_well_formed(&lines);
         assert_eq!(warns(&lines).len(), 1, "v{v}: {lines:?}");
     }
-    // SAFETY: the symbol is an ncclNet_v10_t.
-    let v10 = unsafe { lib.table::<ncclNet_v10_t>(c"ncclNetPlugin_v10") }.unwrap();
-    assert_eq!(
-        // SAFETY: init(logger, profiler) per the v10 ABI.
-        unsafe { v10.init.unwrap()(capture_logger(), None) },
-        ncclResult_t::ncclInvalidUsage
-    );
 }
 
 #[test]
 fn a_malformed_knob_fails_init_and_names_the_knob() {
     let _g = serial();
     let lib = open_plugin();
-    // SAFETY: the symbol is an ncclNet_v12_t.
-    let net = unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.unwrap();
+    let net = v12(&lib);
     // SAFETY: tests touching the environment hold the SERIAL lock.
     unsafe { std::env::set_var("NCCL_IB_HCA", "rxe0:notaport") };
     take_captured();
@@ -160,8 +153,7 @@ fn a_malformed_knob_fails_init_and_names_the_knob() {
 fn calls_before_init_and_null_pointers_are_errors_not_crashes() {
     let _g = serial();
     let lib = open_plugin();
-    // SAFETY: the symbol is an ncclNet_v12_t.
-    let net = unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.unwrap();
+    let net = v12(&lib);
     let mut n: c_int = -5;
     // SAFETY: deliberately called before init / with NULL, which the ABI must survive.
     unsafe {
@@ -186,8 +178,7 @@ fn calls_before_init_and_null_pointers_are_errors_not_crashes() {
 fn unimplemented_calls_report_an_error_and_clear_their_outputs() {
     let _g = serial();
     let lib = open_plugin();
-    // SAFETY: the symbol is an ncclNet_v12_t.
-    let net = unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.unwrap();
+    let net = v12(&lib);
     let stale = std::ptr::dangling_mut::<c_void>();
     let mut handle = [0u8; 128];
     let (mut a, mut b, mut c, mut d) = (stale, stale, stale, stale);
@@ -231,8 +222,7 @@ fn install_logger(net: &ncclNet_v12_t) {
 fn pointers_the_plugin_never_handed_out_are_errors_that_touch_nothing() {
     let _g = serial();
     let lib = open_plugin();
-    // SAFETY: the symbol is an ncclNet_v12_t.
-    let net = unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.unwrap();
+    let net = v12(&lib);
     // Memory the plugin must neither read as an object nor free.
     let mut foreign = [0x5au8; 256];
     let p: *mut c_void = foreign.as_mut_ptr().cast();
@@ -255,8 +245,7 @@ fn pointers_the_plugin_never_handed_out_are_errors_that_touch_nothing() {
 fn a_connect_id_the_plugin_does_not_know_is_an_error_not_a_new_connect() {
     let _g = serial();
     let lib = open_plugin();
-    // SAFETY: the symbol is an ncclNet_v12_t.
-    let net = unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.unwrap();
+    let net = v12(&lib);
     // A well-formed handle whose state bytes name a connect that does not exist (finished,
     // expired, pushed out or ended by finalize, as far as the plugin can tell).
     let h = ferroce_core::setup::wire::Handle {
@@ -286,8 +275,7 @@ fn a_connect_id_the_plugin_does_not_know_is_an_error_not_a_new_connect() {
 fn after_a_failed_init_finalize_and_every_call_are_clean_errors_and_init_can_be_retried() {
     let _g = serial();
     let lib = open_plugin();
-    // SAFETY: the symbol is an ncclNet_v12_t.
-    let net = unsafe { lib.table::<ncclNet_v12_t>(c"ncclNetPlugin_v12") }.unwrap();
+    let net = v12(&lib);
     for _ in 0..2 {
         // SAFETY: tests touching the environment hold the SERIAL lock.
         unsafe { std::env::set_var("NCCL_IB_HCA", "rxe0:notaport") };

@@ -14,6 +14,14 @@ mod layout {
     use super::*;
     use std::mem::{align_of, offset_of, size_of};
 
+    /// Each field named is where it is in `$newest`.
+    macro_rules! same_offsets {
+        ($t:ident as $newest:ident: $($f:ident)*) => {$(
+            let newest = offset_of!($newest, $f);
+            assert_eq!(offset_of!($t, $f), newest, "{}::{}", stringify!($t), stringify!($f));
+        )*};
+    }
+
     macro_rules! offsets {
         ($ty:ty { $($field:ident : $off:expr),* $(,)? }) => {
             $( assert_eq!(offset_of!($ty, $field), $off, "{}::{}", stringify!($ty), stringify!($field)); )*
@@ -86,28 +94,6 @@ mod layout {
             netDeviceType: 52,
             netDeviceVersion: 56
         });
-        offsets!(ncclNetProperties_v9_t {
-            regIsGlobal: 28,
-            forceFlush: 32,
-            speed: 36,
-            port: 40,
-            latency: 44,
-            maxComms: 48,
-            maxRecvs: 52,
-            netDeviceType: 56,
-            netDeviceVersion: 60,
-            vProps: 64,
-            maxP2pBytes: 88,
-            maxCollBytes: 96
-        });
-        offsets!(ncclNetProperties_v11_t {
-            forceFlush: 32,
-            speed: 36,
-            vProps: 64,
-            maxP2pBytes: 88,
-            maxCollBytes: 96,
-            maxMultiRequestSize: 104
-        });
         offsets!(ncclNetProperties_v12_t {
             name: 0,
             pciPath: 8,
@@ -128,6 +114,19 @@ mod layout {
             maxMultiRequestSize: 120,
             railId: 124,
             planeId: 126
+        });
+        // v9 and v11 have v12's layout up to `vProps`, which holds 4 ports instead of 8.
+        same_offsets!(ncclNetProperties_v9_t as ncclNetProperties_v12_t: name pciPath guid
+            ptrSupport regIsGlobal forceFlush speed port latency maxComms maxRecvs netDeviceType
+            netDeviceVersion vProps);
+        same_offsets!(ncclNetProperties_v11_t as ncclNetProperties_v12_t: name pciPath guid
+            ptrSupport regIsGlobal forceFlush speed port latency maxComms maxRecvs netDeviceType
+            netDeviceVersion vProps);
+        offsets!(ncclNetProperties_v9_t { maxP2pBytes: 88, maxCollBytes: 96 });
+        offsets!(ncclNetProperties_v11_t {
+            maxP2pBytes: 88,
+            maxCollBytes: 96,
+            maxMultiRequestSize: 104
         });
     }
 
@@ -164,42 +163,24 @@ mod layout {
         assert_eq!(size_of::<ncclNetDeviceType>(), 4);
     }
 
+    /// The versions listed are the reference's, and each table has its reference size.
     #[test]
     fn vtable_sizes() {
-        assert_eq!(size_of::<ncclNet_v6_t>(), 136);
-        assert_eq!(size_of::<ncclNet_v7_t>(), 152);
-        assert_eq!(size_of::<ncclNet_v8_t>(), 152);
-        assert_eq!(size_of::<ncclNet_v9_t>(), 160);
-        assert_eq!(size_of::<ncclNet_v10_t>(), 160);
-        assert_eq!(size_of::<ncclNet_v11_t>(), 176);
-        assert_eq!(size_of::<ncclNet_v12_t>(), 176);
+        let want = [(6, 136), (7, 152), (8, 152), (9, 160), (10, 160), (11, 176), (12, 176)];
+        assert_eq!(crate::ffi::VERSIONS.len(), want.len());
+        macro_rules! sizes {
+            ($($n:literal $v:ident $t:ident { $($extra:ident)* }),*) => {$(
+                let size = want.iter().find(|w| w.0 == $n).map(|w| w.1);
+                assert_eq!(Some(size_of::<$t>()), size, "{}", stringify!($t));
+            )*};
+        }
+        crate::ncclnet_versions!(sizes);
     }
 
+    /// The newest table's offsets are the reference's; every older table has each of its
+    /// members where the newest has it (members are only ever appended).
     #[test]
     fn vtable_offsets() {
-        offsets!(ncclNet_v6_t {
-            name: 0,
-            init: 8,
-            devices: 16,
-            getProperties: 24,
-            listen: 32,
-            connect: 40,
-            accept: 48,
-            regMr: 56,
-            regMrDmaBuf: 64,
-            deregMr: 72,
-            isend: 80,
-            irecv: 88,
-            iflush: 96,
-            test: 104,
-            closeSend: 112,
-            closeRecv: 120,
-            closeListen: 128
-        });
-        offsets!(ncclNet_v7_t { closeListen: 128, getDeviceMr: 136, irecvConsumed: 144 });
-        offsets!(ncclNet_v9_t { irecvConsumed: 144, makeVDevice: 152 });
-        offsets!(ncclNet_v10_t { makeVDevice: 152 });
-        offsets!(ncclNet_v11_t { makeVDevice: 152, finalize: 160, setNetAttr: 168 });
         offsets!(ncclNet_v12_t {
             name: 0,
             init: 8,
@@ -224,6 +205,14 @@ mod layout {
             finalize: 160,
             setNetAttr: 168
         });
+        macro_rules! same {
+            ($($n:literal $v:ident $t:ident { $($extra:ident)* }),*) => {$(
+                same_offsets!($t as ncclNet_v12_t: name init devices getProperties listen connect accept regMr
+                    regMrDmaBuf deregMr isend irecv iflush test closeSend closeRecv closeListen
+                    $($extra)*);
+            )*};
+        }
+        crate::ncclnet_versions!(same);
     }
 
     #[test]

@@ -5,14 +5,15 @@
 //!   library.
 //! - v6–v8 pass `int` sizes, v9+ `size_t`; conversions reject negative sizes instead of
 //!   wrapping them.
-//! - Property structs are the newest one with fewer fields: [`narrow!`] copies the named fields.
+//! - Property structs are the newest one with fewer fields: [`narrow!`] names them, and
+//!   [`plugin::get_properties`] fills any version's.
 
 use std::ffi::{c_int, c_void};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicPtr, Ordering};
 
 use super::abi::*;
-use super::handles::{self, clear, out};
+use super::handles::{self, clear};
 use super::{guard, log, plugin};
 use crate::error::{Error, Result};
 use crate::transport;
@@ -48,25 +49,40 @@ pub fn ctx() -> *mut c_void {
     LEGACY_CTX.load(Ordering::Acquire)
 }
 
-/// Copies the listed fields from the newest properties value into an older struct.
+/// A struct of some version made from its newest counterpart `N`: itself, or an older struct
+/// with fewer fields (see [`narrow!`]).
+pub trait Narrow<N> {
+    fn narrow(newest: &N) -> Self;
+}
+
+impl<T: Copy> Narrow<T> for T {
+    fn narrow(newest: &T) -> T {
+        *newest
+    }
+}
+
+/// Makes an older properties struct `Narrow` from the newest one: it has the fields listed,
+/// each narrowed from the newest one's field of that name.
 macro_rules! narrow {
-    ($src:expr, $ty:ident { $($field:ident),* $(,)? }) => {
-        {
-            // The update fills what the list leaves out (v9/v11 `vProps`); a no-op otherwise.
-            #[allow(clippy::needless_update)]
-            let narrowed = $ty { $($field: $src.$field,)* ..Default::default() };
-            narrowed
+    ($ty:ident: $($field:ident)*) => {
+        impl $crate::ffi::legacy::Narrow<ncclNetProperties_v12_t> for $ty {
+            fn narrow(p: &ncclNetProperties_v12_t) -> $ty {
+                use $crate::ffi::legacy::Narrow;
+                $ty { $($field: Narrow::narrow(&p.$field)),* }
+            }
         }
     };
 }
 pub(super) use narrow;
 
 /// The v9–v11 view of the newest virtual-device properties (4 slots instead of 8).
-pub fn vprops_v9(p: &ncclNetVDeviceProps_v12_t) -> ncclNetVDeviceProps_v9_t {
-    let mut devs = [0; NCCL_NET_MAX_DEVS_PER_NIC_V11 as usize];
-    let n = devs.len();
-    devs.copy_from_slice(&p.devs[..n]);
-    ncclNetVDeviceProps_v9_t { ndevs: p.ndevs.min(devs.len() as c_int), devs }
+impl Narrow<ncclNetVDeviceProps_v12_t> for ncclNetVDeviceProps_v9_t {
+    fn narrow(p: &ncclNetVDeviceProps_v12_t) -> Self {
+        let mut devs = [0; NCCL_NET_MAX_DEVS_PER_NIC_V11 as usize];
+        let n = devs.len();
+        devs.copy_from_slice(&p.devs[..n]);
+        ncclNetVDeviceProps_v9_t { ndevs: p.ndevs.min(devs.len() as c_int), devs }
+    }
 }
 
 /// `makeVDevice` of v9–v11: their props hold 4 ports; widened to the newest.
@@ -86,54 +102,6 @@ pub unsafe extern "C" fn make_vdevice_v9(
     }
     // SAFETY: forwarded under the same contract, with a struct that lives for the call.
     unsafe { plugin::make_vdevice(d, &mut wide) }
-}
-
-/// Runs `fill` on the newest properties of `dev` and stores the result through `props`.
-pub fn get_properties<T>(
-    dev: c_int,
-    props: *mut T,
-    fill: impl FnOnce(&ncclNetProperties_v12_t) -> T,
-) -> ncclResult_t {
-    guard("getProperties", || {
-        let p = plugin::properties(dev)?;
-        // SAFETY: NCCL passes a valid properties struct of this version (NULL rejected).
-        *unsafe { out(props, "props") }? = fill(&p);
-        Ok(())
-    })
-}
-
-/// `getProperties` of v9 and v10 (identical layouts).
-pub unsafe extern "C" fn get_properties_v9(
-    dev: c_int,
-    props: *mut ncclNetProperties_v9_t,
-) -> ncclResult_t {
-    get_properties(dev, props, props_v9)
-}
-
-fn props_v9(p: &ncclNetProperties_v12_t) -> ncclNetProperties_v9_t {
-    ncclNetProperties_v9_t {
-        vProps: vprops_v9(&p.vProps),
-        ..narrow!(
-            p,
-            ncclNetProperties_v9_t {
-                name,
-                pciPath,
-                guid,
-                ptrSupport,
-                regIsGlobal,
-                forceFlush,
-                speed,
-                port,
-                latency,
-                maxComms,
-                maxRecvs,
-                netDeviceType,
-                netDeviceVersion,
-                maxP2pBytes,
-                maxCollBytes
-            }
-        )
-    }
 }
 
 fn size_of_int(size: c_int) -> Result<usize> {

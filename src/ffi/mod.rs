@@ -1,35 +1,49 @@
-//! The C boundary: the only module with `extern "C"`, `#[unsafe(no_mangle)]`, `void*` casts and
-//! NCCL out-pointers.
+//! The C boundary: the only module with `extern "C"`, exported symbols, `void*` casts and NCCL
+//! out-pointers.
 //!
 //! - `abi`: the bindgen view of `include/ferroce_net.h`.
 //! - `boundary`: the one funnel every entry point runs through (panic catching, error codes).
 //! - `handles`: typed conversions between NCCL's `void*` and ferroce objects, and the register
 //!   of everything NCCL holds, which the last `finalize` ends.
-//! - `connects`: the connects in progress between `connect` calls.
 //! - `log`: the `log` facade onto NCCL's logger.
 //! - `plugin`: the entry points, written once against the newest signatures.
 //! - `legacy`: the shims several older versions share (no context, `int` sizes, narrower
 //!   property structs).
-//! - `v12` … `v6`: one exported table per ABI version, naming `plugin` and `legacy` only. A new
-//!   version is one more file here.
+//! - `entries`: which of those fills each member of a table, by the member's signature.
+//! - `v12` … `v6`: what one version alone has (its properties struct's fields, shims of a
+//!   signature no other version has). Each version's table is written from its type by
+//!   `tables!` below. A new version is its struct in `include/ferroce_net.h`, one more file
+//!   here and one entry in [`ncclnet_versions!`](crate::ncclnet_versions).
 
 #![allow(unsafe_code)]
 
+/// The ncclNet versions, newest first, one entry a version: its number, its module here, its
+/// table type, and the members that table has beyond v6's. Everything
+/// that differs by version reads this list: the modules and checks below, the client driver in
+/// ferroce-tools, the ABI layout tests and `tests/loadability.rs`. Calls `$then!` with it.
+#[macro_export]
+macro_rules! ncclnet_versions {
+    ($then:ident) => {
+        $then! {
+            12 v12 ncclNet_v12_t { getDeviceMr irecvConsumed makeVDevice finalize setNetAttr },
+            11 v11 ncclNet_v11_t { getDeviceMr irecvConsumed makeVDevice finalize setNetAttr },
+            10 v10 ncclNet_v10_t { getDeviceMr irecvConsumed makeVDevice },
+            9 v9 ncclNet_v9_t { getDeviceMr irecvConsumed makeVDevice },
+            8 v8 ncclNet_v8_t { getDeviceMr irecvConsumed },
+            7 v7 ncclNet_v7_t { getDeviceMr irecvConsumed },
+            6 v6 ncclNet_v6_t {}
+        }
+    };
+}
+
 pub mod abi;
 mod boundary;
-mod connects;
+mod entries;
 mod handles;
 mod legacy;
 pub mod log;
 mod plugin;
 mod profiler;
-mod v10;
-mod v11;
-mod v12;
-mod v6;
-mod v7;
-mod v8;
-mod v9;
 
 pub use boundary::guard;
 
@@ -43,23 +57,37 @@ pub struct Exported<T>(pub T);
 /// their own.
 pub trait Table {}
 
-/// Marks each listed type a [`Table`], after checking that it is the ncclNet table of its
-/// version: its `name` field is a `*const c_char`.
+/// For each listed version: its module, its table type marked a [`Table`], its table exported
+/// under the symbol NCCL looks up (`ncclNetPlugin_v12`), and its number in [`VERSIONS`].
 macro_rules! tables {
-    ($($t:ty),*) => {$(
-        impl Table for $t {}
-        const _: fn(&$t) -> *const std::ffi::c_char = |t| t.name;
-    )*};
+    ($($n:literal $v:ident $t:ident { $($extra:ident)* }),*) => {
+        $(
+            mod $v;
+            impl Table for abi::$t {}
+            const _: () = {
+                #[unsafe(export_name = concat!("ncclNetPlugin_", stringify!($v)))]
+                static TABLE: Exported<abi::$t> = Exported(table!($t: init devices getProperties
+                    listen connect accept regMr regMrDmaBuf deregMr isend irecv iflush test
+                    closeSend closeRecv closeListen $($extra)*));
+            };
+        )*
+        /// The ABI versions the plugin exports, newest first.
+        pub const VERSIONS: &[u32] = &[$($n),*];
+    };
 }
-tables!(
-    abi::ncclNet_v6_t,
-    abi::ncclNet_v7_t,
-    abi::ncclNet_v8_t,
-    abi::ncclNet_v9_t,
-    abi::ncclNet_v10_t,
-    abi::ncclNet_v11_t,
-    abi::ncclNet_v12_t
-);
+
+/// The table of type `$t` whose members are those named, each filled by the [`entries`] entry
+/// point of its signature (a table that lacks a member named, or has one not named, fails to
+/// compile).
+macro_rules! table {
+    ($t:ident: $($member:ident)*) => {
+        abi::$t {
+            name: PLUGIN_NAME.as_ptr(),
+            $($member: <entries::$member as entries::Entry<_>>::FN,)*
+        }
+    };
+}
+ncclnet_versions!(tables);
 
 // SAFETY: a `Table` holds function pointers (Sync) and `name`, which every export sets to
 // `PLUGIN_NAME`, a static C string nobody writes; the exports are immutable statics. So

@@ -1,25 +1,25 @@
-//! The plugin's entry points, written once: the `vN` modules only export tables that point here,
-//! or at shims that adapt an older signature (`legacy` holds the shims several versions share).
-//! The signatures are the newest ABI's, so the newest table points here directly, and adding a
-//! version means adding one `vN` file.
+//! The plugin's entry points, written once against the newest signatures: `entries` fills each
+//! table member with one of these where its signature is the newest, else with a shim that
+//! adapts an older signature (`legacy` holds the shims several versions share).
 //!
 //! Every function is plumbing around a safe call: clear the "not ready" outputs, run the body in
 //! [`guard`], write outputs only on success.
 
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::sync::Mutex;
-use std::time::Instant;
 
 use super::abi::*;
-use super::connects::{MAX_CONNECTS, Pending, connects, fresh_id};
 use super::handles::{self, AnyComm, clear, out};
+use super::legacy::Narrow;
 use super::{guard, log};
 use crate::error::{Error, Result};
+use crate::transport::connects::{self, Step};
 use crate::transport::data::{Buf, FLUSH_BASE, MAX_RECVS, ReqKind, buf_within};
 use crate::transport::mr_cache::MemKind;
+use crate::transport::props::Props;
 use crate::transport::reg;
-use crate::transport::setup::{Connector, Listener};
-use crate::transport::{self, CommContext, NetDevice};
+use crate::transport::setup::Listener;
+use crate::transport::{self, CommContext};
 use ferroce_core::setup::wire::{self, HANDLE_SIZE};
 
 pub(super) unsafe extern "C" fn init(
@@ -58,11 +58,7 @@ pub(super) unsafe extern "C" fn finalize(ctx: *mut c_void) -> ncclResult_t {
 /// every listener, comm and registration NCCL still holds, so nothing holds the device state
 /// any more and the library can be unloaded.
 fn end_everything() {
-    let purged = connects().purge();
-    if !purged.is_empty() {
-        ::log::info!("finalize: ended {} connect(s) NCCL left unfinished", purged.len());
-    }
-    drop(purged);
+    transport::connects::end_all();
     let e = handles::end_all();
     if e.listeners + e.comms > 0 {
         ::log::warn!(
@@ -97,60 +93,47 @@ pub(super) unsafe extern "C" fn devices(ndev: *mut c_int) -> ncclResult_t {
     })
 }
 
-pub(super) unsafe extern "C" fn get_properties(
+/// `getProperties` of every version: the newest properties, narrowed to the version's struct.
+pub(super) unsafe extern "C" fn get_properties<T: Narrow<ncclNetProperties_v12_t>>(
     dev: c_int,
-    props: *mut ncclNetProperties_v12_t,
+    props: *mut T,
 ) -> ncclResult_t {
     guard("getProperties", || {
         let p = properties(dev)?;
-        // SAFETY: NCCL passes a valid properties struct (NULL rejected by `out`).
-        *unsafe { out(props, "props") }? = p;
+        // SAFETY: NCCL passes a valid properties struct of this version (NULL rejected).
+        *unsafe { out(props, "props") }? = T::narrow(&p);
         Ok(())
     })
 }
 
-/// The properties of device `dev` in the newest struct (v12); older versions narrow this.
-/// A fused device's are its first port's, as NCCL's IB transport gives them, except: its name
-/// joins the ports' (`mlx5_0+mlx5_1`), its speed is their sum, its `vProps` lists them, the
-/// QPs a comm takes scale with its ports, its rail is the ports' common one (else undefined)
-/// and its plane undefined.
-pub(super) fn properties(dev: c_int) -> Result<ncclNetProperties_v12_t> {
-    let net = transport::net::current()?;
-    let members = net.members(dev)?;
-    let ports: Vec<&NetDevice> = members.iter().map(|&m| &net.devices[m]).collect();
-    let d = ports[0];
+/// The properties of device `dev` in the newest struct (v12).
+fn properties(dev: c_int) -> Result<ncclNetProperties_v12_t> {
+    let p = transport::net::current()?.props(dev)?;
     let mut devs = [0; NCCL_NET_MAX_DEVS_PER_NIC_V12 as usize];
-    for (slot, &m) in devs.iter_mut().zip(&members) {
+    for (slot, &m) in devs.iter_mut().zip(&p.members) {
         *slot = m as c_int;
     }
-    let names: Vec<&str> = ports.iter().map(|p| p.name.as_str()).collect();
-    let fused = ports.len() > 1;
-    let rail = ports.iter().map(|p| p.rail).reduce(|a, b| if a == b { a } else { None }).flatten();
     let undef = NCCL_NET_ID_UNDEF as i16;
     Ok(ncclNetProperties_v12_t {
-        name: intern(&names.join("+")),
-        pciPath: d.pci_path.as_deref().map_or(std::ptr::null_mut(), intern),
-        guid: d.guid,
-        ptrSupport: ptr_support(d),
+        name: intern(&p.name),
+        pciPath: p.pci_path.as_deref().map_or(std::ptr::null_mut(), intern),
+        guid: p.guid,
+        ptrSupport: ptr_support(&p),
         regIsGlobal: 1,
         forceFlush: 0,
-        speed: ports.iter().map(|p| p.speed_mbps).sum(),
-        port: d.nccl_port,
-        latency: 0.0,
-        maxComms: ports
-            .iter()
-            .map(|p| p.max_comms(net.config.qps_per_conn * ports.len()))
-            .min()
-            .unwrap_or(0),
-        maxRecvs: MAX_RECVS as c_int,
+        speed: p.speed_mbps,
+        port: p.port,
+        latency: p.latency,
+        maxComms: p.max_comms,
+        maxRecvs: p.max_recvs as c_int,
         netDeviceType: ncclNetDeviceType::NCCL_NET_DEVICE_HOST,
         netDeviceVersion: NCCL_NET_DEVICE_INVALID_VERSION as c_int,
-        vProps: ncclNetVDeviceProps_v12_t { ndevs: ports.len() as c_int, devs },
+        vProps: ncclNetVDeviceProps_v12_t { ndevs: p.members.len() as c_int, devs },
         maxP2pBytes: NCCL_MAX_NET_SIZE_BYTES as usize,
         maxCollBytes: NCCL_MAX_COLLNET_SIZE as usize,
         maxMultiRequestSize: 1,
-        railId: rail.unwrap_or(undef),
-        planeId: if fused { undef } else { rail_or_undef(d, |d| d.plane) },
+        railId: p.rail.unwrap_or(undef),
+        planeId: p.plane.unwrap_or(undef),
     })
 }
 
@@ -174,19 +157,15 @@ pub(super) unsafe extern "C" fn make_vdevice(
 }
 
 /// `NCCL_PTR_HOST`, plus `_CUDA` with peer memory, plus `_DMABUF` where dma-buf works.
-fn ptr_support(d: &NetDevice) -> c_int {
+fn ptr_support(p: &Props) -> c_int {
     let mut bits = NCCL_PTR_HOST;
-    if d.gdr.cuda {
+    if p.cuda {
         bits |= NCCL_PTR_CUDA;
     }
-    if d.gdr.dmabuf {
+    if p.dmabuf {
         bits |= NCCL_PTR_DMABUF;
     }
     bits as c_int
-}
-
-fn rail_or_undef(d: &NetDevice, f: impl Fn(&NetDevice) -> Option<i16>) -> i16 {
-    f(d).unwrap_or(NCCL_NET_ID_UNDEF as i16)
 }
 
 /// NCCL may keep the `name` and `pciPath` pointers of the properties, so they must outlive the
@@ -264,36 +243,15 @@ pub(super) unsafe fn connect_with(
         bytes[STATE..HANDLE_SIZE].fill(0);
         let h = wire::Handle::decode(bytes)
             .map_err(|r| Error::Internal(format!("connect: invalid handle: {r}")))?;
-        // Abandoned connects go first (dropped once the table is unlocked).
-        let expired = connects().expire(Instant::now());
-        drop(expired);
-        let (id, mut p) = if id != 0 {
-            // The published part, decoded afresh on every call: a parked connect is taken only
-            // for the same listener.
-            let p = connects().take(id, |p| p.connector.handle() == h).map_err(|m| m.error(id))?;
-            (id, p)
-        } else {
-            // SAFETY: ctx is what init returned (or the legacy context).
-            let c = unsafe { handles::ctx(ctx) }?;
-            let tc = tc.and_then(|t| u8::try_from(t).ok()).or(c.traffic_class);
-            let connector = Box::new(Connector::start(c, dev, h, tc)?);
-            (fresh_id()?, Pending { connector, timeout: c.net.config.setup_timeout })
-        };
-        // On error the connector is dropped here, closing everything it built.
-        if let Some(comm) = p.connector.progress()? {
-            // SAFETY: valid slot per the ABI (NULL rejected).
-            *unsafe { out(send_comm, "sendComm") }? = handles::comm_into_raw(AnyComm::Send(comm));
-            return Ok(());
-        }
-        let deadline = Instant::now() + p.timeout;
-        let pushed_out = connects().park(id, p, deadline);
-        bytes[STATE..STATE + 8].copy_from_slice(&id.to_le_bytes());
-        if let Some((_, old)) = pushed_out {
-            ::log::warn!(
-                "connect: {MAX_CONNECTS} connects in progress; dropped the one to {} advanced \
-                 least recently (NCCL's next connect call for it fails)",
-                old.connector.handle().addr
-            );
+        let tc = tc.and_then(|t| u8::try_from(t).ok());
+        // SAFETY: ctx is what init returned (or the legacy context).
+        match connects::step(id, h, dev, tc, || unsafe { handles::ctx(ctx) })? {
+            Step::Done(comm) => {
+                // SAFETY: valid slot per the ABI (NULL rejected).
+                *unsafe { out(send_comm, "sendComm") }? =
+                    handles::comm_into_raw(AnyComm::Send(comm));
+            }
+            Step::Parked(id) => bytes[STATE..STATE + 8].copy_from_slice(&id.to_le_bytes()),
         }
         Ok(())
     })
@@ -400,6 +358,31 @@ fn buf(data: *mut c_void, size: u64, mhandle: *mut c_void, devs: &[usize]) -> Re
     buf_within(h, devs, data as u64, size)
 }
 
+/// What `isend`, `irecv` and `iflush` share: `body` runs in the guard on the comm `comm` (under
+/// its gate) with its member ports, and a request it posts goes out through `request`, which is
+/// cleared first ("not yet" is a NULL request).
+///
+/// # Safety
+/// `comm` came from connect or accept and is not closed; `request` is NULL or a valid slot.
+unsafe fn post(
+    call: &'static str,
+    comm: *mut c_void,
+    request: *mut *mut c_void,
+    body: impl FnOnce(&mut AnyComm, &[usize]) -> Result<Option<usize>>,
+) -> ncclResult_t {
+    // SAFETY: per the contract.
+    unsafe { clear(request) };
+    guard(call, || {
+        // SAFETY: per the contract.
+        let h = unsafe { handles::comm(comm) }?;
+        if let Some(id) = body(&mut *h.enter()?, &h.devs)? {
+            // SAFETY: valid slot per the ABI (NULL rejected).
+            *unsafe { out(request, "request") }? = h.request(id);
+        }
+        Ok(())
+    })
+}
+
 pub(super) unsafe extern "C" fn isend(
     send_comm: *mut c_void,
     data: *mut c_void,
@@ -409,21 +392,14 @@ pub(super) unsafe extern "C" fn isend(
     phandle: *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    // SAFETY: NCCL passes NULL or a valid slot.
-    unsafe { clear(request) };
-    guard("isend", || {
-        // SAFETY: send_comm came from connect and is not closed.
-        let h = unsafe { handles::comm(send_comm) }?;
-        let AnyComm::Send(c) = &mut *h.enter()? else {
+    let send = |c: &mut AnyComm, devs: &[usize]| {
+        let AnyComm::Send(c) = c else {
             return Err(Error::Internal("isend on a receive comm".into()));
         };
-        let b = buf(data, size as u64, mhandle, &h.devs)?;
-        if let Some(id) = c.isend(b, tag, phandle as usize)? {
-            // SAFETY: valid slot per the ABI (NULL rejected).
-            *unsafe { out(request, "request") }? = h.request(id);
-        }
-        Ok(())
-    })
+        c.isend(buf(data, size as u64, mhandle, devs)?, tag, phandle as usize)
+    };
+    // SAFETY: send_comm came from connect and is not closed; NCCL passes NULL or a valid slot.
+    unsafe { post("isend", send_comm, request, send) }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -442,12 +418,8 @@ pub(super) unsafe extern "C" fn irecv(
     // SAFETY: NCCL passes NULL or a valid slot.
     let optional = unsafe { request.as_ref() }
         .is_some_and(|r| *r as usize == NCCL_NET_OPTIONAL_RECV_COMPLETION as usize);
-    // SAFETY: as above.
-    unsafe { clear(request) };
-    guard("irecv", || {
-        // SAFETY: recv_comm came from accept and is not closed.
-        let h = unsafe { handles::comm(recv_comm) }?;
-        let AnyComm::Recv(c) = &mut *h.enter()? else {
+    let recv = |c: &mut AnyComm, devs: &[usize]| {
+        let AnyComm::Recv(c) = c else {
             return Err(Error::Internal("irecv on a send comm".into()));
         };
         let count = usize::try_from(n).ok().filter(|k| (1..=MAX_RECVS).contains(k));
@@ -462,18 +434,16 @@ pub(super) unsafe extern "C" fn irecv(
             // SAFETY: NCCL passes n valid entries in each array.
             let (d, s, t, m) =
                 unsafe { (*data.add(i), *sizes.add(i), *tags.add(i), *mhandles.add(i)) };
-            *b = (buf(d, s as u64, m, &h.devs)?, t);
+            *b = (buf(d, s as u64, m, devs)?, t);
             if !phandles.is_null() {
                 // SAFETY: a non-NULL phandles has n entries (v10+).
                 ph[i] = unsafe { *phandles.add(i) } as usize;
             }
         }
-        if let Some(id) = c.irecv(&bufs[..count], optional, &ph[..count])? {
-            // SAFETY: valid slot per the ABI (NULL rejected).
-            *unsafe { out(request, "request") }? = h.request(id);
-        }
-        Ok(())
-    })
+        c.irecv(&bufs[..count], optional, &ph[..count])
+    };
+    // SAFETY: recv_comm came from accept and is not closed; the slot is as above.
+    unsafe { post("irecv", recv_comm, request, recv) }
 }
 
 pub(super) unsafe extern "C" fn iflush(
@@ -484,12 +454,8 @@ pub(super) unsafe extern "C" fn iflush(
     mhandles: *mut *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    // SAFETY: NCCL passes NULL or a valid slot.
-    unsafe { clear(request) };
-    guard("iflush", || {
-        // SAFETY: recv_comm came from accept and is not closed.
-        let h = unsafe { handles::comm(recv_comm) }?;
-        let AnyComm::Recv(c) = &mut *h.enter()? else {
+    let flush = |c: &mut AnyComm, devs: &[usize]| {
+        let AnyComm::Recv(c) = c else {
             return Err(Error::Internal("iflush on a send comm".into()));
         };
         let count = usize::try_from(n).unwrap_or(0).min(MAX_RECVS);
@@ -504,16 +470,14 @@ pub(super) unsafe extern "C" fn iflush(
             // SAFETY: NCCL passes n valid entries in each array.
             let (d, s, m) = unsafe { (*data.add(i), *sizes.add(i), *mhandles.add(i)) };
             if s > 0 && !m.is_null() {
-                bufs[k] = buf(d, 1, m, &h.devs)?;
+                bufs[k] = buf(d, 1, m, devs)?;
                 k += 1;
             }
         }
-        if let Some(id) = c.iflush(&bufs[..k])? {
-            // SAFETY: valid slot per the ABI (NULL rejected).
-            *unsafe { out(request, "request") }? = h.request(id);
-        }
-        Ok(())
-    })
+        c.iflush(&bufs[..k])
+    };
+    // SAFETY: recv_comm came from accept and is not closed; NCCL passes NULL or a valid slot.
+    unsafe { post("iflush", recv_comm, request, flush) }
 }
 
 pub(super) unsafe extern "C" fn test(

@@ -4,31 +4,17 @@
 use std::ffi::{c_int, c_void};
 
 use super::abi::*;
-use super::{Exported, PLUGIN_NAME, legacy, plugin};
+use super::entries::{DevComm, Ptr, entries};
+use super::{legacy, plugin};
 
-#[unsafe(no_mangle)]
-pub static ncclNetPlugin_v10: Exported<ncclNet_v10_t> = Exported(ncclNet_v10_t {
-    name: PLUGIN_NAME.as_ptr(),
-    init: Some(init),
-    devices: Some(plugin::devices),
-    getProperties: Some(legacy::get_properties_v9),
-    listen: Some(legacy::listen),
-    connect: Some(connect),
-    accept: Some(plugin::accept),
-    regMr: Some(plugin::reg_mr),
-    regMrDmaBuf: Some(plugin::reg_mr_dma_buf),
-    deregMr: Some(plugin::dereg_mr),
-    isend: Some(plugin::isend),
-    irecv: Some(plugin::irecv),
-    iflush: Some(plugin::iflush),
-    test: Some(plugin::test),
-    closeSend: Some(plugin::close_send),
-    closeRecv: Some(plugin::close_recv),
-    closeListen: Some(plugin::close_listen),
-    getDeviceMr: None,
-    irecvConsumed: None,
-    makeVDevice: Some(legacy::make_vdevice_v9),
-});
+entries! {
+    init {
+        fn(ncclDebugLogger_t, ncclProfilerCallback_t) => init;
+    }
+    connect {
+        fn(c_int, *mut ncclNetCommConfig_v10_t, Ptr, *mut Ptr, DevComm) => connect;
+    }
+}
 
 unsafe extern "C" fn init(logger: ncclDebugLogger_t, prof: ncclProfilerCallback_t) -> ncclResult_t {
     legacy::init_with(logger, prof)

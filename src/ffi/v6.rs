@@ -3,50 +3,23 @@
 use std::ffi::{c_int, c_void};
 
 use super::abi::*;
+use super::entries::{Ptr, entries};
 use super::legacy::{self, narrow};
-use super::{Exported, PLUGIN_NAME, plugin};
+use super::plugin;
 
-#[unsafe(no_mangle)]
-pub static ncclNetPlugin_v6: Exported<ncclNet_v6_t> = Exported(ncclNet_v6_t {
-    name: PLUGIN_NAME.as_ptr(),
-    init: Some(legacy::init),
-    devices: Some(plugin::devices),
-    getProperties: Some(get_properties),
-    listen: Some(legacy::listen),
-    connect: Some(connect),
-    accept: Some(accept),
-    regMr: Some(legacy::reg_mr_int),
-    regMrDmaBuf: Some(plugin::reg_mr_dma_buf),
-    deregMr: Some(plugin::dereg_mr),
-    isend: Some(legacy::isend_int),
-    irecv: Some(legacy::irecv_int),
-    iflush: Some(plugin::iflush),
-    test: Some(plugin::test),
-    closeSend: Some(plugin::close_send),
-    closeRecv: Some(plugin::close_recv),
-    closeListen: Some(plugin::close_listen),
-});
+// Its properties struct has these fields of the newest one.
+narrow! {
+    ncclNetProperties_v6_t:
+    name pciPath guid ptrSupport speed port latency maxComms maxRecvs
+}
 
-unsafe extern "C" fn get_properties(
-    dev: c_int,
-    props: *mut ncclNetProperties_v6_t,
-) -> ncclResult_t {
-    legacy::get_properties(dev, props, |p| {
-        narrow!(
-            p,
-            ncclNetProperties_v6_t {
-                name,
-                pciPath,
-                guid,
-                ptrSupport,
-                speed,
-                port,
-                latency,
-                maxComms,
-                maxRecvs
-            }
-        )
-    })
+entries! {
+    connect {
+        fn(c_int, Ptr, *mut Ptr) => connect;
+    }
+    accept {
+        fn(Ptr, *mut Ptr) => accept;
+    }
 }
 
 unsafe extern "C" fn connect(

@@ -441,8 +441,33 @@ pub fn read_places(root: &Path, devs: &[(String, u8)], merge_vfs: bool) -> Vec<N
 
 /// Opens the RDMA devices and returns the usable ports as NCCL devices.
 pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
-    let mut ports = Vec::new();
-    let mut found = Vec::new(); // (context, attr, port attr) per entry of `ports`
+    let (ports, found) = open_ports(config)?;
+    let usable = select(&ports, &config.ib_hca)?;
+    let keys: Vec<_> =
+        usable.iter().map(|s| (ports[s.index].dev.clone(), ports[s.index].port)).collect();
+    let names = unique_names(&keys);
+    let places = read_places(Path::new(verbs::sysfs::ROOT), &keys, config.merge_vfs);
+    let devices = usable
+        .into_iter()
+        .zip(names)
+        .zip(places)
+        .map(|((sel, name), place)| net_device(&found[sel.index], sel, name, place, config))
+        .collect::<Result<Vec<_>>>()?;
+    warn_unused_gid_indices(config, &devices);
+    Ok(devices)
+}
+
+/// An open port: its device, the device's attributes, its number and its attributes.
+struct Found {
+    ctx: Arc<verbs::Context>,
+    attr: verbs::DeviceAttr,
+    port: u8,
+    pa: verbs::PortAttr,
+}
+
+/// Opens the devices `NCCL_IB_HCA` may keep (warning about names in it that match none) and
+/// lists every port of each, with what [`select`] needs to know about it.
+fn open_ports(config: &Config) -> Result<(Vec<PortInfo>, Vec<Found>)> {
     let (all, opened) = verbs::open_all(|name| config.ib_hca.may_keep(name))?;
     let names: Vec<&str> = all.iter().map(String::as_str).collect();
     for typo in config.ib_hca.unmatched(&names) {
@@ -459,6 +484,7 @@ pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
             all.join(", ")
         )));
     }
+    let (mut ports, mut found) = (Vec::new(), Vec::new());
     for ctx in opened {
         let ctx = match ctx {
             Ok(c) => Arc::new(c),
@@ -470,57 +496,58 @@ pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
         let attr = ctx.query_device()?;
         for port in 1..=attr.phys_port_cnt {
             let pa = ctx.query_port(port)?;
-            ports.push(PortInfo {
-                dev: ctx.name().to_string(),
-                port,
-                state: pa.state,
-                link_layer: pa.link_layer,
-            });
-            found.push((ctx.clone(), attr.clone(), pa));
+            let (state, link_layer) = (pa.state, pa.link_layer);
+            ports.push(PortInfo { dev: ctx.name().to_string(), port, state, link_layer });
+            found.push(Found { ctx: ctx.clone(), attr: attr.clone(), port, pa });
         }
     }
-    let usable = select(&ports, &config.ib_hca)?;
-    let keys: Vec<_> =
-        usable.iter().map(|s| (ports[s.index].dev.clone(), ports[s.index].port)).collect();
-    let names = unique_names(&keys);
-    let places = read_places(Path::new(verbs::sysfs::ROOT), &keys, config.merge_vfs);
-    let devices = usable
-        .into_iter()
-        .zip(names)
-        .zip(places)
-        .map(|((Selected { index: i, rail, plane }, name), place)| {
-            let (ctx, attr, pa) = &found[i];
-            let gid = choose_gid(&name, ctx, ports[i].port, pa.link_layer, config);
-            let pd = Pd::new(ctx)?;
-            Ok(NetDevice {
-                gdr: gpudirect(&pd, config),
-                pd,
-                gid: Mutex::new(gid),
-                flags: Arc::default(),
-                mrs: Mutex::new(MrCache::new(crate::os::page_size())),
-                pci_path: place.pci_path,
-                name,
-                port: ports[i].port,
-                nccl_port: place.port,
-                speed_mbps: nccl_speed_mbps(
-                    ctx.query_port_speed(ports[i].port),
-                    pa.active_speed_ex,
-                    pa.active_speed,
-                    pa.active_width,
-                ),
-                ctx: ctx.clone(),
-                guid: attr.sys_image_guid,
-                max_qp: attr.max_qp,
-                link_layer: pa.link_layer,
-                active_mtu: pa.active_mtu,
-                max_msg_sz: pa.max_msg_sz,
-                rail,
-                plane,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
+    Ok((ports, found))
+}
+
+/// The NCCL device of the selected port `found`, named `name` and placed at `place`: its GID
+/// chosen, its protection domain made and its GPU memory support probed.
+fn net_device(
+    found: &Found,
+    sel: Selected,
+    name: String,
+    place: NcclPlace,
+    config: &Config,
+) -> Result<NetDevice> {
+    let Found { ctx, attr, port, pa } = found;
+    let port = *port;
+    let gid = choose_gid(&name, ctx, port, pa.link_layer, config);
+    let pd = Pd::new(ctx)?;
+    Ok(NetDevice {
+        gdr: gpudirect(&pd, config),
+        pd,
+        gid: Mutex::new(gid),
+        flags: Arc::default(),
+        mrs: Mutex::new(MrCache::new(crate::os::page_size())),
+        pci_path: place.pci_path,
+        name,
+        port,
+        nccl_port: place.port,
+        speed_mbps: nccl_speed_mbps(
+            ctx.query_port_speed(port),
+            pa.active_speed_ex,
+            pa.active_speed,
+            pa.active_width,
+        ),
+        ctx: ctx.clone(),
+        guid: attr.sys_image_guid,
+        max_qp: attr.max_qp,
+        link_layer: pa.link_layer,
+        active_mtu: pa.active_mtu,
+        max_msg_sz: pa.max_msg_sz,
+        rail: sel.rail,
+        plane: sel.plane,
+    })
+}
+
+/// A WARN for each `FERROCE_GID_INDEX` entry that names no device in use.
+fn warn_unused_gid_indices(config: &Config, devices: &[NetDevice]) {
     for (dev, index) in &config.gid_index_per_dev {
-        if !devices.iter().any(|d: &NetDevice| &d.name == dev) {
+        if !devices.iter().any(|d| &d.name == dev) {
             let names: Vec<&str> = devices.iter().map(|d| d.name.as_str()).collect();
             log::warn!(
                 "FERROCE_GID_INDEX: {dev:?} (index {index}) names no device in use (devices: {})",
@@ -528,7 +555,6 @@ pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
             );
         }
     }
-    Ok(devices)
 }
 
 /// Probes what the device can do with GPU memory (see [`gdr`]); peer memory is looked for
@@ -772,6 +798,11 @@ mod tests {
         (path.to_string(), port)
     }
 
+    /// The place of a port of the PCI function `f` that [`FakeSys::pci`] made.
+    fn card(f: &str, port: i32) -> (String, i32) {
+        place(&format!("/devices/pci0000:00/0000:00:02.0/{f}"), port)
+    }
+
     #[test]
     fn the_two_pfs_of_a_dual_port_card_share_its_pci_path_and_number_their_ports() {
         let sys = FakeSys::new("dual-pf");
@@ -779,11 +810,7 @@ mod tests {
             .pci("mlx5_1", "0000:3b:00.1")
             .pci("mlx5_2", "0000:5e:00.0");
         let devs = [("mlx5_0", 1), ("mlx5_1", 1), ("mlx5_2", 1)];
-        let want = [
-            place("/devices/pci0000:00/0000:00:02.0/0000:3b:00.0", 1),
-            place("/devices/pci0000:00/0000:00:02.0/0000:3b:00.0", 2),
-            place("/devices/pci0000:00/0000:00:02.0/0000:5e:00.0", 1),
-        ];
+        let want = [card("0000:3b:00.0", 1), card("0000:3b:00.0", 2), card("0000:5e:00.0", 1)];
         assert_eq!(sys.places(&devs, true), want);
         assert_eq!(sys.places(&devs, false), want);
     }
@@ -795,22 +822,11 @@ mod tests {
             .pci("mlx5_2", "0000:3b:00.2")
             .pci("mlx5_3", "0000:3b:01.3");
         let devs = [("mlx5_0", 1), ("mlx5_2", 1), ("mlx5_3", 1)];
-        assert_eq!(
-            sys.places(&devs, true),
-            [
-                place("/devices/pci0000:00/0000:00:02.0/0000:3b:00.0", 1),
-                place("/devices/pci0000:00/0000:00:02.0/0000:3b:00.0", 2),
-                place("/devices/pci0000:00/0000:00:02.0/0000:3b:00.0", 3),
-            ]
-        );
-        assert_eq!(
-            sys.places(&devs, false),
-            [
-                place("/devices/pci0000:00/0000:00:02.0/0000:3b:00.0", 1),
-                place("/devices/pci0000:00/0000:00:02.0/0000:3b:00.0", 2),
-                place("/devices/pci0000:00/0000:00:02.0/0000:3b:01.0", 1),
-            ]
-        );
+        // Merged, the VF on function 01.3 is the card's third port; unmerged, its own first.
+        let (merged, own) = ("0000:3b:00.0", "0000:3b:01.0");
+        let third = |vf, port| [card(merged, 1), card(merged, 2), card(vf, port)];
+        assert_eq!(sys.places(&devs, true), third(merged, 3));
+        assert_eq!(sys.places(&devs, false), third(own, 1));
     }
 
     #[test]
@@ -822,7 +838,7 @@ mod tests {
         assert_eq!(
             sys.places(&devs, true),
             [
-                place("/devices/pci0000:00/0000:00:02.0/0000:3b:00.0", 1),
+                card("0000:3b:00.0", 1),
                 place("/devices/virtual/infiniband/rxe0", 1),
                 place("/devices/virtual/infiniband/rxe1", 1),
             ]

@@ -6,6 +6,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod connects;
 pub mod data;
 pub mod device;
 pub mod ecmp;
@@ -14,6 +15,7 @@ pub mod gid;
 pub mod mr_cache;
 pub mod net;
 pub mod profile;
+pub mod props;
 pub mod reg;
 pub mod setup;
 pub mod stats;

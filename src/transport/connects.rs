@@ -1,7 +1,7 @@
-//! The connects in progress, parked between `connect` calls under a random id that
-//! `plugin::connect_with` keeps in the state bytes of NCCL's handle buffer. Those bytes are only
-//! ever looked up, never taken for a pointer, so a garbled or foreign handle is simply not
-//! found, and a connect not found is an error: never a silent new connect.
+//! The connects in progress, parked between `connect` calls under a random id that `ffi` keeps
+//! in the state bytes of NCCL's handle buffer. Those bytes are only ever looked up, never taken
+//! for a pointer, so a garbled or foreign handle is simply not found, and a connect not found is
+//! an error: never a silent new connect. [`step`] is the whole of one `connect` call.
 //!
 //! An entry leaves when its connect finishes or fails (taken and not parked again), when it
 //! expires, when the table is full, or at the last `finalize`:
@@ -9,7 +9,7 @@
 //!   stage's deadline is at most one timeout after the call that last advanced it), so it
 //!   expires then: NCCL abandoned it (`ncclCommAbort`, an error elsewhere);
 //! - beyond [`MAX_CONNECTS`] at once, the one advanced least recently is pushed out;
-//! - the last `finalize` purges the table, so no socket or queue pair outlives it.
+//! - the last `finalize` purges the table ([`end_all`]), so no socket or queue pair outlives it.
 //!
 //! Every operation is O(1) (amortized): a map by id, and the park order, which is the deadline
 //! order because every deadline is the park time plus the same setup timeout. Parking again
@@ -22,28 +22,86 @@ use std::time::{Duration, Instant};
 
 use once_cell::sync::Lazy;
 
+use super::CommContext;
+use super::data::SendComm;
+use super::setup::Connector;
 use crate::error::{Error, Result};
-use crate::transport::setup::Connector;
+use ferroce_core::setup::wire::Handle;
 
 /// The most connects in progress at once.
 pub const MAX_CONNECTS: usize = 4096;
 
+/// What one `connect` call came to.
+pub enum Step {
+    /// Connected.
+    Done(Box<SendComm>),
+    /// Not yet: NCCL calls again with the same handle, which must carry this id.
+    Parked(u64),
+}
+
+/// One `connect` call towards the listener `h`: advances the connect parked under `id`, or, for
+/// `id` 0, starts one on `dev` in the context `ctx` gives (asked for only then, so a stale id is
+/// reported as such whatever the context). `tc` is the call's own traffic class (v10), which
+/// wins over the context's. On error the connect is gone (its connector dropped, closing
+/// everything it built).
+pub fn step<'a>(
+    id: u64,
+    h: Handle,
+    dev: i32,
+    tc: Option<u8>,
+    ctx: impl FnOnce() -> Result<&'a CommContext>,
+) -> Result<Step> {
+    // Abandoned connects go first (dropped once the table is unlocked).
+    let expired = connects().expire(Instant::now());
+    drop(expired);
+    let (id, mut p) = if id != 0 {
+        // A parked connect is taken only for the same listener.
+        let p = connects().take(id, |p| p.connector.handle() == h).map_err(|m| m.error(id))?;
+        (id, p)
+    } else {
+        let c = ctx()?;
+        let connector = Box::new(Connector::start(c, dev, h, tc.or(c.traffic_class))?);
+        (fresh_id()?, Pending { connector, timeout: c.net.config.setup_timeout })
+    };
+    if let Some(comm) = p.connector.progress()? {
+        return Ok(Step::Done(comm));
+    }
+    let deadline = Instant::now() + p.timeout;
+    let pushed_out = connects().park(id, p, deadline);
+    if let Some((_, old)) = pushed_out {
+        log::warn!(
+            "connect: {MAX_CONNECTS} connects in progress; dropped the one to {} advanced least \
+             recently (NCCL's next connect call for it fails)",
+            old.connector.handle().addr
+        );
+    }
+    Ok(Step::Parked(id))
+}
+
+/// Ends every connect in progress (the last `finalize`).
+pub fn end_all() {
+    let purged = connects().purge();
+    if !purged.is_empty() {
+        log::info!("finalize: ended {} connect(s) NCCL left unfinished", purged.len());
+    }
+}
+
 /// A connect between two calls, and the timeout its deadline is measured with.
-pub struct Pending {
-    pub connector: Box<Connector>,
-    pub timeout: Duration,
+struct Pending {
+    connector: Box<Connector>,
+    timeout: Duration,
 }
 
 static CONNECTS: Lazy<Mutex<Parked<Pending>>> = Lazy::new(|| Mutex::new(Parked::new(MAX_CONNECTS)));
 
-pub fn connects() -> MutexGuard<'static, Parked<Pending>> {
+fn connects() -> MutexGuard<'static, Parked<Pending>> {
     // Every change is whole before the lock is released: a poisoned table is still usable.
     CONNECTS.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Why a parked value was not found.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Miss {
+enum Miss {
     /// No entry under the id: never parked, finished, expired, pushed out or purged.
     Unknown,
     /// The entry under the id belongs to another listener: it stays.
@@ -51,7 +109,7 @@ pub enum Miss {
 }
 
 impl Miss {
-    pub fn error(self, id: u64) -> Error {
+    fn error(self, id: u64) -> Error {
         Error::Internal(match self {
             Miss::Unknown => format!(
                 "connect: no connect in progress under id {id:#018x} (it failed, expired after \
@@ -72,7 +130,7 @@ struct Entry<T> {
 }
 
 /// A bounded table of values parked between calls under 64-bit ids, each until its deadline.
-pub struct Parked<T> {
+struct Parked<T> {
     cap: usize,
     seq: u64,
     map: HashMap<u64, Entry<T>>,
@@ -81,7 +139,7 @@ pub struct Parked<T> {
 }
 
 impl<T> Parked<T> {
-    pub fn new(cap: usize) -> Self {
+    fn new(cap: usize) -> Self {
         Parked { cap, seq: 0, map: HashMap::new(), order: VecDeque::new() }
     }
 
@@ -102,7 +160,7 @@ impl<T> Parked<T> {
 
     /// Parks `v` under `id` (a new id, or one just taken) until `deadline`; returns what was
     /// pushed out to make room.
-    pub fn park(&mut self, id: u64, v: T, deadline: Instant) -> Option<(u64, T)> {
+    fn park(&mut self, id: u64, v: T, deadline: Instant) -> Option<(u64, T)> {
         let mut out = None;
         if self.map.len() >= self.cap
             && !self.map.contains_key(&id)
@@ -121,7 +179,7 @@ impl<T> Parked<T> {
     }
 
     /// Takes the value under `id` if there is one and `belongs` accepts it.
-    pub fn take(&mut self, id: u64, belongs: impl FnOnce(&T) -> bool) -> Result<T, Miss> {
+    fn take(&mut self, id: u64, belongs: impl FnOnce(&T) -> bool) -> Result<T, Miss> {
         let e = self.map.get(&id).ok_or(Miss::Unknown)?;
         if !belongs(&e.value) {
             return Err(Miss::Foreign);
@@ -129,13 +187,13 @@ impl<T> Parked<T> {
         Ok(self.map.remove(&id).expect("just found").value)
     }
 
-    pub fn contains(&self, id: u64) -> bool {
+    fn contains(&self, id: u64) -> bool {
         self.map.contains_key(&id)
     }
 
     /// Removes the values whose deadline passed before `now` (strictly, as the setup machine
     /// judges its own deadlines).
-    pub fn expire(&mut self, now: Instant) -> Vec<T> {
+    fn expire(&mut self, now: Instant) -> Vec<T> {
         let mut gone = Vec::new();
         while let Some((id, deadline)) = self.front() {
             if now <= deadline {
@@ -148,7 +206,7 @@ impl<T> Parked<T> {
     }
 
     /// Removes every value.
-    pub fn purge(&mut self) -> Vec<T> {
+    fn purge(&mut self) -> Vec<T> {
         self.order.clear();
         self.map.drain().map(|(_, e)| e.value).collect()
     }
@@ -160,7 +218,7 @@ impl<T> Parked<T> {
 }
 
 /// A fresh id for a connect in progress: random, non-zero (zero means "none"), unused.
-pub fn fresh_id() -> Result<u64> {
+fn fresh_id() -> Result<u64> {
     loop {
         let id = crate::os::random_u64().map_err(|err| Error::Os {
             call: "getrandom",
