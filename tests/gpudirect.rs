@@ -78,7 +78,7 @@ fn orchestrate() -> Result<(), String> {
     let mut plain = Command::new(&me);
     plain.arg("plain");
     runs.push(("plain rxe: HOST only, GPU types refused".into(), plain));
-    for v in 6..=12 {
+    for v in ferroce::ffi::VERSIONS.iter().rev() {
         let mut c = Command::new(&me);
         c.args(["dmabuf", &v.to_string()]);
         preload(&mut c);

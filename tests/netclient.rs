@@ -347,7 +347,8 @@ fn orchestrate() -> Result<(), String> {
     }
     let dir = std::env::var("FERROCE_PLUGIN_DIR").map_err(|_| "FERROCE_PLUGIN_DIR is not set")?;
     let plugin = format!("{dir}/libnccl-net-ferroce.so");
-    let mut runs: Vec<(u32, u32, u32, bool)> = (6..=12).map(|v| (v, 1, 0, v % 2 == 0)).collect();
+    let mut runs: Vec<(u32, u32, u32, bool)> =
+        ferroce::ffi::VERSIONS.iter().rev().map(|&v| (v, 1, 0, v % 2 == 0)).collect();
     runs.push((12, 0, 0, false)); // both ends on one device
     runs.push((6, 1, 1, true));
     if let Ok(only) = std::env::var("NETCLIENT_VERSIONS") {

@@ -6,8 +6,8 @@
 //! once per call (every pending connection is judged at the same instant), `connect` at each
 //! step (a QP transition can take milliseconds).
 //!
-//! Called by `ffi` (listen, connect, accept, closeListen), which parks a connector between
-//! calls in the handle's state bytes. Nothing here decides anything the machine could: a
+//! Called by `ffi` (listen, accept, closeListen) and by `connects` (connect), which parks a
+//! connector between calls under an id in the handle's state bytes. Nothing here decides anything the machine could: a
 //! shell that only moves bytes and runs verbs is what the VM tests exercise, and the machine
 //! is what `ferroce_core::setup`'s tests check.
 //!

@@ -130,7 +130,7 @@ fn invalid(sub: &str, why: String) -> clap::Error {
 fn load(name: &str) -> Result<Library, String> {
     let lib = Library::open_like_nccl(name)?;
     println!("loaded {name:?} as {}", lib.opened_as);
-    for v in (6..=12).rev() {
+    for &v in ferroce::ffi::VERSIONS {
         let sym = format!("ncclNetPlugin_v{v}");
         let n = lib.table_name(v).ok_or_else(|| format!("{} lacks {sym}", lib.opened_as))?;
         if n != "ferroce" {
