@@ -263,8 +263,12 @@ pub struct CommHandle {
 /// Hands a comm to NCCL: its request array names it.
 pub fn comm_into_raw(comm: AnyComm) -> *mut c_void {
     let (net, devs, reqs): (_, _, Box<[Req]>) = match &comm {
-        AnyComm::Send(c) => (c.net.clone(), c.devs.clone(), reqs_of(SendComm::requests())),
-        AnyComm::Recv(c) => (c.net.clone(), c.devs.clone(), reqs_of(RecvComm::requests())),
+        AnyComm::Send(c) => {
+            (c.lanes.net.clone(), c.lanes.devs.clone(), reqs_of(SendComm::requests()))
+        }
+        AnyComm::Recv(c) => {
+            (c.lanes.net.clone(), c.lanes.devs.clone(), reqs_of(RecvComm::requests()))
+        }
     };
     let net = Mutex::new(Some(net));
     let mut b = Box::new(CommHandle { net, devs, comm: Owned::new(comm), reqs });

@@ -210,7 +210,7 @@ macro_rules! qps {
             qps: &mut $comm.lanes.qps,
             flush: $flush,
             links: &$comm.lanes.links,
-            net: &$comm.net,
+            net: &$comm.lanes.net,
             ports: &$comm.lanes.ports,
         }
     };
@@ -412,6 +412,21 @@ fn port_cqs(
     devs.iter().enumerate().map(cq).collect()
 }
 
+/// A comm's two control areas, on every member port: the FIFO's (the sender's FIFO, the
+/// receiver's stage of its rows) and the size records' (the sender's stage, the receiver's
+/// records), with the access each end gives them.
+fn areas(
+    net: &Net,
+    devs: &[usize],
+    (fifo, sizes): (u32, u32),
+) -> Result<(RegisteredBuf, RegisteredBuf)> {
+    let pds = pds(net, devs);
+    Ok((
+        RegisteredBuf::on(&pds, FIFO_AREA * 8, fifo)?,
+        RegisteredBuf::on(&pds, SIZE_AREA * 8, sizes)?,
+    ))
+}
+
 /// The protection domains of `devs`, for control buffers every member port reaches.
 fn pds<'a>(net: &'a Net, devs: &[usize]) -> Vec<&'a Arc<verbs::Pd>> {
     devs.iter().map(|&d| &net.devices[d].pd).collect()
@@ -509,7 +524,10 @@ const RECV: &str = "receive comm from";
 
 /// What each end of a connection drives beside its core: its queue pairs and how each was
 /// brought up, its member ports, its statistics and its profiler events.
-struct Lanes {
+pub struct Lanes {
+    pub net: Arc<Net>,
+    /// The comm's member ports (device indices): one, or a fused device's.
+    pub devs: Vec<usize>,
     path: Path,
     qps: Vec<Qp>,
     links: Vec<Link>,
@@ -525,7 +543,7 @@ impl Lanes {
     /// the lanes.
     fn new(
         role: &str,
-        net: &Net,
+        net: Arc<Net>,
         Queues { devs, qps, cqs }: Queues,
         links: Vec<Link>,
         path: Path,
@@ -533,9 +551,10 @@ impl Lanes {
         flush: &[Flusher],
     ) -> Lanes {
         let name = format!("{role} {}", path.peer);
-        let ports = ports(net, (&devs, cqs), &name, &qps, flush);
-        let life = Life::start(net, &devs);
-        Lanes { path, qps, links, ports, life, events: profiler.map(Events::new) }
+        let ports = ports(&net, (&devs, cqs), &name, &qps, flush);
+        let life = Life::start(&net, &devs);
+        let events = profiler.map(Events::new);
+        Lanes { net, devs, path, qps, links, ports, life, events }
     }
 
     /// Logs the lines the core left.
@@ -550,7 +569,8 @@ impl Lanes {
 
     /// Turns what the core journaled into profiler events (the core journals nothing without
     /// a profiler, so then this is one branch); `ports`: how many member ports the comm spans.
-    fn report(&mut self, journal: &mut Vec<Posted>, ports: usize) {
+    fn report(&mut self, journal: &mut Vec<Posted>) {
+        let ports = self.devs.len();
         let Some(ev) = &mut self.events else { return };
         for p in journal.drain(..) {
             ev.posted(&p, self.qps.get(p.lane).map_or(0, Qp::qpn), port_of(p.lane, ports));
@@ -558,20 +578,20 @@ impl Lanes {
     }
 
     /// Logs the statistics line of `role` (e.g. "send comm to") when one is due.
-    fn tick(&mut self, role: &str, t: &Traffic, net: &Net, devs: &[usize]) {
-        self.life.tick(role, t, &self.path, net, devs);
+    fn tick(&mut self, role: &str, t: &Traffic) {
+        self.life.tick(role, t, &self.path, &self.net, &self.devs);
     }
 
     /// At close: outstanding work flushes before the buffers go (a failure is logged, teardown
     /// goes on), then the comm's statistics line.
-    fn close(&self, role: &str, flush: &[Flusher], t: &Traffic, net: &Net, devs: &[usize]) {
+    fn close(&self, role: &str, flush: &[Flusher], t: &Traffic) {
         for qp in self.qps.iter().chain(flush.iter().map(|f| &f.qp)) {
             if let Err(e) = qp.to_error() {
                 log::warn!("closing the {role} {}: {e}", self.path.peer);
             }
         }
         let what = format!("{role} {} closed", self.path.peer);
-        log::info!("{}", self.life.line(&what, t, &self.path, net, devs));
+        log::info!("{}", self.life.line(&what, t, &self.path, &self.net, &self.devs));
     }
 }
 
@@ -621,15 +641,12 @@ pub struct Peer {
 
 /// The sending end of a connection.
 pub struct SendComm {
-    pub net: Arc<Net>,
-    /// Its member ports (device indices): one, or a fused device's.
-    pub devs: Vec<usize>,
     core: SendCore,
     /// Written by the receiver's NIC: the CTS entries.
     fifo: RegisteredBuf,
     /// Source of the size-record writes.
     sizes_stage: RegisteredBuf,
-    lanes: Lanes,
+    pub lanes: Lanes,
 }
 
 /// Everything `setup` builds for a send comm before the peer answers.
@@ -646,8 +663,7 @@ impl SendParts {
         // The CTS FIFO is registered without IBV_ACCESS_RELAXED_ORDERING, always: isend reads an
         // entry as valid once its last word (idx) has landed, which is only sound if the
         // receiver's RDMA write lands in order. Relaxed ordering is for NCCL's buffers only.
-        let fifo = RegisteredBuf::on(&pds(net, devs), FIFO_AREA * 8, CONTROL_IN)?;
-        let sizes_stage = RegisteredBuf::on(&pds(net, devs), SIZE_AREA * 8, STAGE)?;
+        let (fifo, sizes_stage) = areas(net, devs, (CONTROL_IN, STAGE))?;
         Ok(SendParts { q, fifo, sizes_stage })
     }
 }
@@ -669,16 +685,8 @@ impl SendComm {
         let p = params(&net, &parts.q.qps, (ours, theirs), (split, peer.max_msg), &path, journal);
         let core = SendCore::new(p, remote(peer.addr, &peer.rkeys));
         let links = links(SEND_CAPS, attrs, send_grant);
-        let devs = parts.q.devs.clone();
-        let lanes = Lanes::new(SEND, &net, parts.q, links, path, profiler, &[]);
-        Box::new(SendComm {
-            net,
-            devs,
-            core,
-            fifo: parts.fifo,
-            sizes_stage: parts.sizes_stage,
-            lanes,
-        })
+        let lanes = Lanes::new(SEND, net, parts.q, links, path, profiler, &[]);
+        Box::new(SendComm { core, fifo: parts.fifo, sizes_stage: parts.sizes_stage, lanes })
     }
 
     /// Its requests, in the order of the ids `isend` returns: one per (slot, buffer).
@@ -694,7 +702,7 @@ impl SendComm {
         if let (Ok(Some(id)), Some(ev)) = (&r, &mut self.lanes.events) {
             ev.handed(*id, phandle);
         }
-        self.lanes.report(self.core.journal(), self.devs.len());
+        self.lanes.report(self.core.journal());
         let r = r?;
         self.lanes.log(|| self.core.take_line());
         if r.is_none() {
@@ -706,21 +714,21 @@ impl SendComm {
     pub fn progress(&mut self) -> Result<()> {
         // A port that came back: its lanes are repaired now (port recovery).
         for (m, p) in self.lanes.ports.iter_mut().enumerate() {
-            let up = self.net.devices[p.dev].flags.port_up.load(Ordering::Acquire);
+            let up = self.lanes.net.devices[p.dev].flags.port_up.load(Ordering::Acquire);
             if up != p.seen_up {
                 p.seen_up = up;
                 self.core.port_up(m);
             }
         }
         let ports = &mut self.lanes.ports;
-        links_down(&self.net, ports, |down, bits| self.core.links_down(down, bits));
+        links_down(&self.lanes.net, ports, |down, bits| self.core.links_down(down, bits));
         let mut io = qps!(self, &[]);
         let mut side =
             SendDrain { core: &mut self.core, stage: &self.sizes_stage, fifo: &self.fifo };
         let r = progress(&mut side, &mut io);
-        self.lanes.report(self.core.journal(), self.devs.len());
+        self.lanes.report(self.core.journal());
         self.lanes.log(|| self.core.take_line());
-        self.lanes.tick(SEND, self.core.traffic(), &self.net, &self.devs);
+        self.lanes.tick(SEND, self.core.traffic());
         r
     }
 
@@ -739,7 +747,7 @@ impl SendComm {
 
 impl Drop for SendComm {
     fn drop(&mut self) {
-        self.lanes.close(SEND, &[], self.core.traffic(), &self.net, &self.devs);
+        self.lanes.close(SEND, &[], self.core.traffic());
     }
 }
 
@@ -760,9 +768,6 @@ pub struct Flusher {
 
 /// The receiving end of a connection.
 pub struct RecvComm {
-    pub net: Arc<Net>,
-    /// Its member ports (device indices): one, or a fused device's.
-    pub devs: Vec<usize>,
     core: RecvCore,
     /// Source of the CTS writes.
     cts_stage: RegisteredBuf,
@@ -770,7 +775,7 @@ pub struct RecvComm {
     sizes: RegisteredBuf,
     /// One per member port, or none (no device that flushes).
     flushers: Vec<Flusher>,
-    lanes: Lanes,
+    pub lanes: Lanes,
 }
 
 /// Everything `setup` builds for a receive comm.
@@ -793,8 +798,7 @@ impl RecvParts {
         let pool = ferroce_core::data::recv_pool(nqps);
         let grant = |q| recv_grant(q, nqps);
         let q = Queues::new(net, (devs, nqps), (pool, 4 * 2 * SLOTS), recv_caps(nqps), grant)?;
-        let cts_stage = RegisteredBuf::on(&pds(net, devs), FIFO_AREA * 8, STAGE)?;
-        let sizes = RegisteredBuf::on(&pds(net, devs), SIZE_AREA * 8, CONTROL_IN)?;
+        let (cts_stage, sizes) = areas(net, devs, (STAGE, CONTROL_IN))?;
         Ok(RecvParts { q, cts_stage, sizes })
     }
 }
@@ -820,10 +824,9 @@ impl RecvComm {
         let p = params(&net, &parts.q.qps, (ours, theirs), (split, 0), &path, journal);
         let core = RecvCore::new(p, remote(peer.addr, &peer.rkeys));
         let links = links(recv_caps(nqps), attrs, |q| recv_grant(q, nqps));
-        let devs = parts.q.devs.clone();
-        let lanes = Lanes::new(RECV, &net, parts.q, links, path, profiler, &flushers);
+        let lanes = Lanes::new(RECV, net, parts.q, links, path, profiler, &flushers);
         let (cts_stage, sizes) = (parts.cts_stage, parts.sizes);
-        Box::new(RecvComm { net, devs, core, cts_stage, sizes, flushers, lanes })
+        Box::new(RecvComm { core, cts_stage, sizes, flushers, lanes })
     }
 
     /// Its requests, in the order of the ids `irecv` and `iflush` return: `SLOTS` receives,
@@ -855,7 +858,7 @@ impl RecvComm {
                 ev.handed(slot * MAX_RECVS + i, phandles.get(i).copied().unwrap_or(0));
             }
         }
-        self.lanes.report(self.core.journal(), self.devs.len());
+        self.lanes.report(self.core.journal());
         let r = r?;
         if r.is_none() && !polled {
             self.progress()?;
@@ -880,7 +883,7 @@ impl RecvComm {
     /// this device).
     pub fn iflush(&mut self, bufs: &[Buf]) -> Result<Option<usize>> {
         self.core.check()?;
-        let force = self.net.config.force_flush;
+        let force = self.lanes.net.config.force_flush;
         let target = bufs.iter().rev().find(|b| b.size > 0 && (force || !b.host));
         let Some(&b) = target.filter(|_| !self.flushers.is_empty()) else { return Ok(None) };
         let mut scratch = [(0, 0); ferroce_core::data::MAX_MEMBERS];
@@ -894,14 +897,14 @@ impl RecvComm {
 
     pub fn progress(&mut self) -> Result<()> {
         let ports = &mut self.lanes.ports;
-        links_down(&self.net, ports, |down, bits| self.core.links_down(down, bits));
+        links_down(&self.lanes.net, ports, |down, bits| self.core.links_down(down, bits));
         let mut side =
             RecvDrain { core: &mut self.core, stage: &self.cts_stage, sizes: &self.sizes };
         let mut io = qps!(self, &self.flushers);
         let r = progress(&mut side, &mut io);
-        self.lanes.report(self.core.journal(), self.devs.len());
+        self.lanes.report(self.core.journal());
         self.lanes.log(|| self.core.take_line());
-        self.lanes.tick(RECV, self.core.traffic(), &self.net, &self.devs);
+        self.lanes.tick(RECV, self.core.traffic());
         r
     }
 
@@ -925,8 +928,7 @@ impl RecvComm {
 
 impl Drop for RecvComm {
     fn drop(&mut self) {
-        let (t, net, devs) = (self.core.traffic(), &self.net, &self.devs);
-        self.lanes.close(RECV, &self.flushers, t, net, devs);
+        self.lanes.close(RECV, &self.flushers, self.core.traffic());
     }
 }
 
