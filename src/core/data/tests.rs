@@ -1886,18 +1886,11 @@ fn lanes_run(rng: &mut Rng, seed: u64) -> Run {
 #[test]
 fn a_failed_lane_moves_its_chunks_to_the_live_lanes() {
     let mut rng = Rng(0x1a7e_f0e5);
-    for seed in 0..miri_or(80u64, 2) {
-        let mut run = lanes_run(&mut rng, seed);
-        let mut lanes: Vec<usize> = (0..run.nqps).collect();
-        let dead = 1 + rng.below(lanes.len() as u64 - 1) as usize;
-        for _ in 0..dead {
-            let lane = lanes.swap_remove(rng.below(lanes.len() as u64) as usize);
+    completing_runs(&mut rng, (miri_or(80, 2), 11), |run, rng, _| {
+        some_lanes(run, rng, false, |run, rng, lane| {
             run.kills.push((50 + rng.below(miri_or(4000, 300)), lane, rng.below(2) == 0));
-        }
-        let o = drive(&run, seed + 11);
-        let n = run.groups.len();
-        assert_eq!((o.recvs_done, o.sends_done), (n, n), "seed {seed}: {:?}", run.kills);
-    }
+        });
+    });
 }
 
 /// A dead path's last write arrives late: at any later step, or after the run, when every
@@ -1951,43 +1944,70 @@ fn a_one_way_black_hole_never_writes_a_completed_receive() {
     assert!(cfg!(miri) || landed > 50 && again > 50, "{landed} landed, {again} again");
 }
 
-/// Runs `seeds` runs of [`lanes_run`], split mode by the seed's parity and repair on, each set
-/// up further by `setup`; every request must complete once with its bytes. Their outcomes.
-fn lane_runs(
+/// Runs `seeds` runs of [`lanes_run`], each set up further by `setup` and driven with seed
+/// `seed + salt`; every request must complete once with its bytes. Their outcomes.
+fn completing_runs(
     rng: &mut Rng,
-    seeds: u64,
+    (seeds, salt): (u64, u64),
     mut setup: impl FnMut(&mut Run, &mut Rng, u64),
 ) -> Vec<Outcome> {
     (0..seeds)
         .map(|seed| {
             let mut run = lanes_run(rng, seed);
-            run.split = seed % 2 == 1;
-            run.repairs = 3;
             setup(&mut run, rng, seed);
-            let o = drive(&run, seed + 31);
+            let o = drive(&run, seed + salt);
             let n = run.groups.len();
-            let what = format!("seed {seed}: one-way {:?} heals {:?}", run.one_way, run.heals);
+            let what = format!(
+                "seed {seed}: kills {:?} one-way {:?} heals {:?} queue pair errors {:?}",
+                run.kills, run.one_way, run.heals, run.qp_errors
+            );
             assert_eq!((o.recvs_done, o.sends_done), (n, n), "{what}");
             o
         })
         .collect()
 }
 
+/// [`completing_runs`] with split mode by the seed's parity and repair on.
+fn lane_runs(
+    rng: &mut Rng,
+    seeds: u64,
+    mut setup: impl FnMut(&mut Run, &mut Rng, u64),
+) -> Vec<Outcome> {
+    completing_runs(rng, (seeds, 31), |run, rng, seed| {
+        run.split = seed % 2 == 1;
+        run.repairs = 3;
+        setup(run, rng, seed);
+    })
+}
+
+/// Picks 1 to all but one of `run`'s lanes at random (the first is lane 0 where `zero_first`)
+/// and hands each to `kill` as it is picked.
+fn some_lanes(
+    run: &mut Run,
+    rng: &mut Rng,
+    zero_first: bool,
+    mut kill: impl FnMut(&mut Run, &mut Rng, usize),
+) {
+    let mut lanes: Vec<usize> = (0..run.nqps).collect();
+    let dead = 1 + rng.below(lanes.len() as u64 - 1) as usize;
+    for k in 0..dead {
+        let pick = if k == 0 && zero_first { 0 } else { rng.below(lanes.len() as u64) };
+        let lane = lanes.swap_remove(pick as usize);
+        kill(run, rng, lane);
+    }
+}
+
 /// Black-holes 1 to all but one of `run`'s lanes one way (lane 0 among them in a third of the
 /// seeds) at random points, each letting `left(rng)` more requests land before its retries run
 /// out; with repair on, half of them come back later.
 fn one_way_lanes(run: &mut Run, rng: &mut Rng, seed: u64, left: impl Fn(&mut Rng) -> u32) {
-    let mut lanes: Vec<usize> = (0..run.nqps).collect();
-    let dead = 1 + rng.below(lanes.len() as u64 - 1) as usize;
-    for k in 0..dead {
-        let pick = if k == 0 && seed.is_multiple_of(3) { 0 } else { rng.below(lanes.len() as u64) };
-        let lane = lanes.swap_remove(pick as usize);
+    some_lanes(run, rng, seed.is_multiple_of(3), |run, rng, lane| {
         let at = 50 + rng.below(miri_or(3000, 300));
         run.one_way.push((at, lane, left(rng)));
         if run.repairs > 0 && rng.below(2) == 0 {
             run.heals.push((at + rng.below(miri_or(1500, 150)), lane));
         }
-    }
+    });
 }
 
 /// The stalls fenced over `outcomes`: by the senders, by the receivers.
@@ -2118,26 +2138,18 @@ fn ll_rows_go_again_in_row_order_and_the_ack_never_moves_back() {
 #[test]
 fn repairs_race_new_messages() {
     let mut rng = Rng(0x4e9a_14ed);
-    let (mut repaired, mut kept_out) = (0, 0);
-    for seed in 0..miri_or(100u64, 2) {
-        let mut run = lanes_run(&mut rng, seed);
+    let outcomes = completing_runs(&mut rng, (miri_or(100, 2), 23), |run, rng, _| {
         run.repairs = 1 + rng.below(4) as u32;
-        let mut lanes: Vec<usize> = (0..run.nqps).collect();
-        let dead = 1 + rng.below(lanes.len() as u64 - 1) as usize;
-        for _ in 0..dead {
-            let lane = lanes.swap_remove(rng.below(lanes.len() as u64) as usize);
+        some_lanes(run, rng, false, |run, rng, lane| {
             let at = 50 + rng.below(miri_or(3000, 300));
             run.kills.push((at, lane, rng.below(2) == 0));
             if rng.below(4) != 0 {
                 run.heals.push((at + rng.below(miri_or(1500, 150)), lane));
             }
-        }
-        let o = drive(&run, seed + 23);
-        let n = run.groups.len();
-        let what = format!("seed {seed}: kills {:?} heals {:?}", run.kills, run.heals);
-        assert_eq!((o.recvs_done, o.sends_done), (n, n), "{what}");
-        (repaired, kept_out) = (repaired + o.repaired, kept_out + o.kept_out);
-    }
+        });
+    });
+    let repaired: usize = outcomes.iter().map(|o| o.repaired).sum();
+    let kept_out: usize = outcomes.iter().map(|o| o.kept_out).sum();
     eprintln!("{repaired} lanes repaired, {kept_out} given up on");
     assert!(cfg!(miri) || repaired > 20 && kept_out > 0, "{repaired} repaired, {kept_out} out");
 }
@@ -2232,8 +2244,7 @@ fn a_slow_lane_gets_less_of_the_work() {
 #[test]
 fn a_queue_pair_error_fails_over_like_a_dead_path() {
     let mut rng = Rng(0x0a5c_e11e);
-    for seed in 0..miri_or(60u64, 2) {
-        let mut run = lanes_run(&mut rng, seed);
+    completing_runs(&mut rng, (miri_or(60, 2), 5), |run, rng, seed| {
         // Half the runs hear of each failure only after its flushed work may have been
         // polled: a flush on a live lane is the lane's failure, not the comm's.
         run.event_lag = if seed % 2 == 1 { 40 } else { 0 };
@@ -2245,10 +2256,7 @@ fn a_queue_pair_error_fails_over_like_a_dead_path() {
                 run.qp_errors.push((at, lane, rng.below(2) as usize));
             }
         }
-        let o = drive(&run, seed + 5);
-        let n = run.groups.len();
-        assert_eq!((o.recvs_done, o.sends_done), (n, n), "seed {seed}: {:?}", run.qp_errors);
-    }
+    });
 }
 
 /// Every lane's path dies: the comm fails with a remote error, on both ends, and nothing hangs
