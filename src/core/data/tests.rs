@@ -9,7 +9,8 @@
 //! meet what its target queue pair grants ([`Grant`]); a sender that lies about sizes must fail
 //! the receiver.
 //!
-//! Mutants of `data.rs` (then `transport/proto.rs`) these tests kill (each applied by hand, seen failing, reverted):
+//! Mutants of the core (when it was `transport/proto.rs`) these tests kill (each applied by
+//! hand, seen failing, reverted):
 //! - no check of the reported sizes against the posted ones:
 //!   `a_size_beyond_the_posted_one_fails_the_receiver`;
 //! - the check with `>=` for `>` (a send truncated to exactly the receive's size fails):

@@ -13,7 +13,8 @@
 //! process's listeners; a hello never gets more queue pairs than this side's own count; every
 //! failure has the class of whoever caused it.
 //!
-//! Mutants of `setup.rs` (then `transport/setup/machine.rs`) these tests kill (each applied by hand, seen failing, reverted):
+//! Mutants of `setup.rs` (when it was `transport/setup/machine.rs`) these tests kill (each
+//! applied by hand, seen failing, reverted):
 //! - the connector's deadline check with `>=` for `>`:
 //!   `a_silent_listener_fails_the_connector_just_after_its_deadline`;
 //! - the connector's deadline not moved at a new stage: `a_slow_peer_at_every_step_is_not_late`;
