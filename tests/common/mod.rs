@@ -104,9 +104,19 @@ pub fn close_both(drv: &Driver, send: Ptr, recv: Ptr) -> Result<(), String> {
     drv.close(Close::Recv, recv)
 }
 
-/// The frame of an in-process VM test: it must run in the VM and holds the SERIAL lock; `env`
-/// is set, then the plugin is opened and initialised at v12 with `comm_id`; `body` runs with
-/// the driver and the context, which is finalized after.
+/// The frame of an in-process VM test that drives the plugin's tables itself: it must run in
+/// the VM, and holds the SERIAL lock while `body` runs with the opened plugin (closed after it,
+/// before the lock).
+pub fn with_plugin(body: impl FnOnce(&Library)) {
+    require_vm();
+    let _g = serial();
+    let lib = open_plugin();
+    body(&lib);
+}
+
+/// The frame of an in-process VM test through the driver: as [`with_plugin`], with `env` set
+/// before the plugin opens; `body` runs with the driver and a context initialised at v12 with
+/// `comm_id`, which is finalized after.
 pub fn in_vm(comm_id: u64, env: &[(&str, Option<&str>)], body: impl FnOnce(&Driver, Ptr)) {
     require_vm();
     let _g = serial();
