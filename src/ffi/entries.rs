@@ -10,7 +10,8 @@
 use std::ffi::{c_int, c_void};
 
 use super::abi::*;
-use super::legacy::{self, Narrow};
+use super::legacy;
+use super::narrow::Narrow;
 use super::plugin;
 
 /// What fills a member of signature `F` (`None`: it stays NULL).

@@ -5,8 +5,8 @@
 //!   library.
 //! - v6–v8 pass `int` sizes, v9+ `size_t`; conversions reject negative sizes instead of
 //!   wrapping them.
-//! - Property structs are the newest one with fewer fields: [`narrow!`] names them, and
-//!   [`plugin::get_properties`] fills any version's.
+//! - Property structs are the newest one with fewer fields: `narrow!` (in [`super::narrow`])
+//!   names them, and [`plugin::get_properties`] fills any version's.
 
 use std::ffi::{c_int, c_void};
 use std::sync::Mutex;
@@ -47,42 +47,6 @@ pub fn init_with(logger: ncclDebugLogger_t, profiler: ncclProfilerCallback_t) ->
 /// The context v6–v10 calls pass on to [`plugin`] (NULL before `init`, which `plugin` reports).
 pub fn ctx() -> *mut c_void {
     LEGACY_CTX.load(Ordering::Acquire)
-}
-
-/// A struct of some version made from its newest counterpart `N`: itself, or an older struct
-/// with fewer fields (see [`narrow!`]).
-pub trait Narrow<N> {
-    fn narrow(newest: &N) -> Self;
-}
-
-impl<T: Copy> Narrow<T> for T {
-    fn narrow(newest: &T) -> T {
-        *newest
-    }
-}
-
-/// Makes an older properties struct `Narrow` from the newest one: it has the fields listed,
-/// each narrowed from the newest one's field of that name.
-macro_rules! narrow {
-    ($ty:ident: $($field:ident)*) => {
-        impl $crate::ffi::legacy::Narrow<ncclNetProperties_v12_t> for $ty {
-            fn narrow(p: &ncclNetProperties_v12_t) -> $ty {
-                use $crate::ffi::legacy::Narrow;
-                $ty { $($field: Narrow::narrow(&p.$field)),* }
-            }
-        }
-    };
-}
-pub(super) use narrow;
-
-/// The v9–v11 view of the newest virtual-device properties (4 slots instead of 8).
-impl Narrow<ncclNetVDeviceProps_v12_t> for ncclNetVDeviceProps_v9_t {
-    fn narrow(p: &ncclNetVDeviceProps_v12_t) -> Self {
-        let mut devs = [0; NCCL_NET_MAX_DEVS_PER_NIC_V11 as usize];
-        let n = devs.len();
-        devs.copy_from_slice(&p.devs[..n]);
-        ncclNetVDeviceProps_v9_t { ndevs: p.ndevs.min(devs.len() as c_int), devs }
-    }
 }
 
 /// `makeVDevice` of v9–v11: their props hold 4 ports; widened to the newest.

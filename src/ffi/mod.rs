@@ -9,6 +9,7 @@
 //! - `plugin`: the entry points, written once against the newest signatures.
 //! - `legacy`: the shims several older versions share (no context, `int` sizes, narrower
 //!   property structs).
+//! - `narrow`: the older property structs, made from the newest (`Narrow`, `narrow!`).
 //! - `entries`: which of those fills each member of a table, by the member's signature.
 //! - `v12` … `v6`: what one version alone has (its properties struct's fields, shims of a
 //!   signature no other version has). Each version's table is written from its type by
@@ -42,6 +43,7 @@ mod entries;
 mod handles;
 mod legacy;
 pub mod log;
+mod narrow;
 mod plugin;
 mod profiler;
 

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 
 use super::abi::*;
 use super::handles::{self, AnyComm, clear, out};
-use super::legacy::Narrow;
+use super::narrow::Narrow;
 use super::{guard, log};
 use crate::error::{Error, Result};
 use crate::transport::connects::{self, Step};

@@ -1,7 +1,7 @@
 //! ncclNet v11: v12 with 4 virtual-device slots and no rail/plane ids.
 
 use super::abi::*;
-use super::legacy::narrow;
+use super::narrow::narrow;
 
 // Its properties struct has these fields of the newest one.
 narrow! {

@@ -4,7 +4,8 @@ use std::ffi::{c_int, c_void};
 
 use super::abi::*;
 use super::entries::{Ptr, entries};
-use super::legacy::{self, narrow};
+use super::legacy;
+use super::narrow::narrow;
 use super::plugin;
 
 // Its properties struct has these fields of the newest one.

@@ -1,7 +1,7 @@
 //! ncclNet v7: v8 with an `int` size in `regMr` and no `regIsGlobal`.
 
 use super::abi::*;
-use super::legacy::narrow;
+use super::narrow::narrow;
 
 // Its properties struct has these fields of the newest one.
 narrow! {

@@ -1,7 +1,7 @@
 //! ncclNet v8: `int` sizes in `isend`/`irecv`, no virtual devices in the properties.
 
 use super::abi::*;
-use super::legacy::narrow;
+use super::narrow::narrow;
 
 // Its properties struct has these fields of the newest one.
 narrow! {

@@ -1,7 +1,7 @@
 //! ncclNet v9: like v10 without profiler handles and without the connect config.
 
 use super::abi::*;
-use super::legacy::narrow;
+use super::narrow::narrow;
 
 // Its properties struct (v10 shares it) has these fields of the newest one.
 narrow! {

@@ -1,9 +1,12 @@
 //! One side of a ping-pong (`LAT`; see the [module docs](super)), polled as NCCL's proxy polls
-//! a channel. Driven by [`Rank::lat`](super::serve).
+//! a channel, and [`Rank::lat`], which runs one (`LAT`) for the rank `serve` runs.
 
 use std::collections::VecDeque;
+use std::time::Instant;
 
+use ferroce_tools::buffer::pattern;
 use ferroce_tools::driver::Ptr;
+use ferroce_tools::out::{mean, median};
 use ferroce_tools::wait::Stall;
 
 use super::serve::Rank;
@@ -143,5 +146,51 @@ impl<'r, 'a> PingPong<'r, 'a> {
                 ));
             }
         }
+    }
+}
+
+impl Rank<'_> {
+    /// Ping-pong of `warm + iters + 1` messages (one more than samples: a sample is the time
+    /// between two pings). The leader replies `LAT p50_us mean_us min_us`, the other side `LAT`.
+    pub(super) fn lat(
+        &self,
+        size: usize,
+        iters: usize,
+        warm: usize,
+        depth: usize,
+        proto: Proto,
+        leader: bool,
+    ) -> Result<String, String> {
+        let total = warm + iters + 1;
+        self.clear(size);
+        let mut p = PingPong::new(self, size, depth, total, proto);
+        let mut stamps = Vec::with_capacity(if leader { total } else { 0 });
+        for i in 0..total {
+            // Our previous message must have left before the buffer takes the next flag.
+            if leader {
+                p.wait("a ping's send", |p| p.send_idle())?;
+                stamps.push(Instant::now());
+                p.start_send(i);
+                p.wait("a pong", |p| p.arrived(i))?;
+            } else {
+                p.wait("a ping", |p| p.arrived(i) && p.send_idle())?;
+                p.start_send(i);
+            }
+            p.seen = i + 1;
+        }
+        p.wait("the last requests", |p| p.send_idle() && p.received == total)?;
+        if proto == Proto::Ll {
+            // The next run sends the pattern again.
+            self.stamp(size, pattern(0, size - 1));
+        }
+        self.verify(size, (proto == Proto::Ll).then(|| flag(total - 1)))?;
+        if !leader {
+            return Ok("LAT".into());
+        }
+        let mut half: Vec<f64> =
+            stamps.windows(2).skip(warm).map(|w| (w[1] - w[0]).as_secs_f64() * 1e6 / 2.0).collect();
+        half.sort_by(f64::total_cmp);
+        let min = half.first().copied().unwrap_or(f64::NAN);
+        Ok(format!("LAT {:.3} {:.3} {min:.3}", median(&half), mean(&half)))
     }
 }

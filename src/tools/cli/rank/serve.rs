@@ -19,9 +19,7 @@ use ferroce_tools::proc::lines_of;
 use ferroce_tools::rank::handle_line;
 use ferroce_tools::wait::Stall;
 
-use super::pingpong::PingPong;
-use super::{COMM_ID, IDLE, MAX, Proto, STEP, WINDOW, flag, num};
-use ferroce_tools::out::{mean, median};
+use super::{COMM_ID, IDLE, MAX, Proto, STEP, WINDOW, num};
 /// Where a rank reads its commands and writes its replies: the orchestrator's pipes
 /// (single-host mode) or the connector's TCP stream (`--listen`).
 struct Io {
@@ -210,7 +208,7 @@ impl Rank<'_> {
     }
 
     /// Zeroes the receive buffer's first `size` bytes; only while no receive is posted.
-    fn clear(&self, size: usize) {
+    pub(super) fn clear(&self, size: usize) {
         self.rbuf.zero(0..size.min(MAX));
     }
 
@@ -230,7 +228,7 @@ impl Rank<'_> {
     /// LL message ends with the flag `last` instead (the buffer was zeroed before the first
     /// receive was posted, so a message that never landed fails too). Only while no receive is
     /// posted.
-    fn verify(&self, size: usize, last: Option<u8>) -> Result<(), String> {
+    pub(super) fn verify(&self, size: usize, last: Option<u8>) -> Result<(), String> {
         let n = size.min(MAX);
         let want = |i: usize| match last {
             Some(f) if i + 1 == n => f,
@@ -367,50 +365,6 @@ impl Rank<'_> {
                 ));
             }
         }
-    }
-
-    /// Ping-pong of `warm + iters + 1` messages (one more than samples: a sample is the time
-    /// between two pings). The leader replies `LAT p50_us mean_us min_us`, the other side `LAT`.
-    fn lat(
-        &self,
-        size: usize,
-        iters: usize,
-        warm: usize,
-        depth: usize,
-        proto: Proto,
-        leader: bool,
-    ) -> Result<String, String> {
-        let total = warm + iters + 1;
-        self.clear(size);
-        let mut p = PingPong::new(self, size, depth, total, proto);
-        let mut stamps = Vec::with_capacity(if leader { total } else { 0 });
-        for i in 0..total {
-            // Our previous message must have left before the buffer takes the next flag.
-            if leader {
-                p.wait("a ping's send", |p| p.send_idle())?;
-                stamps.push(Instant::now());
-                p.start_send(i);
-                p.wait("a pong", |p| p.arrived(i))?;
-            } else {
-                p.wait("a ping", |p| p.arrived(i) && p.send_idle())?;
-                p.start_send(i);
-            }
-            p.seen = i + 1;
-        }
-        p.wait("the last requests", |p| p.send_idle() && p.received == total)?;
-        if proto == Proto::Ll {
-            // The next run sends the pattern again.
-            self.stamp(size, pattern(0, size - 1));
-        }
-        self.verify(size, (proto == Proto::Ll).then(|| flag(total - 1)))?;
-        if !leader {
-            return Ok("LAT".into());
-        }
-        let mut half: Vec<f64> =
-            stamps.windows(2).skip(warm).map(|w| (w[1] - w[0]).as_secs_f64() * 1e6 / 2.0).collect();
-        half.sort_by(f64::total_cmp);
-        let min = half.first().copied().unwrap_or(f64::NAN);
-        Ok(format!("LAT {:.3} {:.3} {min:.3}", median(&half), mean(&half)))
     }
 }
 
