@@ -148,8 +148,7 @@ fn post_then_send(lanes: &str, split: &str) -> Result<(), String> {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn two_ranks_that_post_then_send_do_not_deadlock() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     for (lanes, split) in [("1", "0"), ("2", "0"), ("2", "1"), ("4", "0"), ("4", "1")] {
         post_then_send(lanes, split)
             .unwrap_or_else(|e| panic!("{lanes} QP(s), split {split}: {e}"));
@@ -162,8 +161,7 @@ fn two_ranks_that_post_then_send_do_not_deadlock() {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn four_threads_each_with_its_own_pairs_post_then_send() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     set_env(&[("NCCL_IB_QPS_PER_CONNECTION", Some("2")), ("NCCL_IB_SPLIT_DATA_ON_QPS", Some("1"))]);
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12).unwrap();
@@ -239,8 +237,7 @@ fn a_sender_spinning_while_the_receiver_sleeps_gets_every_row() {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn one_message_at_a_time_needs_no_call_on_the_receiver_to_match() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     for split in ["0", "1"] {
         set_env(&[("NCCL_IB_SPLIT_DATA_ON_QPS", Some(split))]);
         let lib = open_plugin();

@@ -70,8 +70,7 @@ fn print_evidence(title: &str, pkts: &[Packet]) {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn split_mode_uses_exactly_the_computed_ports_with_equal_shares() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     // Equal chunks exactly: path-aware placement may leave a lane out of a message where its
     // path measured slow (on a busy host a healthy one can, for a moment; that lane still
     // carries at least half its share, see every_lane_carries_its_share_on_a_clean_link).
@@ -136,8 +135,7 @@ fn split_mode_uses_exactly_the_computed_ports_with_equal_shares() {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn round_robin_and_spread_ports_are_the_logged_ones() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     // Round-robin with the default spread: two connections to one peer get disjoint blocks.
     set_env(&[("NCCL_IB_QPS_PER_CONNECTION", Some("3")), ("NCCL_IB_SPLIT_DATA_ON_QPS", Some("0"))]);
     let cap = Capture::start("vethA");
@@ -159,8 +157,7 @@ fn round_robin_and_spread_ports_are_the_logged_ones() {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn dscp_on_the_wire_matches_the_traffic_class_knobs() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     // NCCL_IB_TC for data, NCCL_IB_FIFO_TC for the receiver's control writes and ACKs.
     set_env(&[("NCCL_IB_TC", Some("104")), ("NCCL_IB_FIFO_TC", Some("184"))]);
     let cap = Capture::start("vethA");
@@ -210,8 +207,7 @@ fn netem(args: &[&str]) {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn total_loss_fails_pending_requests_within_the_retry_bound() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     set_env(&[("NCCL_IB_TIMEOUT", Some("14")), ("NCCL_IB_RETRY_CNT", Some("3"))]);
     let (took, err, warns) = send_into_total_loss();
     set_env(&[("NCCL_IB_TIMEOUT", None), ("NCCL_IB_RETRY_CNT", None)]);
@@ -232,8 +228,7 @@ fn total_loss_fails_pending_requests_within_the_retry_bound() {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn total_loss_with_unending_retries_fails_at_the_progress_deadline() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     // rxe treats retry_cnt 7 as "retry forever": only ferroce's progress deadline ends this.
     set_env(&[
         ("NCCL_IB_TIMEOUT", Some("12")),
@@ -304,8 +299,7 @@ fn send_into_total_loss() -> (Duration, String, Vec<String>) {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn a_dead_lane_fails_over_to_the_live_ones() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     for (split, lane) in [("1", 2), ("0", 0), ("1", 0), ("0", 3)] {
         let r = with_four_lanes(split, None, || failover_run(lane));
         let (port, took, warns) = r.unwrap_or_else(|e| panic!("split {split}, lane {lane}: {e}"));
@@ -347,8 +341,7 @@ fn a_dead_lane_fails_over_to_the_live_ones() {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn a_dead_path_fails_over_at_nccls_default_timeouts() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     for (split, lane) in [("0", 1), ("1", 0), ("0", 0), ("1", 1)] {
         set_env(&[("NCCL_IB_SPLIT_DATA_ON_QPS", Some(split))]);
         let r =
@@ -382,8 +375,7 @@ fn a_dead_path_fails_over_at_nccls_default_timeouts() {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn ll_messages_move_off_a_dead_control_lane() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     let r = on_a_pair(0, |drv, send, recv, port| ll_run(drv, (send, recv), port));
     clear_paths();
     let ((took, warns), _) = r.unwrap_or_else(|e| panic!("{e}"));
@@ -512,8 +504,7 @@ fn default_timeouts_run(
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn every_lane_carries_its_share_on_a_clean_link() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     for (lanes, split) in [(2, "0"), (2, "1"), (4, "0"), (4, "1")] {
         let n = lanes.to_string();
         let knobs = [
@@ -567,8 +558,7 @@ fn every_lane_carries_its_share_on_a_clean_link() {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn an_ack_only_black_hole_never_writes_a_completed_receive() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     for (split, lanes, lane) in [("0", "2", 1), ("1", "2", 0), ("1", "4", 2), ("0", "4", 0)] {
         let knobs = [
             ("NCCL_IB_QPS_PER_CONNECTION", Some(lanes)),
@@ -749,8 +739,7 @@ fn drop_acks_on_vetha(port: u16) {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn a_dead_lane_is_repaired_once_its_path_answers_again() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     for split in ["0", "1"] {
         let r = with_four_lanes(split, Some(("FERROCE_PATH_AWARE", "0")), || {
             repair_run(2, split == "1")
@@ -777,8 +766,7 @@ fn a_dead_lane_is_repaired_once_its_path_answers_again() {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn a_lane_whose_path_stays_dead_stays_out_after_its_attempts() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     let knobs = [
         ("FERROCE_PATH_AWARE", Some("0")),
         ("NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", Some("2")),
@@ -1048,8 +1036,7 @@ fn rxe1_ready() -> bool {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn a_deleted_peer_device_fails_the_sender_within_the_progress_deadline() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     // retry 7 never ends on rxe: only ferroce's own progress deadline can end the wait.
     set_env(&[("FERROCE_PROGRESS_TIMEOUT_MS", Some("3000")), ("NCCL_IB_RETRY_CNT", Some("7"))]);
     // The peer: a receiving rank of `ferroce perf` on rxe1 in its own process, driven over its
@@ -1200,8 +1187,7 @@ fn gid_index_of(ip_text: &str) -> u8 {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn gid_knobs_pick_the_expected_gid() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     ip(&["addr", "add", "198.18.1.1/24", "dev", "vethA"]);
     ip(&["addr", "add", "fd00:198:18::1/64", "dev", "vethA", "nodad"]);
     wait_for("new GIDs", 20, || {
@@ -1256,8 +1242,7 @@ fn gid_knobs_pick_the_expected_gid() {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn after_a_gid_change_new_connections_use_the_new_table() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     set_env(&[("NCCL_IB_ADDR_RANGE", Some("198.18.2.0/24"))]);
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12).unwrap();
@@ -1303,8 +1288,7 @@ fn after_a_gid_change_new_connections_use_the_new_table() {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn a_link_local_gid_still_connects_and_moves_data() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     // GID index 0 on rxe is the IPv6 link-local one; the setup socket must not bind it.
     set_env(&[("NCCL_IB_GID_INDEX", Some("0"))]);
     let info = traffic(65536, 3, -1);
@@ -1318,8 +1302,7 @@ fn a_link_local_gid_still_connects_and_moves_data() {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn socket_ifname_in_nccl_syntax_picks_the_setup_interface() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     // Both devices' listeners on vethB's address (exact name), then on the first interface
     // an exclude list keeps: data still flows between the GIDs.
     for (ifname, want) in
@@ -1352,8 +1335,7 @@ fn socket_ifname_in_nccl_syntax_picks_the_setup_interface() {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn statistics_are_logged_periodically_for_long_jobs() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     set_env(&[("FERROCE_STATS_INTERVAL_S", Some("1"))]);
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12).unwrap();
@@ -1597,8 +1579,7 @@ fn slow_run(
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn a_slow_path_loses_its_work_to_the_healthy_ones() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     // Both modes are measured, then judged, so that a run shows both.
     let mut results = Vec::new();
     for split in ["0", "1"] {
@@ -1661,8 +1642,7 @@ fn a_slow_path_loses_its_work_to_the_healthy_ones() {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn every_path_dead_fails_the_comm_within_the_bound() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     for split in ["0", "1"] {
         let r = with_four_lanes(split, None, || {
             let lib = open_plugin();

@@ -244,8 +244,7 @@ fn nccl_ib_hca_forms_select_what_they_should() {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn legacy_versions_see_the_same_devices() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     // A fresh load, so the once-per-load legacy init really runs here.
     let lib = open_plugin();
     type Init = unsafe extern "C" fn(ncclDebugLogger_t) -> ncclResult_t;
@@ -268,8 +267,7 @@ fn legacy_versions_see_the_same_devices() {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn ten_init_traffic_finalize_dlclose_cycles_in_one_process() {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     let mapped =
         || std::fs::read_to_string("/proc/self/maps").unwrap().contains("libnccl-net-ferroce.so");
     for cycle in 0..10 {
@@ -367,8 +365,7 @@ fn hello(nonce: u64) -> Msg {
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn garbage_and_silent_peers_are_dropped_and_the_rightful_peer_is_served() {
     use std::io::Write;
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     // Long enough for the stranger's own 5 s hello deadline to come first: junk never extends
     // the wait for the rightful peer, so that wait must outlast the junk.
     // SAFETY: tests that change the environment hold the SERIAL lock.
@@ -607,8 +604,7 @@ fn a_thousand_connect_transfer_close_cycles_leak_nothing() {
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn pd_cost() {
     use ferroce::verbs::{self, ForeignMem, Mr, Pd};
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     let (_, mut ctxs) = verbs::open_all(|n| n == "rxe0").unwrap();
     let ctx = std::sync::Arc::new(ctxs.remove(0).unwrap());
     let _warm = Pd::new(&ctx).unwrap();

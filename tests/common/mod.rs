@@ -17,6 +17,13 @@ pub fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The start of a VM test that changes shared state (the environment, links, the plugin's
+/// globals): it must run in the VM, and holds the SERIAL lock until the guard drops.
+pub fn vm_serial() -> std::sync::MutexGuard<'static, ()> {
+    require_vm();
+    serial()
+}
+
 /// `target/<profile>`, found from the test executable (`target/<profile>/deps/<test>`).
 pub fn target_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
@@ -108,8 +115,7 @@ pub fn close_both(drv: &Driver, send: Ptr, recv: Ptr) -> Result<(), String> {
 /// the VM, and holds the SERIAL lock while `body` runs with the opened plugin (closed after it,
 /// before the lock).
 pub fn with_plugin(body: impl FnOnce(&Library)) {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     let lib = open_plugin();
     body(&lib);
 }
@@ -118,8 +124,7 @@ pub fn with_plugin(body: impl FnOnce(&Library)) {
 /// before the plugin opens; `body` runs with the driver and a context initialised at v12 with
 /// `comm_id`, which is finalized after.
 pub fn in_vm(comm_id: u64, env: &[(&str, Option<&str>)], body: impl FnOnce(&Driver, Ptr)) {
-    require_vm();
-    let _g = serial();
+    let _g = vm_serial();
     set_env(env);
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12).unwrap();
