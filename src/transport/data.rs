@@ -518,6 +518,16 @@ impl Life {
     }
 }
 
+/// Logs the lines the core left.
+fn log_lines(mut take: impl FnMut() -> Option<Line>) {
+    while let Some(l) = take() {
+        match l {
+            Line::Warn(w) => log::warn!("{w}"),
+            Line::Info(i) => log::info!("{i}"),
+        }
+    }
+}
+
 /// How each end names itself in its log lines, before the peer.
 const SEND: &str = "send comm to";
 const RECV: &str = "receive comm from";
@@ -555,16 +565,6 @@ impl Lanes {
         let life = Life::start(&net, &devs);
         let events = profiler.map(Events::new);
         Lanes { net, devs, path, qps, links, ports, life, events }
-    }
-
-    /// Logs the lines the core left.
-    fn log(&self, mut take: impl FnMut() -> Option<Line>) {
-        while let Some(l) = take() {
-            match l {
-                Line::Warn(w) => log::warn!("{w}"),
-                Line::Info(i) => log::info!("{i}"),
-            }
-        }
     }
 
     /// Turns what the core journaled into profiler events (the core journals nothing without
@@ -704,7 +704,7 @@ impl SendComm {
         }
         self.lanes.report(self.core.journal());
         let r = r?;
-        self.lanes.log(|| self.core.take_line());
+        log_lines(|| self.core.take_line());
         if r.is_none() {
             self.progress()?; // what frees a slot or the send queue is a completion
         }
@@ -727,7 +727,7 @@ impl SendComm {
             SendDrain { core: &mut self.core, stage: &self.sizes_stage, fifo: &self.fifo };
         let r = progress(&mut side, &mut io);
         self.lanes.report(self.core.journal());
-        self.lanes.log(|| self.core.take_line());
+        log_lines(|| self.core.take_line());
         self.lanes.tick(SEND, self.core.traffic());
         r
     }
@@ -903,7 +903,7 @@ impl RecvComm {
         let mut io = qps!(self, &self.flushers);
         let r = progress(&mut side, &mut io);
         self.lanes.report(self.core.journal());
-        self.lanes.log(|| self.core.take_line());
+        log_lines(|| self.core.take_line());
         self.lanes.tick(RECV, self.core.traffic());
         r
     }

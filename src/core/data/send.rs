@@ -62,14 +62,18 @@ pub(super) struct ChunkWrs {
     pub(super) chunk: usize,
     pub(super) lane: usize,
     pub(super) life: u8,
-    /// The chunk's own id (tagged with the lane's life): its final completion.
-    pub(super) id: u64,
     /// The lane's (ours, theirs) member ports, which pick the keys.
     pub(super) members: (usize, usize),
     pub(super) inline: u32,
 }
 
 impl ChunkWrs {
+    /// The id of a work request of the chunk, of `kind` (`WR_SEND`: the chunk's own, whose
+    /// completion is its last; `WR_MARK`: a signaled data write), tagged with the lane's life.
+    pub(super) fn id(&self, kind: u64) -> u64 {
+        tagged(data_wr_id(kind, self.lane, self.slot, self.chunk), self.life)
+    }
+
     /// The data writes of the chunk's part of each request, cut at `max_msg`; every `mark`
     /// bytes one is signaled, so the sender learns of progress within a long chunk. The bytes
     /// written.
@@ -82,7 +86,7 @@ impl ChunkWrs {
         (max_msg, mark): (u64, u64),
     ) -> Result<u64> {
         let (ours, theirs) = self.members;
-        let marked = tagged(data_wr_id(WR_MARK, self.lane, self.slot, self.chunk), self.life);
+        let (id, marked) = (self.id(WR_SEND), self.id(WR_MARK));
         let (mut data, mut unmarked) = (0, 0);
         let row = &s.row[..usize::from(s.nreqs)];
         for ((b, cts), &(off, len)) in s.bufs.iter().zip(row).zip(parts) {
@@ -99,7 +103,7 @@ impl ChunkWrs {
                 chain.push(
                     io,
                     SendWr {
-                        wr_id: if signaled { marked } else { self.id },
+                        wr_id: if signaled { marked } else { id },
                         op: Op::Write,
                         signaled,
                         local: Some((b.addr + at, n as u32, b.lkeys[ours])),
@@ -160,7 +164,7 @@ impl ChunkWrs {
         (addr, rkey): (u64, u32),
     ) -> SendWr {
         SendWr {
-            wr_id: self.id,
+            wr_id: self.id(WR_SEND),
             op: Op::Write,
             local: Some((stage.addr(word), len, stage.lkey(self.members.0))),
             remote_addr: addr,
@@ -182,13 +186,13 @@ impl ChunkWrs {
         match chain.last() {
             Some(w) if on_data && w.op == Op::Write => {
                 w.op = Op::WriteImm(imm);
-                w.wr_id = self.id;
+                w.wr_id = self.id(WR_SEND);
                 w.signaled = true;
                 Ok(())
             }
             _ => {
                 let wr = SendWr {
-                    wr_id: self.id,
+                    wr_id: self.id(WR_SEND),
                     op: Op::WriteImm(imm),
                     signaled: true,
                     ..SendWr::default()
@@ -650,13 +654,11 @@ impl SendCore {
         let parts: [(u64, u64); MAX_RECVS] = std::array::from_fn(|r| {
             s.bufs[r].map_or((0, 0), |b| self.part(slot, b.size, split, c))
         });
-        let life = self.health.life[q];
         let k = ChunkWrs {
             slot,
             chunk: c,
             lane: q,
-            life,
-            id: tagged(data_wr_id(WR_SEND, q, slot, c), life),
+            life: self.health.life[q],
             members: self.p.members[q],
             inline: self.p.max_inline,
         };
@@ -673,7 +675,7 @@ impl SendCore {
             k.imm(&mut chain, io, imm, size.is_some() && data > 0)?;
         }
         chain.flush(io)?;
-        self.chunk_posted((slot, c, q), &parts[..nreqs], (optional, size.is_some()), k.id);
+        self.chunk_posted((slot, c, q), &parts[..nreqs], (optional, size.is_some()), k.id(WR_SEND));
         self.lanes[q].posted(at, data);
         let t = &mut self.health.traffic;
         t.bytes[q] += data;
