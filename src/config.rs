@@ -1,5 +1,6 @@
-//! Every knob ferroce reads, in one place: typed, documented, parsed once per initialisation
-//! and logged once at INFO.
+//! Every knob ferroce reads, in one place: typed, documented, parsed once per initialisation.
+//! At INFO only the knobs the environment set get a line, as NCCL's own do; the whole table is
+//! logged at TRACE and shown by `ferroce knobs`.
 //!
 //! NCCL's own `NCCL_IB_*` names are honoured where the meaning matches, so users can switch
 //! plugins without relearning; ferroce's own knobs start with `FERROCE_`. A malformed value is
@@ -155,8 +156,8 @@ pub struct Config {
     pub gdr_flush_disable: bool,
     /// `NCCL_IB_PCI_RELAXED_ORDERING`: 0 off, 1 on, 2 auto.
     pub relaxed_ordering: u8,
-    /// The effective value of every knob, in [`KNOBS`] order, for the INFO lines.
-    pub effective: Vec<(&'static str, String)>,
+    /// Every knob in [`KNOBS`] order: what it became, and what the environment said.
+    pub effective: Vec<Effective>,
     /// Values replaced to keep every wait bounded: one WARN each at init.
     pub warnings: Vec<String>,
 }
@@ -167,10 +168,32 @@ impl Default for Config {
     }
 }
 
+/// One knob as read: what ferroce uses, and the environment's value where it set one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Effective {
+    pub name: &'static str,
+    pub value: String,
+    /// The value as the environment gave it (trimmed); `None` when unset or empty.
+    pub set: Option<String>,
+}
+
+impl Effective {
+    /// The INFO line of a knob the environment set, as NCCL words its own: the value as read,
+    /// and what it became where that differs.
+    pub fn set_line(&self) -> Option<String> {
+        let raw = self.set.as_ref()?;
+        Some(if *raw == self.value {
+            format!("{} set by environment to {raw}", self.name)
+        } else {
+            format!("{} set by environment to {raw}, used as {}", self.name, self.value)
+        })
+    }
+}
+
 /// Reads knobs and records what each ended up as.
 struct Reader<F: Fn(&str) -> Option<String>> {
     get: F,
-    effective: Vec<(&'static str, String)>,
+    effective: Vec<Effective>,
     /// Values replaced by what ferroce uses instead, in words, for one WARN each.
     warnings: Vec<String>,
 }
@@ -181,7 +204,16 @@ impl<F: Fn(&str) -> Option<String>> Reader<F> {
     }
 
     fn record(&mut self, knob: &'static str, value: impl ToString) {
-        self.effective.push((knob, value.to_string()));
+        let set = self.raw(knob);
+        self.effective.push(Effective { name: knob, value: value.to_string(), set });
+    }
+
+    /// A recorded value replaced by what ferroce uses instead (`why` is its WARN).
+    fn replace(&mut self, knob: &'static str, value: impl ToString, why: String) {
+        if let Some(e) = self.effective.iter_mut().find(|e| e.name == knob) {
+            e.value = value.to_string();
+        }
+        self.warnings.push(why);
     }
 
     /// An integer within `range`, or `default` when unset; written as NCCL reads integers
@@ -310,7 +342,7 @@ impl<F: Fn(&str) -> Option<String>> Reader<F> {
         let allow = self.int("FERROCE_ALLOW_UNBOUNDED", 0u8, 0..=1)? == 1;
         let mut ib_timeout = self.int("NCCL_IB_TIMEOUT", 20u8, 0..=255)?;
         if ib_timeout >= 32 || (ib_timeout == 0 && !allow) {
-            self.warnings.push(format!(
+            let why = format!(
                 "NCCL_IB_TIMEOUT={ib_timeout} {}; using 20 (4.3 s per attempt){}",
                 if ib_timeout == 0 {
                     "disables the ACK timeout (a dead peer hangs the job)"
@@ -318,17 +350,17 @@ impl<F: Fn(&str) -> Option<String>> Reader<F> {
                     "does not fit the 5-bit field"
                 },
                 if ib_timeout == 0 { "; FERROCE_ALLOW_UNBOUNDED=1 keeps 0" } else { "" }
-            ));
+            );
             ib_timeout = 20;
+            self.replace("NCCL_IB_TIMEOUT", ib_timeout, why);
         }
         let ib_retry_cnt = self.int("NCCL_IB_RETRY_CNT", 7u8, 0..=7)?;
         let mut rnr_retry = self.int("FERROCE_RNR_RETRY", 6u8, 0..=7)?;
         if rnr_retry == 7 && !allow {
-            self.warnings.push(
-                "FERROCE_RNR_RETRY=7 retries forever; using 6 (FERROCE_ALLOW_UNBOUNDED=1 keeps 7)"
-                    .into(),
-            );
             rnr_retry = 6;
+            let why = "FERROCE_RNR_RETRY=7 retries forever; using 6 (FERROCE_ALLOW_UNBOUNDED=1 \
+                       keeps 7)";
+            self.replace("FERROCE_RNR_RETRY", rnr_retry, why.into());
         }
         let progress_ms = self.int("FERROCE_PROGRESS_TIMEOUT_MS", 0u64, 0..=86_400_000)?;
         let bound = retry_bound(ib_timeout, ib_retry_cnt);
@@ -481,7 +513,7 @@ impl Config {
         let relaxed_ordering = r.int("NCCL_IB_PCI_RELAXED_ORDERING", 2u8, 0..=2)?;
 
         let mut effective = std::mem::take(&mut r.effective);
-        effective.sort_by_key(|(k, _)| KNOBS.iter().position(|d| d.name == *k));
+        effective.sort_by_key(|e| KNOBS.iter().position(|d| d.name == e.name));
         Ok(Config {
             ib_hca,
             merge_vfs,
@@ -525,11 +557,15 @@ impl Config {
         })
     }
 
-    /// One INFO line per knob with its effective value, and one WARN per replaced value.
+    /// One INFO line per knob the environment set, one line per knob at NCCL's TRACE (`debug`
+    /// here), and one WARN per replaced value.
     pub fn log(&self) {
-        for (name, value) in &self.effective {
-            let meaning = KNOBS.iter().find(|k| k.name == *name).map_or("", |k| k.meaning);
-            log::info!(target: "init", "knob {name}={value} ({meaning})");
+        for e in &self.effective {
+            if let Some(line) = e.set_line() {
+                log::info!(target: "init", "{line}");
+            }
+            let meaning = KNOBS.iter().find(|k| k.name == e.name).map_or("", |k| k.meaning);
+            log::debug!("knob {}={} ({meaning})", e.name, e.value);
         }
         for w in &self.warnings {
             log::warn!("{w}");
@@ -661,12 +697,34 @@ mod tests {
     #[test]
     fn every_knob_is_documented_and_reported() {
         let d = Config::default();
-        let names: Vec<&str> = d.effective.iter().map(|(k, _)| *k).collect();
+        let names: Vec<&str> = d.effective.iter().map(|e| e.name).collect();
         let documented: Vec<&str> = KNOBS.iter().map(|k| k.name).collect();
         assert_eq!(names, documented, "every knob read is in KNOBS, in order, and vice versa");
         for k in KNOBS {
             assert!(k.name.starts_with("NCCL_") || k.name.starts_with("FERROCE_"), "{}", k.name);
         }
+    }
+
+    #[test]
+    fn only_knobs_the_environment_set_get_an_info_line() {
+        let lines = |c: &Config| -> Vec<String> {
+            c.effective.iter().filter_map(Effective::set_line).collect()
+        };
+        assert!(lines(&Config::default()).is_empty(), "{:?}", lines(&Config::default()));
+        let c = with2(("NCCL_IB_TIMEOUT", " 0x14 "), ("NCCL_IB_QPS_PER_CONNECTION", "4")).unwrap();
+        assert_eq!(
+            lines(&c),
+            [
+                "NCCL_IB_TIMEOUT set by environment to 0x14, used as 20",
+                "NCCL_IB_QPS_PER_CONNECTION set by environment to 4"
+            ]
+        );
+        // An empty value is unset, as NCCL reads it.
+        assert!(lines(&with("NCCL_IB_TIMEOUT", " ").unwrap()).is_empty());
+        // A value replaced to keep waits bounded says what it became (and WARNs).
+        let c = with("FERROCE_RNR_RETRY", "7").unwrap();
+        assert_eq!(lines(&c), ["FERROCE_RNR_RETRY set by environment to 7, used as 6"]);
+        assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //! Tests that change the VM's network put it back (a guard, also on panic) and check the GID
 //! table is as before, so the VM tests that run later see the set-up they expect.
 //! `#[ignore]`d on the host; `ci/vm-tests.sh` runs them in the VM, each in its own process.
+//! `ferroce knobs`, the knob table on demand, needs no device and is tested on any host.
 
 mod common;
 
@@ -265,6 +266,49 @@ fn nccl_ib_hca_matching_nothing_blocks() {
     let o = doctor(&[], &[("NCCL_IB_HCA", "rxe0,mlx5_9")]);
     assert_eq!(o.code, 0);
     assert!(o.lines("WARN").join("\n").contains("\"mlx5_9\" matches no RDMA device"));
+}
+
+/// Runs `ferroce knobs` with no NCCL or ferroce variable but `env`.
+fn knobs(env: &[(&str, &str)]) -> Out {
+    let mut cmd = Command::new(common::ferroce_exe());
+    cmd.arg("knobs");
+    for (k, _) in std::env::vars() {
+        if k.starts_with("NCCL_") || k.starts_with("FERROCE_") {
+            cmd.env_remove(k);
+        }
+    }
+    let o = cmd.envs(env.iter().copied()).output().expect("run ferroce knobs");
+    Out {
+        code: o.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&o.stdout).into(),
+        stderr: String::from_utf8_lossy(&o.stderr).into(),
+    }
+}
+
+/// The whole table, which a rank's INFO log leaves out: every knob once, its value here and
+/// where it came from; a replaced value with its WARN; a malformed one fails, naming it.
+#[test]
+fn knobs_shows_every_knob_and_where_its_value_came_from() {
+    let o = knobs(&[("NCCL_IB_TIMEOUT", "0x14"), ("FERROCE_RNR_RETRY", "7")]);
+    assert_eq!(o.code, 0, "{}{}", o.stdout, o.stderr);
+    for k in ferroce::config::KNOBS {
+        let rows = o.stdout.lines().filter(|l| l.split_whitespace().next() == Some(k.name));
+        assert_eq!(rows.count(), 1, "{} in\n{}", k.name, o.stdout);
+    }
+    for must in [
+        "NCCL_IB_RETRY_CNT ",
+        " 7 (default)",
+        " 20 (set to 0x14)",
+        " 6 (set to 7)",
+        "WARN FERROCE_RNR_RETRY=7 retries forever",
+    ] {
+        assert!(o.stdout.contains(must), "missing {must:?} in\n{}", o.stdout);
+    }
+    let o = knobs(&[("NCCL_IB_QPS_PER_CONNECTION", "4")]);
+    assert!(o.stdout.contains(" 4 (set)"), "{}", o.stdout);
+    let o = knobs(&[("NCCL_IB_TIMEOUT", "fast")]);
+    assert_eq!(o.code, 1);
+    assert!(o.stderr.contains("NCCL_IB_TIMEOUT") && o.stderr.contains("fast"), "{}", o.stderr);
 }
 
 #[test]

@@ -477,13 +477,21 @@ fn plain() -> Result<(), String> {
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12)?;
     let ctx = drv.init(1)?;
-    let (info, warns) = lines();
+    let all = take_captured();
+    let at = |lvl: i32| all.iter().filter(move |l| l.0 == lvl).map(|l| l.2.as_str());
+    let warns: Vec<&str> = at(2).collect();
     check(warns.is_empty(), || format!("WARNs at init: {warns:?}"))?;
     for (dev, name) in [(0, "rxe0"), (1, "rxe1")] {
         let p = drv.properties(dev)?.ptr_support;
         check(p == HOST, || format!("{name}: ptrSupport {p:#x}, expected HOST only"))?;
-        let line = info.iter().find(|l| l.contains(&format!("device {dev}: {name} GPUDirect")));
-        let line = line.ok_or(format!("no GPUDirect INFO line for {name}: {info:?}"))?;
+        // At INFO the port's one line says what; at TRACE another says why.
+        let brief = at(3).find(|l| l.contains(&format!("device {dev}: {name} port")));
+        let brief = brief.ok_or(format!("no INFO line for {name}: {all:?}"))?;
+        check(brief.contains("GPUDirect RDMA HOST (`ferroce doctor` says why)"), || {
+            format!("{name}: {brief}")
+        })?;
+        let line = at(5).find(|l| l.contains(&format!("device {dev}: {name} GPUDirect")));
+        let line = line.ok_or(format!("no GPUDirect TRACE line for {name}: {all:?}"))?;
         check(
             line.contains("GPUDirect RDMA HOST:")
                 && line.contains("no peer memory")

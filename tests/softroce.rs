@@ -288,6 +288,73 @@ fn ten_init_traffic_finalize_dlclose_cycles_in_one_process() {
     take_captured();
 }
 
+/// What a rank prints at `NCCL_DEBUG=INFO` (WARN and INFO; not TRACE) from `init` through its
+/// first connection (a send and a receive comm, rxe0 to rxe1), with only `env` of the NCCL and
+/// ferroce variables set.
+fn info_lines_to_first_connection(lib: &Library, env: &[(&str, &str)]) -> Vec<String> {
+    let ours: Vec<String> = std::env::vars()
+        .map(|(k, _)| k)
+        .filter(|k| k.starts_with("NCCL_") || k.starts_with("FERROCE_"))
+        .collect();
+    let saved: Vec<(String, Option<String>)> =
+        ours.iter().map(|k| (k.clone(), std::env::var(k).ok())).collect();
+    let unset: Vec<(&str, Option<&str>)> = ours.iter().map(|k| (k.as_str(), None)).collect();
+    set_env(&unset);
+    set_env(&env.iter().map(|&(k, v)| (k, Some(v))).collect::<Vec<_>>());
+    take_captured();
+    let drv = Driver::new(lib, 12).unwrap();
+    let ctx = drv.init(36).unwrap();
+    let (send, recv) = pair(&drv, ctx, 1, 0).unwrap();
+    let trace = ncclDebugLogLevel::NCCL_LOG_TRACE.0 as i32;
+    let lines = take_captured().into_iter().filter(|l| l.0 < trace).map(|l| l.2).collect();
+    close_both(&drv, send, recv).unwrap();
+    drv.finalize(ctx).unwrap();
+    set_env(&env.iter().map(|&(k, _)| (k, None)).collect::<Vec<_>>());
+    set_env(&saved.iter().map(|(k, v)| (k.as_str(), v.as_deref())).collect::<Vec<_>>());
+    take_captured();
+    lines
+}
+
+/// At INFO a rank says little from `init` to its first connection: with no knob set, the
+/// version, one line per port (the GID it chose and why), the memlock limit where it is not
+/// unlimited, and one line per end of the connection; nothing else and no WARN. Two knobs set
+/// add exactly their two lines, each with the value as read. Both are printed for the README.
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn from_init_to_the_first_connection_a_rank_prints_one_screen_at_info() {
+    with_plugin(|lib| {
+        let plain = info_lines_to_first_connection(lib, &[]);
+        eprintln!("--- at INFO, no knob set:\n{}", plain.join("\n"));
+        let version = format!("NET/ferroce: ferroce {}", env!("CARGO_PKG_VERSION"));
+        assert_eq!(plain.first(), Some(&version), "{plain:#?}");
+        let mut per_port = [0, 0];
+        for l in &plain[1..] {
+            let l = l.strip_prefix("NET/ferroce: ").unwrap_or(l);
+            if let Some(dev) = (0..2).find(|d| l.starts_with(&format!("device {d}: rxe{d} port 1")))
+            {
+                assert!(l.contains("GID index 1 (") && l.contains("GPUDirect RDMA HOST"), "{l}");
+                per_port[dev] += 1;
+            } else {
+                let known = ["RLIMIT_MEMLOCK is ", "connected to ", "accepted from "];
+                assert!(known.iter().any(|k| l.starts_with(k)), "an unexpected INFO line: {l}");
+            }
+        }
+        assert_eq!(per_port, [1, 1], "one line per port: {plain:#?}");
+        assert!(plain.len() <= 6, "{} lines: {plain:#?}", plain.len());
+
+        let env = [("NCCL_IB_TIMEOUT", "0x12"), ("NCCL_IB_QPS_PER_CONNECTION", "4")];
+        let two = info_lines_to_first_connection(lib, &env);
+        eprintln!("--- at INFO, two knobs set:\n{}", two.join("\n"));
+        assert_eq!(two.len(), plain.len() + 2, "{two:#?}");
+        for must in [
+            "NET/ferroce: NCCL_IB_TIMEOUT set by environment to 0x12, used as 18",
+            "NET/ferroce: NCCL_IB_QPS_PER_CONNECTION set by environment to 4",
+        ] {
+            assert!(two.iter().any(|l| l == must), "missing {must:?} in {two:#?}");
+        }
+    });
+}
+
 /// Waits (bounded) until both rxe ports report `want` in sysfs.
 fn wait_ports(want: &str) {
     let deadline = Instant::now() + Duration::from_secs(20);

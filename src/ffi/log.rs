@@ -5,8 +5,9 @@
 //! (a wrong argument there crashes NCCL). Records go to the NET subsystem; records logged with
 //! `target: "init"` also go to INIT, which NCCL shows by default with `NCCL_DEBUG=INFO`.
 //!
-//! Before NCCL hands over its logger (tools, tests), warnings go to stderr, and INFO too when
-//! `NCCL_DEBUG` is `INFO` or `TRACE`.
+//! Before NCCL hands over its logger (tools, tests), warnings go to stderr, INFO too when
+//! `NCCL_DEBUG` is `INFO` or `TRACE`, and `debug`/`trace` records (NCCL's TRACE) when it is
+//! `TRACE`.
 
 use std::ffi::{CString, c_char, c_int};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -29,11 +30,15 @@ pub fn install(logger: ncclDebugLogger_t) {
     }
 }
 
-fn stderr_info_enabled() -> bool {
-    matches!(
-        std::env::var("NCCL_DEBUG").as_deref().map(str::to_ascii_uppercase).as_deref(),
-        Ok("INFO" | "TRACE")
-    )
+/// Whether a line of `level` goes to stderr when NCCL gave no logger: WARN always, INFO and
+/// TRACE as `NCCL_DEBUG` asks.
+fn stderr_shows(level: ncclDebugLogLevel) -> bool {
+    let debug = std::env::var("NCCL_DEBUG").map(|v| v.to_ascii_uppercase()).unwrap_or_default();
+    match level {
+        ncclDebugLogLevel::NCCL_LOG_WARN => true,
+        ncclDebugLogLevel::NCCL_LOG_INFO => debug == "INFO" || debug == "TRACE",
+        _ => debug == "TRACE",
+    }
 }
 
 /// The message exactly as it is handed to NCCL: prefixed, and with no interior NUL.
@@ -59,9 +64,7 @@ impl ::log::Log for NcclLog {
         let msg = c_message(&record.args().to_string());
         let addr = NCCL_LOGGER.load(Ordering::Acquire);
         if addr == 0 {
-            if level == ncclDebugLogLevel::NCCL_LOG_WARN
-                || (level == ncclDebugLogLevel::NCCL_LOG_INFO && stderr_info_enabled())
-            {
+            if stderr_shows(level) {
                 eprintln!("{}", msg.to_string_lossy());
             }
             return;

@@ -46,6 +46,12 @@ pub(super) unsafe extern "C" fn init(
 }
 
 pub(super) unsafe extern "C" fn finalize(ctx: *mut c_void) -> ncclResult_t {
+    // NCCL finalizes the NULL context of an `init` that failed (no device on this host, say):
+    // nothing was made, so there is nothing to end and nothing to warn about.
+    if ctx.is_null() {
+        ::log::debug!("finalize: NULL context (init failed or never ran); nothing to do");
+        return ncclResult_t::ncclSuccess;
+    }
     guard("finalize", || {
         // SAFETY: ctx is what init returned, and NCCL finalizes it exactly once.
         let ctx = unsafe { handles::take::<CommContext>(ctx, "ctx") }?;

@@ -233,18 +233,22 @@ fn choose_gid(
     })
 }
 
+/// Which GID a port uses and why, in words.
+pub fn gid_words(g: &GidChoice) -> String {
+    format!(
+        "GID index {} ({}, {} on {}): {}",
+        g.index,
+        std::net::Ipv6Addr::from(g.gid),
+        g.ip(),
+        g.netdev.as_deref().unwrap_or("?"),
+        g.why
+    )
+}
+
 /// One line that says which GID a device uses and why (INFO), or why it has none (WARN).
-pub fn log_gid(name: &str, gid: &Result<GidChoice, String>, when: &str) {
+fn log_gid(name: &str, gid: &Result<GidChoice, String>, when: &str) {
     match gid {
-        Ok(g) => log::info!(
-            target: "init",
-            "{name} uses GID index {} ({}, {} on {}) {when}: {}",
-            g.index,
-            std::net::Ipv6Addr::from(g.gid),
-            g.ip(),
-            g.netdev.as_deref().unwrap_or("?"),
-            g.why
-        ),
+        Ok(g) => log::info!(target: "init", "{name} uses {} {when}", gid_words(g)),
         Err(e) => log::warn!("{name} {when}: {e}"),
     }
 }

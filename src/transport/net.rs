@@ -234,6 +234,7 @@ fn registry() -> MutexGuard<'static, Registry> {
 
 impl Net {
     fn open() -> Result<Net> {
+        log::info!(target: "init", "ferroce {}", env!("CARGO_PKG_VERSION"));
         let config = Config::from_env()?;
         config.log();
         let devices = device::discover(&config)?;
@@ -244,24 +245,7 @@ impl Net {
                 Error::NoDevice(why) => why,
                 other => other.to_string(),
             });
-            device::log_gid(&format!("device {i}: {}", d.name), &gid, "at init");
-            log::info!(
-                target: "init",
-                "device {i}: {} port {} ({:?}), {} Mbps, active MTU {}, guid {:#018x}, max_qp {}, \
-                 sysfs {}",
-                d.name,
-                d.port,
-                d.link_layer,
-                d.speed_mbps,
-                device::mtu_bytes(d.active_mtu),
-                d.guid,
-                d.max_qp,
-                d.pci_path.as_deref().unwrap_or("(none)")
-            );
-            log::info!(target: "init", "device {i}: {} {}", d.name, d.gdr.why);
-            if let Some(w) = &d.gdr.warning {
-                log::warn!("device {i}: {}: {w}", d.name);
-            }
+            log_device(i, d, &gid);
         }
         let events = Mutex::new(Some(EventThread::start(&devices)?));
         Ok(Net { config, devices, events })
@@ -365,6 +349,40 @@ static FUSED: Mutex<Vec<Vec<usize>>> = Mutex::new(Vec::new());
 
 fn fused() -> MutexGuard<'static, Vec<Vec<usize>>> {
     FUSED.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A port's one INFO line at init: the port, the GID it uses and why (a WARN instead when it
+/// has none), and what memory it takes; the details (and why GPUDirect is what it is) at
+/// NCCL's TRACE.
+fn log_device(
+    i: usize,
+    d: &NetDevice,
+    gid: &std::result::Result<crate::transport::gid::GidChoice, String>,
+) {
+    let port = format!(
+        "{} port {}, {:?} {} Mbps, MTU {}",
+        d.name,
+        d.port,
+        d.link_layer,
+        d.speed_mbps,
+        device::mtu_bytes(d.active_mtu)
+    );
+    let gdr = format!("GPUDirect RDMA {} (`ferroce doctor` says why)", d.gdr.ptr_names());
+    match gid {
+        Ok(g) => log::info!(target: "init", "device {i}: {port}, {}; {gdr}", device::gid_words(g)),
+        Err(e) => log::warn!("device {i}: {port}: no usable GID: {e}"),
+    }
+    log::debug!(
+        "device {i}: {} guid {:#018x}, max_qp {}, sysfs {}",
+        d.name,
+        d.guid,
+        d.max_qp,
+        d.pci_path.as_deref().unwrap_or("(none)")
+    );
+    log::debug!("device {i}: {} {}", d.name, d.gdr.why);
+    if let Some(w) = &d.gdr.warning {
+        log::warn!("device {i}: {}: {w}", d.name);
+    }
 }
 
 /// The locked-memory limit at init: INFO when it is not unlimited, WARN when it is so low that

@@ -6,6 +6,7 @@
 //! - `ferroce info [NAME]`: also initialises it and describes each device NCCL would see.
 //! - `ferroce perf`: the benchmark, on one host or between two ([`perf`]).
 //! - `ferroce doctor`: this host's RoCE set-up explained, with what blocks NCCL ([`doctor`]).
+//! - `ferroce knobs`: every knob, what it is here and where that came from ([`knobs`]).
 //! - `ferroce collective allreduce|allgather|reducescatter`: ring collectives over N ranks with
 //!   nccl-tests' table ([`collective`]).
 //! - `ferroce core-bench`: the protocol core's cost per message on this host ([`corebench`]).
@@ -30,6 +31,7 @@ mod collective;
 mod corebench;
 mod doctor;
 mod info;
+mod knobs;
 mod perf;
 mod ports;
 mod rank;
@@ -65,6 +67,8 @@ enum Cmd {
     #[command(hide = true)]
     PerfRank(rank::serve::RankArgs),
     Doctor(doctor::Args),
+    /// Every knob the plugin reads: its value here, set by the environment or the default
+    Knobs,
     Collective(collective::Args),
     CoreBench(corebench::Args),
     /// Print a completion script for SHELL on stdout
@@ -88,6 +92,7 @@ fn main() -> ExitCode {
         },
         Cmd::PerfRank(a) => rank::serve::rank(&a),
         Cmd::Doctor(a) => doctor::doctor(&a),
+        Cmd::Knobs => knobs::knobs(),
         Cmd::Collective(a) => match a.check() {
             Ok(()) => collective::collective(&a),
             Err(e) => return usage(invalid("collective", e)),
