@@ -148,11 +148,12 @@ fn check(cond: bool, what: impl FnOnce() -> String) -> Result<(), String> {
     if cond { Ok(()) } else { Err(what()) }
 }
 
-/// The INFO and WARN lines since the last look.
+/// The INFO and TRACE lines, and the WARN lines, since the last look.
 fn lines() -> (Vec<String>, Vec<String>) {
     let all = take_captured();
-    let get = |lvl| all.iter().filter(|l| l.0 == lvl).map(|l| l.2.clone()).collect();
-    (get(3), get(2))
+    let get =
+        |lvl: &[i32]| all.iter().filter(|l| lvl.contains(&l.0)).map(|l| l.2.clone()).collect();
+    (get(&[3, 5]), get(&[2]))
 }
 
 /// A stand-in for a GPU allocation. Its pages are a sealed memfd. The plugin is given `dev`, a
@@ -563,7 +564,7 @@ fn dmabuf(v: u32) -> Result<(), String> {
         })?;
     }
     let line = info.iter().find(|l| l.contains("device 1: rxe1 GPUDirect")).cloned();
-    let line = line.ok_or("no GPUDirect INFO line for rxe1")?;
+    let line = line.ok_or("no GPUDirect line for rxe1")?;
     check(line.contains("HOST|DMABUF") && line.contains("answered EBADF"), || line.clone())?;
     let access = ACCESS | if line.contains("relaxed ordering on") { RO } else { 0 };
     let ro_knob = std::env::var("NCCL_IB_PCI_RELAXED_ORDERING").ok();
@@ -773,7 +774,7 @@ fn peermem(flush: bool) -> Result<(), String> {
         check(p == HOST | CUDA, || format!("dev {dev}: ptrSupport {p:#x}, expected HOST|CUDA"))?;
     }
     let line = info.iter().find(|l| l.contains("device 1: rxe1 GPUDirect")).cloned();
-    let line = line.ok_or("no GPUDirect INFO line")?;
+    let line = line.ok_or("no GPUDirect line")?;
     check(line.contains("/sys/module/nvidia_peermem/version exists"), || line.clone())?;
     let want =
         if flush { "flush: RDMA read after each GPU receive" } else { "NCCL_GDR_FLUSH_DISABLE=1" };
