@@ -113,8 +113,8 @@ fn kind_of(i: usize) -> Kind {
     }
 }
 
-struct Census<'a> {
-    drv: &'a Driver<'a>,
+struct Census<'a, 'l> {
+    drv: &'a Driver<'l>,
     ctx: Ptr,
     src: Vec<u8>,
     dst: Vec<u8>,
@@ -153,8 +153,8 @@ fn reset(s: TcpStream) {
     drop(s);
 }
 
-impl<'a> Census<'a> {
-    fn new(drv: &'a Driver<'a>, ctx: Ptr) -> Census<'a> {
+impl<'a, 'l> Census<'a, 'l> {
+    fn new(drv: &'a Driver<'l>, ctx: Ptr) -> Census<'a, 'l> {
         Census {
             drv,
             ctx,
@@ -478,7 +478,7 @@ struct Left {
     request: Ptr,
 }
 
-impl Census<'_> {
+impl Census<'_, '_> {
     /// Leaves what `ncclCommAbort` during setup leaves: connects and accepts started and never
     /// finished (the listener closed, the connector still parked), a listener never closed with
     /// an accept under way, registrations never deregistered (on closed comms and on a pair

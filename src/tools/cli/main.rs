@@ -10,6 +10,8 @@
 //! - `ferroce collective allreduce|allgather|reducescatter`: ring collectives over N ranks with
 //!   nccl-tests' table ([`collective`]).
 //! - `ferroce core-bench`: the protocol core's cost per message on this host ([`corebench`]).
+//! - `ferroce instructions`: a plugin's user-space instructions per call, under callgrind
+//!   ([`instructions`]).
 //! - `ferroce completions SHELL`: a completion script for bash, zsh, fish, elvish or PowerShell.
 //!
 //! The command line is parsed by clap, so every subcommand has `--help` and its errors look
@@ -31,6 +33,7 @@ mod collective;
 mod corebench;
 mod doctor;
 mod info;
+mod instructions;
 mod knobs;
 mod perf;
 mod ports;
@@ -71,6 +74,7 @@ enum Cmd {
     Knobs,
     Collective(collective::Args),
     CoreBench(corebench::Args),
+    Instructions(instructions::Args),
     /// Print a completion script for SHELL on stdout
     Completions {
         #[arg(value_enum)]
@@ -98,6 +102,7 @@ fn main() -> ExitCode {
             Err(e) => return usage(invalid("collective", e)),
         },
         Cmd::CoreBench(a) => corebench::core_bench(&a),
+        Cmd::Instructions(a) => instructions::instructions(&a),
         Cmd::Completions { shell } => {
             // Written whole, so that a closed pipe is an error here, not a panic in clap.
             let mut script = Vec::new();

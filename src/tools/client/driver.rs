@@ -25,7 +25,11 @@ use ferroce::ffi::abi::*;
 
 /// A plugin opened at one ABI version.
 pub struct Driver<'a> {
-    m: Members<'a>,
+    lib: &'a Library,
+    /// Read again after `init`: a plugin may fill its table in there (the Mellanox plugin
+    /// exports name and `init` only, and copies the rest in at `init`), as NCCL reads the
+    /// members only after `init`.
+    m: std::cell::Cell<Members<'a>>,
     pub version: u32,
     /// The profiler callback `init` passes (v10+); none unless set.
     pub profiler: ncclProfilerCallback_t,
@@ -319,7 +323,17 @@ impl<'a> Driver<'a> {
         // SAFETY: each symbol has the table type of its version; the members do not outlive
         // `lib` (the lifetime ties them).
         let m = unsafe { open_table(lib, version) }?;
-        Ok(Driver { m, version, profiler: None })
+        Ok(Driver { lib, m: std::cell::Cell::new(m), version, profiler: None })
+    }
+
+    /// The newest ABI version `lib` exports (of those ferroce knows): how NCCL picks one.
+    pub fn newest(lib: &'a Library) -> Result<Driver<'a>, String> {
+        let mut newest = ferroce::ffi::VERSIONS.to_vec();
+        newest.sort_unstable_by(|a, b| b.cmp(a));
+        newest
+            .into_iter()
+            .find_map(|v| Driver::new(lib, v).ok())
+            .ok_or_else(|| format!("{}: no ncclNetPlugin_v6..v12 table", lib.opened_as))
     }
 
     /// `init`; the returned context is NULL for v6–v10 (their calls need none).
@@ -343,25 +357,28 @@ impl<'a> Driver<'a> {
         let mut ctx = null_mut();
         let mut cfg = ncclNetCommConfig_v10_t { trafficClass: traffic_class };
         // SAFETY: valid arguments per each version's init contract.
-        let r =
-            unsafe { member(self.m.init)?.call(&mut ctx, comm_id, &mut cfg, log, self.profiler) };
+        let r = unsafe {
+            member(self.m.get().init)?.call(&mut ctx, comm_id, &mut cfg, log, self.profiler)
+        };
+        // SAFETY: as in `new`.
+        self.m.set(unsafe { open_table(self.lib, self.version) }?);
         Ok((r?, ctx))
     }
 
     /// `finalize` for v11+; nothing for older versions (NCCL never reaches theirs).
     pub fn finalize(&self, ctx: Ptr) -> Result<(), String> {
-        if self.m.finalize.is_none() {
+        if self.m.get().finalize.is_none() {
             return Ok(());
         }
         // SAFETY: ctx came from init.
-        let r = unsafe { member(self.m.finalize)?.call(ctx) };
+        let r = unsafe { member(self.m.get().finalize)?.call(ctx) };
         ok("finalize", r?)
     }
 
     pub fn devices(&self) -> Result<c_int, String> {
         let mut n = 0;
         // SAFETY: valid out-pointer.
-        let r = unsafe { member(self.m.devices)?.call(&mut n) };
+        let r = unsafe { member(self.m.get().devices)?.call(&mut n) };
         ok("devices", r?).map(|_| n)
     }
 
@@ -370,7 +387,7 @@ impl<'a> Driver<'a> {
         let h = handle.as_mut_ptr().cast();
         let mut comm = null_mut();
         // SAFETY: valid arguments per the listen contract.
-        let r = unsafe { member(self.m.listen)?.call(ctx, dev, h, &mut comm) };
+        let r = unsafe { member(self.m.get().listen)?.call(ctx, dev, h, &mut comm) };
         ok("listen", r?)?;
         if comm.is_null() {
             return Err("listen succeeded with a NULL listenComm".into());
@@ -390,7 +407,9 @@ impl<'a> Driver<'a> {
         let mut dc: *mut ncclNetDeviceHandle_v7_t = null_mut();
         let mut cfg = ncclNetCommConfig_v10_t { trafficClass: -1 };
         // SAFETY: valid arguments per the connect contract.
-        let r = unsafe { member(self.m.connect)?.call(ctx, dev, &mut cfg, h, &mut comm, &mut dc) };
+        let r = unsafe {
+            member(self.m.get().connect)?.call(ctx, dev, &mut cfg, h, &mut comm, &mut dc)
+        };
         ok("connect", r?).map(|_| (!comm.is_null()).then_some(comm))
     }
 
@@ -422,7 +441,7 @@ impl<'a> Driver<'a> {
         let mut comm = null_mut();
         let mut dc: *mut ncclNetDeviceHandle_v7_t = null_mut();
         // SAFETY: valid arguments per the accept contract.
-        let r = unsafe { member(self.m.accept)?.call(listen, &mut comm, &mut dc) };
+        let r = unsafe { member(self.m.get().accept)?.call(listen, &mut comm, &mut dc) };
         ok("accept", r?).map(|_| (!comm.is_null()).then_some(comm))
     }
 
@@ -440,7 +459,7 @@ impl<'a> Driver<'a> {
     ) -> Result<Ptr, String> {
         let mut mh = null_mut();
         // SAFETY: valid arguments per the regMr contract; the memory outlives the registration.
-        let r = unsafe { member(self.m.regMr)?.call(comm, data.cast(), size, ty, &mut mh) };
+        let r = unsafe { member(self.m.get().regMr)?.call(comm, data.cast(), size, ty, &mut mh) };
         registered("regMr", r?, mh)
     }
 
@@ -456,7 +475,7 @@ impl<'a> Driver<'a> {
     ) -> Result<Ptr, String> {
         let mut mh = null_mut();
         let d = data.cast();
-        let reg = member(self.m.regMrDmaBuf)?;
+        let reg = member(self.m.get().regMrDmaBuf)?;
         // SAFETY: valid arguments per the regMrDmaBuf contract (same in every version).
         let r = unsafe { reg.call(comm, d, size, ty, offset, fd, &mut mh) };
         registered("regMrDmaBuf", r?, mh)
@@ -466,17 +485,17 @@ impl<'a> Driver<'a> {
     /// lacks are `None`.
     pub fn properties(&self, dev: c_int) -> Result<Properties, String> {
         // SAFETY: the plugin's getProperties contract.
-        unsafe { member(self.m.getProperties)?.call(dev) }
+        unsafe { member(self.m.get().getProperties)?.call(dev) }
     }
 
     /// `makeVDevice` (v9+): one NCCL device fusing the ports `devs`; its index.
     pub fn make_vdevice(&self, devs: &[c_int]) -> Result<c_int, String> {
-        if self.m.makeVDevice.is_none() {
+        if self.m.get().makeVDevice.is_none() {
             return Err(format!("v{} has no makeVDevice", self.version));
         }
         let mut d = -1;
         // SAFETY: valid out-pointer and props per the makeVDevice contract.
-        let r = unsafe { member(self.m.makeVDevice)?.call(&mut d, devs) };
+        let r = unsafe { member(self.m.get().makeVDevice)?.call(&mut d, devs) };
         ok("makeVDevice", r?).map(|_| d)
     }
 
@@ -510,7 +529,7 @@ impl<'a> Driver<'a> {
 
     pub fn dereg_mr(&self, comm: Ptr, mh: Ptr) -> Result<(), String> {
         // SAFETY: mh came from regMr.
-        let r = unsafe { member(self.m.deregMr)?.call(comm, mh) };
+        let r = unsafe { member(self.m.get().deregMr)?.call(comm, mh) };
         ok("deregMr", r?)
     }
 
@@ -538,8 +557,9 @@ impl<'a> Driver<'a> {
     ) -> Result<Option<Ptr>, String> {
         let mut req = null_mut();
         // SAFETY: valid arguments per the isend contract.
-        let r =
-            unsafe { member(self.m.isend)?.call(comm, data.cast(), size, tag, mh, ph, &mut req) };
+        let r = unsafe {
+            member(self.m.get().isend)?.call(comm, data.cast(), size, tag, mh, ph, &mut req)
+        };
         ok("isend", r?).map(|_| (!req.is_null()).then_some(req))
     }
 
@@ -594,7 +614,8 @@ impl<'a> Driver<'a> {
         let (d, tg, mh) = (d.as_mut_ptr(), tg.as_mut_ptr(), mh.as_mut_ptr());
         let (s64, s32) = (s64.as_mut_ptr(), s32.as_mut_ptr());
         // SAFETY: valid arrays of n entries per the irecv contract.
-        let r = unsafe { member(self.m.irecv)?.call(comm, n, d, s64, s32, tg, mh, ph, &mut req) };
+        let r =
+            unsafe { member(self.m.get().irecv)?.call(comm, n, d, s64, s32, tg, mh, ph, &mut req) };
         ok("irecv", r?)?;
         if req as usize == NCCL_NET_OPTIONAL_RECV_COMPLETION as usize {
             return Err("irecv left the optional-completion marker in *request".into());
@@ -613,7 +634,8 @@ impl<'a> Driver<'a> {
         let mut req = null_mut();
         let (mut d, mut s, mut m): (Ptr, c_int, Ptr) = (data.cast(), size, mh);
         // SAFETY: one-entry arrays per the iflush contract.
-        let r = unsafe { member(self.m.iflush)?.call(comm, 1, &mut d, &mut s, &mut m, &mut req) };
+        let r =
+            unsafe { member(self.m.get().iflush)?.call(comm, 1, &mut d, &mut s, &mut m, &mut req) };
         ok("iflush", r?).map(|_| (!req.is_null()).then_some(req))
     }
 
@@ -622,16 +644,16 @@ impl<'a> Driver<'a> {
         let mut done = 0;
         let mut sizes = [0 as c_int; 8];
         // SAFETY: req came from isend/irecv/iflush and is not yet reported done.
-        let r = unsafe { member(self.m.test)?.call(req, &mut done, sizes.as_mut_ptr()) };
+        let r = unsafe { member(self.m.get().test)?.call(req, &mut done, sizes.as_mut_ptr()) };
         ok("test", r?).map(|_| (done == 1).then_some(sizes))
     }
 
     /// `closeSend`, `closeRecv` or `closeListen`.
     pub fn close(&self, which: Close, comm: Ptr) -> Result<(), String> {
         let close = match which {
-            Close::Send => self.m.closeSend,
-            Close::Recv => self.m.closeRecv,
-            Close::Listen => self.m.closeListen,
+            Close::Send => self.m.get().closeSend,
+            Close::Recv => self.m.get().closeRecv,
+            Close::Listen => self.m.get().closeListen,
         };
         // SAFETY: comm came from connect/accept/listen and is closed once.
         let r = unsafe { member(close)?.call(comm) };

@@ -46,6 +46,7 @@
 
 use std::time::Duration;
 
+mod cost;
 pub mod pair;
 mod pingpong;
 pub mod serve;

@@ -12,7 +12,26 @@ use super::{Lat, Proto, STEP, num};
 /// A rank of this host: `ferroce perf-rank` as a child (killed when its [`Proc`] drops, so no
 /// error path leaves one behind).
 pub fn spawn_rank(role: &str, plugin: &str, dev: &str) -> Result<Proc, String> {
-    let mut cmd = Proc::me(&["perf-rank", role, plugin, dev]);
+    spawn_rank_under(&[], role, plugin, dev)
+}
+
+/// [`spawn_rank`] run by `prefix` (a program and its arguments, e.g. valgrind), if any.
+pub fn spawn_rank_under(
+    prefix: &[String],
+    role: &str,
+    plugin: &str,
+    dev: &str,
+) -> Result<Proc, String> {
+    let args = ["perf-rank", role, plugin, dev];
+    let mut cmd = match prefix.split_first() {
+        None => Proc::me(&args),
+        Some((program, rest)) => {
+            let me = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+            let mut c = std::process::Command::new(program);
+            c.args(rest).arg(me).args(args);
+            c
+        }
+    };
     cmd.stdin(Stdio::piped());
     Proc::spawn(&format!("rank {role} ({dev})"), cmd)
 }
@@ -116,6 +135,45 @@ impl Pair {
         self.recv.answer("LAT", LIMIT, &mut self.send)?;
         let word = |i: usize, what: &str| num(what, r.get(i).map(String::as_str));
         Ok(Lat { p50: word(0, "LAT p50")?, avg: word(1, "LAT mean")?, min: word(2, "LAT min")? })
+    }
+
+    /// Tells one rank (the sender, or the receiver) `cmd` and waits up to `limit` for its
+    /// reply `word`: the reply's other words.
+    pub fn ask(
+        &mut self,
+        sender: bool,
+        cmd: &str,
+        word: &str,
+        limit: Duration,
+    ) -> Result<Vec<String>, String> {
+        let (one, other) = if sender {
+            (&mut self.send, &mut self.recv)
+        } else {
+            (&mut self.recv, &mut self.send)
+        };
+        one.tell(cmd)?;
+        one.answer(word, limit, other)
+    }
+
+    /// Tells both ranks their command, then waits for both replies `word`: (the sender's, the
+    /// receiver's).
+    pub fn ask_both(
+        &mut self,
+        (to_send, to_recv): (&str, &str),
+        word: &str,
+        limit: Duration,
+    ) -> Result<(Vec<String>, Vec<String>), String> {
+        self.send.tell(to_send)?;
+        self.recv.tell(to_recv)?;
+        let s = self.send.answer(word, limit, &mut self.recv)?;
+        Ok((s, self.recv.answer(word, limit, &mut self.send)?))
+    }
+
+    /// Ends both ranks, each saying `BYE`, and waits up to `limit` for both to exit cleanly.
+    pub fn quit_and_wait(&mut self, limit: Duration) -> Result<(), String> {
+        self.quit()?;
+        self.send.exits_ok(limit)?;
+        self.recv.exits_ok(limit)
     }
 
     /// Ends both ranks, each saying `BYE`.

@@ -48,8 +48,13 @@ impl Io {
 pub(super) struct Rank<'a> {
     io: Io,
     pub(super) drv: Driver<'a>,
+    pub(super) ctx: Ptr,
+    /// The plugin's index of this rank's device.
+    pub(super) dev: c_int,
     send: Ptr,
     recv: Ptr,
+    /// A request or listener one `C-...` command leaves for the next ([`super::cost`]).
+    pub(super) pending: RefCell<Option<Ptr>>,
     /// Two separate buffers: a rank sends and receives at once in ping-pong. The send buffer
     /// holds the pattern every receive is checked against.
     sbuf: HostBuf,
@@ -86,20 +91,21 @@ fn run_rank(
     sender: bool,
     plugin: &str,
     dev: &str,
-    io: impl FnOnce(&str, std::net::SocketAddr) -> Result<Io, String>,
+    io: impl FnOnce(&str, Result<SocketAddr, String>) -> Result<Io, String>,
 ) -> Result<(), String> {
     let role = if sender { "send" } else { "recv" };
     ECHO.store(false, Ordering::Relaxed);
     let mut chan = None;
     let r = (|| {
         let lib = Library::open_like_nccl(plugin)?;
-        let drv = Driver::new(&lib, 12)?;
+        let drv = Driver::newest(&lib)?;
         let ctx = drv.init(COMM_ID)?;
         let (dev, name) = drv.resolve(dev)?;
         let (handle, listen) = drv.listen(ctx, dev)?;
+        // Where ferroce listens (another plugin's handle is its own business).
         let addr = ferroce_core::setup::wire::Handle::decode(&handle)
-            .map_err(|e| format!("the plugin's own handle: {e}"))?
-            .addr;
+            .map(|h| h.addr)
+            .map_err(|e| format!("not ferroce's handle: {e}"));
         let io = &*chan.insert(io(&name, addr)?);
         io.say(&format!("{} {name} {dev}", handle_line(&handle)))?;
         // `PORT` (from `ferroce doctor --peer`) may come first: this port's facts, asked before
@@ -120,7 +126,8 @@ fn run_rank(
         let smh = drv.reg_mr(send, sbuf.ptr(), MAX)?;
         let rmh = drv.reg_mr(recv, rbuf.ptr(), MAX)?;
         let io = chan.take().ok_or("no channel")?;
-        let r = Rank { io, drv, send, recv, sbuf, rbuf, smh, rmh };
+        let pending = RefCell::new(None);
+        let r = Rank { io, drv, ctx, dev, send, recv, pending, sbuf, rbuf, smh, rmh };
         r.io.say("READY")?;
         flush_log();
         let mut result = r.serve(sender);
@@ -187,6 +194,7 @@ impl Rank<'_> {
                     Proto::parse(w.next())?,
                     sender,
                 )?,
+                Some(c) if c.starts_with("C-") => self.cost(c, &mut w, sender)?,
                 Some("QUIT") => {
                     self.io.say("BYE")?;
                     return Ok(());
@@ -374,7 +382,7 @@ impl Rank<'_> {
 /// serves the single-host one.
 pub fn listen(plugin: &str, dev: &str, port: u16) -> Result<(), String> {
     run_rank(false, plugin, dev, |name, plugin_addr| {
-        let bind = SocketAddr::new(plugin_addr.ip(), port);
+        let bind = SocketAddr::new(plugin_addr?.ip(), port);
         let l = TcpListener::bind(bind).map_err(|e| format!("listening on {bind}: {e}"))?;
         let at = l.local_addr().map_err(|e| e.to_string())?;
         println!("HANDLE {at} {name}");
