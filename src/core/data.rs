@@ -99,6 +99,13 @@ mod stall;
 mod traffic;
 mod wire;
 
+/// How often a comm runs its idle work (the watchdog, health, probes, lane repair) while its
+/// polls find nothing or only completions: the shell runs [`RecvCore::idle`] and
+/// [`SendCore::idle`] once per this, and otherwise only [`RecvCore::after_poll`] and
+/// [`SendCore::after_poll`] (after completions) or [`RecvCore::quiet`] (after an empty
+/// poll). Every deadline is coarser by at most this, far below any of them.
+pub const IDLE_EVERY: Duration = Duration::from_millis(1);
+
 pub use health::*;
 pub use mend::Policy as Repair;
 pub use recv::*;

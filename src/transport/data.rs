@@ -27,8 +27,8 @@ use crate::verbs::{self, Cq, Mr, Qp, RegisteredBuf, RtrAttr, RtsAttr};
 use crate::wr::{Completion, SendWr};
 use ferroce_core::data::Traffic;
 use ferroce_core::data::{
-    FIFO_AREA, Fault, Grant, Keys, Line, Post, Posted, RECV_SEND_QUEUE, RecvCore, Remote,
-    SIZE_AREA, SendCore, Words, recv_grant, send_grant,
+    FIFO_AREA, Fault, Grant, IDLE_EVERY, Keys, Line, Post, Posted, RECV_SEND_QUEUE, RecvCore,
+    Remote, SIZE_AREA, SendCore, Words, recv_grant, send_grant,
 };
 
 pub use ferroce_core::data::{Buf, FLUSH_BASE, MAX_RECVS, Params, Path, SEND_QUEUE, SLOTS};
@@ -268,6 +268,11 @@ trait Drain {
     fn lane_error(&mut self, lane: usize, why: &str) -> bool;
     fn take(&mut self, c: &Completion);
     fn idle(&mut self, now: Duration, elsewhere: Option<Fault>, io: &mut Qps) -> Result<()>;
+    /// A poll that found completions, between two [`IDLE_EVERY`]s: what they make possible.
+    fn after_poll(&mut self, now: Duration, io: &mut Qps) -> Result<()>;
+    /// A poll that found nothing, between two [`IDLE_EVERY`]s: only what memory the peer's
+    /// NIC writes can change.
+    fn quiet(&mut self) {}
 }
 
 /// The sender's core with the staging area of its size records and acks (a chunk sent again
@@ -293,6 +298,9 @@ impl Drain for SendDrain<'_> {
     fn idle(&mut self, now: Duration, elsewhere: Option<Fault>, io: &mut Qps) -> Result<()> {
         self.core.idle(now, elsewhere, io, (self.fifo, self.stage))
     }
+    fn after_poll(&mut self, _now: Duration, io: &mut Qps) -> Result<()> {
+        self.core.after_poll(self.stage, io)
+    }
 }
 
 /// The receiver's core with the size records the sender's NIC writes, and the staging area
@@ -313,13 +321,22 @@ impl Drain for RecvDrain<'_> {
     fn idle(&mut self, now: Duration, elsewhere: Option<Fault>, io: &mut Qps) -> Result<()> {
         self.core.idle(now, elsewhere, io, self.stage, self.sizes)
     }
+    fn after_poll(&mut self, now: Duration, io: &mut Qps) -> Result<()> {
+        self.core.after_poll(now, io, self.stage, self.sizes)
+    }
+    fn quiet(&mut self) {
+        self.core.quiet(self.sizes)
+    }
 }
 
 /// The one progress loop: drains each member port's CQ in batches into the core, then lets
 /// it check its watchdog (against the coarse clock: a precise read costs microseconds under
-/// emulation, and this runs on every idle poll), the devices' health and the comm's async
-/// alarms. Every failure here is local and fails the comm for good.
-fn progress(side: &mut impl Drain, io: &mut Qps) -> Result<()> {
+/// emulation), the devices' health and the comm's async alarms once per [`IDLE_EVERY`]
+/// (`idle_at`: when next), or sooner when an alarm or a failed poll says so; in between, a
+/// poll that found completions runs what they make possible. Every failure here is local and
+/// fails the comm for good. `Ok(false)`: the poll found nothing, and nothing ran (so nothing
+/// is left to report or log).
+fn progress(side: &mut impl Drain, io: &mut Qps, idle_at: &mut Duration) -> Result<bool> {
     let n = io.ports.len();
     // Queue pairs the async-event thread saw fail: a lane's failure each, while another
     // lives (taken before the poll, ahead of most of their flushed work). A queue pair number
@@ -334,29 +351,35 @@ fn progress(side: &mut impl Drain, io: &mut Qps) -> Result<()> {
             }
         }
     }
-    let mut wcs = [Completion::default(); 16];
-    let mut polled = None;
+    let (mut polled, mut any) = (None, false);
     for port in io.ports {
         loop {
-            let got = match port.cq.poll(&mut wcs) {
-                Ok(got) => got,
-                Err(e) => {
-                    polled.get_or_insert(Fault::Local(format!("{e}; the connection is unusable")));
-                    0
+            let got = port.cq.poll_with(|i, n, c| {
+                if i == 0 {
+                    side.polled(n);
                 }
-            };
-            if got > 0 {
-                side.polled(got);
-            }
-            for c in &wcs[..got] {
-                side.take(c);
-            }
-            if got < wcs.len() {
+                side.take(c)
+            });
+            let got = got.unwrap_or_else(|e| {
+                polled.get_or_insert(Fault::Local(format!("{e}; the connection is unusable")));
+                0
+            });
+            any |= got > 0;
+            if got < verbs::POLL_BATCH {
                 break;
             }
         }
     }
     let now = crate::os::coarse_now();
+    if polled.is_none() && lost.is_none() && now < *idle_at {
+        if any {
+            side.after_poll(now, io)?;
+        } else {
+            side.quiet();
+        }
+        return Ok(any);
+    }
+    *idle_at = now + IDLE_EVERY;
     let dead = |p: &Port| io.net.devices[p.dev].check_alive().err();
     let elsewhere = polled
         .or(lost)
@@ -365,7 +388,7 @@ fn progress(side: &mut impl Drain, io: &mut Qps) -> Result<()> {
             let raised = io.ports.iter().find_map(|p| p.watch.alarm.raised.get());
             raised.map(|w| Fault::Local(w.clone()))
         });
-    side.idle(now, elsewhere, io)
+    side.idle(now, elsewhere, io).map(|()| true)
 }
 
 /// The queue pairs `setup` builds for a comm before the peer answers: its lanes over the
@@ -545,6 +568,8 @@ pub struct Lanes {
     life: Life,
     /// Profiler events, with a profiler (`None`: the core journals nothing).
     events: Option<Events>,
+    /// When the idle work runs next if polls keep finding nothing (see [`progress`]).
+    idle_at: Duration,
 }
 
 impl Lanes {
@@ -564,7 +589,7 @@ impl Lanes {
         let ports = ports(&net, (&devs, cqs), &name, &qps, flush);
         let life = Life::start(&net, &devs);
         let events = profiler.map(Events::new);
-        Lanes { net, devs, path, qps, links, ports, life, events }
+        Lanes { net, devs, path, qps, links, ports, life, events, idle_at: Duration::ZERO }
     }
 
     /// Turns what the core journaled into profiler events (the core journals nothing without
@@ -725,11 +750,14 @@ impl SendComm {
         let mut io = qps!(self, &[]);
         let mut side =
             SendDrain { core: &mut self.core, stage: &self.sizes_stage, fifo: &self.fifo };
-        let r = progress(&mut side, &mut io);
+        let r = progress(&mut side, &mut io, &mut self.lanes.idle_at);
+        if let Ok(false) = r {
+            return Ok(());
+        }
         self.lanes.report(self.core.journal());
         log_lines(|| self.core.take_line());
         self.lanes.tick(SEND, self.core.traffic());
-        r
+        r.map(drop)
     }
 
     /// `Some(size)` once request `id` completed (the request is then free again).
@@ -901,11 +929,14 @@ impl RecvComm {
         let mut side =
             RecvDrain { core: &mut self.core, stage: &self.cts_stage, sizes: &self.sizes };
         let mut io = qps!(self, &self.flushers);
-        let r = progress(&mut side, &mut io);
+        let r = progress(&mut side, &mut io, &mut self.lanes.idle_at);
+        if let Ok(false) = r {
+            return Ok(());
+        }
         self.lanes.report(self.core.journal());
         log_lines(|| self.core.take_line());
         self.lanes.tick(RECV, self.core.traffic());
-        r
+        r.map(drop)
     }
 
     /// Receive request `id` (`< SLOTS`) or flush request (`FLUSH_BASE..`): `Some(n)` once

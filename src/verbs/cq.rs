@@ -43,34 +43,42 @@ impl Cq {
         self.raw as usize
     }
 
-    /// Polls up to `out.len()` (at most 16) completions; returns how many were written.
-    pub fn poll(&self, out: &mut [Completion]) -> Result<usize> {
-        let mut wc = [const { MaybeUninit::<sys::ibv_wc>::uninit() }; 16];
-        let max = out.len().min(wc.len()) as i32;
-        // SAFETY: raw is a live CQ and wc has room for `max` entries.
-        let n = unsafe { sys::ibv_poll_cq(self.raw, max, wc.as_mut_ptr().cast()) };
+    /// Polls up to [`POLL_BATCH`] completions and calls `each(i, n, c)` with every one in
+    /// order (`i` of `n`); returns `n`. No buffer is written for an empty poll.
+    pub fn poll_with(&self, mut each: impl FnMut(usize, usize, &Completion)) -> Result<usize> {
+        let mut wc = [const { MaybeUninit::<sys::ibv_wc>::uninit() }; POLL_BATCH];
+        // SAFETY: raw is a live CQ and wc has room for POLL_BATCH entries.
+        let n = unsafe { sys::ibv_poll_cq(self.raw, POLL_BATCH as i32, wc.as_mut_ptr().cast()) };
         if n < 0 {
             return Err(Error::verbs("ibv_poll_cq", -n, self.ctx.name()));
         }
-        for (o, w) in out.iter_mut().zip(&wc[..n as usize]) {
+        for (i, w) in wc[..n as usize].iter().enumerate() {
             // SAFETY: the first n entries were written by ibv_poll_cq.
             let w = unsafe { w.assume_init_ref() };
             let with_imm = w.wc_flags & sys::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
-            *o = Completion {
+            let imm = if with_imm {
+                // SAFETY: imm_data is the union member valid when IBV_WC_WITH_IMM is set.
+                Some(unsafe { w.imm_data_invalidated_rkey_union.imm_data })
+            } else {
+                None
+            };
+            let c = Completion {
                 wr_id: w.wr_id,
                 status: w.status,
                 opcode: w.opcode,
                 vendor_err: w.vendor_err,
                 byte_len: w.byte_len,
-                // SAFETY: imm_data is the union member valid when IBV_WC_WITH_IMM is set.
-                imm: with_imm
-                    .then(|| u32::from_be(unsafe { w.imm_data_invalidated_rkey_union.imm_data })),
+                imm: imm.map(u32::from_be),
                 qp_num: w.qp_num,
             };
+            each(i, n as usize, &c);
         }
         Ok(n as usize)
     }
 }
+
+/// Completions one [`Cq::poll_with`] takes at most.
+pub const POLL_BATCH: usize = 16;
 
 impl Drop for Cq {
     fn drop(&mut self) {

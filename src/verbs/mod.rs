@@ -19,7 +19,7 @@ mod sym;
 pub mod sysfs;
 
 pub use buf::RegisteredBuf;
-pub use cq::{Cq, WC_RECV_RDMA_WITH_IMM};
+pub use cq::{Cq, POLL_BATCH, WC_RECV_RDMA_WITH_IMM};
 pub use device::{Context, DeviceAttr, LinkLayer, PortAttr, PortState, open_all};
 pub use events::{AsyncEvent, wait_async};
 pub use pd::{

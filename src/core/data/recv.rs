@@ -714,6 +714,33 @@ impl RecvCore {
         }
     }
 
+    /// A poll that found nothing, between the idle work's runs ([`IDLE_EVERY`]): optional
+    /// receives the sender's ack word now covers are done.
+    pub fn quiet(&mut self, sizes: &impl Words) {
+        self.optional_landed(sizes);
+    }
+
+    /// A poll that found completions, between the idle work's runs: what they make possible
+    /// ([`Self::idle`] less its timed checks): a repair request served, receives posted again,
+    /// staged rows sent.
+    pub fn after_poll(
+        &mut self,
+        now: Duration,
+        io: &mut impl Post,
+        stage: &impl Words,
+        sizes: &impl Words,
+    ) -> Result<()> {
+        self.optional_landed(sizes);
+        if self.health.fatal.is_none() {
+            self.serve(now, stage, sizes, io)?;
+            if self.waiting > 0 {
+                self.refill(io)?;
+            }
+            self.advertise(stage, io)?;
+        }
+        self.health.check()
+    }
+
     /// After a poll found no more completions: the staged rows go out if the sender runs low
     /// ([`Self::advertise`]), then as [`SendCore::idle`], waiting meaning a receive whose data
     /// has not arrived, optional ones included (`sizes` holds their acks).

@@ -485,22 +485,21 @@ impl SendCore {
             return Ok(None);
         };
         let last = s.matched.count_ones() as usize + 1 == nreqs;
-        let mut bufs = s.bufs;
         let buf = self.fit_to(buf, tag, row[r].size);
-        bufs[r] = Some(buf);
+        // In place (a slot's buffers are most of a kilobyte), and put back if it cannot go.
+        let before = self.slots[slot].bufs[r].replace(buf);
         let optional = nreqs == 1 && row[0].optional;
         if last {
             self.plan(slot, optional);
-            if !self.fits(slot, &bufs[..nreqs], optional) {
+            if !self.fits(slot, &self.slots[slot].bufs[..nreqs], optional) {
+                self.slots[slot].bufs[r] = before;
                 return Ok(None);
             }
         }
         let id = slot * MAX_RECVS + r;
         self.reqs[id] = SendReq { state: State::Pending, size: buf.size };
         self.health.traffic.messages += 1;
-        let s = &mut self.slots[slot];
-        s.matched |= 1 << r;
-        s.bufs = bufs;
+        self.slots[slot].matched |= 1 << r;
         if last {
             if let Err(e) = self.post(stage, io, slot, &row[..nreqs]) {
                 // Never handed out; the row's earlier requests fail with the comm.
@@ -804,6 +803,15 @@ impl SendCore {
             self.sq[q].posted(1, true);
         }
         self.health.idle(now, elsewhere)
+    }
+
+    /// A poll that found completions, between the idle work's runs ([`IDLE_EVERY`]): chunks
+    /// a failover left to send again go out ([`Self::idle`] less its timed checks).
+    pub fn after_poll(&mut self, stage: &impl Words, io: &mut impl Post) -> Result<()> {
+        if self.health.fatal.is_none() {
+            self.resend(stage, io)?;
+        }
+        self.health.check()
     }
 
     /// Whether request `id` still waits for completions (the caller polls before [`Self::test`]).

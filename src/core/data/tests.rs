@@ -1109,6 +1109,8 @@ struct Harness<'a> {
     asleep: [u64; 2],
     /// A fake clock for the cores' idle checks (and so their liveness probes).
     now: Duration,
+    /// Per side: when its idle work runs next, as the shell runs it ([`IDLE_EVERY`]).
+    idle_at: [Duration; 2],
     /// The proxy's operations: where each ends (a group index), and each side's current one.
     ops: Vec<usize>,
     op: [usize; 2],
@@ -1243,6 +1245,7 @@ impl<'a> Harness<'a> {
             journaled: Journaled::new(run),
             asleep: [0; 2],
             now: Duration::ZERO,
+            idle_at: [Duration::ZERO; 2],
             ops,
             op: [0; 2],
             landed: 0,
@@ -1487,8 +1490,12 @@ impl Harness<'_> {
     fn test_recv(&mut self) {
         let (run, mem, wire) = (self.run, self.mem, self.wire);
         // As a comm's progress: drain the CQ, then the step after the poll.
-        poll(wire, 1, |c| self.receiver.complete(c, &self.rsizes));
-        let r = self.receiver.idle(self.now, None, &mut self.rio, &self.rstage, &self.rsizes);
+        let mut got = 0;
+        poll(wire, 1, |c| {
+            got += 1;
+            self.receiver.complete(c, &self.rsizes)
+        });
+        let r = self.recv_step(got);
         if !wire.borrow().failing() {
             r.expect("progress on a healthy link");
         }
@@ -1547,7 +1554,15 @@ impl Harness<'_> {
     fn test_send(&mut self) {
         let (run, wire) = (self.run, self.wire);
         self.sender.stamp(self.now, wire.borrow().cq[0].len());
-        poll(wire, 0, |c| self.sender.complete(c));
+        let mut got = 0;
+        poll(wire, 0, |c| {
+            got += 1;
+            self.sender.complete(c)
+        });
+        let r = self.send_step(got);
+        if !wire.borrow().failing() {
+            r.expect("progress on a healthy link");
+        }
         let i = if run.proxy { 0 } else { self.rng.below(self.send_out.len() as u64) as usize };
         let (g, r, id) = self.send_out[i];
         match self.sender.test(id) {
@@ -1593,8 +1608,12 @@ impl Harness<'_> {
             Ok(())
         } else {
             self.sender.stamp(now, wire.borrow().cq[0].len());
-            poll(wire, 0, |c| self.sender.complete(c));
-            self.sender.idle(now, None, &mut self.sio, (&self.fifo, &self.sstage))
+            let mut got = 0;
+            poll(wire, 0, |c| {
+                got += 1;
+                self.sender.complete(c)
+            });
+            self.send_step(got)
         };
         // A receiving rank whose last operation on the connection is done while its
         // peer still sends comes back to the comm with its next operation (a later
@@ -1604,11 +1623,42 @@ impl Harness<'_> {
         let r = if self.asleep[1] > steps || !called(!self.recv_out.is_empty() || later) {
             Ok(())
         } else {
-            poll(wire, 1, |c| self.receiver.complete(c, &self.rsizes));
-            self.receiver.idle(now, None, &mut self.rio, &self.rstage, &self.rsizes)
+            let mut got = 0;
+            poll(wire, 1, |c| {
+                got += 1;
+                self.receiver.complete(c, &self.rsizes)
+            });
+            self.recv_step(got)
         };
         if !wire.borrow().failing() {
             s.and(r).expect("idle on a healthy link");
+        }
+    }
+
+    /// The sender's step after a poll that took `got` completions, as the shell's progress
+    /// makes it: the idle work once per [`IDLE_EVERY`], else what completions make possible.
+    fn send_step(&mut self, got: usize) -> Result<()> {
+        if self.now >= self.idle_at[0] {
+            self.idle_at[0] = self.now + IDLE_EVERY;
+            self.sender.idle(self.now, None, &mut self.sio, (&self.fifo, &self.sstage))
+        } else if got > 0 {
+            self.sender.after_poll(&self.sstage, &mut self.sio)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// The receiver's step after a poll, as [`Self::send_step`] (an empty poll reads the ack
+    /// word).
+    fn recv_step(&mut self, got: usize) -> Result<()> {
+        if self.now >= self.idle_at[1] {
+            self.idle_at[1] = self.now + IDLE_EVERY;
+            self.receiver.idle(self.now, None, &mut self.rio, &self.rstage, &self.rsizes)
+        } else if got > 0 {
+            self.receiver.after_poll(self.now, &mut self.rio, &self.rstage, &self.rsizes)
+        } else {
+            self.receiver.quiet(&self.rsizes);
+            Ok(())
         }
     }
 

@@ -55,11 +55,11 @@ pub struct Args {
     /// Messages counted per size
     #[arg(long, value_name = "N", default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..=10_000))]
     messages: u64,
-    /// Empty polls counted
-    #[arg(long, value_name = "N", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    /// Empty polls counted (0: none)
+    #[arg(long, value_name = "N", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
     polls: u64,
-    /// Connections counted
-    #[arg(long, value_name = "N", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    /// Connections counted (0: none)
+    #[arg(long, value_name = "N", default_value_t = 8, value_parser = clap::value_parser!(u64).range(0..=1000))]
     pairs: u64,
     /// Keep the two callgrind profiles in this folder (for callgrind_annotate)
     #[arg(long, value_name = "DIR")]
@@ -136,10 +136,12 @@ fn run(pair: &mut Pair, a: &Args) -> Result<Empty, String> {
         }
     }
     let n = a.polls;
-    pair.ask(true, &format!("C-IDLE {n}"), "IDLE", LIMIT)?;
-    pair.ask(false, &format!("C-IDLE {n}"), "IDLE", LIMIT)?;
-    pair.ask(true, "C-FINISH", "IDLE", LIMIT)?;
-    pair.ask(false, "C-FINISH", "IDLE", LIMIT)?;
+    if n > 0 {
+        pair.ask(true, &format!("C-IDLE {n}"), "IDLE", LIMIT)?;
+        pair.ask(false, &format!("C-IDLE {n}"), "IDLE", LIMIT)?;
+        pair.ask(true, "C-FINISH", "IDLE", LIMIT)?;
+        pair.ask(false, "C-FINISH", "IDLE", LIMIT)?;
+    }
     for _ in 0..a.pairs {
         let (s, r) = pair.ask_both(("C-LISTEN", "C-LISTEN"), "CHANDLE", LIMIT)?;
         let handle = |v: &[String]| v.first().cloned().ok_or("CHANDLE without a handle");
