@@ -730,15 +730,31 @@ impl RecvCore {
         stage: &impl Words,
         sizes: &impl Words,
     ) -> Result<()> {
-        self.optional_landed(sizes);
-        if self.health.fatal.is_none() {
-            self.serve(now, stage, sizes, io)?;
-            if self.waiting > 0 {
-                self.refill(io)?;
-            }
+        if self.landed(now, io, stage, sizes)? {
             self.advertise(stage, io)?;
         }
         self.health.check()
+    }
+
+    /// The first of what both [`Self::after_poll`] and [`Self::idle`] do: optional receives
+    /// the ack word covers are done, and, unless the comm failed, a repair request is served
+    /// and receives are posted again. Whether the comm is still alive.
+    fn landed(
+        &mut self,
+        now: Duration,
+        io: &mut impl Post,
+        stage: &impl Words,
+        sizes: &impl Words,
+    ) -> Result<bool> {
+        self.optional_landed(sizes);
+        if self.health.fatal.is_some() {
+            return Ok(false);
+        }
+        self.serve(now, stage, sizes, io)?;
+        if self.waiting > 0 {
+            self.refill(io)?;
+        }
+        Ok(true)
     }
 
     /// After a poll found no more completions: the staged rows go out if the sender runs low
@@ -752,12 +768,7 @@ impl RecvCore {
         stage: &impl Words,
         sizes: &impl Words,
     ) -> Result<()> {
-        self.optional_landed(sizes);
-        if self.health.fatal.is_none() {
-            self.serve(now, stage, sizes, io)?;
-            if self.waiting > 0 {
-                self.refill(io)?;
-            }
+        if self.landed(now, io, stage, sizes)? {
             if self.p.failover {
                 // Only a lane on a port whose link went down: a stall is the sender's to find
                 // (it owns lane repair; two ends fencing on their own could keep disjoint

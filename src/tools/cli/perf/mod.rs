@@ -81,6 +81,10 @@ pub struct Args {
     /// to this program, else `ferroce`]
     #[arg(long, value_name = "NAME_OR_PATH")]
     plugin: Option<String>,
+    /// One host: another ncclNet plugin measured beside this one, size by size in every round
+    /// (its own two rank processes), as NCCL_NET_PLUGIN names it or a path
+    #[arg(long, value_name = "NAME_OR_PATH")]
+    versus: Option<String>,
     /// Rounds of the whole set [default: 5]
     #[arg(long, value_name = "N")]
     rounds: Option<usize>,
@@ -130,6 +134,8 @@ pub struct Args {
 pub struct Opts {
     mode: Mode,
     plugin: String,
+    /// Another plugin measured beside it (one host only).
+    versus: Option<String>,
     rounds: usize,
     seconds: f64,
     json: bool,
@@ -172,6 +178,9 @@ impl Args {
                 );
             }
             Mode::Local if self.port.is_some() => return Err("--port is for --listen".into()),
+            _ if self.versus.is_some() && mode != Mode::Local => {
+                return Err("--versus is for one host".into());
+            }
             Mode::Local => {}
             _ if one_host_dev => {
                 return Err("--dev-send/--dev-recv are for one host; with two: --dev".into());
@@ -195,6 +204,7 @@ impl Args {
             clock_check: perftest && !self.no_clock_check,
             mode,
             plugin: self.plugin.clone().unwrap_or_else(default_plugin),
+            versus: self.versus.clone(),
             rounds: self.rounds.unwrap_or(5),
             seconds: self.seconds.unwrap_or(2.0),
             json: self.json,
@@ -256,6 +266,8 @@ struct BwRow {
     send: Vec<f64>,
     /// `ib_write_bw -q lanes`, when the ranks use more than one lane.
     write_q: Vec<f64>,
+    /// The `--versus` plugin's.
+    versus: Vec<f64>,
 }
 
 /// Every round's latency numbers of one size.
@@ -266,6 +278,9 @@ struct LatRow {
     ll: LatSeries,
     write: LatSeries,
     send: LatSeries,
+    /// The `--versus` plugin's Simple and LL.
+    versus: LatSeries,
+    versus_ll: LatSeries,
 }
 
 /// What every measurement of a run shares.
@@ -287,6 +302,15 @@ pub fn perf(o: &Opts) -> Result<(), String> {
         Mode::Connect(addr) => remote_rank(addr)?,
     };
     let mut pair = Pair::open(recv, spawn_rank("send", &o.plugin, &o.devs.0)?)?;
+    let mut versus = match &o.versus {
+        Some(p) => {
+            let mut v =
+                Pair::open(spawn_rank("recv", p, &o.devs.1)?, spawn_rank("send", p, &o.devs.0)?)?;
+            v.connect()?;
+            Some(v)
+        }
+        None => None,
+    };
     let (tx_name, rx_name) = (pair.tx.name.clone(), pair.rx.name.clone());
     if let Mode::Connect(addr) = &o.mode {
         eprintln!("# two hosts: sending on {tx_name} here, receiving on {rx_name} at {addr}");
@@ -330,12 +354,36 @@ pub fn perf(o: &Opts) -> Result<(), String> {
         let tag = format!("# round {round}/{}", o.rounds);
         for row in &mut bw {
             bw_size(&mut pair, &plan, &tag, row)?;
+            if let Some(v) = &mut versus {
+                let (bytes, secs) = v.bw(row.size, row.window, o.seconds, plan.warm, None)?;
+                let gbps = bytes * 8.0 / secs / 1e9;
+                eprintln!("{tag}: versus bandwidth  {:>8} B: {gbps:.4} Gb/s", row.size);
+                row.versus.push(gbps);
+            }
         }
         for row in &mut lat {
             lat_size(&mut pair, &plan, &tag, row)?;
+            if let Some(v) = &mut versus {
+                for (proto, into) in
+                    [(Proto::Simple, &mut row.versus), (Proto::Ll, &mut row.versus_ll)]
+                {
+                    let l = v.lat(row.size, (o.iters, o.iters / 10), o.depth, proto)?;
+                    eprintln!(
+                        "{tag}: versus {:<10} {:>8} B: p50 {:.1} us, mean {:.1} us",
+                        proto.word(),
+                        row.size,
+                        l.p50,
+                        l.avg
+                    );
+                    into.push(l);
+                }
+            }
         }
     }
     pair.quit()?;
+    if let Some(v) = &mut versus {
+        v.quit()?;
+    }
 
     let tx = Dev { name: &tx_name, index: &pair.tx.index, host: "here" };
     let rx = Dev {
@@ -444,6 +492,9 @@ mod tests {
             ("/x/libnccl-net-ferroce.so", 5, 2.0, devs("0", "rxe1"), true)
         );
         assert_eq!((o.depth, o.clock_check, o.iters), (8, true, 1000));
+        let o = parse("--versus /y/libnccl-net.so").unwrap();
+        assert_eq!(o.versus.as_deref(), Some("/y/libnccl-net.so"));
+        assert_eq!(parse("").unwrap().versus, None);
         let o = parse("--depth 1 --no-clock-check").unwrap();
         assert_eq!((o.depth, o.clock_check, o.perftest), (1, false, true));
         assert_eq!(parse("--depth 32").unwrap().depth, 32);
@@ -479,6 +530,9 @@ mod tests {
             "--listen --no-clock-check",
             "--listen --port 70000",
             "--listen --dev",
+            "--listen --versus x",
+            "--connect h:1 --versus x",
+            "--versus",
             "extra",
         ] {
             assert!(parse(bad).is_err(), "{bad}");

@@ -49,13 +49,51 @@ pub fn print_table(h: &Header, bw: &[BwRow], lat: &[LatRow]) {
     print_bw(h, bw);
     println!();
     print_lat(h, lat);
+    if let Some(v) = &h.plan.o.versus {
+        println!();
+        print_versus(v, bw, lat);
+    }
+}
+
+/// The `--versus` plugin beside this one: bandwidth, then p50 latency, each a median over the
+/// rounds, measured right after this plugin's in each round.
+fn print_versus(versus: &str, bw: &[BwRow], lat: &[LatRow]) {
+    println!("# versus {versus}: measured the same way, right after this plugin, size by size");
+    let t = Table { widths: &[9, 11, 11, 7], gap: 2 };
+    println!("{}", t.line('#', &["size", "this", "versus", "ratio"]));
+    println!("{}", t.line('#', &["(B)", "(Gb/s)", "(Gb/s)", ""]));
+    for r in bw {
+        let (a, b) = (median(&r.ours), median(&r.versus));
+        let cells = [r.size.to_string(), fixed(a, 4), fixed(b, 4), fixed(ratio(a, b), 2)];
+        println!("{}", t.line(' ', &cells.each_ref().map(String::as_str)));
+    }
+    let t = Table { widths: &[9, 9, 9, 7, 9, 9, 7], gap: 2 };
+    println!(
+        "{}",
+        t.line('#', &["size", "this p50", "versus", "ratio", "this LL", "versus", "ratio"])
+    );
+    println!("{}", t.line('#', &["(B)", "(us)", "(us)", "", "(us)", "(us)", ""]));
+    for r in lat {
+        let (a, b) = (median(&r.simple.p50), median(&r.versus.p50));
+        let (c, d) = (median(&r.ll.p50), median(&r.versus_ll.p50));
+        let cells = [
+            r.size.to_string(),
+            fixed(a, 1),
+            fixed(b, 1),
+            fixed(ratio(a, b), 2),
+            fixed(c, 1),
+            fixed(d, 1),
+            fixed(ratio(c, d), 2),
+        ];
+        println!("{}", t.line(' ', &cells.each_ref().map(String::as_str)));
+    }
 }
 
 /// The lines above the tables: the ranks, how they poll, perftest and the rounds.
 fn print_setup(h: &Header) {
     let o = h.plan.o;
     let hosts = if o.mode == Mode::Local { "one host" } else { "two hosts" };
-    println!("# ferroce perf: plugin {} through ncclNet v12, two processes, {hosts}", o.plugin);
+    println!("# ferroce perf: plugin {}, two processes, {hosts}", o.plugin);
     println!(
         "#   rank 0 sends on {} (dev {}, {}), rank 1 receives on {} (dev {}, {})",
         h.tx.name, h.tx.index, h.tx.host, h.rx.name, h.rx.index, h.rx.host
@@ -258,6 +296,9 @@ pub fn print_json(h: &Header, bw: &[BwRow], lat: &[LatRow]) {
                 put(&mut m, "ib_write_bw_q_gbps", &r.write_q);
                 m.insert("ratio_q".into(), json!(ratio(ours, median(&r.write_q))));
             }
+            if o.versus.is_some() {
+                put(&mut m, "versus_gbps", &r.versus);
+            }
             serde_json::Value::Object(m)
         })
         .collect();
@@ -272,7 +313,9 @@ pub fn print_json(h: &Header, bw: &[BwRow], lat: &[LatRow]) {
                 ("ib_write_lat", &r.write),
                 ("ib_send_lat", &r.send),
             ];
-            for (name, s) in series {
+            let versus = [("versus", &r.versus), ("versus_ll", &r.versus_ll)];
+            let versus = if o.versus.is_some() { &versus[..] } else { &[] };
+            for (name, s) in series.into_iter().chain(versus.iter().copied()) {
                 put(&mut m, &format!("{name}_p50_us"), &s.p50);
                 put(&mut m, &format!("{name}_mean_us"), &s.avg);
                 put(&mut m, &format!("{name}_min_us"), &s.min);
@@ -299,7 +342,7 @@ pub fn print_json(h: &Header, bw: &[BwRow], lat: &[LatRow]) {
     let dev = |d: &Dev| json!({"dev": d.index, "name": d.name, "host": d.host});
     out::print_json(&json!({
         "plugin": o.plugin,
-        "abi": 12,
+        "versus": o.versus,
         "sender": dev(&h.tx),
         "receiver": dev(&h.rx),
         "rounds": o.rounds,

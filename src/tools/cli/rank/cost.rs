@@ -58,27 +58,28 @@ pub mod counted {
     );
 }
 
-/// Runs `f` in the size's post wrapper, or uncounted for a warm-up message (`size` 0 stands
-/// for none).
-fn post<R>(size: usize, f: impl FnOnce() -> R) -> Result<R, String> {
-    match size {
-        0 => Ok(f()),
-        8 => Ok(counted::post_8(f)),
-        4096 => Ok(counted::post_4k(f)),
-        1048576 => Ok(counted::post_1m(f)),
-        s => Err(format!("no counted size {s}")),
-    }
+/// Runs `f` in the size's post wrapper (`test`: its test wrapper), or uncounted for a warm-up
+/// message (`size` 0 stands for none).
+fn counted_as<R>(size: usize, test: bool, f: impl FnOnce() -> R) -> Result<R, String> {
+    use counted::*;
+    Ok(match (size, test) {
+        (0, _) => f(),
+        (8, false) => post_8(f),
+        (4096, false) => post_4k(f),
+        (1048576, false) => post_1m(f),
+        (8, true) => test_8(f),
+        (4096, true) => test_4k(f),
+        (1048576, true) => test_1m(f),
+        (s, _) => return Err(format!("no counted size {s}")),
+    })
 }
 
-/// Runs `f` in the size's test wrapper (as [`post`]).
+fn post<R>(size: usize, f: impl FnOnce() -> R) -> Result<R, String> {
+    counted_as(size, false, f)
+}
+
 fn test<R>(size: usize, f: impl FnOnce() -> R) -> Result<R, String> {
-    match size {
-        0 => Ok(f()),
-        8 => Ok(counted::test_8(f)),
-        4096 => Ok(counted::test_4k(f)),
-        1048576 => Ok(counted::test_1m(f)),
-        s => Err(format!("no counted size {s}")),
-    }
+    counted_as(size, true, f)
 }
 
 /// A pause long enough for the wire: 2 ms, and 1 ms more per 64 KiB (Soft-RoCE under
