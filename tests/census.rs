@@ -53,12 +53,13 @@ use std::ptr::null_mut;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use common::{RdmaCounts, fds_threads, open_plugin, rdma_counts, require_vm, rss_bytes, settle};
+use common::{fds_threads, open_plugin, require_vm, rss_bytes, settle};
 use ferroce_core::setup::wire::{Handle, Kind as MsgKind, MAX_QPS, MSG_LEN, Msg};
 use ferroce_tools::driver::{Close, Driver, Ptr};
 use ferroce_tools::handle::{from_hex, to_hex};
 use ferroce_tools::proc::Proc;
 use ferroce_tools::rng::Rng;
+use ferroce_tools::sys::{RdmaCounts, rdma_counts};
 use ferroce_tools::wait::until;
 
 const SETUP_TIMEOUT_MS: &str = "10000";

@@ -28,13 +28,12 @@ use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{
-    RdmaCounts, Shared, fds_threads, open_plugin, rdma_counts, rdma_resources, require_vm, settle,
-};
+use common::{Shared, fds_threads, open_plugin, rdma_resources, require_vm, settle};
 use ferroce_tools::driver::{Close, Driver, Ptr};
 use ferroce_tools::handle::{from_hex, to_hex};
 use ferroce_tools::proc::Proc;
 use ferroce_tools::rng::Rng;
+use ferroce_tools::sys::{RdmaCounts, rdma_counts};
 
 const THREADS: usize = 4;
 const COMMS: usize = 4; // per data thread

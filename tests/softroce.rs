@@ -13,6 +13,7 @@ use ferroce::ffi::abi::*;
 use ferroce_core::setup::wire::{Handle, Kind, Msg};
 use ferroce_tools::driver::{Close, Driver, Ptr};
 use ferroce_tools::loader::{Library, capture_logger, take_captured};
+use ferroce_tools::sys::rdma_counts;
 
 fn v12(lib: &Library) -> &ncclNet_v12_t {
     // SAFETY: the symbol is an ncclNet_v12_t; the reference does not outlive `lib`.

@@ -341,46 +341,6 @@ pub fn settle<T: PartialEq>(base: &T, limit: Duration, mut now: impl FnMut() -> 
     }
 }
 
-/// The QPs, CQs, MRs and PDs that process `pid` holds on the RDMA devices (the entries of
-/// `rdma resource show qp|cq|mr|pd` owned by it).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RdmaCounts {
-    pub qp: usize,
-    pub cq: usize,
-    pub mr: usize,
-    pub pd: usize,
-}
-
-impl std::fmt::Display for RdmaCounts {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "qp {} cq {} mr {} pd {}", self.qp, self.cq, self.mr, self.pd)
-    }
-}
-
-pub fn rdma_counts(pid: u32) -> Result<RdmaCounts, String> {
-    let owned = |kind: &str| -> Result<usize, String> {
-        let out = Command::new("rdma")
-            .args(["resource", "show", kind])
-            .output()
-            .map_err(|e| format!("rdma resource show {kind}: {e}"))?;
-        if !out.status.success() {
-            return Err(format!(
-                "rdma resource show {kind}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            ));
-        }
-        let want = pid.to_string();
-        Ok(String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter(|l| {
-                let w: Vec<&str> = l.split_whitespace().collect();
-                w.windows(2).any(|p| p[0] == "pid" && p[1] == want)
-            })
-            .count())
-    };
-    Ok(RdmaCounts { qp: owned("qp")?, cq: owned("cq")?, mr: owned("mr")?, pd: owned("pd")? })
-}
-
 /// Makes closing `s` send a reset (as a killed peer with unread data does), not a FIN.
 pub fn reset_on_close(s: &std::net::TcpStream) {
     use std::os::fd::AsRawFd;

@@ -12,6 +12,8 @@
 //! - `ferroce core-bench`: the protocol core's cost per message on this host ([`corebench`]).
 //! - `ferroce instructions`: a plugin's user-space instructions per call, under callgrind
 //!   ([`instructions`]).
+//! - `ferroce connections`: what a plugin holds per connection, at 1, 64 and 1,024 pairs
+//!   ([`connections`]).
 //! - `ferroce completions SHELL`: a completion script for bash, zsh, fish, elvish or PowerShell.
 //!
 //! The command line is parsed by clap, so every subcommand has `--help` and its errors look
@@ -30,6 +32,7 @@ use clap::{CommandFactory, Parser, Subcommand};
 use ferroce_tools::loader::Library;
 
 mod collective;
+mod connections;
 mod corebench;
 mod doctor;
 mod info;
@@ -75,6 +78,7 @@ enum Cmd {
     Collective(collective::Args),
     CoreBench(corebench::Args),
     Instructions(instructions::Args),
+    Connections(connections::Args),
     /// Print a completion script for SHELL on stdout
     Completions {
         #[arg(value_enum)]
@@ -103,6 +107,7 @@ fn main() -> ExitCode {
         },
         Cmd::CoreBench(a) => corebench::core_bench(&a),
         Cmd::Instructions(a) => instructions::instructions(&a),
+        Cmd::Connections(a) => connections::connections(&a),
         Cmd::Completions { shell } => {
             // Written whole, so that a closed pipe is an error here, not a panic in clap.
             let mut script = Vec::new();

@@ -19,6 +19,9 @@
 //! - `C-LISTEN` then `C-CONNECT hex`: one counted `listen`, then counted `connect` and
 //!   `accept` until both comms exist, then counted closes; replies `CHANDLE hex` and
 //!   `CONNECTED calls`.
+//! - `C-LISTEN` then `C-KEEP hex` (`ferroce connections`): `connect` and `accept` until both
+//!   comms exist, uncounted and timed, and both kept open; replies `KEPT microseconds`.
+//!   `C-CLOSEALL` closes every kept pair and replies `CLOSED n`.
 
 use std::time::{Duration, Instant};
 
@@ -177,6 +180,22 @@ impl Rank<'_> {
                 *self.pending.borrow_mut() = Some(listen);
                 Ok(format!("CHANDLE {}", to_hex(&handle)))
             }
+            ("C-KEEP", _) => {
+                let mut peer = from_hex(w.next().ok_or("C-KEEP without a handle")?)?;
+                let listen = self.pending.borrow_mut().take().ok_or("C-KEEP before C-LISTEN")?;
+                let t = Instant::now();
+                let (send, recv) =
+                    self.drv.connect_both(self.ctx, self.dev, &mut peer, listen, STEP)?;
+                let us = t.elapsed().as_micros();
+                self.kept.borrow_mut().push((send, recv));
+                self.drv.close(Close::Listen, listen)?;
+                Ok(format!("KEPT {us}"))
+            }
+            ("C-CLOSEALL", _) => {
+                let n = self.kept.borrow().len();
+                self.close_kept()?;
+                Ok(format!("CLOSED {n}"))
+            }
             ("C-CONNECT", _) => {
                 let mut peer = from_hex(w.next().ok_or("C-CONNECT without a handle")?)?;
                 let listen = self.pending.borrow_mut().take().ok_or("C-CONNECT before C-LISTEN")?;
@@ -185,6 +204,17 @@ impl Rank<'_> {
             }
             _ => Err(format!("{cmd} is not for the {} rank", if sender { "send" } else { "recv" })),
         }
+    }
+
+    /// Closes the comm pairs `C-KEEP` kept, all of them whatever fails: the first error.
+    pub(super) fn close_kept(&self) -> Result<(), String> {
+        let mut first = Ok(());
+        for (send, recv) in self.kept.borrow_mut().drain(..) {
+            for r in [self.drv.close(Close::Send, send), self.drv.close(Close::Recv, recv)] {
+                first = first.and(r);
+            }
+        }
+        first
     }
 
     /// Counted `connect` and `accept` until both comms exist, then counted closes of the two

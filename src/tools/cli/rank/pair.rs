@@ -137,6 +137,11 @@ impl Pair {
         Ok(Lat { p50: word(0, "LAT p50")?, avg: word(1, "LAT mean")?, min: word(2, "LAT min")? })
     }
 
+    /// The process ids of the two ranks (sender, receiver), where both are children here.
+    pub fn pids(&self) -> Option<(u32, u32)> {
+        self.send.pid().zip(self.recv.pid())
+    }
+
     /// Tells one rank (the sender, or the receiver) `cmd` and waits up to `limit` for its
     /// reply `word`: the reply's other words.
     pub fn ask(

@@ -55,6 +55,8 @@ pub(super) struct Rank<'a> {
     recv: Ptr,
     /// A request or listener one `C-...` command leaves for the next ([`super::cost`]).
     pub(super) pending: RefCell<Option<Ptr>>,
+    /// The comm pairs `C-KEEP` made and keeps open: (send, recv).
+    pub(super) kept: RefCell<Vec<(Ptr, Ptr)>>,
     /// Two separate buffers: a rank sends and receives at once in ping-pong. The send buffer
     /// holds the pattern every receive is checked against.
     sbuf: HostBuf,
@@ -127,10 +129,14 @@ fn run_rank(
         let rmh = drv.reg_mr(recv, rbuf.ptr(), MAX)?;
         let io = chan.take().ok_or("no channel")?;
         let pending = RefCell::new(None);
-        let r = Rank { io, drv, ctx, dev, send, recv, pending, sbuf, rbuf, smh, rmh };
+        let kept = RefCell::new(Vec::new());
+        let r = Rank { io, drv, ctx, dev, send, recv, pending, kept, sbuf, rbuf, smh, rmh };
         r.io.say("READY")?;
         flush_log();
         let mut result = r.serve(sender);
+        if let Err(e) = r.close_kept() {
+            result = result.and(Err(e));
+        }
         // Teardown runs to the end whatever failed; the first error is the one returned.
         for e in [
             r.drv.dereg_mr(send, smh),
