@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::device::{NetDevice, Queue, Watch};
+use super::device::{Counters, NetDevice, Queue, Watch};
 use super::mr_cache::MemKind;
 use super::net::Net;
 use super::profile::{Events, Profiler};
@@ -55,13 +55,19 @@ pub const STAGE: u32 = 0;
 /// The flush's scratch word, which the flush QP's RDMA read writes into: local write only.
 pub const FLUSH_TARGET: u32 = verbs::ACCESS_LOCAL_WRITE;
 
-/// Inline payload asked of every QP: a whole CTS batch (8 head entries of 64 bytes, or the
-/// other 7 entries of a multi-receive), and small sends.
+/// Inline payload asked of a receive comm's QPs: a whole CTS batch (8 head entries of 64
+/// bytes, or the other 7 entries of a multi-receive).
 const INLINE: u32 = 512;
+
+/// Inline payload asked of a send comm's QPs: the size records, the LL ack and small sends
+/// from host memory. The provider sizes every send-queue entry for it, so 512 bytes here
+/// made each send QP several times larger (in the kernel, where Soft-RoCE keeps its queues)
+/// for sends NCCL makes from GPU memory, which never go inline.
+const SEND_INLINE: u32 = 64;
 
 /// A send comm's queue pairs: room for the core's send queue; the one receive WQE verbs wants.
 const SEND_CAPS: verbs::QpCaps =
-    verbs::QpCaps { max_send_wr: SEND_QUEUE as u32, max_recv_wr: 1, max_inline: INLINE };
+    verbs::QpCaps { max_send_wr: SEND_QUEUE as u32, max_recv_wr: 1, max_inline: SEND_INLINE };
 
 /// A receive comm's queue pairs: CTS writes and probes, and every receive WQE of the lane.
 fn recv_caps(nqps: usize) -> verbs::QpCaps {
@@ -492,21 +498,22 @@ fn ports(
 struct Life {
     opened: Duration,
     /// Each member port's counters at the start.
-    counters: Vec<Vec<(String, u64)>>,
+    counters: Vec<Arc<Counters>>,
     every: Option<Duration>,
     next: Duration,
 }
 
-/// The hardware counters of each of `devs`; with several ports, each name says its port
+/// The hardware counters of each of `devs` ([`NetDevice::hw_counters`]: shared with the
+/// other comms that read them about now); with several ports, each name says its port
 /// (`rxe1:sent_pkts`).
-fn counters(net: &Net, devs: &[usize]) -> Vec<Vec<(String, u64)>> {
+fn counters(net: &Net, devs: &[usize]) -> Vec<Arc<Counters>> {
     let one = |&dev: &usize| {
         let d = &net.devices[dev];
-        let c = verbs::sysfs::hw_counters(d.ctx.name(), d.port);
+        let c = d.hw_counters();
         if devs.len() == 1 {
             return c;
         }
-        c.into_iter().map(|(k, v)| (format!("{}:{k}", d.name), v)).collect()
+        Arc::new(c.iter().map(|(k, v)| (format!("{}:{k}", d.name), *v)).collect())
     };
     devs.iter().map(one).collect()
 }

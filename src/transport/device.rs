@@ -15,6 +15,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use super::gdr::{self, Gdr};
 use super::gid::{self, GidChoice, GidEntry, GidType};
@@ -56,7 +57,18 @@ pub struct NetDevice {
     pub mrs: Mutex<MrCache<Arc<Mr>>>,
     /// What GPU memory it registers (GPUDirect RDMA), decided at discovery.
     pub gdr: Gdr,
+    /// The port's hardware counters as last read, and when ([`NetDevice::hw_counters`]).
+    counters: Mutex<Option<(Duration, Arc<Counters>)>>,
 }
+
+/// A port's hardware counters by name.
+pub type Counters = Vec<(String, u64)>;
+
+/// How long one read of a port's hardware counters serves: the comms that open or close
+/// together (an all-to-all's setup, thousands of comms) share one read of a few dozen sysfs
+/// files. A comm's statistics line reports what moved over its life, so one that lives less
+/// than this may report that nothing did.
+const COUNTERS_FRESH: Duration = Duration::from_millis(100);
 
 /// What the async-event thread reports about a device.
 #[derive(Debug, Default)]
@@ -202,6 +214,21 @@ impl NetDevice {
             log_gid(&self.name, &gid, "after a GID table change");
         }
         gid.clone().map_err(Error::NoDevice)
+    }
+
+    /// The port's hardware counters, read again when the last read is older than
+    /// [`COUNTERS_FRESH`].
+    pub fn hw_counters(&self) -> Arc<Counters> {
+        let now = crate::os::coarse_now();
+        let mut last = self.counters.lock().unwrap_or_else(|p| p.into_inner());
+        match &*last {
+            Some((at, c)) if now.saturating_sub(*at) < COUNTERS_FRESH => c.clone(),
+            _ => {
+                let c = Arc::new(verbs::sysfs::hw_counters(self.ctx.name(), self.port));
+                *last = Some((now, c.clone()));
+                c
+            }
+        }
     }
 
     /// An error if the device has failed fatally.
@@ -527,6 +554,7 @@ fn net_device(
         gid: Mutex::new(gid),
         flags: Arc::default(),
         mrs: Mutex::new(MrCache::new(crate::os::page_size())),
+        counters: Mutex::new(None),
         pci_path: place.pci_path,
         name,
         port,

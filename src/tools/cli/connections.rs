@@ -5,7 +5,8 @@
 //! Two rank processes, as in NCCL, connect to each other `N` times over (each rank listens,
 //! connects to the other's handle and accepts, as NCCL's proxy does for a peer) and keep every
 //! comm open. Around each batch the orchestrator reads what each rank process holds: resident
-//! anonymous memory and pinned memory (`/proc/PID/status`), file descriptors, and the QPs, CQs
+//! memory (with the queues a provider maps in) and pinned memory (`/proc/PID/status`), file
+//! descriptors, and the QPs, CQs
 //! and MRs `rdma resource show` lists for it. A pair's figure is the growth over the batch
 //! divided by `N`, per rank; its setup time is the wall time of its `connect` and `accept` calls
 //! on the slower rank (the ranks take their turns through the orchestrator's pipes, which is
@@ -45,7 +46,7 @@ pub struct Args {
     pairs: Vec<u64>,
 }
 
-/// What one rank process holds: RssAnon, VmPin, fds, QPs, CQs, MRs.
+/// What one rank process holds: VmRSS, VmPin, fds, QPs, CQs, MRs.
 type Held = [f64; 6];
 
 fn held(pid: u32) -> Result<Held, String> {

@@ -71,8 +71,9 @@ pub fn rdma_counts(pid: u32) -> Result<RdmaCounts, String> {
     Ok(RdmaCounts { qp: owned("qp")?, cq: owned("cq")?, mr: owned("mr")?, pd: owned("pd")? })
 }
 
-/// Process `pid`'s resident anonymous memory and pinned memory (`RssAnon`, `VmPin` of
-/// `/proc/PID/status`) in bytes, and its open file descriptors.
+/// Process `pid`'s resident memory and pinned memory (`VmRSS`, `VmPin` of `/proc/PID/status`)
+/// in bytes, and its open file descriptors. Resident memory includes the queues a provider maps
+/// in from the kernel (Soft-RoCE's).
 pub fn memory_fds(pid: u32) -> Result<(u64, u64, usize), String> {
     let path = format!("/proc/{pid}/status");
     let status = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
@@ -83,5 +84,5 @@ pub fn memory_fds(pid: u32) -> Result<(u64, u64, usize), String> {
     };
     let fds =
         std::fs::read_dir(format!("/proc/{pid}/fd")).map_err(|e| format!("fds of {pid}: {e}"))?;
-    Ok((kib("RssAnon:")?, kib("VmPin:")?, fds.count()))
+    Ok((kib("VmRSS:")?, kib("VmPin:")?, fds.count()))
 }
