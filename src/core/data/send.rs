@@ -581,9 +581,19 @@ impl SendCore {
         };
         let most = (0..n).map(|c| self.wrs_for(slot, bufs, split, c)).max().unwrap_or(0);
         let live = (0..self.p.nqps).filter(|&q| self.alive & (1 << q) != 0);
+        // The empty chunks of avoided lanes ride on the others (`split_lane`): one lane may
+        // take its own chunk and every one of them.
+        let empty = self.slots[slot].empty;
+        let riders: u64 = (0..n)
+            .filter(|&c| empty & (1 << c) != 0)
+            .map(|c| self.wrs_for(slot, bufs, split, c))
+            .sum();
         // Once lanes failed a live lane may take several chunks of the slot: all of them.
-        let per_lane =
-            if self.alive.count_ones() as usize == self.p.nqps { most } else { most * n as u64 };
+        let per_lane = if self.alive.count_ones() as usize == self.p.nqps {
+            most + riders
+        } else {
+            most * n as u64
+        };
         live.into_iter().all(|q| self.sq[q].fits(per_lane))
     }
 

@@ -64,8 +64,10 @@ pub const SIZE_AREA: usize = SIZE_WORDS + mend::MAIL_WORDS;
 /// Flag in a CTS entry's `nreqs` word: the receiver wants no completion.
 pub(super) const CTS_OPTIONAL: u64 = 1 << 8;
 
-/// The sender's send-queue depth per QP; a slot whose chain does not fit waits.
-pub const SEND_QUEUE: usize = 1024;
+/// The sender's send-queue depth per QP; a slot whose chain does not fit waits. A lane's share
+/// of every slot in flight fits several times over; a deeper queue costs memory per
+/// connection (a provider sizes the ring, and the comm's CQ, for it).
+pub const SEND_QUEUE: usize = 256;
 
 /// The receiver's send-queue depth per QP: CTS batches and probes, on QP 0 only.
 pub const RECV_SEND_QUEUE: usize = 2 * SLOTS;
