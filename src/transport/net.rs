@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::device::{self, DeviceFlags, NetDevice, Queue};
+use super::gid::GidChoice;
 use super::profile::Profiler;
 use crate::verbs;
 use ferroce_core::data::MAX_MEMBERS;
@@ -354,11 +355,7 @@ fn fused() -> MutexGuard<'static, Vec<Vec<usize>>> {
 /// A port's one INFO line at init: the port, the GID it uses and why (a WARN instead when it
 /// has none), and what memory it takes; the details (and why GPUDirect is what it is) at
 /// NCCL's TRACE.
-fn log_device(
-    i: usize,
-    d: &NetDevice,
-    gid: &std::result::Result<crate::transport::gid::GidChoice, String>,
-) {
+fn log_device(i: usize, d: &NetDevice, gid: &std::result::Result<GidChoice, String>) {
     let port = format!(
         "{} port {}, {:?} {} Mbps, MTU {}",
         d.name,

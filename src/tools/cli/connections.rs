@@ -15,8 +15,7 @@
 use std::time::Duration;
 
 use crate::rank::num;
-use crate::rank::pair::{Pair, spawn_rank};
-use ferroce_tools::loader::default_plugin;
+use crate::rank::pair::LocalPair;
 use ferroce_tools::out::{Table, fixed};
 use ferroce_tools::sys::{memory_fds, rdma_counts};
 
@@ -30,16 +29,8 @@ const LIMIT: Duration = Duration::from_secs(180);
 /// pair, and each pair's setup time. One host, two devices; needs iproute2's rdma.
 #[derive(clap::Args)]
 pub struct Args {
-    /// The plugin as NCCL_NET_PLUGIN names it, or a path [default: libnccl-net-ferroce.so next
-    /// to this program, else `ferroce`]
-    #[arg(long, value_name = "NAME_OR_PATH")]
-    plugin: Option<String>,
-    /// Device of rank 0 [default: the first device the plugin offers]
-    #[arg(long, value_name = "D", default_value = "0")]
-    dev_send: String,
-    /// Device of rank 1 [default: the second device]
-    #[arg(long, value_name = "D", default_value = "1")]
-    dev_recv: String,
+    #[command(flatten)]
+    ranks: LocalPair,
     /// The batch sizes, in pairs, each from 1 to 4096
     #[arg(long, value_name = "N,N,...", value_delimiter = ',', default_value = "1,64,1024",
           value_parser = clap::value_parser!(u64).range(1..=4096))]
@@ -56,9 +47,8 @@ fn held(pid: u32) -> Result<Held, String> {
 }
 
 pub fn connections(a: &Args) -> Result<(), String> {
-    let plugin = a.plugin.clone().unwrap_or_else(default_plugin);
-    let recv = spawn_rank("recv", &plugin, &a.dev_recv)?;
-    let mut pair = Pair::open(recv, spawn_rank("send", &plugin, &a.dev_send)?)?;
+    let plugin = a.ranks.plugin();
+    let mut pair = a.ranks.open(|_| Vec::new())?;
     pair.connect()?;
     let pids = pair.pids().ok_or("the ranks have no pids")?;
     println!("# ferroce connections: {plugin}, {} <-> {}", pair.tx.name, pair.rx.name);

@@ -21,8 +21,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use crate::rank::pair::{Pair, spawn_rank_under};
-use ferroce_tools::loader::default_plugin;
+use crate::rank::pair::{LocalPair, Pair};
 
 /// The message sizes counted, with the suffix of their wrappers' names.
 const SIZES: [(&str, usize, &str); 3] =
@@ -42,16 +41,8 @@ const LIMIT: Duration = Duration::from_secs(300);
 /// as NCCL does; only the plugin calls are counted. Needs valgrind; one host, two devices.
 #[derive(clap::Args)]
 pub struct Args {
-    /// The plugin as NCCL_NET_PLUGIN names it, or a path [default: libnccl-net-ferroce.so next
-    /// to this program, else `ferroce`]
-    #[arg(long, value_name = "NAME_OR_PATH")]
-    plugin: Option<String>,
-    /// Device of rank 0, the sender [default: the first device the plugin offers]
-    #[arg(long, value_name = "D", default_value = "0")]
-    dev_send: String,
-    /// Device of rank 1, the receiver [default: the second device]
-    #[arg(long, value_name = "D", default_value = "1")]
-    dev_recv: String,
+    #[command(flatten)]
+    ranks: LocalPair,
     /// Messages counted per size
     #[arg(long, value_name = "N", default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..=10_000))]
     messages: u64,
@@ -81,7 +72,7 @@ struct Empty {
 }
 
 pub fn instructions(a: &Args) -> Result<(), String> {
-    let plugin = a.plugin.clone().unwrap_or_else(default_plugin);
+    let plugin = a.ranks.plugin();
     let version = std::process::Command::new(&a.valgrind).arg("--version").output();
     let version = match version {
         Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).trim().to_string(),
@@ -100,9 +91,7 @@ pub fn instructions(a: &Args) -> Result<(), String> {
             format!("--callgrind-out-file={}", out(role).display()),
         ]
     };
-    let recv = spawn_rank_under(&under("recv"), "recv", &plugin, &a.dev_recv)?;
-    let mut pair =
-        Pair::open(recv, spawn_rank_under(&under("send"), "send", &plugin, &a.dev_send)?)?;
+    let mut pair = a.ranks.open(under)?;
     eprintln!("# {version}: {plugin}, {} -> {}", pair.tx.name, pair.rx.name);
     pair.connect()?;
     let empty = run(&mut pair, a)?;

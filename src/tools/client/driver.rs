@@ -328,11 +328,10 @@ impl<'a> Driver<'a> {
 
     /// The newest ABI version `lib` exports (of those ferroce knows): how NCCL picks one.
     pub fn newest(lib: &'a Library) -> Result<Driver<'a>, String> {
-        let mut newest = ferroce::ffi::VERSIONS.to_vec();
-        newest.sort_unstable_by(|a, b| b.cmp(a));
-        newest
-            .into_iter()
-            .find_map(|v| Driver::new(lib, v).ok())
+        // VERSIONS lists the newest first.
+        ferroce::ffi::VERSIONS
+            .iter()
+            .find_map(|&v| Driver::new(lib, v).ok())
             .ok_or_else(|| format!("{}: no ncclNetPlugin_v6..v12 table", lib.opened_as))
     }
 

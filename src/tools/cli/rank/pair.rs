@@ -36,6 +36,37 @@ pub fn spawn_rank_under(
     Proc::spawn(&format!("rank {role} ({dev})"), cmd)
 }
 
+/// The plugin and the two devices of a pair of ranks on this host, as `ferroce instructions`
+/// and `ferroce connections` take them.
+#[derive(clap::Args)]
+pub struct LocalPair {
+    /// The plugin as NCCL_NET_PLUGIN names it, or a path [default: libnccl-net-ferroce.so next
+    /// to this program, else `ferroce`]
+    #[arg(long, value_name = "NAME_OR_PATH")]
+    plugin: Option<String>,
+    /// Device of rank 0, the sender [default: the first device the plugin offers]
+    #[arg(long, value_name = "D", default_value = "0")]
+    dev_send: String,
+    /// Device of rank 1, the receiver [default: the second device]
+    #[arg(long, value_name = "D", default_value = "1")]
+    dev_recv: String,
+}
+
+impl LocalPair {
+    /// The plugin as given, or the default one.
+    pub fn plugin(&self) -> String {
+        self.plugin.clone().unwrap_or_else(ferroce_tools::loader::default_plugin)
+    }
+
+    /// Starts the two ranks, each run by `prefix(role)` (see [`spawn_rank_under`]), past their
+    /// `HANDLE` lines.
+    pub fn open(&self, prefix: impl Fn(&str) -> Vec<String>) -> Result<Pair, String> {
+        let plugin = self.plugin();
+        let recv = spawn_rank_under(&prefix("recv"), "recv", &plugin, &self.dev_recv)?;
+        Pair::open(recv, spawn_rank_under(&prefix("send"), "send", &plugin, &self.dev_send)?)
+    }
+}
+
 /// The receiving rank on another host: the `ferroce perf --listen` at `addr` (`HOST:PORT`).
 pub fn remote_rank(addr: &str) -> Result<Proc, String> {
     Proc::connect(&format!("rank recv at {addr}"), addr)
