@@ -135,7 +135,7 @@ fn properties(dev: c_int) -> Result<ncclNetProperties_v12_t> {
         netDeviceType: ncclNetDeviceType::NCCL_NET_DEVICE_HOST,
         netDeviceVersion: NCCL_NET_DEVICE_INVALID_VERSION as c_int,
         vProps: ncclNetVDeviceProps_v12_t { ndevs: p.members.len() as c_int, devs },
-        maxP2pBytes: NCCL_MAX_NET_SIZE_BYTES as usize,
+        maxP2pBytes: ferroce_core::data::MAX_MESSAGE as usize,
         maxCollBytes: NCCL_MAX_COLLNET_SIZE as usize,
         maxMultiRequestSize: 1,
         railId: p.rail.unwrap_or(undef),

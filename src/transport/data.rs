@@ -31,7 +31,9 @@ use ferroce_core::data::{
     Remote, SIZE_AREA, SendCore, Words, recv_grant, send_grant,
 };
 
-pub use ferroce_core::data::{Buf, FLUSH_BASE, MAX_RECVS, Params, Path, SEND_QUEUE, SLOTS};
+pub use ferroce_core::data::{
+    Buf, FLUSH_BASE, FLUSH_QUEUE, MAX_RECVS, Params, Path, SLOTS, send_queue,
+};
 
 /// The `qp_access_flags` of a QP that grants `g`. `IBV_ACCESS_LOCAL_WRITE` is never asked:
 /// on a QP it means nothing (the local NIC's own operations are checked against the memory
@@ -55,19 +57,20 @@ pub const STAGE: u32 = 0;
 /// The flush's scratch word, which the flush QP's RDMA read writes into: local write only.
 pub const FLUSH_TARGET: u32 = verbs::ACCESS_LOCAL_WRITE;
 
-/// Inline payload asked of a receive comm's QPs: a whole CTS batch (8 head entries of 64
-/// bytes, or the other 7 entries of a multi-receive).
-const INLINE: u32 = 512;
+/// Inline payload asked of a receive comm's QPs: one CTS row (64 bytes), the common batch;
+/// larger batches go from the stage. The provider sizes every send-queue entry for it:
+/// Soft-RoCE's entry is 256 bytes with up to 48 inline, 512 with 64, 1,024 with 512.
+const INLINE: u32 = 64;
 
-/// Inline payload asked of a send comm's QPs: the size records, the LL ack and small sends
-/// from host memory. The provider sizes every send-queue entry for it, so 512 bytes here
-/// made each send QP several times larger (in the kernel, where Soft-RoCE keeps its queues)
-/// for sends NCCL makes from GPU memory, which never go inline.
-const SEND_INLINE: u32 = 64;
+/// Inline payload asked of a send comm's QPs: one size record, the LL ack and small sends
+/// from host memory; 48 bytes keep Soft-RoCE's entry at 256 bytes. NCCL sends from GPU
+/// memory, which never go inline.
+const SEND_INLINE: u32 = 48;
 
 /// A send comm's queue pairs: room for the core's send queue; the one receive WQE verbs wants.
-const SEND_CAPS: verbs::QpCaps =
-    verbs::QpCaps { max_send_wr: SEND_QUEUE as u32, max_recv_wr: 1, max_inline: SEND_INLINE };
+fn send_caps(nqps: usize) -> verbs::QpCaps {
+    verbs::QpCaps { max_send_wr: send_queue(nqps) as u32, max_recv_wr: 1, max_inline: SEND_INLINE }
+}
 
 /// A receive comm's queue pairs: CTS writes and probes, and every receive WQE of the lane.
 fn recv_caps(nqps: usize) -> verbs::QpCaps {
@@ -424,8 +427,17 @@ impl Queues {
     }
 }
 
+/// Whether a receive comm over `devs` flushes: only where a device can write GPU memory (or
+/// `FERROCE_FORCE_FLUSH=1`), with one flush QP on every member port, as each port's NIC writes
+/// into the buffers.
+pub fn needs_flush(net: &Net, devs: &[usize]) -> bool {
+    devs.iter().any(|&d| net.devices[d].gdr.flush)
+}
+
 /// One CQ per member port, each with room for `per_lane` entries of each lane on it (and one
-/// lane more, for a repair's flush) plus `extra`.
+/// lane more, for a repair's flush) plus `extra`: every work request that can be outstanding
+/// on it, so that it never overflows. Soft-RoCE rounds `n + 1` up to a power of two: the
+/// queue depths above keep a comm of 2 lanes at 255 (send) and 511 (receive) entries.
 fn port_cqs(
     net: &Net,
     devs: &[usize],
@@ -691,7 +703,8 @@ pub struct SendParts {
 impl SendParts {
     /// `nqps` lanes over the member ports `devs` (lane `q` on `port_of(q)`).
     pub fn new(net: &Arc<Net>, devs: &[usize], nqps: usize) -> Result<SendParts> {
-        let q = Queues::new(net, (devs, nqps), (SEND_QUEUE, 64), SEND_CAPS, send_grant)?;
+        let depth = send_queue(nqps);
+        let q = Queues::new(net, (devs, nqps), (depth, 0), send_caps(nqps), send_grant)?;
         // The CTS FIFO is registered without IBV_ACCESS_RELAXED_ORDERING, always: isend reads an
         // entry as valid once its last word (idx) has landed, which is only sound if the
         // receiver's RDMA write lands in order. Relaxed ordering is for NCCL's buffers only.
@@ -715,8 +728,8 @@ impl SendComm {
         let journal = profiler.is_some();
         let ours = parts.q.devs.len();
         let p = params(&net, &parts.q.qps, (ours, theirs), (split, peer.max_msg), &path, journal);
+        let links = links(send_caps(p.nqps), attrs, send_grant);
         let core = SendCore::new(p, remote(peer.addr, &peer.rkeys));
-        let links = links(SEND_CAPS, attrs, send_grant);
         let lanes = Lanes::new(SEND, net, parts.q, links, path, profiler, &[]);
         Box::new(SendComm { core, fifo: parts.fifo, sizes_stage: parts.sizes_stage, lanes })
     }
@@ -828,11 +841,12 @@ impl Flusher {
 impl RecvParts {
     /// `nqps` lanes over the member ports `devs` (lane `q` on `port_of(q)`).
     pub fn new(net: &Arc<Net>, devs: &[usize], nqps: usize) -> Result<RecvParts> {
-        // Room for every receive WQE of every lane (all flushed at once when the comm closes or
-        // fails), the flushes, and the CTS writes and probes.
-        let pool = ferroce_core::data::recv_pool(nqps);
+        // Room for every work request of every lane, receive and send (all flushed at once
+        // when the comm closes or fails), and the flushes.
+        let per_lane = ferroce_core::data::recv_pool(nqps) + RECV_SEND_QUEUE;
+        let flushes = if needs_flush(net, devs) { FLUSH_QUEUE } else { 0 };
         let grant = |q| recv_grant(q, nqps);
-        let q = Queues::new(net, (devs, nqps), (pool, 4 * 2 * SLOTS), recv_caps(nqps), grant)?;
+        let q = Queues::new(net, (devs, nqps), (per_lane, flushes), recv_caps(nqps), grant)?;
         let (cts_stage, sizes) = areas(net, devs, (STAGE, CONTROL_IN))?;
         Ok(RecvParts { q, cts_stage, sizes })
     }

@@ -43,7 +43,9 @@ use std::sync::Arc;
 use once_cell::sync::Lazy;
 use std::time::Instant;
 
-use super::data::{Flusher, Path, Peer, RecvComm, RecvParts, SendComm, SendParts, port_of};
+use super::data::{
+    FLUSH_QUEUE, Flusher, Path, Peer, RecvComm, RecvParts, SendComm, SendParts, port_of,
+};
 use super::device;
 use super::ecmp;
 use super::gid::{self, GidChoice};
@@ -519,9 +521,7 @@ fn rkeys(m: &Msg) -> Vec<u32> {
 fn accept_parts(net: &Arc<Net>, devs: &[usize], plan: &QpPlan) -> Result<Accepted> {
     let parts = RecvParts::new(net, devs, plan.nqps)?;
     let links = connect_qps(net, devs, &parts.q.qps, plan)?;
-    // Only devices that can write GPU memory need a flush QP (or FERROCE_FORCE_FLUSH=1): one on
-    // every member port, as each port's NIC writes into the buffers.
-    let flushers = if devs.iter().any(|&d| net.devices[d].gdr.flush) {
+    let flushers = if super::data::needs_flush(net, devs) {
         (0..devs.len()).map(|m| flusher(net, devs[m], &parts.q.cqs[m])).collect::<Result<_>>()?
     } else {
         Vec::new()
@@ -535,7 +535,7 @@ fn flusher(net: &Arc<Net>, dev: usize, cq: &Arc<verbs::Cq>) -> Result<Flusher> {
     let qp = verbs::Qp::create_rc(
         &d.pd,
         cq,
-        verbs::QpCaps { max_send_wr: 64, max_recv_wr: 1, max_inline: 0 },
+        verbs::QpCaps { max_send_wr: FLUSH_QUEUE as u32, max_recv_wr: 1, max_inline: 0 },
     )?;
     qp.to_init(d.port, Flusher::ACCESS)?;
     let target = RegisteredBuf::new(&d.pd, 8, super::data::FLUSH_TARGET)?;

@@ -314,7 +314,7 @@ impl SendCore {
             }
         };
         self.health.life[lane] = self.health.life[lane].wrapping_add(1);
-        self.sq[lane] = SqCount::new(SEND_QUEUE);
+        self.sq[lane] = SqCount::new(send_queue(self.p.nqps));
         let ask = mend::Msg::Ask { lane, seq, qpn };
         let life = (ctl, self.health.life[ctl], self.p.members[ctl]);
         let ask = mail_wr(ask, stage, SIZE_MAIL, life, &target, self.p.max_inline);

@@ -293,7 +293,7 @@ impl SendCore {
             slots: [SendSlot::default(); SLOTS],
             head: 0,
             remote_sizes,
-            sq: (0..p.nqps).map(|_| SqCount::new(SEND_QUEUE)).collect(),
+            sq: (0..p.nqps).map(|_| SqCount::new(send_queue(p.nqps))).collect(),
             chunk_lane: vec![0; SLOTS * p.nqps],
             alive: lanes_mask(p.nqps),
             resend: VecDeque::new(),
@@ -491,7 +491,8 @@ impl SendCore {
         let optional = nreqs == 1 && row[0].optional;
         if last {
             self.plan(slot, optional);
-            if !self.fits(slot, &self.slots[slot].bufs[..nreqs], optional) {
+            let fits = self.fits(slot, &self.slots[slot].bufs[..nreqs], optional);
+            if !fits.inspect_err(|_| self.slots[slot].bufs[r] = before)? {
                 self.slots[slot].bufs[r] = before;
                 return Ok(None);
             }
@@ -572,8 +573,10 @@ impl SendCore {
     }
 
     /// Whether every chunk of the slot fits the send queue of its lane, and of every live lane
-    /// (which may carry it instead).
-    pub(super) fn fits(&self, slot: usize, bufs: &[Option<Buf>], optional: bool) -> bool {
+    /// (which may carry it instead). An error where it never can, even with the queues empty
+    /// ([`send_queue`] holds every multi-receive whose buffers need at most 2 work requests
+    /// each, on all lanes but one failing): waiting would never end.
+    pub(super) fn fits(&self, slot: usize, bufs: &[Option<Buf>], optional: bool) -> Result<bool> {
         let (split, n) = if optional {
             (false, 1)
         } else {
@@ -594,7 +597,17 @@ impl SendCore {
         } else {
             most * n as u64
         };
-        live.into_iter().all(|q| self.sq[q].fits(per_lane))
+        let depth = send_queue(self.p.nqps) as u64;
+        if per_lane >= depth {
+            return Err(Error::InvalidUsage(format!(
+                "a message of {} buffer(s) needs {per_lane} work requests on one lane (buffers \
+                 larger than the port's largest message, {} bytes, go in pieces), more than its \
+                 send queue holds ({depth})",
+                bufs.len(),
+                self.p.max_msg
+            )));
+        }
+        Ok(live.into_iter().all(|q| self.sq[q].fits(per_lane)))
     }
 
     /// Posts the slot's chunks: chunk `c` of a split message (or the whole message, chunk 0)

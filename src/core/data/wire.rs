@@ -46,7 +46,7 @@ pub(super) const RECEIPT_WORDS: usize = 1 + 3 * SLOTS;
 /// them).
 pub const FIFO_AREA: usize = FIFO_RECEIPTS + RECEIPT_WORDS;
 
-/// Most rows one CTS batch carries: their head entries are one write of 512 bytes, inline.
+/// Most rows one CTS batch carries: their head entries are one write of at most 512 bytes.
 pub const BATCH: u64 = 8;
 
 /// The size records in u64 words: one per buffer of every slot, then the ack word.
@@ -64,13 +64,32 @@ pub const SIZE_AREA: usize = SIZE_WORDS + mend::MAIL_WORDS;
 /// Flag in a CTS entry's `nreqs` word: the receiver wants no completion.
 pub(super) const CTS_OPTIONAL: u64 = 1 << 8;
 
-/// The sender's send-queue depth per QP; a slot whose chain does not fit waits. A lane's share
-/// of every slot in flight fits several times over; a deeper queue costs memory per
-/// connection (a provider sizes the ring, and the comm's CQ, for it).
-pub const SEND_QUEUE: usize = 256;
+/// The sender's send-queue depth per QP of a comm with `nqps` lanes; a slot whose chain does
+/// not fit waits ([`SendCore::fits`]). It holds the worst a slot can put on one lane: every
+/// chunk of a multi-receive of [`MAX_RECVS`] buffers, each in up to 2 pieces (a buffer larger
+/// than the port's largest message, 1 GiB or more), with its size record and immediate, once
+/// every other lane failed (up to 56 lanes). One less than a power of two, because providers
+/// size the ring for one entry more and round it up: Soft-RoCE's ring of 256 entries held 512
+/// of 512 bytes each (256 KiB per QP), where 63 hold 64 of 256 bytes (16 KiB). The comm's CQ
+/// is sized from it too.
+pub fn send_queue(nqps: usize) -> usize {
+    ((2 * MAX_RECVS + 2) * nqps + 1).clamp(64, 1024).next_power_of_two() - 1
+}
 
-/// The receiver's send-queue depth per QP: CTS batches and probes, on QP 0 only.
-pub const RECV_SEND_QUEUE: usize = 2 * SLOTS;
+/// The largest message NCCL is told to hand one `isend` (`maxP2pBytes`): 16 writes of
+/// [`MARK_BYTES`], which [`send_queue`] holds on one lane even once every other lane failed.
+/// NCCL's steps are far smaller; only a registered user buffer comes near it, and NCCL cuts
+/// those to this size.
+pub const MAX_MESSAGE: u64 = 16 * MARK_BYTES;
+
+/// The receiver's send-queue depth per QP: CTS batches, probes and repair answers, on the
+/// control lane (probes on the others). It holds a row of every slot written one by one, so
+/// that `irecv` always writes its own row, with room to spare for a probe and an answer. One
+/// less than a power of two, as [`send_queue`].
+pub const RECV_SEND_QUEUE: usize = 2 * SLOTS - 1;
+
+/// A flush QP's send-queue depth: one RDMA read per flush, at most [`SLOTS`] outstanding.
+pub const FLUSH_QUEUE: usize = SLOTS;
 
 /// The receiver signals a CTS write once this many work requests went unsignaled: a provider
 /// that frees send-queue entries only when a later signaled request completes (mlx5) then
