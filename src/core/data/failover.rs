@@ -14,14 +14,15 @@ impl SendCore {
                 self.resend.pop_front();
                 continue;
             }
-            let s = self.slots[slot];
-            let optional = s.nreqs == 1 && s.row[0].optional;
+            let optional = self.slots[slot].nreqs == 1 && self.slots[slot].row[0].optional;
             let q = if optional {
                 self.ll_lane()
             } else {
                 self.live_lane(usize::from(self.chunk_lane[slot * self.p.nqps + c]))
             };
             let split = self.p.split && !optional;
+            // Borrowed, not copied: a slot is most of a kilobyte.
+            let s = &self.slots[slot];
             if !self.sq[q].fits(self.wrs_for(slot, &s.bufs[..usize::from(s.nreqs)], split, c)) {
                 return Ok(());
             }

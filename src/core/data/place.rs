@@ -193,18 +193,11 @@ fn slow(lanes: &[Lane], q: usize, now: Duration, best: Option<f64>) -> bool {
     }
 }
 
-/// Whole-message mode: never a lane to avoid ([`AVOID`]) while the other is not; else lane
-/// `rotation` unless lane `other` holds, with the message, under [`CHEAPER`] of its
-/// outstanding bytes (the shorter queue: rates that differ by less than half are noise).
-pub fn choose(
-    lanes: &[Lane],
-    alive: u128,
-    now: Duration,
-    (rotation, other): (usize, usize),
-    bytes: u64,
-) -> usize {
-    let best = best(lanes, alive, now);
-    match (slow(lanes, rotation, now, best), slow(lanes, other, now, best)) {
+/// Whole-message mode: never a lane to avoid (in `avoid`, from [`avoided`]) while the other
+/// is not; else lane `rotation` unless lane `other` holds, with the message, under [`CHEAPER`]
+/// of its outstanding bytes (the shorter queue: rates that differ by less than half are noise).
+pub fn choose(lanes: &[Lane], avoid: u128, (rotation, other): (usize, usize), bytes: u64) -> usize {
+    match (avoid & 1 << rotation != 0, avoid & 1 << other != 0) {
         (true, false) => return other,
         (false, true) => return rotation,
         _ => {}
@@ -215,10 +208,11 @@ pub fn choose(
 
 /// Split mode: the lanes whose chunk is empty: the dead ones and those to avoid ([`AVOID`]).
 pub fn avoided(lanes: &[Lane], alive: u128, now: Duration) -> u128 {
-    let best = best(lanes, alive, now);
-    (0..lanes.len())
-        .filter(|&q| alive & (1 << q) == 0 || slow(lanes, q, now, best))
-        .fold(0, |m, q| m | 1 << q)
+    let dead = (0..lanes.len()).filter(|&q| alive & (1 << q) == 0).fold(0, |m, q| m | 1 << q);
+    // No rate known (small messages only, or none lately): no lane is slow, and the rates
+    // are not read twice.
+    let Some(best) = best(lanes, alive, now) else { return dead };
+    (0..lanes.len()).filter(|&q| slow(lanes, q, now, Some(best))).fold(dead, |m, q| m | 1 << q)
 }
 
 #[cfg(test)]
@@ -324,16 +318,20 @@ mod tests {
     fn the_rotation_keeps_its_lane_unless_the_other_is_clearly_cheaper() {
         let now = Duration::ZERO;
         let even = [lane(2 << 20, Some(1e8)), lane(2 << 20, Some(1.9e8))];
-        assert_eq!(choose(&even, 0b11, now, (0, 1), 1 << 20), 0, "rates within 2x: noise");
+        assert_eq!(
+            choose(&even, avoided(&even, 0b11, now), (0, 1), 1 << 20),
+            0,
+            "rates within 2x: noise"
+        );
         let slow = [lane(0, Some(1e7)), lane(2 << 20, Some(1e8))];
-        assert_eq!(choose(&slow, 0b11, now, (0, 1), 1 << 20), 1);
+        assert_eq!(choose(&slow, avoided(&slow, 0b11, now), (0, 1), 1 << 20), 1);
         // Under a quarter of the fastest: avoided however loaded the other lane is.
         let loaded = [lane(0, Some(2e7)), lane(64 << 20, Some(1e8))];
-        assert_eq!(choose(&loaded, 0b11, now, (0, 1), 1 << 20), 1);
-        assert_eq!(choose(&loaded, 0b11, now, (1, 0), 1 << 20), 1);
+        assert_eq!(choose(&loaded, avoided(&loaded, 0b11, now), (0, 1), 1 << 20), 1);
+        assert_eq!(choose(&loaded, avoided(&loaded, 0b11, now), (1, 0), 1 << 20), 1);
         // Nothing measured yet: outstanding bytes decide.
         let queued = [lane(8 << 20, None), lane(0, None)];
-        assert_eq!(choose(&queued, 0b11, now, (0, 1), 1 << 20), 1);
+        assert_eq!(choose(&queued, avoided(&queued, 0b11, now), (0, 1), 1 << 20), 1);
     }
 
     #[test]

@@ -263,6 +263,11 @@ pub struct SendCore {
     /// several lanes only; else never read), and the state of the lane draw.
     pub(super) clock: Option<Duration>,
     pub(super) draw: u64,
+    /// The lanes placement avoids ([`place::avoided`]: slow, or dead), as of the last idle
+    /// run: a message reads this mask, not every lane's rate (path-aware only).
+    pub(super) avoid: u128,
+    /// The row [`Self::next_row`] read last (its first `nreqs` entries).
+    pub(super) next: [Cts; MAX_RECVS],
     /// The last isend found no CTS for its slot: the sender waits on the receiver.
     pub(super) wants_cts: bool,
     /// Split mode's NIC, as placement times it.
@@ -305,6 +310,8 @@ impl SendCore {
             mend: mend::Mend::new(p.nqps, p.repair),
             clock: None,
             draw: 0x9e37_79b9_7f4a_7c15,
+            avoid: 0,
+            next: [Cts::default(); MAX_RECVS],
             wants_cts: false,
             nic: place::Nic::default(),
             in_flight: 0,
@@ -401,8 +408,7 @@ impl SendCore {
             .filter(|&q| q != rotation && self.alive & (1 << q) != 0)
             .nth(k)
             .unwrap_or(rotation);
-        let now = self.clock.unwrap_or_default();
-        place::choose(&self.lanes, self.alive, now, (rotation, other), bytes)
+        place::choose(&self.lanes, self.avoid, (rotation, other), bytes)
     }
 
     /// The lane for chunk `c` of a split message: its own, unless that lane is dead or its
@@ -422,12 +428,12 @@ impl SendCore {
     /// dead and avoided lanes; else none (a dead lane's chunk rides on a live lane).
     pub(super) fn plan(&mut self, slot: usize, optional: bool) {
         let split = self.p.split && !optional;
-        let now = self.clock.unwrap_or_default();
-        self.slots[slot].empty = if split && self.p.path_aware {
-            place::avoided(&self.lanes, self.alive, now) & lanes_mask(self.p.nqps)
-        } else {
-            0
-        };
+        let all = lanes_mask(self.p.nqps);
+        // The mask is as of the last idle run: where every lane is avoided by now (the one it
+        // did not avoid died since), none is, and dead lanes' chunks ride on live ones.
+        let avoided = (self.avoid | !self.alive) & all;
+        self.slots[slot].empty =
+            if split && self.p.path_aware && avoided != all { avoided } else { 0 };
     }
 
     /// The byte range `(offset, len)` of a `size`-byte buffer that chunk `c` of slot `slot`
@@ -472,9 +478,10 @@ impl SendCore {
             // those of every earlier row.
             return Ok(None);
         }
-        let Some((slot, row, nreqs)) = self.next_row(fifo)? else {
+        let Some((slot, nreqs)) = self.next_row(fifo)? else {
             return Ok(None);
         };
+        let row = &self.next;
         // A fresh slot must not still hold requests NCCL has not yet seen complete.
         let s = &self.slots[slot];
         let range = slot * MAX_RECVS..(slot + 1) * MAX_RECVS;
@@ -485,10 +492,10 @@ impl SendCore {
             return Ok(None);
         };
         let last = s.matched.count_ones() as usize + 1 == nreqs;
-        let buf = self.fit_to(buf, tag, row[r].size);
+        let (size, optional) = (row[r].size, nreqs == 1 && row[0].optional);
+        let buf = self.fit_to(buf, tag, size);
         // In place (a slot's buffers are most of a kilobyte), and put back if it cannot go.
         let before = self.slots[slot].bufs[r].replace(buf);
-        let optional = nreqs == 1 && row[0].optional;
         if last {
             self.plan(slot, optional);
             let fits = self.fits(slot, &self.slots[slot].bufs[..nreqs], optional);
@@ -502,7 +509,7 @@ impl SendCore {
         self.health.traffic.messages += 1;
         self.slots[slot].matched |= 1 << r;
         if last {
-            if let Err(e) = self.post(stage, io, slot, &row[..nreqs]) {
+            if let Err(e) = self.post(stage, io, slot, nreqs) {
                 // Never handed out; the row's earlier requests fail with the comm.
                 self.reqs[id] = SendReq::default();
                 return Err(self.health.post_failed(e));
@@ -513,8 +520,9 @@ impl SendCore {
     }
 
     /// The row of clear-to-send entries for the next slot, once all of it has landed:
-    /// `(slot, row, nreqs)`. A row that cannot be one of a ferroce peer's fails the comm.
-    fn next_row(&mut self, fifo: &impl Words) -> Result<Option<(usize, [Cts; MAX_RECVS], usize)>> {
+    /// `(slot, nreqs)`, the row in [`Self::next`]. A row that cannot be one of a ferroce
+    /// peer's fails the comm.
+    fn next_row(&mut self, fifo: &impl Words) -> Result<Option<(usize, usize)>> {
         let slot = (self.head % SLOTS as u64) as usize;
         let want = self.head + 1;
         let first = Cts::read(fifo, slot, 0);
@@ -530,14 +538,15 @@ impl SendCore {
                  a ferroce peer; the connection is unusable from now on"
             ))));
         }
-        let mut row = [first; MAX_RECVS];
-        for (r, e) in row.iter_mut().enumerate().take(nreqs).skip(1) {
-            *e = Cts::read(fifo, slot, r);
+        self.next[0] = first;
+        for r in 1..nreqs {
+            let e = Cts::read(fifo, slot, r);
             if e.idx != want {
                 return Ok(None); // the rest of the row is still landing
             }
+            self.next[r] = e;
         }
-        Ok(Some((slot, row, nreqs)))
+        Ok(Some((slot, nreqs)))
     }
 
     /// `buf`, cut to the receive's `size` if it is larger.
@@ -617,16 +626,14 @@ impl SendCore {
         stage: &impl Words,
         io: &mut impl Post,
         slot: usize,
-        row: &[Cts],
+        nreqs: usize,
     ) -> Result<()> {
-        let nreqs = row.len();
         let s = &mut self.slots[slot];
-        s.row[..nreqs].copy_from_slice(row);
+        s.row[..nreqs].copy_from_slice(&self.next[..nreqs]);
         s.nreqs = nreqs as u8;
         s.matched = 0;
-        let bufs = s.bufs;
-        let sizes: [u64; MAX_RECVS] = std::array::from_fn(|r| bufs[r].map_or(0, |b| b.size));
-        let optional = nreqs == 1 && row[0].optional;
+        let sizes: [u64; MAX_RECVS] = std::array::from_fn(|r| s.bufs[r].map_or(0, |b| b.size));
+        let optional = nreqs == 1 && s.row[0].optional;
         if !optional && size_in_imm(&sizes[..nreqs]).is_none() {
             for (r, &sz) in sizes.iter().enumerate().take(nreqs) {
                 stage.store(slot * MAX_RECVS + r, sz);
@@ -667,7 +674,8 @@ impl SendCore {
         (slot, c, q): (usize, usize, usize),
         at: Duration,
     ) -> Result<()> {
-        let s = self.slots[slot];
+        // Borrowed, not copied: a slot is most of a kilobyte.
+        let s = &self.slots[slot];
         let nreqs = usize::from(s.nreqs);
         let optional = nreqs == 1 && s.row[0].optional;
         let split = self.p.split && !optional;
@@ -686,7 +694,7 @@ impl SendCore {
         };
         let mut chain = Chain::new(q, &mut self.chain, &mut self.sq[q]);
         let mark = if optional { u64::MAX } else { self.p.mark };
-        let data = k.data(&mut chain, io, &s, &parts, (self.p.max_msg, mark))?;
+        let data = k.data(&mut chain, io, s, &parts, (self.p.max_msg, mark))?;
         if optional {
             k.ack(&mut chain, io, stage, &self.remote_sizes, s.row[0].idx)?;
         } else {
@@ -813,6 +821,10 @@ impl SendCore {
         }
         for (q, l) in self.lanes.iter().enumerate() {
             self.health.traffic.rate[q] = l.rate;
+        }
+        if self.p.path_aware {
+            let now = self.clock.unwrap_or_default();
+            self.avoid = place::avoided(&self.lanes, self.alive, now);
         }
         // Waiting on the peer: for a CTS, for completions, or with a row half matched.
         let half = self.slots[(self.head % SLOTS as u64) as usize].matched != 0;
