@@ -429,6 +429,34 @@ fn hello(nonce: u64) -> Msg {
     }
 }
 
+/// A second `finalize` of a context, and a `listen` or `connect` on it after its `finalize`,
+/// are errors (`ncclInternalError` and a WARN that names it): nothing is freed twice or read
+/// after it is freed. Another communicator's context in the same process is untouched.
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn a_finalized_context_is_an_error_never_undefined() {
+    let _g = vm_serial();
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12).unwrap();
+    let (a, b) = (drv.init(1).unwrap(), drv.init(2).unwrap());
+    drv.finalize(a).unwrap();
+    let _ = take_captured();
+    let internal = "returned ncclResult 3";
+    let again = drv.finalize(a).expect_err("a second finalize of the same context");
+    assert!(again.contains(internal), "{again}");
+    let listen = drv.listen(a, 0).expect_err("listen on a finalized context");
+    assert!(listen.contains(internal), "{listen}");
+    let (mut handle, l) = drv.listen(b, 1).expect("the other context still listens");
+    let connect = drv.connect(a, 0, &mut handle).expect_err("connect on a finalized context");
+    assert!(connect.contains(internal), "{connect}");
+    let warned = take_captured();
+    let named =
+        warned.iter().filter(|w| w.0 == 2 && w.2.contains("is not live (finalized already"));
+    assert_eq!(named.count(), 3, "one WARN per refused call: {warned:?}");
+    drv.close(Close::Listen, l).unwrap();
+    drv.finalize(b).unwrap();
+}
+
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn garbage_and_silent_peers_are_dropped_and_the_rightful_peer_is_served() {

@@ -196,6 +196,9 @@ pub struct QpPlan {
     pub remote_ends: [End; MAX_MEMBERS],
     pub traffic_class: u8,
     pub sl: u8,
+    /// What each QP's first packet sequence number is drawn from ([`first_psn`]): the
+    /// listener's random nonce, which both ends hold and the network never carried.
+    pub psn_seed: u64,
 }
 
 impl QpPlan {
@@ -210,8 +213,22 @@ impl QpPlan {
             remote_ends: std::array::from_fn(|m| remote.end(m)),
             traffic_class: tc,
             sl: p.sl,
+            psn_seed: remote.nonce,
         }
     }
+}
+
+/// The first packet sequence number of the queue pair numbered `qpn` on a connection whose
+/// PSNs are drawn from `seed`: its send queue's, and the peer's receive queue's for it (both
+/// ends compute it alike from what each knows). 24 bits, spread over the whole space, so that
+/// a packet forged or left over from another connection does not fall in the window, as it
+/// would if every QP started at 0.
+pub fn first_psn(seed: u64, qpn: u32) -> u32 {
+    // splitmix64's finaliser over the seed and the QP number.
+    let mut z = seed ^ u64::from(qpn).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    ((z ^ (z >> 31)) & 0xff_ffff) as u32
 }
 
 /// What the shell's last command produced; `Poll` starts a call.

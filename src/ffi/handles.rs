@@ -8,7 +8,7 @@
 //!   second thread in at the same time gets an error, not an alias.
 //! - an `mhandle`: a boxed [`MrSlot`], read through `&` by the data path of any comm.
 //! - a request: the address of a [`Req`] in its comm's fixed array, naming the comm.
-//! - a context: a boxed `CommContext`, only ever read through `&`.
+//! - a context: a `CommContext` in its own register ([`ctx`]), each call holding an `Arc`.
 //!
 //! Every listener, comm and `mhandle` is entered in one register ([`LIVE`]) when it is handed
 //! out and leaves it when NCCL closes or deregisters it. The last `finalize` ends whatever is
@@ -53,32 +53,63 @@ pub unsafe fn clear(p: *mut *mut c_void) {
     }
 }
 
-/// Hands ownership of a context to NCCL (contexts are not in the register: NCCL finalizes each
-/// one itself).
-pub fn into_raw<T>(value: T) -> *mut c_void {
-    Box::into_raw(Box::new(value)).cast()
-}
+/// The contexts NCCL holds (one per communicator since v11, and the one legacy context), by
+/// the address NCCL was given. A call takes its own reference, so a `finalize` on another
+/// thread never frees a context under it; a second `finalize`, or a call after it, finds no
+/// entry and is an error.
+struct Contexts<T>(Lazy<Mutex<HashMap<usize, Arc<T>>>>);
 
-/// Takes back a context from NCCL.
-///
-/// # Safety
-/// `p` must be NULL or a pointer produced by [`into_raw`] for a `T`, not yet taken back.
-pub unsafe fn take<T>(p: *mut c_void, what: &str) -> Result<T> {
-    if p.is_null() {
-        return Err(Error::Internal(format!("NULL {what}")));
+impl<T> Contexts<T> {
+    const fn new() -> Contexts<T> {
+        Contexts(Lazy::new(|| Mutex::new(HashMap::new())))
     }
-    // SAFETY: per the contract p came from Box::into_raw::<T> and is taken back once.
-    Ok(*unsafe { Box::from_raw(p.cast::<T>()) })
+
+    fn map(&self) -> MutexGuard<'_, HashMap<usize, Arc<T>>> {
+        // Every update is one insert or remove: a panic cannot leave it half done.
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn insert(&self, value: T) -> *mut c_void {
+        let value = Arc::new(value);
+        let p = Arc::as_ptr(&value) as *mut c_void;
+        self.map().insert(p as usize, value);
+        p
+    }
+
+    fn get(&self, p: *mut c_void) -> Result<Arc<T>> {
+        let live = self.map().get(&(p as usize)).cloned();
+        live.ok_or_else(|| not_live(p))
+    }
+
+    fn remove(&self, p: *mut c_void) -> Result<Arc<T>> {
+        self.map().remove(&(p as usize)).ok_or_else(|| not_live(p))
+    }
 }
 
-/// The communicator context of a v11+ call.
-///
-/// # Safety
-/// `p` must be NULL or a context made by [`into_raw`] and not yet finalized. Contexts are only
-/// read, so any number of threads may hold one.
-pub unsafe fn ctx<'a>(p: *mut c_void) -> Result<&'a CommContext> {
-    // SAFETY: per the contract; only shared references are ever made.
-    unsafe { p.cast::<CommContext>().as_ref() }.ok_or_else(|| Error::Internal("NULL ctx".into()))
+fn not_live(p: *mut c_void) -> Error {
+    if p.is_null() {
+        return Error::Internal("NULL ctx".into());
+    }
+    Error::Internal(format!("ctx {p:p} is not live (finalized already, or never one of ours)"))
+}
+
+static CONTEXTS: Contexts<CommContext> = Contexts::new();
+
+/// Hands a context to NCCL.
+pub fn ctx_into_raw(c: CommContext) -> *mut c_void {
+    CONTEXTS.insert(c)
+}
+
+/// Takes back a context NCCL finalizes: an error, touching nothing, if it is not live (NULL,
+/// finalized already, never ours).
+pub fn ctx_finalize(p: *mut c_void) -> Result<Arc<CommContext>> {
+    CONTEXTS.remove(p)
+}
+
+/// The communicator context of a call: its own reference, valid however long the call takes;
+/// an error if NCCL finalized it (or never had it from us).
+pub fn ctx(p: *mut c_void) -> Result<Arc<CommContext>> {
+    CONTEXTS.get(p)
 }
 
 // --- the register ------------------------------------------------------------------------------
@@ -175,11 +206,6 @@ impl<T> Owned<T> {
         // SAFETY: the gate is held, so this is the only reference to the value.
         Ok(unsafe { &mut *self.value.get() }.take())
     }
-
-    /// The value when NCCL closes it: `None` if finalize ended it first.
-    fn into_inner(self) -> Option<T> {
-        self.value.into_inner()
-    }
 }
 
 /// One call's exclusive use of an [`Owned`] value; releases the gate when dropped.
@@ -225,7 +251,28 @@ pub unsafe fn listener<'a>(p: *mut c_void) -> Result<&'a Owned<Listener>> {
 /// Takes back a listener NCCL closes.
 pub fn close_listener(p: *mut c_void) -> Result<()> {
     let b: Box<Owned<Listener>> = leave(p, Kind::Listen, "listenComm")?;
-    b.into_inner().map(drop).ok_or_else(|| ended("listenComm"))
+    close_owned(b, |o| o, "listenComm")
+}
+
+/// Frees a closed object once no call is inside it: its gate is taken first (a call on
+/// another thread, against the ncclNet contract, is waited for up to [`PATIENCE`]). One still
+/// inside after that keeps the object: it is leaked, never freed under that call.
+fn close_owned<B, T>(b: Box<B>, owned: impl Fn(&B) -> &Owned<T>, what: &str) -> Result<()> {
+    match owned(&b).end(Instant::now() + PATIENCE) {
+        Ok(Some(value)) => {
+            drop(value);
+            Ok(())
+        }
+        Ok(None) => Err(ended(what)),
+        Err(()) => {
+            std::mem::forget(b);
+            Err(Error::Internal(format!(
+                "{what} closed while a call on another thread was inside it for over {} s; it \
+                 stays allocated (leaked), never freed under that call",
+                PATIENCE.as_secs()
+            )))
+        }
+    }
 }
 
 // --- comms and their requests ------------------------------------------------------------------
@@ -324,7 +371,7 @@ pub unsafe fn request<'a>(p: *mut c_void) -> Result<(&'a Req, &'a CommHandle)> {
 /// Takes back a comm NCCL closes.
 pub fn close_comm(p: *mut c_void, what: &str) -> Result<()> {
     let b: Box<CommHandle> = leave(p, Kind::Comm, what)?;
-    b.comm.into_inner().map(drop).ok_or_else(|| ended(what))
+    close_owned(b, |h| &h.comm, what)
 }
 
 // --- registrations -----------------------------------------------------------------------------
@@ -422,6 +469,64 @@ pub fn end_all() -> Ended {
 mod tests {
     use super::*;
 
+    /// A close while a call is inside on another thread (against the ncclNet contract) waits
+    /// for the call to leave before it frees anything; a call that stays past the patience
+    /// keeps its object, leaked rather than freed under it.
+    #[test]
+    fn a_close_takes_the_gate_and_never_frees_under_a_call() {
+        use std::sync::atomic::AtomicBool;
+        use std::sync::mpsc::channel;
+        for stay in [Duration::from_millis(200), PATIENCE + Duration::from_millis(500)] {
+            let addr = Box::into_raw(Box::new(Owned::new(vec![7u8; 64]))) as usize;
+            let left = Arc::new(AtomicBool::new(false));
+            let (inside, rx) = channel();
+            let call = {
+                let left = left.clone();
+                std::thread::spawn(move || {
+                    // SAFETY: the box lives until close frees it, which waits for this gate.
+                    let o = unsafe { &*(addr as *const Owned<Vec<u8>>) };
+                    let g = o.enter("comm").expect("free");
+                    inside.send(()).unwrap();
+                    std::thread::sleep(stay);
+                    assert_eq!(g[63], 7, "the value is intact under the call");
+                    left.store(true, Ordering::SeqCst);
+                })
+            };
+            rx.recv().unwrap();
+            // SAFETY: addr came from Box::into_raw above and is taken back once.
+            let b = unsafe { Box::from_raw(addr as *mut Owned<Vec<u8>>) };
+            let r = close_owned(b, |o| o, "sendComm");
+            if stay < PATIENCE {
+                r.expect("closed once the call left");
+                assert!(left.load(Ordering::SeqCst), "closed only after the call left");
+            } else {
+                let e = r.expect_err("a call inside past the patience").to_string();
+                assert!(e.contains("leaked"), "{e}");
+            }
+            call.join().expect("the call ran to its end on valid memory");
+        }
+    }
+
+    /// A context finalized twice, or used after its finalize, is an error that touches
+    /// nothing; a call that took its reference first keeps a valid context.
+    #[test]
+    fn a_context_is_finalized_once_and_never_used_after() {
+        static CTXS: Contexts<String> = Contexts::new();
+        let p = CTXS.insert("comm A".to_string());
+        let q = CTXS.insert("comm B".to_string());
+        let inside = CTXS.get(p).expect("live");
+        assert_eq!(*CTXS.remove(p).expect("the first finalize"), "comm A");
+        let again = CTXS.remove(p).expect_err("a second finalize").to_string();
+        assert!(again.contains("not live (finalized already"), "{again}");
+        assert!(CTXS.get(p).is_err(), "a call after finalize");
+        assert_eq!(*inside, "comm A", "the call that was inside still has its context");
+        assert_eq!(*CTXS.get(q).expect("the other context is untouched"), "comm B");
+        let null = CTXS.get(std::ptr::null_mut()).expect_err("NULL").to_string();
+        assert_eq!(null, "internal error: NULL ctx");
+        let never = CTXS.remove(0x1000 as *mut c_void).expect_err("never ours").to_string();
+        assert!(never.contains("never one of ours"), "{never}");
+    }
+
     #[test]
     fn one_thread_at_a_time_gets_the_value() {
         let o = Owned::new(5u32);
@@ -445,7 +550,8 @@ mod tests {
         let e = o.enter("sendComm").err().expect("ended");
         assert!(e.to_string().contains("outlived the last finalize"), "{e}");
         assert_eq!(o.end(soon), Ok(None), "ending twice finds nothing");
-        assert_eq!(o.into_inner(), None, "closing it finds nothing to drop");
+        let closed = close_owned(Box::new(o), |o| o, "sendComm").expect_err("closing it");
+        assert!(closed.to_string().contains("outlived the last finalize"), "{closed}");
     }
 
     #[test]
@@ -467,7 +573,7 @@ mod tests {
         let p = enter(Box::new(Owned::new(7u64)), Kind::Listen);
         assert!(leave::<Owned<u64>>(p, Kind::Comm, "sendComm").is_err(), "wrong kind");
         let b = leave::<Owned<u64>>(p, Kind::Listen, "listenComm").expect("registered");
-        assert_eq!(b.into_inner(), Some(7));
+        assert_eq!(b.end(Instant::now()), Ok(Some(7)));
         let twice = leave::<Owned<u64>>(p, Kind::Listen, "listenComm").err().expect("gone");
         assert!(twice.to_string().contains("not open"), "{twice}");
         let mut local = 0u64;

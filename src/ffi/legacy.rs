@@ -36,10 +36,9 @@ pub fn init_with(logger: ncclDebugLogger_t, profiler: ncclProfilerCallback_t) ->
         let _once = LEGACY_INIT.lock().unwrap_or_else(|p| p.into_inner());
         if LEGACY_CTX.load(Ordering::Acquire).is_null() {
             let ctx = transport::net::init(0, NCCL_NET_TRAFFIC_CLASS_UNDEF)?;
-            LEGACY_CTX.store(handles::into_raw(ctx), Ordering::Release);
+            LEGACY_CTX.store(handles::ctx_into_raw(ctx), Ordering::Release);
         }
-        // SAFETY: the legacy context lives for the life of the library once made.
-        unsafe { handles::ctx(ctx()) }?.set_profiler(super::profiler::of(profiler));
+        handles::ctx(ctx())?.set_profiler(super::profiler::of(profiler));
         Ok(())
     })
 }

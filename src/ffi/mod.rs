@@ -57,7 +57,12 @@ pub struct Exported<T>(pub T);
 /// The ncclNet tables: `Option`s of `extern "C"` function pointers, plus `name`, a
 /// `*const c_char`. That raw pointer is the only thing that keeps them from being `Sync` on
 /// their own.
-pub trait Table {}
+///
+/// # Safety
+/// Implemented only for the ncclNet table types in [`abi`], whose only non-`Sync` field is a
+/// `name` that points at a static C string nobody writes: [`Exported`] of any other type could
+/// be shared between threads unsoundly.
+pub unsafe trait Table {}
 
 /// For each listed version: its module, its table type marked a [`Table`], its table exported
 /// under the symbol NCCL looks up (`ncclNetPlugin_v12`), and its number in [`VERSIONS`].
@@ -65,7 +70,8 @@ macro_rules! tables {
     ($($n:literal $v:ident $t:ident { $($extra:ident)* }),*) => {
         $(
             mod $v;
-            impl Table for abi::$t {}
+            // SAFETY: an ncclNet table of `abi`, as the trait requires.
+            unsafe impl Table for abi::$t {}
             const _: () = {
                 #[unsafe(export_name = concat!("ncclNetPlugin_", stringify!($v)))]
                 static TABLE: Exported<abi::$t> = Exported(table!($t: init devices getProperties

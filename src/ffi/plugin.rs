@@ -13,13 +13,13 @@ use super::handles::{self, AnyComm, clear, out};
 use super::narrow::Narrow;
 use super::{guard, log};
 use crate::error::{Error, Result};
+use crate::transport;
 use crate::transport::connects::{self, Step};
 use crate::transport::data::{Buf, FLUSH_BASE, MAX_RECVS, ReqKind, buf_within};
 use crate::transport::mr_cache::MemKind;
 use crate::transport::props::Props;
 use crate::transport::reg;
 use crate::transport::setup::Listener;
-use crate::transport::{self, CommContext};
 use ferroce_core::setup::wire::{self, HANDLE_SIZE};
 
 pub(super) unsafe extern "C" fn init(
@@ -40,7 +40,7 @@ pub(super) unsafe extern "C" fn init(
         let slot = unsafe { out(ctx, "ctx") }?;
         let c = transport::net::init(comm_id, tc)?;
         c.set_profiler(super::profiler::of(profiler));
-        *slot = handles::into_raw(c);
+        *slot = handles::ctx_into_raw(c);
         Ok(())
     })
 }
@@ -53,8 +53,8 @@ pub(super) unsafe extern "C" fn finalize(ctx: *mut c_void) -> ncclResult_t {
         return ncclResult_t::ncclSuccess;
     }
     guard("finalize", || {
-        // SAFETY: ctx is what init returned, and NCCL finalizes it exactly once.
-        let ctx = unsafe { handles::take::<CommContext>(ctx, "ctx") }?;
+        // A context finalized twice, or never ours, is an error that touches nothing.
+        let ctx = handles::ctx_finalize(ctx)?;
         transport::net::finalize(ctx, end_everything);
         Ok(())
     })
@@ -193,8 +193,13 @@ fn intern(s: &str) -> *mut c_char {
 /// (the bytes `listen` leaves zero and never sends).
 const STATE: usize = wire::HANDLE_STATE_OFFSET;
 
-fn handle_bytes<'a>(handle: *mut c_void) -> Result<&'a mut [u8; HANDLE_SIZE]> {
-    // SAFETY: NCCL's handle buffer is NCCL_NET_HANDLE_MAXSIZE (128) bytes, valid for the call.
+/// NCCL's handle buffer, NULL rejected.
+///
+/// # Safety
+/// `handle` must be NULL or valid for reads and writes of `HANDLE_SIZE` (128) bytes, with no
+/// other reference to them, for `'a`.
+unsafe fn handle_bytes<'a>(handle: *mut c_void) -> Result<&'a mut [u8; HANDLE_SIZE]> {
+    // SAFETY: per the contract.
     unsafe { handle.cast::<[u8; HANDLE_SIZE]>().as_mut() }
         .ok_or_else(|| Error::Internal("NULL handle".into()))
 }
@@ -208,9 +213,9 @@ pub(super) unsafe extern "C" fn listen(
     // SAFETY: NCCL passes NULL or a valid slot.
     unsafe { clear(listen_comm) };
     guard("listen", || {
-        // SAFETY: ctx is what init returned (or the legacy context).
-        let l = Listener::new(unsafe { handles::ctx(ctx) }?, dev)?;
-        l.handle().encode(handle_bytes(handle)?);
+        let l = Listener::new(&*handles::ctx(ctx)?, dev)?;
+        // SAFETY: NCCL's handle buffer is NCCL_NET_HANDLE_MAXSIZE (128) bytes, for the call.
+        l.handle().encode(unsafe { handle_bytes(handle) }?);
         // SAFETY: valid slot per the ABI (NULL rejected).
         *unsafe { out(listen_comm, "listenComm") }? = handles::listener_into_raw(l);
         Ok(())
@@ -242,7 +247,8 @@ pub(super) unsafe fn connect_with(
     // SAFETY: NCCL passes NULL or a valid slot.
     unsafe { clear(send_comm) };
     guard("connect", || {
-        let bytes = handle_bytes(handle)?;
+        // SAFETY: NCCL's handle buffer is NCCL_NET_HANDLE_MAXSIZE (128) bytes, for the call.
+        let bytes = unsafe { handle_bytes(handle) }?;
         let id = u64::from_le_bytes(bytes[STATE..STATE + 8].try_into().expect("8 bytes"));
         // Cleared until this call parks the connect again: after an error, nothing points at
         // a connect that no longer exists.
@@ -250,8 +256,7 @@ pub(super) unsafe fn connect_with(
         let h = wire::Handle::decode(bytes)
             .map_err(|r| Error::Internal(format!("connect: invalid handle: {r}")))?;
         let tc = tc.and_then(|t| u8::try_from(t).ok());
-        // SAFETY: ctx is what init returned (or the legacy context).
-        match connects::step(id, h, dev, tc, || unsafe { handles::ctx(ctx) })? {
+        match connects::step(id, h, dev, tc, || handles::ctx(ctx))? {
             Step::Done(comm) => {
                 // SAFETY: valid slot per the ABI (NULL rejected).
                 *unsafe { out(send_comm, "sendComm") }? =
@@ -351,7 +356,11 @@ pub(super) unsafe extern "C" fn dereg_mr(_comm: *mut c_void, mhandle: *mut c_voi
 
 /// The registered buffer `[data, data + size)` under `mhandle`, with its keys on the member
 /// ports `devs` of the comm whose gate the call holds.
-fn buf(data: *mut c_void, size: u64, mhandle: *mut c_void, devs: &[usize]) -> Result<Buf> {
+///
+/// # Safety
+/// `mhandle` must be NULL or an `mhandle` from `regMr`/`regMrDmaBuf` not yet deregistered, for
+/// the call.
+unsafe fn buf(data: *mut c_void, size: u64, mhandle: *mut c_void, devs: &[usize]) -> Result<Buf> {
     if mhandle.is_null() {
         if size == 0 {
             return Ok(Buf { addr: data as u64, ..Buf::default() });
@@ -402,7 +411,8 @@ pub(super) unsafe extern "C" fn isend(
         let AnyComm::Send(c) = c else {
             return Err(Error::Internal("isend on a receive comm".into()));
         };
-        c.isend(buf(data, size as u64, mhandle, devs)?, tag, phandle as usize)
+        // SAFETY: NCCL passes an mhandle it registered and has not deregistered.
+        c.isend(unsafe { buf(data, size as u64, mhandle, devs) }?, tag, phandle as usize)
     };
     // SAFETY: send_comm came from connect and is not closed; NCCL passes NULL or a valid slot.
     unsafe { post("isend", send_comm, request, send) }
@@ -440,7 +450,8 @@ pub(super) unsafe extern "C" fn irecv(
             // SAFETY: NCCL passes n valid entries in each array.
             let (d, s, t, m) =
                 unsafe { (*data.add(i), *sizes.add(i), *tags.add(i), *mhandles.add(i)) };
-            *b = (buf(d, s as u64, m, devs)?, t);
+            // SAFETY: NCCL passes mhandles it registered and has not deregistered.
+            *b = (unsafe { buf(d, s as u64, m, devs) }?, t);
             if !phandles.is_null() {
                 // SAFETY: a non-NULL phandles has n entries (v10+).
                 ph[i] = unsafe { *phandles.add(i) } as usize;
@@ -476,7 +487,8 @@ pub(super) unsafe extern "C" fn iflush(
             // SAFETY: NCCL passes n valid entries in each array.
             let (d, s, m) = unsafe { (*data.add(i), *sizes.add(i), *mhandles.add(i)) };
             if s > 0 && !m.is_null() {
-                bufs[k] = buf(d, 1, m, devs)?;
+                // SAFETY: NCCL passes mhandles it registered and has not deregistered.
+                bufs[k] = unsafe { buf(d, 1, m, devs) }?;
                 k += 1;
             }
         }

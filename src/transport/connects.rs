@@ -17,7 +17,7 @@
 //! they outnumber the live ones.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use once_cell::sync::Lazy;
@@ -44,12 +44,12 @@ pub enum Step {
 /// reported as such whatever the context). `tc` is the call's own traffic class (v10), which
 /// wins over the context's. On error the connect is gone (its connector dropped, closing
 /// everything it built).
-pub fn step<'a>(
+pub fn step(
     id: u64,
     h: Handle,
     dev: i32,
     tc: Option<u8>,
-    ctx: impl FnOnce() -> Result<&'a CommContext>,
+    ctx: impl FnOnce() -> Result<Arc<CommContext>>,
 ) -> Result<Step> {
     // Abandoned connects go first (dropped once the table is unlocked).
     let expired = connects().expire(Instant::now());
@@ -60,7 +60,7 @@ pub fn step<'a>(
         (id, p)
     } else {
         let c = ctx()?;
-        let connector = Box::new(Connector::start(c, dev, h, tc.or(c.traffic_class))?);
+        let connector = Box::new(Connector::start(&c, dev, h, tc.or(c.traffic_class))?);
         (fresh_id()?, Pending { connector, timeout: c.net.config.setup_timeout })
     };
     if let Some(comm) = p.connector.progress()? {

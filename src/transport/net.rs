@@ -418,7 +418,8 @@ pub fn init(comm_id: u64, traffic_class: i32) -> Result<CommContext> {
 /// Ends a communicator context. The last one runs `on_last` (which ends what still holds the
 /// device state) and releases the state, all under the registry's lock, so a concurrent
 /// `init` waits for the old state to be gone before it opens a new one.
-pub fn finalize(ctx: CommContext, on_last: impl FnOnce()) {
+pub fn finalize(ctx: Arc<CommContext>, on_last: impl FnOnce()) {
+    // A call still inside on another thread keeps its own reference until it returns.
     drop(ctx);
     let mut reg = registry();
     reg.contexts = reg.contexts.saturating_sub(1);

@@ -57,6 +57,7 @@ use ferroce_core::data::MAX_MEMBERS;
 use ferroce_core::setup::wire::{End, Handle, MAX_QPS, MSG_LEN, Msg};
 pub use ferroce_core::setup::{
     ACCEPT_BACKOFF, HELLO_TIMEOUT, MAX_PENDING, MAX_UNPROVEN, REJECT_SUMMARY_EVERY, REJECT_WARNS,
+    first_psn,
 };
 use ferroce_core::setup::{
     AcceptErr, Cmd, ConnId, Dial, Input, Listen, Local, Policy, QpPlan, Unproven, ours,
@@ -185,13 +186,13 @@ fn connect_qps(
             flow_label: ecmp::label_of_port(plan.sports[i]),
             traffic_class: plan.traffic_class,
             sl: plan.sl,
-            rq_psn: 0,
+            rq_psn: first_psn(plan.psn_seed, plan.remote_qpns[i]),
         };
         let rts = RtsAttr {
             timeout: c.ib_timeout,
             retry_cnt: c.ib_retry_cnt,
             rnr_retry: c.rnr_retry,
-            sq_psn: 0,
+            sq_psn: first_psn(plan.psn_seed, qp.qpn()),
         };
         qp.to_rtr(&rtr)?;
         qp.to_rts(&rts)?;
@@ -550,6 +551,11 @@ fn flusher(net: &Arc<Net>, dev: usize, cq: &Arc<verbs::Cq>) -> Result<Flusher> {
         remote_ends,
         traffic_class: 0,
         sl: 0,
+        psn_seed: crate::os::random_u64().map_err(|err| Error::Os {
+            call: "getrandom",
+            err,
+            context: "the flush QP's PSN seed".into(),
+        })?,
     };
     connect_qps(net, &[dev], std::slice::from_ref(&qp), &loopback)?;
     Ok(Flusher { qp, target })

@@ -145,9 +145,16 @@ impl RecvCore {
     /// it for some optional rows only), or a later receive that completed (the sender consumes
     /// rows in order).
     pub(super) fn known_consumed(&self, sizes: &impl Words) -> u64 {
-        let acked = self.acked.get().max(sizes.load(ACK_WORD));
+        let acked = self.acked.get().max(self.ack_word(sizes));
         self.acked.set(acked);
         self.consumed.max(acked)
+    }
+
+    /// The sender's ack word, no higher than the last row this end posted: whatever the peer
+    /// (or a stray write) puts there, no receive completes before it is posted, and no row
+    /// counts as consumed before it exists.
+    fn ack_word(&self, sizes: &impl Words) -> u64 {
+        sizes.load(ACK_WORD).min(self.head)
     }
 
     pub fn check(&self) -> Result<()> {
@@ -701,7 +708,7 @@ impl RecvCore {
     /// it is done, and a receiving comm whose LL data waits behind a fence must be called to
     /// answer it; until the data lands, NCCL's proxy keeps testing the receive.
     pub(super) fn optional_landed(&mut self, sizes: &impl Words) {
-        let acked = self.acked.get().max(sizes.load(ACK_WORD));
+        let acked = self.acked.get().max(self.ack_word(sizes));
         self.acked.set(acked);
         if acked <= self.optional_done {
             return;

@@ -546,6 +546,17 @@ impl SendCore {
             }
             self.next[r] = e;
         }
+        // Every address a write derives from an entry (`addr + at`, `at` within `size`) must
+        // not wrap: a peer's garbage fails the comm here, never a sum later.
+        if let Some(e) = self.next[..nreqs].iter().find(|e| e.addr.checked_add(e.size).is_none()) {
+            let peer = &self.p.path.peer;
+            return Err(self.health.fail(Fault::Remote(format!(
+                "{peer} sent a CTS for a buffer at {:#x} of {} bytes, which wraps the address \
+                 space: its memory is corrupt or it is not a ferroce peer; the connection is \
+                 unusable from now on",
+                e.addr, e.size
+            ))));
+        }
         Ok(Some((slot, nreqs)))
     }
 

@@ -2149,7 +2149,8 @@ fn the_ack_word_is_a_high_water_mark() {
         Area { mem: &mem, base: RECV_STAGE, key: 15 },
         Area { mem: &mem, base: RECV_SIZES, key: 16 },
     );
-    let receiver = RecvCore::new(one_qp(Path::default()), remote(FIFO, 13));
+    let mut receiver = RecvCore::new(one_qp(Path::default()), remote(FIFO, 13));
+    receiver.head = 12; // rows posted
     rsizes.store(ACK_WORD, 10);
     assert_eq!(receiver.known_consumed(&rsizes), 10);
     rsizes.store(ACK_WORD, 5);
@@ -3003,6 +3004,44 @@ fn a_message_the_send_queue_can_never_hold_is_an_error_not_a_wait() {
     assert!(send(240 << 10).expect("60 pieces fit").is_some());
     let e = send(1 << 20).expect_err("256 pieces never fit").to_string();
     assert!(e.contains("needs 258 work requests") && e.contains("(63)"), "{e}");
+}
+
+/// A CTS entry whose buffer wraps the address space (a corrupt or hostile peer) fails the
+/// comm when `isend` reads it, with an error that says so; no write is posted.
+#[test]
+fn a_cts_for_a_buffer_that_wraps_the_address_space_fails_the_comm() {
+    let pair = Pair::new(4096);
+    let mut sender = SendCore::new(one_qp(Path::default()), remote(RECV_SIZES, 16));
+    let mut sio = pair.io(0);
+    let fifo = pair.area(FIFO, 13);
+    let row = Cts { addr: u64::MAX - 8, size: 64, nreqs: 1, idx: 1, ..Cts::default() };
+    for (i, w) in row.encode().into_iter().enumerate() {
+        fifo.store(entry_word(0, 0) + i, w);
+    }
+    let b = Buf { addr: SEND_DATA, size: 64, lkeys: keys(11), rkeys: keys(11), host: true };
+    let e = sender.isend(&fifo, &pair.area(SEND_STAGE, 14), &mut sio, b, 0);
+    let e = e.expect_err("a wrapping buffer").to_string();
+    assert!(e.contains("wraps the address space"), "{e}");
+    assert!(pair.wire.borrow().sq[0][0].is_empty(), "nothing posted");
+}
+
+/// The ack word is the peer's to write, not to trust: a value beyond the rows this end posted
+/// (a broken peer, a stray write) never counts rows as consumed that do not exist yet, so the
+/// FIFO rows the sender still holds are never reused under it.
+#[test]
+fn an_ack_word_beyond_the_posted_rows_is_clamped() {
+    let pair = Pair::new(4096);
+    let mut receiver = RecvCore::new(one_qp(Path::default()), remote(FIFO, 13));
+    let mut rio = pair.io(1);
+    let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
+    let buf = Buf { addr: RECV_DATA, size: 64, lkeys: keys(12), rkeys: keys(12), host: true };
+    for tag in 0..2 {
+        receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, tag)], true).unwrap().unwrap();
+    }
+    rsizes.store(ACK_WORD, u64::MAX);
+    receiver.quiet(&rsizes);
+    assert_eq!(receiver.known_consumed(&rsizes), 2, "no further than the 2 rows posted");
+    assert_eq!(receiver.acked.get(), 2);
 }
 
 /// Optional receives complete once the sender's ack word reaches them (their data landed),

@@ -1374,3 +1374,38 @@ fn a_fused_end_may_ask_for_qps_per_port_of_the_larger_end() {
     assert_eq!(terms(1).bound(&hello(3)), 6, "the connector's 3 ports");
     assert_eq!(terms(4).bound(&hello(2)), 8, "the listener's 4 ports");
 }
+
+/// Each QP's first PSN: what its sender starts at is what the peer's receiver expects (both
+/// ends compute it from the listener's nonce and the sending QP's number), in 24 bits, never
+/// the same for every QP or every connection, and spread over the whole space.
+#[test]
+fn first_psns_agree_at_both_ends_and_differ_by_connection_and_queue_pair() {
+    let (a, b) = (0x1234_5678_9abc_def0u64, 0x0fed_cba9_8765_4321u64);
+    let qpns = [0x11u32, 0x12, 0x13, 0xff_ffff];
+    let mut seen = std::collections::HashSet::new();
+    let mut high = 0;
+    for seed in [a, b] {
+        for &q in &qpns {
+            let psn = first_psn(seed, q);
+            assert!(psn <= 0xff_ffff, "24 bits: {psn:#x}");
+            assert!(seen.insert(psn), "seed {seed:#x} qpn {q:#x}: {psn:#x} repeats");
+            high += usize::from(psn >= 0x80_0000);
+        }
+    }
+    assert!((2..=6).contains(&high), "{high} of 8 in the upper half");
+    // A plan draws from the nonce its peer's message carries (the listener's, in both).
+    let hello = message(Kind::Hello, a, &policy(2), &local(1, 2));
+    assert_eq!(QpPlan::towards(&hello, &policy(2), 0).psn_seed, a);
+}
+
+/// A peer's control-area address whose area would wrap the address space is refused in the
+/// handshake: every address the data path derives from it is then a sum that cannot overflow.
+#[test]
+fn a_buffer_address_whose_area_wraps_is_refused() {
+    let mut m = message(Kind::Hello, NONCE, &policy(2), &local(1, 2));
+    m.buf_addr = u64::MAX - wire::AREA_BYTES + 1;
+    let r = Msg::decode(&m.encode(), Kind::Hello, NONCE);
+    assert_eq!(r, Err(Reject::Field("buffer (its area would wrap the address space)")));
+    m.buf_addr = u64::MAX - wire::AREA_BYTES;
+    assert_eq!(Msg::decode(&m.encode(), Kind::Hello, NONCE).map(|d| d.buf_addr), Ok(m.buf_addr));
+}

@@ -13,7 +13,7 @@
 use std::fmt;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr, SocketAddrV6};
 
-use crate::data::MAX_MEMBERS;
+use crate::data::{FIFO_AREA, MAX_MEMBERS, SIZE_AREA};
 
 pub const MAGIC: u64 = 0x3145_434f_5252_4546; // "FERROCE1", little-endian
 /// The protocol version both ends must share: 2 since the CTS FIFO's dense layout (32-byte
@@ -301,6 +301,9 @@ impl Msg {
             if m.port == 0 || m.buf_addr == 0 || m.max_msg == 0 {
                 return Err(Reject::Field("port, buffer or max_msg"));
             }
+            if m.buf_addr.checked_add(AREA_BYTES).is_none() {
+                return Err(Reject::Field("buffer (its area would wrap the address space)"));
+            }
             if !(1..=MAX_MEMBERS as u8).contains(&m.members) {
                 return Err(Reject::Field("members"));
             }
@@ -312,6 +315,11 @@ impl Msg {
         Ok(m)
     }
 }
+
+/// The larger of the two control areas a peer's `buf_addr` names (the connector's FIFO, the
+/// acceptor's size records), in bytes: every address the data path derives from it lies in
+/// `[buf_addr, buf_addr + AREA_BYTES)`, which `decode` checks does not wrap.
+pub const AREA_BYTES: u64 = 8 * (if FIFO_AREA > SIZE_AREA { FIFO_AREA } else { SIZE_AREA }) as u64;
 
 /// The header length: a reader validates this much before reading the rest.
 pub const fn header_len() -> usize {
@@ -448,7 +456,14 @@ mod props {
     fn valid(kind: Kind) -> impl Strategy<Value = Msg> {
         (
             (1..=MAX_QPS, any::<u64>(), any::<bool>(), any::<u8>(), 0u8..=15, 1u8..=5),
-            (1u8..=255, any::<u8>(), any::<[u8; 16]>(), 1..=u64::MAX, any::<u32>(), 1..=u32::MAX),
+            (
+                1u8..=255,
+                any::<u8>(),
+                any::<[u8; 16]>(),
+                1..=u64::MAX - AREA_BYTES,
+                any::<u32>(),
+                1..=u32::MAX,
+            ),
             (proptest::collection::vec((1u32..=0xff_ffff, 0xc000u16..=0xffff), MAX_QPS)),
         )
             .prop_map(move |((nqps, nonce, split, fifo_tc, sl, mtu), rest, qps)| {
