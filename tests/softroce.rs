@@ -429,6 +429,118 @@ fn hello(nonce: u64) -> Msg {
     }
 }
 
+/// Least privilege on real verbs: a connector of our own (raw verbs on rxe0, speaking the
+/// handshake itself) reaches the plugin's receive QP. An RDMA write into the receiver's size
+/// records goes through (the path works), and an RDMA read of the same words is refused by the
+/// receiver's queue pair: no queue pair a peer reaches grants remote reads.
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn the_receivers_nic_refuses_a_peers_rdma_read() {
+    use ferroce::verbs::{self, Cq, Pd, Qp, QpCaps, RegisteredBuf, RtrAttr, RtsAttr};
+    use ferroce_core::setup::first_psn;
+    use ferroce_core::wr::{Op, SendWr};
+    use std::io::{Read, Write};
+    use std::sync::Arc;
+    let _g = vm_serial();
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12).unwrap();
+    let ctx = drv.init(1).unwrap();
+    let (handle, listen) = drv.listen(ctx, 1).unwrap();
+    let h = Handle::decode(&handle).unwrap();
+
+    // Our end on rxe0: one RC QP that grants nothing, a CQ, a local buffer.
+    let (_, mut ctxs) = verbs::open_all(|n| n == "rxe0").unwrap();
+    let dev = Arc::new(ctxs.remove(0).unwrap());
+    let pd = Pd::new(&dev).unwrap();
+    let cq = Cq::new(&dev, 16).unwrap();
+    let caps = QpCaps { max_send_wr: 8, max_recv_wr: 1, max_inline: 0 };
+    let qp = Qp::create_rc(&pd, &cq, caps).unwrap();
+    qp.to_init(1, 0).unwrap();
+    let local = RegisteredBuf::new(&pd, 64, verbs::ACCESS_LOCAL_WRITE).unwrap();
+    let ours: std::net::Ipv6Addr = "::ffff:198.18.0.1".parse().unwrap();
+    let sgid = (0..16).find(|&i| dev.query_gid(1, i).is_ok_and(|g| g == ours.octets()));
+    let sgid = sgid.expect("rxe0's RoCE v2 GID") as u8;
+
+    // The handshake: our hello, the plugin's reply (its QP and size records), our ready.
+    let mut hi = hello(h.nonce);
+    hi.qpns[0] = qp.qpn();
+    hi.gid = ours.octets();
+    hi.buf_addr = local.addr(0);
+    hi.buf_rkey = local.rkey();
+    let mut s = std::net::TcpStream::connect(h.addr).unwrap();
+    s.write_all(&hi.encode()).unwrap();
+    s.set_nonblocking(true).unwrap();
+    let mut reply = [0u8; ferroce_core::setup::wire::MSG_LEN];
+    let (mut got, t) = (0, Instant::now());
+    while got < reply.len() {
+        assert_eq!(drv.accept(listen).unwrap(), None, "no comm before our ready");
+        match s.read(&mut reply[got..]) {
+            Ok(0) => panic!("the plugin closed the connection"),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => panic!("{e}"),
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "no reply");
+    }
+    let reply = Msg::decode(&reply, Kind::Reply, h.nonce).expect("a valid reply");
+    let rtr = RtrAttr {
+        port: 1,
+        path_mtu: 3,
+        dest_qpn: reply.qpns[0],
+        dgid: reply.gid,
+        sgid_index: sgid,
+        flow_label: 0,
+        traffic_class: 0,
+        sl: 0,
+        rq_psn: first_psn(h.nonce, reply.qpns[0]),
+    };
+    qp.to_rtr(&rtr).unwrap();
+    let rts =
+        RtsAttr { timeout: 14, retry_cnt: 3, rnr_retry: 3, sq_psn: first_psn(h.nonce, qp.qpn()) };
+    qp.to_rts(&rts).unwrap();
+    let ready = Msg { kind: Kind::Ready, ..hi };
+    s.write_all(&ready.encode()).unwrap();
+    let t = Instant::now();
+    let comm = loop {
+        if let Some(c) = drv.accept(listen).unwrap() {
+            break c;
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "no comm after our ready");
+    };
+
+    // One operation at a time; its completion's status.
+    let op = |op: Op, wr_id: u64| -> u32 {
+        let wr = SendWr {
+            wr_id,
+            op,
+            signaled: true,
+            local: Some((local.addr(0), 8, local.lkey())),
+            remote_addr: reply.buf_addr,
+            rkey: reply.buf_rkey,
+            inline: false,
+        };
+        qp.post_send(&[wr]).unwrap();
+        let (mut status, t) = (None, Instant::now());
+        while status.is_none() {
+            cq.poll_with(|_, _, c| {
+                assert_eq!(c.wr_id, wr_id);
+                status = Some(c.status);
+            })
+            .unwrap();
+            assert!(t.elapsed() < Duration::from_secs(60), "no completion");
+        }
+        status.unwrap()
+    };
+    assert_eq!(op(Op::Write, 1), 0, "a write into the size records goes through");
+    // IBV_WC_REM_INV_REQ_ERR: the responder's QP does not allow the operation (its access
+    // flags), before any memory key is looked at (that refusal would be REM_ACCESS_ERR, 10).
+    let read = op(Op::Read, 2);
+    assert_eq!(read, 9, "the read is refused by the receiver's QP (status {read})");
+    drv.close(Close::Recv, comm).unwrap();
+    drv.close(Close::Listen, listen).unwrap();
+    drv.finalize(ctx).unwrap();
+}
+
 /// A second `finalize` of a context, and a `listen` or `connect` on it after its `finalize`,
 /// are errors (`ncclInternalError` and a WARN that names it): nothing is freed twice or read
 /// after it is freed. Another communicator's context in the same process is untouched.
