@@ -1296,7 +1296,9 @@ fn a_link_local_gid_still_connects_and_moves_data() {
     let line = info.iter().find(|l| l.contains("connected to")).expect("connection INFO line");
     eprintln!("  {line}");
     assert!(line.contains("(index 0)") && line.contains("fe80::"), "{line}");
-    assert!(line.contains("connected to 198.18.0."), "setup over the routable address: {line}");
+    // The peer by its RoCE address (the link-local GID), the setup by its TCP one.
+    assert!(line.contains("connected to fe80::"), "the peer by its GID: {line}");
+    assert!(line.contains("(tcp 198.18.0."), "setup over the routable address: {line}");
 }
 
 #[test]
@@ -1313,7 +1315,7 @@ fn socket_ifname_in_nccl_syntax_picks_the_setup_interface() {
         set_env(&[("NCCL_SOCKET_IFNAME", None)]);
         let line = info.iter().find(|l| l.contains("connected to")).expect("connection INFO line");
         eprintln!("  NCCL_SOCKET_IFNAME={ifname}: {line}");
-        assert!(line.contains(&format!("connected to {want}")), "{ifname}: {line}");
+        assert!(line.contains(&format!("(tcp {want}")), "{ifname}: {line}");
     }
     // An interface list that keeps nothing usable fails listen naming the knob.
     set_env(&[("NCCL_SOCKET_IFNAME", Some("=nosuch0"))]);

@@ -541,6 +541,44 @@ fn the_receivers_nic_refuses_a_peers_rdma_read() {
     drv.finalize(ctx).unwrap();
 }
 
+/// Nothing outlives its communicator. Context A leaves a listener, a connect in progress and
+/// a connected pair open and finalizes while context B runs traffic: A's are ended (one WARN
+/// with the counts, their queue pairs gone, calls on them errors), B's traffic goes on, and
+/// closing A's ended objects frees them. Then B finalizes.
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn a_communicators_finalize_ends_its_own_objects_and_no_others() {
+    let _g = vm_serial();
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12).unwrap();
+    let (a, b) = (drv.init(1).unwrap(), drv.init(2).unwrap());
+    let (bs, br) = pair(&drv, b, 1, 0).unwrap();
+    transfer(&drv, bs, br, 4096, 1).unwrap();
+    let (mut ha, la) = drv.listen(a, 1).unwrap();
+    assert_eq!(drv.connect(a, 0, &mut ha).unwrap(), None, "parked until accepted");
+    let (as_, ar) = pair(&drv, a, 1, 0).unwrap();
+    // SAFETY: gettid has no preconditions (the kernel files QPs under the thread making them).
+    let tid = unsafe { libc::gettid() } as u32;
+    let qps = |what: &str| rdma_counts(tid).unwrap_or_else(|e| panic!("{what}: {e}")).qp;
+    let both = qps("both communicators");
+    let _ = take_captured();
+    drv.finalize(a).unwrap();
+    let warned: Vec<_> = take_captured().into_iter().filter(|l| l.0 == 2).collect();
+    let want = "left 1 connect(s) in progress, 1 listener(s) and 2 comm(s) open";
+    assert!(warned.len() == 1 && warned[0].2.contains(want), "{warned:?}");
+    assert_eq!(qps("after A's finalize"), 4, "B's pair only (of {both})");
+    let accept = drv.accept(la).expect_err("accept on A's ended listener");
+    assert!(accept.contains("returned ncclResult 3"), "{accept}");
+    transfer(&drv, bs, br, 65536, 2).expect("B's traffic goes on");
+    for (which, comm) in [(Close::Send, as_), (Close::Recv, ar), (Close::Listen, la)] {
+        let e = drv.close(which, comm).expect_err("closing an ended object reports it");
+        assert!(e.contains("returned ncclResult 3"), "{e}");
+    }
+    close_both(&drv, bs, br).unwrap();
+    drv.finalize(b).unwrap();
+    assert_eq!(qps("after both"), 0);
+}
+
 /// A second `finalize` of a context, and a `listen` or `connect` on it after its `finalize`,
 /// are errors (`ncclInternalError` and a WARN that names it): nothing is freed twice or read
 /// after it is freed. Another communicator's context in the same process is untouched.

@@ -121,18 +121,25 @@ enum Kind {
     Mr,
 }
 
-/// The address of every listener, comm and `mhandle` NCCL holds, by kind.
-static LIVE: Lazy<Mutex<HashMap<usize, Kind>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+/// The address of every listener, comm and `mhandle` NCCL holds, by kind, with the context it
+/// was made under (0 for registrations, which NCCL may share between communicators: they end
+/// with the last `finalize` only).
+static LIVE: Lazy<Mutex<HashMap<usize, (Kind, usize)>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
-fn live() -> MutexGuard<'static, HashMap<usize, Kind>> {
+fn live() -> MutexGuard<'static, HashMap<usize, (Kind, usize)>> {
     // Every update is one insert or remove: a panic cannot leave it half done.
     LIVE.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn enter<T>(b: Box<T>, kind: Kind) -> *mut c_void {
+fn enter<T>(b: Box<T>, kind: Kind, owner: usize) -> *mut c_void {
     let p = Box::into_raw(b);
-    live().insert(p as usize, kind);
+    live().insert(p as usize, (kind, owner));
     p.cast()
+}
+
+/// The context the listener or comm `p` was made under (0 if the register does not hold it).
+pub fn owner_of(p: *mut c_void) -> usize {
+    live().get(&(p as usize)).map_or(0, |&(_, owner)| owner)
 }
 
 /// Takes back a registered box, if the register knows `p` as `kind`; otherwise touches
@@ -142,7 +149,7 @@ fn leave<T>(p: *mut c_void, kind: Kind, what: &str) -> Result<Box<T>> {
         return Err(Error::Internal(format!("NULL {what}")));
     }
     let mut live = live();
-    if live.get(&(p as usize)) != Some(&kind) {
+    if live.get(&(p as usize)).map(|e| e.0) != Some(kind) {
         return Err(Error::Internal(format!(
             "{what} {p:p} is not open (closed already, or never one of ours)"
         )));
@@ -233,9 +240,9 @@ impl<T> Drop for Gate<'_, T> {
     }
 }
 
-/// Hands a listener to NCCL.
-pub fn listener_into_raw(l: Listener) -> *mut c_void {
-    enter(Box::new(Owned::new(l)), Kind::Listen)
+/// Hands a listener made under context `owner` to NCCL.
+pub fn listener_into_raw(l: Listener, owner: usize) -> *mut c_void {
+    enter(Box::new(Owned::new(l)), Kind::Listen, owner)
 }
 
 /// The listener behind `p`.
@@ -307,8 +314,8 @@ pub struct CommHandle {
     reqs: Box<[Req]>,
 }
 
-/// Hands a comm to NCCL: its request array names it.
-pub fn comm_into_raw(comm: AnyComm) -> *mut c_void {
+/// Hands a comm made under context `owner` to NCCL: its request array names it.
+pub fn comm_into_raw(comm: AnyComm, owner: usize) -> *mut c_void {
     let (net, devs, reqs): (_, _, Box<[Req]>) = match &comm {
         AnyComm::Send(c) => {
             (c.lanes.net.clone(), c.lanes.devs.clone(), reqs_of(SendComm::requests()))
@@ -319,9 +326,9 @@ pub fn comm_into_raw(comm: AnyComm) -> *mut c_void {
     };
     let net = Mutex::new(Some(net));
     let mut b = Box::new(CommHandle { net, devs, comm: Owned::new(comm), reqs });
-    let owner = &*b as *const CommHandle as usize;
-    b.reqs.iter_mut().for_each(|r| r.owner = owner);
-    enter(b, Kind::Comm)
+    let me = &*b as *const CommHandle as usize;
+    b.reqs.iter_mut().for_each(|r| r.owner = me);
+    enter(b, Kind::Comm, owner)
 }
 
 fn reqs_of(ids: impl Iterator<Item = (ReqKind, u16)>) -> Box<[Req]> {
@@ -387,7 +394,7 @@ unsafe impl Sync for MrSlot {}
 
 /// Hands a registration to NCCL.
 pub fn mr_into_raw(h: MrHandle) -> *mut c_void {
-    enter(Box::new(MrSlot(UnsafeCell::new(Some(h)))), Kind::Mr)
+    enter(Box::new(MrSlot(UnsafeCell::new(Some(h)))), Kind::Mr, 0)
 }
 
 /// The registration behind an `mhandle`.
@@ -429,10 +436,18 @@ pub struct Ended {
 /// first the listeners and comms (waiting briefly for a call inside), then, once no comm's
 /// data path can be reading one, the registrations, each returned to its device's cache.
 pub fn end_all() -> Ended {
+    end_owned(None)
+}
+
+/// Ends the listeners and comms made under context `owner` (its `finalize`, while other
+/// contexts live on; registrations stay, as NCCL may share them), or with `None` everything
+/// [`end_all`] ends.
+pub fn end_owned(owner: Option<usize>) -> Ended {
     let live = live();
     let mut e = Ended::default();
     let deadline = Instant::now() + PATIENCE;
-    for (&addr, &kind) in live.iter() {
+    let mine = |o: usize| owner.is_none_or(|w| w == o);
+    for (&addr, &(kind, _)) in live.iter().filter(|(_, (_, o))| mine(*o)) {
         let r = match kind {
             // SAFETY: the register holds live boxes of the kind it records.
             Kind::Listen => unsafe { &*(addr as *const Owned<Listener>) }.end(deadline).map(|v| {
@@ -450,10 +465,10 @@ pub fn end_all() -> Ended {
         };
         e.busy += usize::from(r.is_err());
     }
-    if e.busy > 0 {
+    if e.busy > 0 || owner.is_some() {
         return e;
     }
-    for (&addr, _) in live.iter().filter(|(_, k)| **k == Kind::Mr) {
+    for (&addr, _) in live.iter().filter(|(_, k)| k.0 == Kind::Mr) {
         // SAFETY: a live MrSlot box; every comm is ended, so no data-path call reads it, and
         // deregMr waits for the register's lock held here.
         let slot = unsafe { &mut *(*(addr as *const MrSlot)).0.get() };
@@ -570,7 +585,7 @@ mod tests {
 
     #[test]
     fn the_register_hands_back_only_what_it_handed_out_and_only_once() {
-        let p = enter(Box::new(Owned::new(7u64)), Kind::Listen);
+        let p = enter(Box::new(Owned::new(7u64)), Kind::Listen, 0);
         assert!(leave::<Owned<u64>>(p, Kind::Comm, "sendComm").is_err(), "wrong kind");
         let b = leave::<Owned<u64>>(p, Kind::Listen, "listenComm").expect("registered");
         assert_eq!(b.end(Instant::now()), Ok(Some(7)));

@@ -54,10 +54,35 @@ pub(super) unsafe extern "C" fn finalize(ctx: *mut c_void) -> ncclResult_t {
     }
     guard("finalize", || {
         // A context finalized twice, or never ours, is an error that touches nothing.
+        let owner = ctx as usize;
         let ctx = handles::ctx_finalize(ctx)?;
+        end_context(owner);
         transport::net::finalize(ctx, end_everything);
         Ok(())
     })
+}
+
+/// A context's `finalize`: ends what was made under it and NCCL left open (its connects in
+/// progress, listeners and comms; other contexts' stay), with one WARN and the counts.
+fn end_context(owner: usize) {
+    let connects = transport::connects::end_owned(owner);
+    let e = handles::end_owned(Some(owner));
+    if connects + e.listeners + e.comms > 0 {
+        ::log::warn!(
+            "finalize: this communicator left {connects} connect(s) in progress, {} listener(s) \
+             and {} comm(s) open; they are ended (calls on them are errors from now on), the \
+             other communicators' are untouched",
+            e.listeners,
+            e.comms
+        );
+    }
+    if e.busy > 0 {
+        ::log::warn!(
+            "finalize: {} of this communicator's listener(s) or comm(s) were still inside a call \
+             on another thread; they stay alive",
+            e.busy
+        );
+    }
 }
 
 /// The last `finalize`, before the device state goes: ends every connect in progress and
@@ -217,7 +242,7 @@ pub(super) unsafe extern "C" fn listen(
         // SAFETY: NCCL's handle buffer is NCCL_NET_HANDLE_MAXSIZE (128) bytes, for the call.
         l.handle().encode(unsafe { handle_bytes(handle) }?);
         // SAFETY: valid slot per the ABI (NULL rejected).
-        *unsafe { out(listen_comm, "listenComm") }? = handles::listener_into_raw(l);
+        *unsafe { out(listen_comm, "listenComm") }? = handles::listener_into_raw(l, ctx as usize);
         Ok(())
     })
 }
@@ -256,11 +281,11 @@ pub(super) unsafe fn connect_with(
         let h = wire::Handle::decode(bytes)
             .map_err(|r| Error::Internal(format!("connect: invalid handle: {r}")))?;
         let tc = tc.and_then(|t| u8::try_from(t).ok());
-        match connects::step(id, h, dev, tc, || handles::ctx(ctx))? {
+        match connects::step(id, h, dev, tc, (|| handles::ctx(ctx), ctx as usize))? {
             Step::Done(comm) => {
                 // SAFETY: valid slot per the ABI (NULL rejected).
                 *unsafe { out(send_comm, "sendComm") }? =
-                    handles::comm_into_raw(AnyComm::Send(comm));
+                    handles::comm_into_raw(AnyComm::Send(comm), ctx as usize);
             }
             Step::Parked(id) => bytes[STATE..STATE + 8].copy_from_slice(&id.to_le_bytes()),
         }
@@ -279,8 +304,11 @@ pub(super) unsafe extern "C" fn accept(
         // SAFETY: listen_comm came from listen and is not closed.
         let mut l = unsafe { handles::listener(listen_comm) }?.enter("listenComm")?;
         if let Some(comm) = l.accept()? {
+            // The comm belongs to the context the listener was made under.
+            let owner = handles::owner_of(listen_comm);
             // SAFETY: valid slot per the ABI (NULL rejected).
-            *unsafe { out(recv_comm, "recvComm") }? = handles::comm_into_raw(AnyComm::Recv(comm));
+            *unsafe { out(recv_comm, "recvComm") }? =
+                handles::comm_into_raw(AnyComm::Recv(comm), owner);
         }
         Ok(())
     })

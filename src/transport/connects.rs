@@ -49,7 +49,7 @@ pub fn step(
     h: Handle,
     dev: i32,
     tc: Option<u8>,
-    ctx: impl FnOnce() -> Result<Arc<CommContext>>,
+    (ctx, owner): (impl FnOnce() -> Result<Arc<CommContext>>, usize),
 ) -> Result<Step> {
     // Abandoned connects go first (dropped once the table is unlocked).
     let expired = connects().expire(Instant::now());
@@ -61,7 +61,7 @@ pub fn step(
     } else {
         let c = ctx()?;
         let connector = Box::new(Connector::start(&c, dev, h, tc.or(c.traffic_class))?);
-        (fresh_id()?, Pending { connector, timeout: c.net.config.setup_timeout })
+        (fresh_id()?, Pending { connector, timeout: c.net.config.setup_timeout, owner })
     };
     if let Some(comm) = p.connector.progress()? {
         return Ok(Step::Done(comm));
@@ -78,6 +78,12 @@ pub fn step(
     Ok(Step::Parked(id))
 }
 
+/// Ends the connects in progress that context `owner` started (its `finalize`): how many.
+pub fn end_owned(owner: usize) -> usize {
+    let purged = connects().purge_if(|p| p.owner == owner);
+    purged.len()
+}
+
 /// Ends every connect in progress (the last `finalize`).
 pub fn end_all() {
     let purged = connects().purge();
@@ -86,10 +92,12 @@ pub fn end_all() {
     }
 }
 
-/// A connect between two calls, and the timeout its deadline is measured with.
+/// A connect between two calls, the timeout its deadline is measured with, and the context it
+/// was started under (an opaque token: `ffi`'s address for it).
 struct Pending {
     connector: Box<Connector>,
     timeout: Duration,
+    owner: usize,
 }
 
 static CONNECTS: Lazy<Mutex<Parked<Pending>>> = Lazy::new(|| Mutex::new(Parked::new(MAX_CONNECTS)));
@@ -209,6 +217,13 @@ impl<T> Parked<T> {
     fn purge(&mut self) -> Vec<T> {
         self.order.clear();
         self.map.drain().map(|(_, e)| e.value).collect()
+    }
+
+    /// Removes the values `mine` picks (their order entries go stale, dropped as usual).
+    fn purge_if(&mut self, mine: impl Fn(&T) -> bool) -> Vec<T> {
+        let ids: Vec<u64> =
+            self.map.iter().filter(|(_, e)| mine(&e.value)).map(|(&id, _)| id).collect();
+        ids.into_iter().filter_map(|id| self.map.remove(&id)).map(|e| e.value).collect()
     }
 
     #[cfg(test)]

@@ -664,7 +664,8 @@ impl Connector {
         let max_msg = u64::from(ours.min(reply.max_msg));
         let sizes = Peer { addr: reply.buf_addr, rkeys: rkeys(reply), max_msg };
         let p = &self.policy;
-        let path = path(&self.net, &self.devs, self.handle.addr.to_string(), reply, p, p.tc);
+        let peer = format!("{} (tcp {})", gid::ip_of(&reply.gid), self.handle.addr);
+        let path = path(&self.net, &self.devs, peer, reply, p, p.tc);
         log_connection("connected to", &path, p);
         let theirs = usize::from(reply.members);
         SendComm::new(
