@@ -36,12 +36,13 @@ pub fn connect_nonblocking(addr: SocketAddr) -> io::Result<TcpStream> {
     Ok(stream)
 }
 
-/// Whether a connection started by [`connect_nonblocking`] is established (`Ok(false)`: not
-/// yet). A refused or failed connection is an error.
-pub fn connected(stream: &TcpStream) -> io::Result<bool> {
+/// Whether a connection started by [`connect_nonblocking`] is established, waiting up to
+/// `wait` for it (`Ok(false)`: not yet). A refused or failed connection is an error.
+pub fn connected(stream: &TcpStream, wait: std::time::Duration) -> io::Result<bool> {
     let mut p = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
-    // SAFETY: one valid pollfd, zero timeout.
-    let rc = unsafe { libc::poll(&mut p, 1, 0) };
+    let ms = wait.as_millis().min(1000) as libc::c_int;
+    // SAFETY: one valid pollfd, a bounded timeout.
+    let rc = unsafe { libc::poll(&mut p, 1, ms) };
     if rc < 0 {
         return Err(io::Error::last_os_error());
     }

@@ -24,13 +24,19 @@
 //! The admission before issue 18 pushed out the oldest unproven connection for a newcomer,
 //! and failed this.
 //!
+//! Then fill first: silent strangers from many sources take every place of each of several
+//! listeners before any rightful peer comes, more than the caps hold, and reconnect as soon as
+//! a listener drops them; then each listener's rightful peer (a real `connect`) must connect
+//! and transfer. Before the hello left with the TCP connection and placeless newcomers had a
+//! grace, the listener read the peer's connection once, found no hello yet, and refused it.
+//!
 //! Last, the error classes of a proven peer's failure: a wrong nonce in its `Ready` is
 //! `ncclRemoteError`; a failure to move our own queue pair to RTR (an unreachable GID) is
 //! `ncclSystemError`.
 //!
 //! Built with its own `main` (`harness = false`) and run by `ci/vm-tests.sh` in the VM with
 //! the default stream count, 10⁵ (`--streams N` for another; `--crowd-only` runs the crowd
-//! alone). Outside the VM it fails. It sets `NCCL_IB_QPS_PER_CONNECTION=4`, so that the valid
+//! alone, `--fill-only` the fill-first phase). Outside the VM it fails. It sets `NCCL_IB_QPS_PER_CONNECTION=4`, so that the valid
 //! hellos it plays (1 to 4 QPs) are within the listener's own count.
 
 mod common;
@@ -40,13 +46,13 @@ use std::net::{Ipv4Addr, Shutdown, SocketAddr, SocketAddrV4, TcpStream};
 use std::os::fd::FromRawFd;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::{open_plugin, require_vm};
 use ferroce::ffi::abi::ncclResult_t;
-use ferroce::transport::setup::{HELLO_TIMEOUT, MAX_PENDING, REJECT_WARNS};
+use ferroce::transport::setup::{HELLO_TIMEOUT, MAX_GRACE, MAX_PENDING, REJECT_WARNS};
 use ferroce_core::setup::wire::{Handle, Kind, MAGIC, MAX_QPS, MSG_LEN, Msg};
 use ferroce_tools::driver::{Close, Driver, Ptr};
 use ferroce_tools::rng::Rng;
@@ -155,6 +161,12 @@ fn listener(args: &[String]) -> Result<(), String> {
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12)?;
     let ctx = drv.init(1)?;
+    if args.iter().any(|a| a == "--fill-only") {
+        fill_first(&drv, ctx).map_err(|e| format!("fill first: {e}"))?;
+        drv.finalize(ctx)?;
+        println!("fuzz_listener: passed (fill first only)");
+        return Ok(());
+    }
     if args.iter().any(|a| a == "--crowd-only") {
         crowd(&drv, ctx).map_err(|e| format!("crowd: {e}"))?;
         drv.finalize(ctx)?;
@@ -163,6 +175,7 @@ fn listener(args: &[String]) -> Result<(), String> {
     }
     flood(&drv, ctx, streams, nclients)?;
     crowd(&drv, ctx).map_err(|e| format!("crowd: {e}"))?;
+    fill_first(&drv, ctx).map_err(|e| format!("fill first: {e}"))?;
     error_classes(&drv, ctx).map_err(|e| format!("error classes: {e}"))?;
     drv.finalize(ctx)?;
     println!("fuzz_listener: passed");
@@ -277,8 +290,10 @@ fn flood(drv: &Driver, ctx: Ptr, streams: u64, nclients: usize) -> Result<(), St
     println!("fuzz_listener: {done}");
 
     let mut bad = Vec::new();
-    if fd_max > fds1 + MAX_PENDING + FD_SLACK {
-        bad.push(format!("fds reached {fd_max}, bound {} + {MAX_PENDING} + {FD_SLACK}", fds1));
+    if fd_max > fds1 + MAX_PENDING + MAX_GRACE + FD_SLACK {
+        bad.push(format!(
+            "fds reached {fd_max}, bound {fds1} + {MAX_PENDING} + {MAX_GRACE} + {FD_SLACK}"
+        ));
     }
     if fds_end > fds0 {
         bad.push(format!("fds after the flood {fds_end}, before {fds0}"));
@@ -307,6 +322,152 @@ fn flood(drv: &Driver, ctx: Ptr, streams: u64, nclients: usize) -> Result<(), St
         return Err(bad.join("; "));
     }
     Ok(())
+}
+
+// --- fill first: strangers hold every place before the rightful peers come ---------------------
+
+/// Listeners in the fill-first phase.
+const FILL_LISTENERS: usize = 4;
+/// Silent connections strangers keep open to each: more than its places and its graces.
+const FILL_HOLD: usize = MAX_PENDING + 24;
+/// How long the rightful peer's proxy is busy elsewhere between its first two `connect` calls,
+/// while its listener keeps taking connections.
+const BUSY: Duration = Duration::from_millis(1500);
+/// How long the listeners take strangers before the peers come: every place is held by then.
+const FILL_TIME: Duration = Duration::from_secs(2);
+
+/// Silent strangers keep [`FILL_HOLD`] connections to `to` open from many sources,
+/// reconnecting each one the listener drops, until `stop`: how many connections they made.
+fn fill(to: SocketAddrV4, k: usize, stop: &AtomicBool) -> Result<u64, String> {
+    let mut held: Vec<TcpStream> = Vec::new();
+    let mut made = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        // A connection the listener closed reads as end of file (or an error): gone.
+        held.retain(
+            |s| matches!(s.peek(&mut [0u8; 1]), Err(e) if e.kind() == ErrorKind::WouldBlock),
+        );
+        while held.len() < FILL_HOLD && !stop.load(Ordering::Relaxed) {
+            let i = k * 1000 + (made as usize % 1000);
+            let s = connect_from(source(true, i), to)?;
+            s.set_nonblocking(true).map_err(|e| e.to_string())?;
+            held.push(s);
+            made += 1;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(made)
+}
+
+/// The rightful peer as a busy NCCL proxy drives it: one `connect` call, then its next only
+/// after the listener's `accept` has run for a while (the proxy serves other connections in
+/// between), then both until connected; a verified transfer.
+fn busy_rightful(
+    drv: &Driver,
+    ctx: Ptr,
+    handle: &[u8; 128],
+    listen: Ptr,
+    k: usize,
+) -> Result<(), String> {
+    let when = format!("fill first, listener {k}");
+    let fail = |e: String| format!("rightful peer ({when}): {e}: {}", last_warn());
+    let mut h = *handle;
+    let mut send = drv.connect(ctx, 0, &mut h).map_err(fail)?;
+    let (mut recv, t) = (None, Instant::now());
+    while recv.is_none() && t.elapsed() < BUSY {
+        recv = drv.accept(listen).map_err(fail)?;
+    }
+    while send.is_none() || recv.is_none() {
+        if send.is_none() {
+            send = drv.connect(ctx, 0, &mut h).map_err(fail)?;
+        }
+        if recv.is_none() {
+            recv = drv.accept(listen).map_err(fail)?;
+        }
+        if t.elapsed() > SLACK {
+            return Err(fail("not connected".into()));
+        }
+    }
+    let (send, recv) = (send.expect("connected"), recv.expect("accepted"));
+    common::transfer(drv, send, recv, TRANSFER, k as u8).map_err(fail)?;
+    drv.close(Close::Send, send)?;
+    drv.close(Close::Recv, recv)?;
+    eprintln!("fuzz_listener: rightful peer ({when}) connected and transferred {TRANSFER} bytes");
+    Ok(())
+}
+
+/// Delay on the loopback device while it lives: the VM's ranks share one kernel, where a TCP
+/// connection completes within the `connect(2)` call itself; across hosts it takes a round
+/// trip, and the rightful peer's first `connect` call returns before it is up.
+struct Delay;
+
+impl Delay {
+    fn on_loopback(ms: u32) -> Result<Delay, String> {
+        let delay = format!("{ms}ms");
+        let args = ["qdisc", "add", "dev", "lo", "root", "netem", "delay", &delay];
+        let st = Command::new("tc").args(args).status().map_err(|e| format!("tc: {e}"))?;
+        if !st.success() {
+            return Err(format!("tc {args:?}: {st} (the fill-first phase needs iproute2's tc)"));
+        }
+        Ok(Delay)
+    }
+}
+
+impl Drop for Delay {
+    fn drop(&mut self) {
+        let _ = Command::new("tc").args(["qdisc", "del", "dev", "lo", "root"]).status();
+    }
+}
+
+/// Strangers take every place of [`FILL_LISTENERS`] listeners first and come back as they are
+/// dropped; then each listener's rightful peer connects and transfers, over a loopback device
+/// that delays every packet by 2 ms, as a network between hosts would.
+fn fill_first(drv: &Driver, ctx: Ptr) -> Result<(), String> {
+    let _delay = Delay::on_loopback(2)?;
+    let ls = (0..FILL_LISTENERS).map(|_| drv.listen(ctx, 1)).collect::<Result<Vec<_>, _>>()?;
+    let stop = AtomicBool::new(false);
+    let r = std::thread::scope(|sc| {
+        let fillers: Vec<_> = ls
+            .iter()
+            .enumerate()
+            .map(|(k, (h, _))| {
+                let h = Handle::decode(h).map_err(|r| r.to_string())?;
+                let SocketAddr::V4(to) = h.addr else {
+                    return Err(format!("{}: not IPv4", h.addr));
+                };
+                let stop = &stop;
+                Ok(sc.spawn(move || fill(to, k, stop)))
+            })
+            .collect::<Result<_, String>>()?;
+        let t = Instant::now();
+        let mut r = Ok(());
+        while r.is_ok() && t.elapsed() < FILL_TIME {
+            for (_, l) in &ls {
+                r = match drv.accept(*l) {
+                    Ok(None) => r,
+                    Ok(Some(_)) => Err("accept returned a comm to strangers".into()),
+                    Err(e) => Err(format!("accept failed while strangers fill it: {e}")),
+                };
+            }
+            std::thread::yield_now();
+        }
+        for (k, (h, l)) in ls.iter().enumerate() {
+            r = r.and_then(|()| busy_rightful(drv, ctx, h, *l, k));
+        }
+        stop.store(true, Ordering::Relaxed);
+        let mut made = 0;
+        for f in fillers {
+            made += f.join().map_err(|_| "a filler panicked".to_string())??;
+        }
+        eprintln!(
+            "fuzz_listener: fill first: {made} stranger connections held {FILL_LISTENERS} \
+             listeners' {MAX_PENDING} places each before and while the rightful peers came"
+        );
+        r
+    });
+    for (_, l) in ls {
+        drv.close(Close::Listen, l)?;
+    }
+    r
 }
 
 // --- the crowd: strangers between the rightful peer's connect and its hello --------------------

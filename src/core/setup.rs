@@ -21,9 +21,11 @@
 //!   its ready: no CTS is ever written before the sender's QP can take it.
 //! - No connection is ever pushed out to make room for another. A listener holds at most
 //!   [`MAX_PENDING`] connections that have not proven themselves, the process at most
-//!   [`MAX_UNPROVEN`] over all its listeners; a newcomer beyond either cap is read once (its
-//!   hello may already be in) and, unless that proved it, refused. So strangers that arrive
-//!   after the rightful peer cannot knock it off, and what they cost is bounded.
+//!   [`MAX_UNPROVEN`] over all its listeners; a newcomer beyond either cap has a short
+//!   [`GRACE`] to prove itself (at most [`MAX_GRACE`] at once; beyond that it is read once)
+//!   and is refused unless it did. So strangers that arrive after the rightful peer cannot
+//!   knock it off, strangers that came first cannot keep it out (its hello leaves with its TCP
+//!   connection), and what they cost is bounded.
 //! - A hello is served only if its QP count is within this side's own configured count
 //!   (`NCCL_IB_QPS_PER_CONNECTION`), whatever the wire says.
 //!
@@ -59,6 +61,16 @@ pub const MAX_PENDING: usize = 64;
 /// listeners NCCL opened plus 256 (a quarter of the usual soft open-files limit). Not a knob:
 /// a job that needs more is under attack, and more would only cost more fds.
 pub const MAX_UNPROVEN: usize = 256;
+/// How long a connection admitted beyond a cap may wait for its hello before it is refused,
+/// instead of a single read: the rightful peer's hello leaves with its TCP connection (its
+/// first `connect` call waits for that), but the listener may take the connection a moment
+/// before the hello lands. Strangers that filled every place first then cannot keep it out.
+pub const GRACE: Duration = Duration::from_millis(500);
+/// The most connections a listener holds in their [`GRACE`] at once (each an fd for at most
+/// that long), as many as its places: strangers that hold every place and come back in bursts
+/// as they are dropped must not use up the graces too. A newcomer beyond it is read once and,
+/// unless that proves it, refused.
+pub const MAX_GRACE: usize = MAX_PENDING;
 /// How long a connection may take to prove itself with its hello (never longer than
 /// `FERROCE_SETUP_TIMEOUT_MS`). A stranger holds a slot at most this long. The rightful peer
 /// sends its hello on NCCL's next `connect` call after its TCP connection completes, so this
@@ -805,9 +817,11 @@ struct Pending {
     id: ConnId,
     answer: Answer,
     /// Its place in the process's count while it has not proven itself; `None` for one
-    /// admitted beyond a cap (it is read once and, unless that proves it, refused) and for a
-    /// proven one.
+    /// admitted beyond a cap (it has its [`GRACE`], if one is free, to prove itself; else it is
+    /// read once and, unless that proves it, refused) and for a proven one.
     place: Option<Place>,
+    /// Until when one admitted beyond a cap may still prove itself.
+    grace: Option<Instant>,
 }
 
 /// The listener's exchange: the connections it serves until one proves itself and connects.
@@ -893,7 +907,7 @@ impl Listen {
         self.next_id += 1;
         let answer = Answer::new(peer, now + HELLO_TIMEOUT.min(self.terms.timeout));
         let place = self.place().ok();
-        self.pending.push_back(Pending { id, answer, place });
+        self.pending.push_back(Pending { id, answer, place, grace: None });
         id
     }
 
@@ -1006,6 +1020,15 @@ impl Listen {
                 Cmd::Wait
             }
             Err(why) => {
+                let graced = self.pending.iter().filter(|p| p.grace.is_some()).count();
+                match self.pending[i].grace {
+                    Some(until) if now <= until => return Cmd::Wait,
+                    None if graced < MAX_GRACE => {
+                        self.pending[i].grace = Some(now + GRACE);
+                        return Cmd::Wait;
+                    }
+                    _ => {}
+                }
                 let p = self.pending.remove(i).expect("found by the caller");
                 self.reject(&p.answer.peer, &why, now);
                 Cmd::Close

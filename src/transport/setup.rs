@@ -41,7 +41,7 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 
 use once_cell::sync::Lazy;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::data::{
     FLUSH_QUEUE, Flusher, Path, Peer, RecvComm, RecvParts, SendComm, SendParts, port_of,
@@ -56,11 +56,11 @@ use crate::verbs::{self, RegisteredBuf, RtrAttr, RtsAttr};
 use ferroce_core::data::MAX_MEMBERS;
 use ferroce_core::setup::wire::{End, Handle, MAX_QPS, MSG_LEN, Msg};
 pub use ferroce_core::setup::{
-    ACCEPT_BACKOFF, HELLO_TIMEOUT, MAX_PENDING, MAX_UNPROVEN, REJECT_SUMMARY_EVERY, REJECT_WARNS,
-    first_psn,
+    ACCEPT_BACKOFF, GRACE, HELLO_TIMEOUT, MAX_GRACE, MAX_PENDING, MAX_UNPROVEN,
+    REJECT_SUMMARY_EVERY, REJECT_WARNS,
 };
 use ferroce_core::setup::{
-    AcceptErr, Cmd, ConnId, Dial, Input, Listen, Local, Policy, QpPlan, Unproven, ours,
+    AcceptErr, Cmd, ConnId, Dial, Input, Listen, Local, Policy, QpPlan, Unproven, first_psn, ours,
 };
 
 /// The connections to this process's listeners that have not proven themselves.
@@ -577,7 +577,15 @@ pub struct Connector {
     links: Vec<(RtrAttr, RtsAttr)>,
     /// Where the comm's profiler events go (the communicator's).
     profiler: Option<Arc<dyn Profiler>>,
+    /// Whether a call already waited for the TCP connection ([`CONNECT_WAIT`]).
+    waited: bool,
 }
+
+/// How long the first `connect` call waits for its TCP connection, so that its hello goes out
+/// in the same call: the listener then finds it at its first read of the connection, and
+/// strangers that filled its places before cannot keep the rightful peer out. Later calls
+/// do not wait.
+const CONNECT_WAIT: Duration = Duration::from_millis(20);
 
 impl Connector {
     /// Starts connecting to the listener behind `handle`. `comm_tc` is the traffic class of
@@ -610,7 +618,8 @@ impl Connector {
         let core = Dial::new(handle, policy, net.config.setup_timeout, Instant::now());
         let profiler = ctx.profiler();
         let links = Vec::new();
-        Ok(Connector { net, devs, policy, handle, stream, core, parts, links, profiler })
+        let waited = false;
+        Ok(Connector { net, devs, policy, handle, stream, core, parts, links, profiler, waited })
     }
 
     /// The listener this connector is connecting to.
@@ -626,11 +635,15 @@ impl Connector {
             let parts = &self.parts;
             let parts = || parts.as_ref().expect("parts until connected");
             input = match self.core.advance(Instant::now(), input) {
-                Cmd::AwaitConnect => match crate::os::connected(&self.stream) {
-                    Ok(true) => Input::Connected,
-                    Ok(false) => Input::Blocked,
-                    Err(e) => Input::Failed(e.to_string()),
-                },
+                Cmd::AwaitConnect => {
+                    let wait = if self.waited { Duration::ZERO } else { CONNECT_WAIT };
+                    self.waited = true;
+                    match crate::os::connected(&self.stream, wait) {
+                        Ok(true) => Input::Connected,
+                        Ok(false) => Input::Blocked,
+                        Err(e) => Input::Failed(e.to_string()),
+                    }
+                }
                 Cmd::Endpoint => {
                     match endpoint(&self.net, &self.devs, &parts().q.qps, &parts().fifo) {
                         Ok(local) => Input::Endpoint(Box::new(local)),

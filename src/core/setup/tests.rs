@@ -1172,19 +1172,32 @@ fn a_full_listener_still_reads_a_newcomers_waiting_hello() {
 }
 
 #[test]
-fn a_newcomer_beyond_the_cap_without_its_hello_is_refused() {
-    // The same, but the peer's hello comes 400 ms after its connection: the listener is full,
-    // so the newcomer is refused, not one of those that came first pushed out. (The case the
-    // caps cannot save: a flood that fills them before the peer arrives.)
+fn a_newcomer_beyond_the_cap_proves_itself_within_its_grace() {
+    // The same, but the listener is full before the peer comes (the strangers came first, a
+    // flood that fills the caps), and the peer's hello comes 400 ms after its connection:
+    // within its grace, so it connects, and none of those that came first is pushed out.
+    let mut w = World::new(2, 50);
+    let silent: Vec<usize> = (0..MAX_PENDING).map(|i| w.stranger(i as u64, &[], false)).collect();
+    w.dial(2, 100, Some(100), 50);
+    w.dialer.as_mut().unwrap().next = 500;
+    w.run(1000);
+    w.assert_connected(2);
+    assert!(silent.iter().all(|s| w.acceptor.dropped_at[s] >= 500), "{:?}", w.acceptor.dropped_at);
+}
+
+#[test]
+fn a_newcomer_beyond_the_cap_is_refused_once_its_grace_is_over() {
+    // The same with the hello 600 ms after the connection: past the grace (500 ms), the
+    // newcomer is refused, not one of those that came first pushed out.
     let mut w = World::new(2, 50);
     for i in 0..MAX_PENDING {
         w.stranger(i as u64, &[], false);
     }
     let s = w.dial(2, 100, Some(100), 50);
-    w.dialer.as_mut().unwrap().next = 500;
+    w.dialer.as_mut().unwrap().next = 700;
     w.run(1000);
     remote(dialer_error(&w), "connect to 10.0.0.1:4000: send hello: Broken pipe");
-    assert_eq!(w.acceptor.dropped_at[&s], 100);
+    assert_eq!(w.acceptor.dropped_at[&s], 650, "at the listener's first call past 600 ms");
     let line = format!(
         "listener {LISTENER} (device sim0): rejected connection from {}: refused: 64 \
          connections to this listener have yet to prove themselves (none is pushed out for a \
@@ -1195,15 +1208,37 @@ fn a_newcomer_beyond_the_cap_without_its_hello_is_refused() {
     assert_eq!(w.acceptor.core.pending.iter().filter(|p| p.place.is_some()).count(), MAX_PENDING);
 }
 
-/// Admits a silent connection to `l` and serves it once: whether it was kept.
+#[test]
+fn at_most_max_grace_newcomers_wait_in_their_grace() {
+    let t0 = Instant::now();
+    let count = unproven();
+    let mut l = listen("l", MAX_QPS_HERE, &count);
+    l.begin(t0);
+    for i in 0..MAX_PENDING + MAX_GRACE {
+        let id = l.admit(SocketAddr::new([10, 0, 2, 1].into(), i as u16), t0);
+        assert!(matches!(l.advance(id, t0, Input::Poll), Cmd::Recv(MSG_LEN)));
+        assert!(matches!(l.advance(id, t0, Input::Blocked), Cmd::Wait), "{i} kept");
+    }
+    let id = l.admit(SocketAddr::new([10, 0, 2, 1].into(), 999), t0);
+    assert!(matches!(l.advance(id, t0, Input::Poll), Cmd::Recv(MSG_LEN)));
+    assert!(matches!(l.advance(id, t0, Input::Blocked), Cmd::Close), "no grace left: refused");
+    assert_eq!(l.ids().len(), MAX_PENDING + MAX_GRACE);
+}
+
+/// Admits a silent connection to `l` and serves it once, then again once any grace is over:
+/// whether it was kept (it has a place).
 fn admit_silent(l: &mut Listen, port: u16, now: Instant) -> bool {
     let id = l.admit(SocketAddr::new([10, 0, 2, 1].into(), port), now);
-    assert!(matches!(l.advance(id, now, Input::Poll), Cmd::Recv(MSG_LEN)));
-    match l.advance(id, now, Input::Blocked) {
-        Cmd::Wait => true,
-        Cmd::Close => false,
-        other => panic!("{other:?}"),
+    let later = now + GRACE + Duration::from_millis(1);
+    for at in [now, later] {
+        assert!(matches!(l.advance(id, at, Input::Poll), Cmd::Recv(MSG_LEN)));
+        match l.advance(id, at, Input::Blocked) {
+            Cmd::Wait => {}
+            Cmd::Close => return false,
+            other => panic!("{other:?}"),
+        }
     }
+    true
 }
 
 #[test]
