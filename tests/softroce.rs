@@ -564,7 +564,7 @@ fn a_communicators_finalize_ends_its_own_objects_and_no_others() {
     let _ = take_captured();
     drv.finalize(a).unwrap();
     let warned: Vec<_> = take_captured().into_iter().filter(|l| l.0 == 2).collect();
-    let want = "left 1 connect(s) in progress, 1 listener(s) and 2 comm(s) open";
+    let want = "closed 1 listener(s) and 2 comm(s) and ended 1 connect(s) in progress";
     assert!(warned.len() == 1 && warned[0].2.contains(want), "{warned:?}");
     assert_eq!(qps("after A's finalize"), 4, "B's pair only (of {both})");
     let accept = drv.accept(la).expect_err("accept on A's ended listener");

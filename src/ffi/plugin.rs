@@ -69,9 +69,9 @@ fn end_context(owner: usize) {
     let e = handles::end_owned(Some(owner));
     if connects + e.listeners + e.comms > 0 {
         ::log::warn!(
-            "finalize: this communicator left {connects} connect(s) in progress, {} listener(s) \
-             and {} comm(s) open; they are ended (calls on them are errors from now on), the \
-             other communicators' are untouched",
+            "finalize: closed {} listener(s) and {} comm(s) and ended {connects} connect(s) in \
+             progress that this communicator left open; calls on them are errors from now on \
+             (other communicators' are untouched)",
             e.listeners,
             e.comms
         );
