@@ -453,7 +453,7 @@ fn the_receivers_nic_refuses_a_peers_rdma_read() {
     let dev = Arc::new(ctxs.remove(0).unwrap());
     let pd = Pd::new(&dev).unwrap();
     let cq = Cq::new(&dev, 16).unwrap();
-    let caps = QpCaps { max_send_wr: 8, max_recv_wr: 1, max_inline: 0 };
+    let caps = QpCaps { max_send_wr: 8, max_recv_wr: 1, max_inline: 64 };
     let qp = Qp::create_rc(&pd, &cq, caps).unwrap();
     qp.to_init(1, 0).unwrap();
     let local = RegisteredBuf::new(&pd, 64, verbs::ACCESS_LOCAL_WRITE).unwrap();
@@ -532,6 +532,22 @@ fn the_receivers_nic_refuses_a_peers_rdma_read() {
         status.unwrap()
     };
     assert_eq!(op(Op::Write, 1), 0, "a write into the size records goes through");
+    // Inline data is copied by the CPU: from our registered host buffer it goes; from memory
+    // no host registration covers (here a stack array, with the buffer's key) the post is
+    // refused before the provider reads a byte.
+    let inline = |addr: u64| SendWr {
+        wr_id: 3,
+        op: Op::Write,
+        signaled: false,
+        local: Some((addr, 8, local.lkey())),
+        remote_addr: reply.buf_addr,
+        rkey: reply.buf_rkey,
+        inline: true,
+    };
+    let stray = [0u8; 8];
+    let e = qp.post_send(&[inline(stray.as_ptr() as u64)]).expect_err("inline from elsewhere");
+    assert!(e.to_string().contains("no registration of host memory covers it"), "{e}");
+    qp.post_send(&[inline(local.addr(0))]).expect("inline from a host registration");
     // IBV_WC_REM_INV_REQ_ERR: the responder's QP does not allow the operation (its access
     // flags), before any memory key is looked at (that refusal would be REM_ACCESS_ERR, 10).
     let read = op(Op::Read, 2);

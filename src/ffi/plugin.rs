@@ -335,12 +335,19 @@ pub(super) unsafe extern "C" fn reg_mr(
         };
         // SAFETY: comm came from connect/accept and is not closed.
         let c = unsafe { handles::comm(comm) }?;
-        // SAFETY: the buffer is NCCL's, lent to the network until deregMr (the ncclNet
-        // contract for regMr): no Rust object lives in it. The rest of its pages (the cache
-        // registers whole pages, as NCCL's own transport does) is NCCL's page-granular
-        // allocation too; a buffer that shares a page with other memory has it written only
-        // by a peer writing outside the buffers it was offered.
-        let mem = unsafe { crate::verbs::ForeignMem::new(data as u64, size as u64) };
+        // The buffer is NCCL's, lent to the network until deregMr (the ncclNet contract for
+        // regMr): no Rust object lives in it. The rest of its pages (the cache registers whole
+        // pages, as NCCL's own transport does) is NCCL's page-granular allocation too; a
+        // buffer that shares a page with other memory has it written only by a peer writing
+        // outside the buffers it was offered.
+        let (addr, len) = (data as u64, size as u64);
+        let mem = match kind {
+            // SAFETY: as above; NCCL_PTR_HOST is host memory the CPU may read (small sends
+            // from it may go inline).
+            MemKind::Host => unsafe { crate::verbs::ForeignMem::host(addr, len) },
+            // SAFETY: as above; GPU memory, never read by the CPU.
+            _ => unsafe { crate::verbs::ForeignMem::new(addr, len) },
+        };
         let h = reg::register(&c.net()?, &c.devs, kind, mem)?;
         // SAFETY: valid slot per the ABI (NULL rejected).
         *unsafe { out(mhandle, "mhandle") }? = handles::mr_into_raw(h);

@@ -47,7 +47,9 @@ impl RegisteredBuf {
         for pd in pds {
             // SAFETY: the allocation lives until Drop, which drops the MRs first; Rust reaches
             // it only through atomics, which a NIC's writes cannot invalidate.
-            buf.mrs.push(unsafe { Mr::register(pd, ptr.cast(), layout.size(), access) }?);
+            let mr = unsafe { Mr::register(pd, ptr.cast(), layout.size(), access) }?;
+            pd.note_cpu(&mr); // host memory this process allocated
+            buf.mrs.push(mr);
         }
         Ok(buf)
     }

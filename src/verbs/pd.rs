@@ -7,8 +7,10 @@
 //! `ibv_reg_mr_iova2` when an optional access flag (relaxed ordering) is asked for, and a
 //! dma-buf fd with `ibv_reg_dmabuf_mr`. The last two are resolved at run time ([`super::sym`]).
 
+use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
-use std::sync::Arc;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::{Arc, RwLock};
 
 use rdma_sys as sys;
 
@@ -35,6 +37,26 @@ pub enum DmabufProbe {
 pub struct Pd {
     raw: *mut sys::ibv_pd,
     ctx: Arc<Context>,
+    /// The registrations of this PD the CPU may read, by local key: the only memory a
+    /// [`super::Qp::post_send`] copies inline (the provider's CPU reads inline data).
+    cpu: RwLock<HashMap<u32, (u64, u64), BuildHasherDefault<KeyHasher>>>,
+}
+
+/// Hashes a memory key as itself: keys are the provider's, not an attacker's, and SipHash on
+/// every inline post cost more than the post.
+#[derive(Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        self.0 = bytes.iter().fold(self.0, |h, &b| h.rotate_left(8) ^ u64::from(b));
+    }
+    fn write_u32(&mut self, k: u32) {
+        self.0 = u64::from(k).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
 }
 
 // SAFETY: verbs objects may be used from any thread; the PD is only freed in Drop.
@@ -49,11 +71,25 @@ impl Pd {
         if raw.is_null() {
             return Err(Error::verbs("ibv_alloc_pd", errno(), ctx.name()));
         }
-        Ok(Arc::new(Pd { raw, ctx: ctx.clone() }))
+        Ok(Arc::new(Pd { raw, ctx: ctx.clone(), cpu: RwLock::new(HashMap::default()) }))
     }
 
     pub fn context(&self) -> &Arc<Context> {
         &self.ctx
+    }
+
+    /// Notes the registration `mr` as memory the CPU may read (until `mr` goes).
+    pub(super) fn note_cpu(&self, mr: &Mr) {
+        let mut cpu = self.cpu.write().unwrap_or_else(|p| p.into_inner());
+        cpu.insert(mr.lkey, (mr.addr, mr.len as u64));
+    }
+
+    /// Whether `[addr, addr + len)` lies in a registration of this PD under `lkey` that the
+    /// CPU may read.
+    pub(super) fn cpu_readable(&self, lkey: u32, addr: u64, len: u32) -> bool {
+        let cpu = self.cpu.read().unwrap_or_else(|p| p.into_inner());
+        let end = addr.checked_add(u64::from(len));
+        cpu.get(&lkey).is_some_and(|&(a, l)| a <= addr && end.is_some_and(|e| e <= a + l))
     }
 
     pub(super) fn raw(&self) -> *mut sys::ibv_pd {
@@ -195,6 +231,8 @@ impl Mr {
 pub struct ForeignMem {
     addr: u64,
     len: u64,
+    /// Vouched to be host memory the CPU may read ([`ForeignMem::host`]).
+    cpu: bool,
 }
 
 impl ForeignMem {
@@ -204,7 +242,17 @@ impl ForeignMem {
     /// may write it at any time, behind the compiler's back (the peer's RDMA writes, which the
     /// registration allows). A range that is not mapped is harmless: the kernel refuses it.
     pub unsafe fn new(addr: u64, len: u64) -> ForeignMem {
-        ForeignMem { addr, len }
+        ForeignMem { addr, len, cpu: false }
+    }
+
+    /// The same, for host memory: its registration may be the source of inline sends, which
+    /// the provider copies with the CPU.
+    ///
+    /// # Safety
+    /// As for [`ForeignMem::new`]; and the range is host memory that the CPU may read for as
+    /// long as any memory region registered over it exists (never GPU memory).
+    pub unsafe fn host(addr: u64, len: u64) -> ForeignMem {
+        ForeignMem { addr, len, cpu: true }
     }
 
     pub fn addr(&self) -> u64 {
@@ -235,7 +283,7 @@ impl ForeignMem {
                     && mine <= end
                     && end <= last =>
             {
-                Ok(ForeignMem { addr: start, len })
+                Ok(ForeignMem { addr: start, len, cpu: self.cpu })
             }
             _ => Err(Error::Internal(format!(
                 "{start:#x}+{len} is not within the {page}-byte pages of {:#x}+{}",
@@ -255,12 +303,21 @@ impl Mr {
             .map_err(|_| Error::Internal(format!("region of {} bytes", mem.len)))?;
         // SAFETY: the maker of `mem` vouched that no Rust object lives in it for as long as
         // the MR exists; the kernel pins and validates the pages.
-        unsafe { Mr::register(pd, mem.addr as *mut c_void, len, access) }
+        let mr = unsafe { Mr::register(pd, mem.addr as *mut c_void, len, access) }?;
+        if mem.cpu {
+            pd.note_cpu(&mr);
+        }
+        Ok(mr)
     }
 }
 
 impl Drop for Mr {
     fn drop(&mut self) {
+        let mut cpu = self.pd.cpu.write().unwrap_or_else(|p| p.into_inner());
+        if cpu.get(&self.lkey).is_some_and(|&(a, _)| a == self.addr) {
+            cpu.remove(&self.lkey);
+        }
+        drop(cpu);
         // SAFETY: raw is a live MR, deregistered once.
         let rc = unsafe { sys::ibv_dereg_mr(self.raw) };
         if rc != 0 {

@@ -212,7 +212,16 @@ impl Qp {
             if w.signaled {
                 flags |= sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
             }
-            if w.inline && w.local.is_some_and(|l| l.1 <= self.max_inline) {
+            if let Some((addr, len, lkey)) = w.local.filter(|l| w.inline && l.1 <= self.max_inline)
+            {
+                // The provider copies inline data with the CPU: only from memory registered as
+                // host memory, never GPU memory or memory that is not ours.
+                if !self.pd.cpu_readable(lkey, addr, len) {
+                    return Err(Error::Internal(format!(
+                        "inline send of {len} bytes at {addr:#x} (lkey {lkey:#x}): no \
+                         registration of host memory covers it"
+                    )));
+                }
                 flags |= sys::ibv_send_flags::IBV_SEND_INLINE.0;
             }
             let next = if i + 1 < wrs.len() {
