@@ -27,6 +27,10 @@
 //! must equal it, and its anonymous RSS (`RssAnon`, after `malloc_trim`) may have grown by less
 //! than 2 MiB.
 //!
+//! Then two more communicators: A abandons a listener, a connect and a pair while B runs
+//! traffic; A's `finalize` ends exactly A's (its WARN, its queue pairs, errors on its objects)
+//! and B's traffic goes on; B then finalizes, and the device resources are as before.
+//!
 //! Then what `ncclCommAbort` during setup leaves behind: connects and accepts started and never
 //! finished (their listeners closed, or one left open), registrations never deregistered, a
 //! pair never closed with a receive posted. The last `finalize` must end all of it: it WARNs
@@ -461,6 +465,68 @@ impl<'a, 'l> Census<'a, 'l> {
     }
 }
 
+// --- two communicators -------------------------------------------------------------------------
+
+impl Census<'_, '_> {
+    /// Two more communicators beside the census's own: A abandons a listener with an accept
+    /// under way, a connect parked on it and a pair never closed, while B runs traffic. A's
+    /// `finalize` ends A's (one WARN with the counts, A's queue pairs gone, calls on them
+    /// errors) and nothing of B's, whose traffic goes on; then B closes and finalizes, and the
+    /// device resources are what they were before. What went wrong, if anything.
+    fn two_communicators(&mut self, pid: u32) -> Result<Vec<String>, String> {
+        let drv = self.drv;
+        let mut bad = Vec::new();
+        let before = rdma_counts(pid)?;
+        let (a, b) = (drv.init(5)?, drv.init(6)?);
+        let (bs, br) = common::pair(drv, b, RECV_DEV, SEND_DEV)?;
+        self.transfer(bs, br, 1)?;
+        let with_b = rdma_counts(pid)?;
+        let (mut h, la) = drv.listen(a, RECV_DEV)?;
+        if drv.connect(a, SEND_DEV, &mut h)?.is_some() || drv.accept(la)?.is_some() {
+            return Err("two communicators: A connected in one call".into());
+        }
+        let (as_, ar) = common::pair(drv, a, RECV_DEV, SEND_DEV)?;
+        common::warnings();
+        drv.finalize(a)?;
+        let warns = common::warnings();
+        let want = "closed 1 listener(s) and 2 comm(s) and ended 1 connect(s) in progress";
+        if !warns.iter().any(|w| w.contains(want)) {
+            bad.push(format!("A's finalize did not WARN {want:?}; it said {warns:?}"));
+        }
+        let after_a = settle(&Ok(with_b), Duration::from_secs(10), || rdma_counts(pid))?;
+        if after_a != with_b {
+            bad.push(format!("after A's finalize: device resources {after_a}, B's alone {with_b}"));
+        }
+        self.transfer(bs, br, 4).map_err(|e| format!("B's traffic after A's finalize: {e}"))?;
+        let stale = [
+            ("accept", drv.accept(la).map(drop)),
+            ("closeSend", drv.close(Close::Send, as_)),
+            ("closeRecv", drv.close(Close::Recv, ar)),
+            ("closeListen", drv.close(Close::Listen, la)),
+        ];
+        for (what, r) in stale {
+            if r.is_ok() {
+                bad.push(format!("after A's finalize, {what} on A's succeeded"));
+            }
+        }
+        common::warnings();
+        drv.close(Close::Send, bs)?;
+        drv.close(Close::Recv, br)?;
+        drv.finalize(b)?;
+        let after = settle(&Ok(before), Duration::from_secs(10), || rdma_counts(pid))?;
+        if after != before {
+            bad.push(format!("after both finalized: device resources {before} -> {after}"));
+        }
+        if bad.is_empty() {
+            eprintln!(
+                "census: two communicators: A's finalize ended its listener, connect and pair \
+                 ({with_b} with B's pair alone), B's traffic went on, then B finalized"
+            );
+        }
+        Ok(bad)
+    }
+}
+
 // --- abandoned setups and the last finalize ----------------------------------------------------
 
 /// How many setups of each kind the abandon phase leaves behind.
@@ -775,6 +841,8 @@ fn census(args: &[String]) -> Result<(), String> {
     if rss > base.rss + RSS_GROWTH {
         bad.push(format!("RSS grew by {} KiB", (rss - base.rss) >> 10));
     }
+
+    bad.extend(c.two_communicators(pid)?);
 
     // What ncclCommAbort leaves, then the last finalize: nothing may survive it.
     let left = c.abandon()?;
