@@ -582,7 +582,8 @@ fn a_communicators_finalize_ends_its_own_objects_and_no_others() {
     let warned: Vec<_> = take_captured().into_iter().filter(|l| l.0 == 2).collect();
     let want = "closed 1 listener(s) and 2 comm(s) and ended 1 connect(s) in progress";
     assert!(warned.len() == 1 && warned[0].2.contains(want), "{warned:?}");
-    assert_eq!(qps("after A's finalize"), 4, "B's pair only (of {both})");
+    let after_a = settle(&4, Duration::from_secs(10), || qps("after A's finalize"));
+    assert_eq!(after_a, 4, "B's pair only (of {both})");
     let accept = drv.accept(la).expect_err("accept on A's ended listener");
     assert!(accept.contains("returned ncclResult 3"), "{accept}");
     transfer(&drv, bs, br, 65536, 2).expect("B's traffic goes on");
@@ -592,7 +593,7 @@ fn a_communicators_finalize_ends_its_own_objects_and_no_others() {
     }
     close_both(&drv, bs, br).unwrap();
     drv.finalize(b).unwrap();
-    assert_eq!(qps("after both"), 0);
+    assert_eq!(settle(&0, Duration::from_secs(10), || qps("after both")), 0);
 }
 
 /// A second `finalize` of a context, and a `listen` or `connect` on it after its `finalize`,

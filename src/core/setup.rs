@@ -1017,10 +1017,12 @@ impl Listen {
         match self.place() {
             Ok(place) => {
                 self.pending[i].place = Some(place);
+                self.pending[i].grace = None;
                 Cmd::Wait
             }
             Err(why) => {
-                let graced = self.pending.iter().filter(|p| p.grace.is_some()).count();
+                let in_grace = |p: &&Pending| p.grace.is_some() && !p.answer.proven();
+                let graced = self.pending.iter().filter(in_grace).count();
                 match self.pending[i].grace {
                     Some(until) if now <= until => return Cmd::Wait,
                     None if graced < MAX_GRACE => {

@@ -491,10 +491,12 @@ mod tests {
     fn a_close_takes_the_gate_and_never_frees_under_a_call() {
         use std::sync::atomic::AtomicBool;
         use std::sync::mpsc::channel;
-        for stay in [Duration::from_millis(200), PATIENCE + Duration::from_millis(500)] {
+        // The call leaves while the close waits (released 50 ms into its 1 s), or only once
+        // the close gave up on it.
+        for leaves in [true, false] {
             let addr = Box::into_raw(Box::new(Owned::new(vec![7u8; 64]))) as usize;
             let left = Arc::new(AtomicBool::new(false));
-            let (inside, rx) = channel();
+            let ((inside, entered), (release, go)) = (channel(), channel::<()>());
             let call = {
                 let left = left.clone();
                 std::thread::spawn(move || {
@@ -502,21 +504,26 @@ mod tests {
                     let o = unsafe { &*(addr as *const Owned<Vec<u8>>) };
                     let g = o.enter("comm").expect("free");
                     inside.send(()).unwrap();
-                    std::thread::sleep(stay);
+                    go.recv().unwrap();
                     assert_eq!(g[63], 7, "the value is intact under the call");
                     left.store(true, Ordering::SeqCst);
                 })
             };
-            rx.recv().unwrap();
-            // SAFETY: addr came from Box::into_raw above and is taken back once.
-            let b = unsafe { Box::from_raw(addr as *mut Owned<Vec<u8>>) };
-            let r = close_owned(b, |o| o, "sendComm");
-            if stay < PATIENCE {
-                r.expect("closed once the call left");
+            entered.recv().unwrap();
+            let close = std::thread::spawn(move || {
+                // SAFETY: addr came from Box::into_raw above and is taken back once.
+                let b = unsafe { Box::from_raw(addr as *mut Owned<Vec<u8>>) };
+                close_owned(b, |o| o, "sendComm").map_err(|e| e.to_string())
+            });
+            if leaves {
+                std::thread::sleep(Duration::from_millis(50));
+                release.send(()).unwrap();
+                close.join().unwrap().expect("closed once the call left");
                 assert!(left.load(Ordering::SeqCst), "closed only after the call left");
             } else {
-                let e = r.expect_err("a call inside past the patience").to_string();
+                let e = close.join().unwrap().expect_err("a call inside past the patience");
                 assert!(e.contains("leaked"), "{e}");
+                release.send(()).unwrap();
             }
             call.join().expect("the call ran to its end on valid memory");
         }

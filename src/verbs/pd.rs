@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, RwLock, RwLockReadGuard};
 
 use rdma_sys as sys;
 
@@ -40,6 +40,19 @@ pub struct Pd {
     /// The registrations of this PD the CPU may read, by local key: the only memory a
     /// [`super::Qp::post_send`] copies inline (the provider's CPU reads inline data).
     cpu: RwLock<HashMap<u32, (u64, u64), BuildHasherDefault<KeyHasher>>>,
+}
+
+/// [`Pd::cpu_readable`]'s guard.
+pub(super) struct CpuReadable<'a>(
+    RwLockReadGuard<'a, HashMap<u32, (u64, u64), BuildHasherDefault<KeyHasher>>>,
+);
+
+impl CpuReadable<'_> {
+    /// Whether `[addr, addr + len)` lies in a registration under `lkey` that the CPU may read.
+    pub(super) fn covers(&self, lkey: u32, addr: u64, len: u32) -> bool {
+        let end = addr.checked_add(u64::from(len));
+        self.0.get(&lkey).is_some_and(|&(a, l)| a <= addr && end.is_some_and(|e| e <= a + l))
+    }
 }
 
 /// Hashes a memory key as itself: keys are the provider's, not an attacker's, and SipHash on
@@ -84,12 +97,10 @@ impl Pd {
         cpu.insert(mr.lkey, (mr.addr, mr.len as u64));
     }
 
-    /// Whether `[addr, addr + len)` lies in a registration of this PD under `lkey` that the
-    /// CPU may read.
-    pub(super) fn cpu_readable(&self, lkey: u32, addr: u64, len: u32) -> bool {
-        let cpu = self.cpu.read().unwrap_or_else(|p| p.into_inner());
-        let end = addr.checked_add(u64::from(len));
-        cpu.get(&lkey).is_some_and(|&(a, l)| a <= addr && end.is_some_and(|e| e <= a + l))
+    /// The registrations the CPU may read, held for a post: none of them is deregistered
+    /// (nor its memory freed) while the guard lives.
+    pub(super) fn cpu_readable(&self) -> CpuReadable<'_> {
+        CpuReadable(self.cpu.read().unwrap_or_else(|p| p.into_inner()))
     }
 
     pub(super) fn raw(&self) -> *mut sys::ibv_pd {

@@ -208,7 +208,7 @@ pub fn choose(lanes: &[Lane], avoid: u128, (rotation, other): (usize, usize), by
 
 /// Split mode: the lanes whose chunk is empty: the dead ones and those to avoid ([`AVOID`]).
 pub fn avoided(lanes: &[Lane], alive: u128, now: Duration) -> u128 {
-    let dead = (0..lanes.len()).filter(|&q| alive & (1 << q) == 0).fold(0, |m, q| m | 1 << q);
+    let dead = !alive & super::lanes_mask(lanes.len());
     // No rate known (small messages only, or none lately): no lane is slow, and the rates
     // are not read twice.
     let Some(best) = best(lanes, alive, now) else { return dead };

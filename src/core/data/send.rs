@@ -498,10 +498,12 @@ impl SendCore {
         let before = self.slots[slot].bufs[r].replace(buf);
         if last {
             self.plan(slot, optional);
-            let fits = self.fits(slot, &self.slots[slot].bufs[..nreqs], optional);
-            if !fits.inspect_err(|_| self.slots[slot].bufs[r] = before)? {
-                self.slots[slot].bufs[r] = before;
-                return Ok(None);
+            match self.fits(slot, &self.slots[slot].bufs[..nreqs], optional) {
+                Ok(true) => {}
+                no => {
+                    self.slots[slot].bufs[r] = before;
+                    return no.map(|_| None);
+                }
             }
         }
         let id = slot * MAX_RECVS + r;
