@@ -75,6 +75,22 @@ check_rust() {
         fi
     done
     echo "install.sh: rustc $have (edition 2024 needs $need), cargo fmt and clippy present"
+    check_nightly
+}
+
+# ci/sanitizers.sh needs a nightly toolchain with Miri and std's source (-Zbuild-std). It adds
+# the components to the nightly already installed (no newer nightly is fetched when one is
+# there), from rustup's own distribution server.
+check_nightly() {
+    if ! rustup run nightly rustc --version >/dev/null 2>&1; then
+        echo "install.sh: installing a nightly toolchain for ci/sanitizers.sh"
+        rustup toolchain install nightly --profile minimal
+    fi
+    if ! cargo +nightly miri --version >/dev/null 2>&1 ||
+        [[ ! -d "$(rustc +nightly --print sysroot)/lib/rustlib/src/rust/library" ]]; then
+        rustup component add --toolchain nightly rust-src miri
+    fi
+    echo "install.sh: $(rustc +nightly --version) with $(cargo +nightly miri --version) and rust-src"
 }
 
 main "$@"

@@ -8,7 +8,10 @@
 #   4. build the release plugin and the test binaries on the host, boot the Soft-RoCE VM and
 #      run the VM tests against rxe0/rxe1 inside it, plus perftest between the same devices;
 #   5. boot it again with 4 ranks on one bridge and run the cluster test (ring collectives,
-#      ECMP ports, the failure of one rank).
+#      ECMP ports, the failure of one rank);
+#   6. the checkers of undefined behaviour (ci/sanitizers.sh): Miri on the handle register and
+#      FFI boundary, AddressSanitizer on the unit tests, ThreadSanitizer on the unit tests and
+#      on the concurrency and census programs in the VM.
 # Steps 4 and 5 run with one core busy: a CPU-bound process of this script's own (`yes`) runs
 # beside them, as other jobs do on a shared build machine (FERROCE_CI_HOG=0 leaves it out).
 # A VM that does not boot fails the run; nothing is skipped.
@@ -85,6 +88,9 @@ for l in sys.stdin:
     kill "$hog"
     echo "ci/test.sh: stopped the CPU hog (pid $hog)"
   fi
+
+  step "Miri, AddressSanitizer and ThreadSanitizer"
+  ci/sanitizers.sh
 
   step "done: all tests passed in $((SECONDS - t0)) s"
 }

@@ -557,6 +557,117 @@ fn the_receivers_nic_refuses_a_peers_rdma_read() {
     drv.finalize(ctx).unwrap();
 }
 
+/// Least privilege on the sending side, on real verbs: a listener of our own (raw verbs on
+/// rxe1, speaking the handshake itself) takes the plugin's connect. The receiver must write
+/// its clear-to-send rows into the sender's FIFO, so the sender's queue pair takes writes, but
+/// its FIFO's key covers the FIFO alone: a write into the FIFO goes through (the path works),
+/// and then an RDMA read of it, or a write one byte past it with its key, is refused by the
+/// sender's NIC. Each refusal takes a connection of its own (the refused queue pair goes to
+/// the error state).
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn the_senders_nic_refuses_a_read_and_a_write_outside_its_fifo() {
+    use ferroce::verbs::{self, Cq, Pd, Qp, QpCaps, RegisteredBuf, RtrAttr, RtsAttr};
+    use ferroce_core::data::FIFO_AREA;
+    use ferroce_core::setup::first_psn;
+    use ferroce_core::setup::wire::MSG_LEN;
+    use ferroce_core::wr::{Op, SendWr};
+    use std::io::{Read, Write};
+    use std::sync::Arc;
+    let _g = vm_serial();
+    set_env(&[("NCCL_IB_QPS_PER_CONNECTION", Some("1"))]);
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12).unwrap();
+    let ctx = drv.init(1).unwrap();
+    set_env(&[("NCCL_IB_QPS_PER_CONNECTION", None)]);
+
+    // Our end on rxe1: a queue pair that grants nothing, a CQ, a zeroed local buffer.
+    let (_, mut ctxs) = verbs::open_all(|n| n == "rxe1").unwrap();
+    let dev = Arc::new(ctxs.remove(0).unwrap());
+    let pd = Pd::new(&dev).unwrap();
+    let ours: std::net::Ipv6Addr = "::ffff:198.18.0.2".parse().unwrap();
+    let sgid = (0..16).find(|&i| dev.query_gid(1, i).is_ok_and(|g| g == ours.octets()));
+    let sgid = sgid.expect("rxe1's RoCE v2 GID") as u8;
+    let local = RegisteredBuf::new(&pd, 64, verbs::ACCESS_LOCAL_WRITE).unwrap();
+    let tcp = std::net::TcpListener::bind("198.18.0.2:0").unwrap();
+
+    // One connection from the plugin; `offset` and `op` the refused operation, whose status is
+    // returned after a write into the FIFO went through.
+    let refused = |op: Op, offset: u64| -> u32 {
+        let nonce = 0x5eed_0000 + offset;
+        let h = Handle { addr: tcp.local_addr().unwrap(), nonce, members: 1 };
+        let mut handle = [0u8; 128];
+        h.encode(&mut handle);
+        let cq = Cq::new(&dev, 16).unwrap();
+        let caps = QpCaps { max_send_wr: 8, max_recv_wr: 1, max_inline: 0 };
+        let qp = Qp::create_rc(&pd, &cq, caps).unwrap();
+        qp.to_init(1, 0).unwrap();
+        let t = Instant::now();
+        let mut send = drv.connect(ctx, 0, &mut handle).unwrap();
+        let (mut s, _) = tcp.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut hello = [0u8; MSG_LEN];
+        s.read_exact(&mut hello).expect("the plugin's hello");
+        let hello = Msg::decode(&hello, Kind::Hello, nonce).expect("a valid hello");
+        assert_eq!(hello.nqps, 1);
+        let rtr = RtrAttr {
+            port: 1,
+            path_mtu: 3,
+            dest_qpn: hello.qpns[0],
+            dgid: hello.gid,
+            sgid_index: sgid,
+            flow_label: 0,
+            traffic_class: 0,
+            sl: 0,
+            rq_psn: first_psn(nonce, hello.qpns[0]),
+        };
+        qp.to_rtr(&rtr).unwrap();
+        let rts =
+            RtsAttr { timeout: 14, retry_cnt: 3, rnr_retry: 3, sq_psn: first_psn(nonce, qp.qpn()) };
+        qp.to_rts(&rts).unwrap();
+        let mut reply = Msg { kind: Kind::Reply, gid: ours.octets(), ..hello };
+        reply.qpns = std::array::from_fn(|i| if i == 0 { qp.qpn() } else { 0 });
+        (reply.buf_addr, reply.buf_rkey) = (local.addr(0), local.rkey());
+        s.write_all(&reply.encode()).unwrap();
+        while send.is_none() {
+            send = drv.connect(ctx, 0, &mut handle).unwrap();
+            assert!(t.elapsed() < Duration::from_secs(30), "no comm after our reply");
+        }
+        let post = |op: Op, remote_addr: u64, wr_id: u64| -> u32 {
+            let wr = SendWr {
+                wr_id,
+                op,
+                signaled: true,
+                local: Some((local.addr(0), 8, local.lkey())),
+                remote_addr,
+                rkey: hello.buf_rkey,
+                inline: false,
+            };
+            qp.post_send(&[wr]).unwrap();
+            let (mut status, t) = (None, Instant::now());
+            while status.is_none() {
+                cq.poll_with(|_, _, c| {
+                    assert_eq!(c.wr_id, wr_id);
+                    status = Some(c.status);
+                })
+                .unwrap();
+                assert!(t.elapsed() < Duration::from_secs(60), "no completion");
+            }
+            status.unwrap()
+        };
+        // Zeros over the FIFO's first row, which is zero: nothing the sender reads changes.
+        assert_eq!(post(Op::Write, hello.buf_addr, 1), 0, "a write into the FIFO goes through");
+        let status = post(op, hello.buf_addr + offset, 2);
+        drv.close(Close::Send, send.unwrap()).unwrap();
+        status
+    };
+    // IBV_WC_REM_INV_REQ_ERR (9): the sender's queue pair does not allow remote reads.
+    assert_eq!(refused(Op::Read, 0), 9, "a read of the sender's FIFO");
+    // IBV_WC_REM_ACCESS_ERR (10): the key does not cover the byte past the FIFO.
+    assert_eq!(refused(Op::Write, 8 * FIFO_AREA as u64), 10, "a write past the FIFO");
+    drv.finalize(ctx).unwrap();
+}
+
 /// Nothing outlives its communicator. Context A leaves a listener, a connect in progress and
 /// a connected pair open and finalizes while context B runs traffic: A's are ended (one WARN
 /// with the counts, their queue pairs gone, calls on them errors), B's traffic goes on, and

@@ -20,10 +20,10 @@
 //! - The acceptor moves its queue pairs to RTS before its reply goes out, the connector before
 //!   its ready: no CTS is ever written before the sender's QP can take it.
 //! - No connection is ever pushed out to make room for another. A listener holds at most
-//!   [`MAX_PENDING`] connections that have not proven themselves, the process at most
-//!   [`MAX_UNPROVEN`] over all its listeners; a newcomer beyond either cap has a short
-//!   [`GRACE`] to prove itself (at most [`MAX_GRACE`] at once; beyond that it is read once)
-//!   and is refused unless it did. So strangers that arrive after the rightful peer cannot
+//!   [`MAX_PENDING`] connections that have not proven themselves ([`MAX_PER_SOURCE`] of them
+//!   from one address), the process at most [`MAX_UNPROVEN`] over all its listeners; a
+//!   newcomer beyond any cap has a short [`GRACE`] to prove itself (at most [`MAX_GRACE`] at
+//!   once; beyond that it is read once) and is refused unless it did. So strangers that arrive after the rightful peer cannot
 //!   knock it off, strangers that came first cannot keep it out (its hello leaves with its TCP
 //!   connection), and what they cost is bounded.
 //! - A hello is served only if its QP count is within this side's own configured count
@@ -36,7 +36,7 @@
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -51,6 +51,12 @@ pub mod wire;
 /// refused rather than any of them pushed out: one that arrived first, as the rightful peer's
 /// connection may have, keeps its place however many come after it.
 pub const MAX_PENDING: usize = 64;
+/// The most of a listener's [`MAX_PENDING`] places that connections from one source address
+/// hold: one host's strangers cannot fill a listener's places, which connections from
+/// elsewhere (the rightful peer's among them) still find. A connection beyond it is admitted
+/// as one beyond any cap is (its [`GRACE`]), so the rightful peer that shares its address with
+/// strangers is no worse off than without it.
+pub const MAX_PER_SOURCE: usize = MAX_PENDING / 4;
 /// The most connections that have not proven themselves in the whole process, over all its
 /// listeners, beyond each listener's first. Each holds an fd for up to [`HELLO_TIMEOUT`], and
 /// NCCL keeps a listener per connection being set up, so a per-listener cap alone would let
@@ -906,16 +912,24 @@ impl Listen {
         let id = self.next_id;
         self.next_id += 1;
         let answer = Answer::new(peer, now + HELLO_TIMEOUT.min(self.terms.timeout));
-        let place = self.place().ok();
+        let place = self.place(peer.ip()).ok();
         self.pending.push_back(Pending { id, answer, place, grace: None });
         id
     }
 
-    /// A place for one more unproven connection, or why there is none.
-    fn place(&self) -> Result<Place, String> {
-        let held = self.pending.iter().filter(|p| p.place.is_some()).count();
+    /// A place for one more unproven connection, from `from`, or why there is none.
+    fn place(&self, from: IpAddr) -> Result<Place, String> {
+        let held = self.pending.iter().filter(|p| p.place.is_some());
+        let (held, theirs) =
+            held.fold((0, 0), |(n, t), p| (n + 1, t + usize::from(p.answer.peer.ip() == from)));
         if held == 0 {
             return Ok(Place(None));
+        }
+        if theirs >= MAX_PER_SOURCE {
+            return Err(format!(
+                "refused: {MAX_PER_SOURCE} connections from {from} to this listener have yet \
+                 to prove themselves (the most from one address)"
+            ));
         }
         if held >= MAX_PENDING {
             return Err(format!(
@@ -1014,7 +1028,7 @@ impl Listen {
         if p.place.is_some() || p.answer.proven() {
             return Cmd::Wait;
         }
-        match self.place() {
+        match self.place(p.answer.peer.ip()) {
             Ok(place) => {
                 self.pending[i].place = Some(place);
                 self.pending[i].grace = None;

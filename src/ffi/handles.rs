@@ -142,9 +142,10 @@ pub fn owner_of(p: *mut c_void) -> usize {
     live().get(&(p as usize)).map_or(0, |&(_, owner)| owner)
 }
 
-/// Takes back a registered box, if the register knows `p` as `kind`; otherwise touches
-/// nothing.
-fn leave<T>(p: *mut c_void, kind: Kind, what: &str) -> Result<Box<T>> {
+/// Takes a registered box out of the register, if it knows `p` as `kind`; otherwise touches
+/// nothing. The caller owns the box from here, but gets a pointer, not a `Box`: a `Box` claims
+/// sole access, which only holds once no call is inside (see [`close_owned`]).
+fn leave<T>(p: *mut c_void, kind: Kind, what: &str) -> Result<*mut T> {
     if p.is_null() {
         return Err(Error::Internal(format!("NULL {what}")));
     }
@@ -155,9 +156,7 @@ fn leave<T>(p: *mut c_void, kind: Kind, what: &str) -> Result<Box<T>> {
         )));
     }
     live.remove(&(p as usize));
-    // SAFETY: the register holds exactly the addresses made by Box::into_raw::<T> in `enter`
-    // for this kind and not yet taken back; it was just removed, so this happens once.
-    Ok(unsafe { Box::from_raw(p.cast::<T>()) })
+    Ok(p.cast::<T>())
 }
 
 fn ended(what: &str) -> Error {
@@ -257,28 +256,42 @@ pub unsafe fn listener<'a>(p: *mut c_void) -> Result<&'a Owned<Listener>> {
 
 /// Takes back a listener NCCL closes.
 pub fn close_listener(p: *mut c_void) -> Result<()> {
-    let b: Box<Owned<Listener>> = leave(p, Kind::Listen, "listenComm")?;
-    close_owned(b, |o| o, "listenComm")
+    let b = leave::<Owned<Listener>>(p, Kind::Listen, "listenComm")?;
+    // SAFETY: `leave` just took `b` out of the register, so it is closed exactly once.
+    unsafe { close_owned(b, |o| o, "listenComm") }
 }
 
 /// Frees a closed object once no call is inside it: its gate is taken first (a call on
 /// another thread, against the ncclNet contract, is waited for up to [`PATIENCE`]). One still
-/// inside after that keeps the object: it is leaked, never freed under that call.
-fn close_owned<B, T>(b: Box<B>, owned: impl Fn(&B) -> &Owned<T>, what: &str) -> Result<()> {
-    match owned(&b).end(Instant::now() + PATIENCE) {
+/// inside after that keeps the object: it is leaked, never freed under that call. Until the
+/// gate is taken only shared references to the box exist (Miri caught a `Box` made first:
+/// moving it asserts sole access while the other call still reads through its `&`).
+///
+/// # Safety
+/// `b` is a live box from `Box::into_raw` that no one else will free or close.
+unsafe fn close_owned<B, T>(b: *mut B, owned: impl Fn(&B) -> &Owned<T>, what: &str) -> Result<()> {
+    // SAFETY: per the contract `b` is alive; shared access only, as a call inside may hold one.
+    let ended_now = owned(unsafe { &*b }).end(Instant::now() + PATIENCE);
+    let free = || {
+        // SAFETY: the gate was taken and released with no call inside, and the register no
+        // longer holds `b`, so no call can reach it: this is the only access, and the last.
+        drop(unsafe { Box::from_raw(b) })
+    };
+    match ended_now {
         Ok(Some(value)) => {
             drop(value);
+            free();
             Ok(())
         }
-        Ok(None) => Err(ended(what)),
-        Err(()) => {
-            std::mem::forget(b);
-            Err(Error::Internal(format!(
-                "{what} closed while a call on another thread was inside it for over {} s; it \
-                 stays allocated (leaked), never freed under that call",
-                PATIENCE.as_secs()
-            )))
+        Ok(None) => {
+            free();
+            Err(ended(what))
         }
+        Err(()) => Err(Error::Internal(format!(
+            "{what} closed while a call on another thread was inside it for over {} s; it \
+                 stays allocated (leaked), never freed under that call",
+            PATIENCE.as_secs()
+        ))),
     }
 }
 
@@ -377,8 +390,9 @@ pub unsafe fn request<'a>(p: *mut c_void) -> Result<(&'a Req, &'a CommHandle)> {
 
 /// Takes back a comm NCCL closes.
 pub fn close_comm(p: *mut c_void, what: &str) -> Result<()> {
-    let b: Box<CommHandle> = leave(p, Kind::Comm, what)?;
-    close_owned(b, |h| &h.comm, what)
+    let b = leave::<CommHandle>(p, Kind::Comm, what)?;
+    // SAFETY: `leave` just took `b` out of the register, so it is closed exactly once.
+    unsafe { close_owned(b, |h| &h.comm, what) }
 }
 
 // --- registrations -----------------------------------------------------------------------------
@@ -412,8 +426,10 @@ pub unsafe fn mr<'a>(p: *mut c_void) -> Result<&'a MrHandle> {
 
 /// Takes back a registration NCCL deregisters.
 pub fn close_mr(p: *mut c_void) -> Result<MrHandle> {
-    let b: Box<MrSlot> = leave(p, Kind::Mr, "mhandle")?;
-    b.0.into_inner().ok_or_else(|| ended("mhandle"))
+    let b = leave::<MrSlot>(p, Kind::Mr, "mhandle")?;
+    // SAFETY: `leave` just took it out of the register (once), and NCCL deregisters a handle
+    // no call is using (see [`MrSlot`]).
+    unsafe { Box::from_raw(b) }.0.into_inner().ok_or_else(|| ended("mhandle"))
 }
 
 // --- the last finalize -------------------------------------------------------------------------
@@ -511,9 +527,9 @@ mod tests {
             };
             entered.recv().unwrap();
             let close = std::thread::spawn(move || {
-                // SAFETY: addr came from Box::into_raw above and is taken back once.
-                let b = unsafe { Box::from_raw(addr as *mut Owned<Vec<u8>>) };
-                close_owned(b, |o| o, "sendComm").map_err(|e| e.to_string())
+                // SAFETY: addr came from Box::into_raw above and is closed once.
+                unsafe { close_owned(addr as *mut Owned<Vec<u8>>, |o| o, "sendComm") }
+                    .map_err(|e| e.to_string())
             });
             if leaves {
                 std::thread::sleep(Duration::from_millis(50));
@@ -524,6 +540,11 @@ mod tests {
                 let e = close.join().unwrap().expect_err("a call inside past the patience");
                 assert!(e.contains("leaked"), "{e}");
                 release.send(()).unwrap();
+                call.join().expect("the call ran to its end on valid memory");
+                // The test frees what the close left, so leak checkers see none.
+                // SAFETY: the call has left and the close gave the box up.
+                drop(unsafe { Box::from_raw(addr as *mut Owned<Vec<u8>>) });
+                continue;
             }
             call.join().expect("the call ran to its end on valid memory");
         }
@@ -572,7 +593,9 @@ mod tests {
         let e = o.enter("sendComm").err().expect("ended");
         assert!(e.to_string().contains("outlived the last finalize"), "{e}");
         assert_eq!(o.end(soon), Ok(None), "ending twice finds nothing");
-        let closed = close_owned(Box::new(o), |o| o, "sendComm").expect_err("closing it");
+        // SAFETY: a fresh box, closed once.
+        let closed = unsafe { close_owned(Box::into_raw(Box::new(o)), |o| o, "sendComm") };
+        let closed = closed.expect_err("closing it");
         assert!(closed.to_string().contains("outlived the last finalize"), "{closed}");
     }
 
@@ -595,8 +618,10 @@ mod tests {
         let p = enter(Box::new(Owned::new(7u64)), Kind::Listen, 0);
         assert!(leave::<Owned<u64>>(p, Kind::Comm, "sendComm").is_err(), "wrong kind");
         let b = leave::<Owned<u64>>(p, Kind::Listen, "listenComm").expect("registered");
+        // SAFETY: `leave` handed the box back to this test, once.
+        let b = unsafe { Box::from_raw(b) };
         assert_eq!(b.end(Instant::now()), Ok(Some(7)));
-        let twice = leave::<Owned<u64>>(p, Kind::Listen, "listenComm").err().expect("gone");
+        let twice = leave::<Owned<u64>>(p, Kind::Listen, "listenComm").expect_err("gone");
         assert!(twice.to_string().contains("not open"), "{twice}");
         let mut local = 0u64;
         let foreign: *mut c_void = (&raw mut local).cast();

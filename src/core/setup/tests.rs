@@ -1215,20 +1215,29 @@ fn at_most_max_grace_newcomers_wait_in_their_grace() {
     let mut l = listen("l", MAX_QPS_HERE, &count);
     l.begin(t0);
     for i in 0..MAX_PENDING + MAX_GRACE {
-        let id = l.admit(SocketAddr::new([10, 0, 2, 1].into(), i as u16), t0);
+        let id = l.admit(host(i as u16), t0);
         assert!(matches!(l.advance(id, t0, Input::Poll), Cmd::Recv(MSG_LEN)));
         assert!(matches!(l.advance(id, t0, Input::Blocked), Cmd::Wait), "{i} kept");
     }
-    let id = l.admit(SocketAddr::new([10, 0, 2, 1].into(), 999), t0);
+    let id = l.admit(host(999), t0);
     assert!(matches!(l.advance(id, t0, Input::Poll), Cmd::Recv(MSG_LEN)));
     assert!(matches!(l.advance(id, t0, Input::Blocked), Cmd::Close), "no grace left: refused");
     assert_eq!(l.ids().len(), MAX_PENDING + MAX_GRACE);
 }
 
-/// Admits a silent connection to `l` and serves it once, then again once any grace is over:
-/// whether it was kept (it has a place).
-fn admit_silent(l: &mut Listen, port: u16, now: Instant) -> bool {
-    let id = l.admit(SocketAddr::new([10, 0, 2, 1].into(), port), now);
+/// Host `i`'s address (each its own: one address holds at most [`MAX_PER_SOURCE`] places).
+fn host(i: u16) -> SocketAddr {
+    SocketAddr::new([10, 1, (i >> 8) as u8, i as u8].into(), 40000)
+}
+
+/// Admits a silent connection from host `i` to `l` and serves it once, then again once any
+/// grace is over: whether it was kept (it has a place).
+fn admit_silent(l: &mut Listen, i: u16, now: Instant) -> bool {
+    admit_silent_from(l, host(i), now)
+}
+
+fn admit_silent_from(l: &mut Listen, from: SocketAddr, now: Instant) -> bool {
+    let id = l.admit(from, now);
     let later = now + GRACE + Duration::from_millis(1);
     for at in [now, later] {
         assert!(matches!(l.advance(id, at, Input::Poll), Cmd::Recv(MSG_LEN)));
@@ -1258,7 +1267,7 @@ fn the_cap_is_exactly_max_pending() {
     assert_eq!(w.len(), 1);
     assert!(
         w[0].contains(
-            "from 10.0.2.1:999: refused: 64 connections to this listener have yet to prove \
+            "from 10.1.3.231:40000: refused: 64 connections to this listener have yet to prove \
              themselves (none is pushed out for a newcomer)"
         ),
         "{w:?}"
@@ -1272,6 +1281,30 @@ fn the_cap_is_exactly_max_pending() {
     assert!(admit_silent(&mut l, 1000, late));
     drop(l);
     assert_eq!(count.held(), 0, "a closed listener gives its places back");
+}
+
+#[test]
+fn one_address_holds_at_most_max_per_source_places() {
+    // Silent strangers from one address: the first MAX_PER_SOURCE keep places, the next is
+    // refused once its grace is over; a connection from anywhere else still finds a place.
+    let t0 = Instant::now();
+    let count = unproven();
+    let mut l = listen("l", MAX_QPS_HERE, &count);
+    l.begin(t0);
+    let one = |port| SocketAddr::new([10, 9, 9, 9].into(), port);
+    for i in 0..MAX_PER_SOURCE {
+        assert!(admit_silent_from(&mut l, one(i as u16), t0), "connection {i} refused");
+    }
+    assert!(!admit_silent_from(&mut l, one(999), t0), "one address held more");
+    let w = l.take_warnings();
+    assert!(
+        w[0].contains(
+            "refused: 16 connections from 10.9.9.9 to this listener have yet to prove themselves"
+        ),
+        "{w:?}"
+    );
+    assert!(admit_silent(&mut l, 1, t0), "another address found no place");
+    assert_eq!(l.ids().len(), MAX_PER_SOURCE + 1);
 }
 
 #[test]
