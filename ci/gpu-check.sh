@@ -13,9 +13,11 @@
 #      core does before it calls a plugin's regMrDmaBuf (cuMemGetHandleForAddressRange over
 #      [ptr, roundup(size, host page))), and the fd covers the range ferroce would register
 #      ([0, size) at iova = ptr), also for a sub-range starting one GPU page in; the fd closes.
-#  (b) NCCL: the real NCCL loads ferroce by NCCL_NET_PLUGIN=ferroce, ferroce says why it has no
-#      RDMA device (its only WARN: any other, such as one from NCCL's finalize(NULL) after the
-#      failed init, fails), and NCCL falls back to another network without crashing.
+#  (b) NCCL: the real NCCL loads ferroce by NCCL_NET_PLUGIN=ferroce and its calls return. On a
+#      host with no RDMA device, ferroce says why it has none (its only WARN: any other, such as
+#      one from NCCL's finalize(NULL) after the failed init, fails) and NCCL falls back to
+#      another network without crashing; on one with an RDMA device (/sys/class/infiniband),
+#      NCCL uses ferroce, ferroce lists its devices, and it WARNs of nothing.
 #  (c) send from GPU memory: ferroce (ncclNet v12) connects device 0 to itself, registers
 #      cuMemAlloc'd memory (regMrDmaBuf, else regMr NCCL_PTR_CUDA) and sends 8, 256 and 4096 B
 #      from it into host memory, byte-exact; a CPU read of GPU memory (say, a small send
@@ -97,7 +99,9 @@ main() {
   run_case "(a) dma-buf export" dmabuf dmabuf
 
   if [[ -n $nccl ]]; then
-    echo "=== gpu-check: (b) ferroce under NCCL, one rank, no RDMA device"
+    local rdma
+    rdma=$(ls /sys/class/infiniband 2>/dev/null | wc -l)
+    echo "=== gpu-check: (b) ferroce under NCCL, one rank, $rdma RDMA device(s)"
     run_case "(b) NCCL calls return, no crash" nccl nccl "$nccl"
     local version
     version=$(grep -o -m1 'NCCL version [0-9.]*' "$log") || version="NCCL version unknown"
@@ -106,6 +110,12 @@ main() {
     if ((rc != 2)); then
       echo "=== gpu-check: (b) what NCCL's log shows"
       expect "(b) NCCL loaded ferroce" 'Loaded net plugin ferroce|external network plugin .*ferroce' "$log"
+    fi
+    if ((rc != 2 && rdma > 0)); then
+      expect "(b) NCCL uses ferroce" 'Using network ferroce' "$log"
+      expect "(b) ferroce lists its devices" 'NET/ferroce: device 0: ' "$log"
+      refuse "(b) ferroce WARNs of nothing" 'NET/ferroce:' "$log" 'NCCL (INFO|TRACE) NET/ferroce:'
+    elif ((rc != 2)); then
       expect "(b) ferroce says why it has no device" 'NET/ferroce: .*(no usable RDMA device|no RDMA devices)' "$log"
       expect "(b) NCCL fell back to another network" 'Using network' "$log" 'Using network ferroce'
       # Where there is no RDMA NIC, that one WARN is all ferroce may say above INFO: anything

@@ -63,7 +63,7 @@ knobs! {
     "FERROCE_SPORT_RANGE", "65536 - base", "number of source ports used from the base (at most 16384)";
     "FERROCE_SPORT_SPREAD", "1", "1: the connections of a process to one peer get disjoint port blocks (each direction its own half of the range); 0: every connection uses base+i";
     "NCCL_IB_TC", "-1", "traffic class (DSCP << 2 | ECN) of the data QPs; -1: the communicator's, else 0";
-    "NCCL_IB_FIFO_TC", "-1", "traffic class of the receiver's control (CTS) writes; -1: the data one";
+    "NCCL_IB_FIFO_TC", "-1", "read by the receiver: traffic class of its QPs, which carry its control (CTS) writes; -1: the sender's data one (as NCCL)";
     "NCCL_IB_SL", "-1", "service level; -1: the communicator's traffic class (the SL field's 4 bits of it), else 0";
     "NCCL_SOCKET_IFNAME", "(the GID's interface)", "interfaces for the connection-setup listener, NCCL syntax: prefixes, =exact, ^exclude, lists";
     "FERROCE_SETUP_TIMEOUT_MS", "120000", "deadline of each connection-setup step (TCP connect, each handshake message, waiting for a peer)";
@@ -72,7 +72,36 @@ knobs! {
     "NCCL_DMABUF_ENABLE", "1", "0: never offer dma-buf registration of GPU memory (peer memory still works)";
     "NCCL_GDR_FLUSH_DISABLE", "0", "1: no RDMA-read flush after receives into GPU memory";
     "NCCL_IB_PCI_RELAXED_ORDERING", "2", "relaxed ordering for NCCL's buffers: 0 off, 1 on (WARN where impossible), 2 on where the provider accepts it";
+    "NCCL_IB_QUERY_PORT_SPEED", "1", "0: the port speed from its active speed and width, not ibv_query_port_speed (as NCCL)";
 }
+
+/// NCCL's knobs that ferroce accepts (as NCCL reads them) but takes nothing from, and why.
+const IGNORED: [(&str, &str); 6] = [
+    (
+        "NCCL_IB_RESILIENCY_PORT_FAILOVER_MAX_ATTEMPTS",
+        "a failed lane's work moves to the comm's other lanes as often as lanes fail, while one lives",
+    ),
+    (
+        "NCCL_IB_RESILIENCY_PORT_FAILOVER_PROBE_DELAY",
+        "work moves off a failed lane at once (FERROCE_LANE_STALL_MS fences a silent one)",
+    ),
+    (
+        "NCCL_IB_RESILIENCY_PORT_RECOVERY_ALIVE_MSG_BATCH_INTERVAL",
+        "a repaired lane is proven by one probe write, not by keep-alive messages",
+    ),
+    (
+        "NCCL_IB_RESILIENCY_PORT_RECOVERY_ALIVE_MSG_BATCH_SIZE",
+        "a repaired lane is proven by one probe write, not by keep-alive messages",
+    ),
+    (
+        "NCCL_IB_RESILIENCY_PORT_RECOVERY_ALIVE_MSG_SEQUENCE_SIZE",
+        "a repaired lane is proven by one probe write, not by keep-alive messages",
+    ),
+    (
+        "NCCL_IB_RESILIENCY_PORT_RECOVERY_ALIVE_MSG_TIMEOUT",
+        "NCCL_IB_RESILIENCY_PORT_RECOVERY_ACK_TIMEOUT bounds each wait of a repair",
+    ),
+];
 
 /// Which addresses the automatic GID choice wants.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -156,6 +185,8 @@ pub struct Config {
     pub gdr_flush_disable: bool,
     /// `NCCL_IB_PCI_RELAXED_ORDERING`: 0 off, 1 on, 2 auto.
     pub relaxed_ordering: u8,
+    /// `NCCL_IB_QUERY_PORT_SPEED`: the speed from `ibv_query_port_speed` where it exists.
+    pub query_port_speed: bool,
     /// Every knob in [`KNOBS`] order: what it became, and what the environment said.
     pub effective: Vec<Effective>,
     /// Values replaced to keep every wait bounded: one WARN each at init.
@@ -246,6 +277,46 @@ impl<F: Fn(&str) -> Option<String>> Reader<F> {
         Ok(v)
     }
 
+    /// One of NCCL's on/off knobs, read as NCCL reads it: any integer, and any but 0 is on.
+    fn flag(&mut self, knob: &'static str, default: bool) -> Result<bool> {
+        let v = self.int(knob, i64::from(default), i64::MIN..=i64::MAX)? != 0;
+        if let Some(e) = self.effective.iter_mut().rfind(|e| e.name == knob) {
+            e.value = u8::from(v).to_string();
+        }
+        Ok(v)
+    }
+
+    /// A byte-wide knob of NCCL's (a traffic class, a service level) with -1 for unset: any
+    /// integer NCCL takes, cut to the `bits` the NIC uses (NCCL hands the value to verbs, whose
+    /// field is a byte and whose NIC reads its low bits), with a WARN when that changes it.
+    fn byte(&mut self, knob: &'static str, bits: u32) -> Result<Option<u8>> {
+        let v = self.int(knob, -1i64, i64::MIN..=i64::MAX)?;
+        if v == -1 {
+            return Ok(None);
+        }
+        let cut = (v as u64 & ((1u64 << bits) - 1)) as u8;
+        if i64::from(cut) != v {
+            let why = format!(
+                "{knob}={v} is wider than the {bits} bits the NIC takes: {cut} is used (NCCL \
+                 passes it on the same way)"
+            );
+            self.replace(knob, cut, why);
+        }
+        Ok(Some(cut))
+    }
+
+    /// NCCL's knobs that ferroce reads nothing from: accepted as NCCL reads them, with one
+    /// WARN each that is set, saying why it changes nothing.
+    fn ignored(&mut self) -> Result<()> {
+        for (knob, why) in IGNORED {
+            if self.raw(knob).is_some() {
+                let v = self.int(knob, 0i64, i64::MIN..=i64::MAX)?;
+                self.warnings.push(format!("{knob}={v} is ignored by ferroce: {why}"));
+            }
+        }
+        Ok(())
+    }
+
     /// A comma-separated list.
     fn list(&mut self, knob: &'static str) -> Vec<String> {
         let v: Vec<String> = self
@@ -254,11 +325,6 @@ impl<F: Fn(&str) -> Option<String>> Reader<F> {
             .unwrap_or_default();
         self.record(knob, if v.is_empty() { "(unset)".into() } else { v.join(",") });
         v
-    }
-
-    /// A traffic class, -1 meaning "not set".
-    fn tc(&mut self, knob: &'static str) -> Result<Option<u8>> {
-        Ok(u8::try_from(self.int(knob, -1i32, -1..=255)?).ok())
     }
 
     /// `NCCL_IB_HCA`: which devices and ports.
@@ -403,15 +469,15 @@ impl<F: Fn(&str) -> Option<String>> Reader<F> {
 
     /// Lane repair: `(attempts, delay, ack timeout)`; no attempt without `failover`.
     fn repair(&mut self, failover: bool) -> Result<(u32, Duration, Duration)> {
-        let recovery = self.int("NCCL_IB_RESILIENCY_PORT_RECOVERY", 1u8, 0..=1)? == 1;
+        let recovery = self.flag("NCCL_IB_RESILIENCY_PORT_RECOVERY", true)?;
         let repair_attempts =
-            self.int("NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", 5u32, 0..=100)?;
+            self.int("NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", 5u32, 0..=u32::MAX)?;
         // No failover, nothing to repair; no recovery, no attempt.
         let repair_attempts = if failover && recovery { repair_attempts } else { 0 };
         let repair_delay = Duration::from_millis(self.int(
             "NCCL_IB_RESILIENCY_PORT_RECOVERY_START_DELAY",
             200u64,
-            1..=3_600_000,
+            0..=3_600_000,
         )?);
         let repair_timeout = Duration::from_millis(self.int(
             "NCCL_IB_RESILIENCY_PORT_RECOVERY_ACK_TIMEOUT",
@@ -476,8 +542,8 @@ impl Config {
         let mut r = Reader { get, effective: Vec::new(), warnings: Vec::new() };
 
         let ib_hca = r.hca()?;
-        let merge_vfs = r.int("NCCL_IB_MERGE_VFS", 1u8, 0..=1)? == 1;
-        let merge_nics = r.int("NCCL_IB_MERGE_NICS", 1u8, 0..=1)? == 1;
+        let merge_vfs = r.flag("NCCL_IB_MERGE_VFS", true)?;
+        let merge_nics = r.flag("NCCL_IB_MERGE_NICS", true)?;
         let gid_index = u8::try_from(r.int("NCCL_IB_GID_INDEX", -1i32, -1..=255)?).ok();
         let gid_index_per_dev = r.gid_index_per_dev()?;
         let gid_netdevs = r.list("FERROCE_GID_NETDEV");
@@ -493,23 +559,25 @@ impl Config {
         let stats_s = r.int("FERROCE_STATS_INTERVAL_S", 0u64, 0..=86_400)?;
         let stats_interval = (stats_s > 0).then(|| Duration::from_secs(stats_s));
         let qps_per_conn = r.int("NCCL_IB_QPS_PER_CONNECTION", 2usize, 1..=128)?;
-        let split_data = r.int("NCCL_IB_SPLIT_DATA_ON_QPS", 0u8, 0..=1)? == 1;
+        let split_data = r.flag("NCCL_IB_SPLIT_DATA_ON_QPS", false)?;
         let path_aware = r.int("FERROCE_PATH_AWARE", 1u8, 0..=1)? == 1;
-        let failover = r.int("NCCL_IB_RESILIENCY_PORT_FAILOVER", 1u8, 0..=1)? == 1;
+        let failover = r.flag("NCCL_IB_RESILIENCY_PORT_FAILOVER", true)?;
         let lane_stall = r.lane_stall(ib_timeout)?;
         let (repair_attempts, repair_delay, repair_timeout) = r.repair(failover)?;
         let (sport_base, sport_range) = r.sports()?;
         let sport_spread = r.int("FERROCE_SPORT_SPREAD", 1u8, 0..=1)? == 1;
-        let tc = r.tc("NCCL_IB_TC")?;
-        let fifo_tc = r.tc("NCCL_IB_FIFO_TC")?;
-        let sl = u8::try_from(r.int("NCCL_IB_SL", -1i32, -1..=15)?).ok();
+        let tc = r.byte("NCCL_IB_TC", 8)?;
+        let fifo_tc = r.byte("NCCL_IB_FIFO_TC", 8)?;
+        let sl = r.byte("NCCL_IB_SL", 4)?;
         let socket_ifname = r.socket_ifname()?;
         let setup_timeout =
             Duration::from_millis(r.int("FERROCE_SETUP_TIMEOUT_MS", 120_000u64, 1..=86_400_000)?);
         let force_flush = r.int("FERROCE_FORCE_FLUSH", 0u8, 0..=1)? == 1;
         let net_profiler = r.int("FERROCE_NET_PROFILER", 1u8, 0..=1)? == 1;
-        let dmabuf_enable = r.int("NCCL_DMABUF_ENABLE", 1u8, 0..=1)? == 1;
-        let gdr_flush_disable = r.int("NCCL_GDR_FLUSH_DISABLE", 0u8, 0..=1)? == 1;
+        let dmabuf_enable = r.flag("NCCL_DMABUF_ENABLE", true)?;
+        let gdr_flush_disable = r.flag("NCCL_GDR_FLUSH_DISABLE", false)?;
+        let query_port_speed = r.flag("NCCL_IB_QUERY_PORT_SPEED", true)?;
+        r.ignored()?;
         let relaxed_ordering = r.int("NCCL_IB_PCI_RELAXED_ORDERING", 2u8, 0..=2)?;
 
         let mut effective = std::mem::take(&mut r.effective);
@@ -552,6 +620,7 @@ impl Config {
             dmabuf_enable,
             gdr_flush_disable,
             relaxed_ordering,
+            query_port_speed,
             effective,
             warnings: r.warnings,
         })
@@ -754,17 +823,14 @@ mod tests {
             ("NCCL_IB_QPS_PER_CONNECTION", "0"),
             ("NCCL_IB_QPS_PER_CONNECTION", "129"),
             ("FERROCE_SPORT_BASE", "1000"),
-            ("NCCL_IB_TC", "256"),
-            ("NCCL_IB_SL", "16"),
             ("FERROCE_SETUP_TIMEOUT_MS", "0"),
             ("FERROCE_FORCE_FLUSH", "yes"),
             ("FERROCE_PROBE_INTERVAL_MS", "5"),
             ("FERROCE_STATS_INTERVAL_S", "86401"),
-            ("NCCL_DMABUF_ENABLE", "2"),
-            ("NCCL_GDR_FLUSH_DISABLE", "-1"),
             ("NCCL_IB_PCI_RELAXED_ORDERING", "3"),
             ("NCCL_IB_MERGE_VFS", "yes"),
-            ("NCCL_IB_MERGE_VFS", "2"),
+            ("NCCL_IB_SL", "high"),
+            ("NCCL_IB_RESILIENCY_PORT_FAILOVER_PROBE_DELAY", "soon"),
         ] {
             let e = with(k, v).unwrap_err().to_string();
             assert!(e.contains(k) && e.contains(v), "{k}={v}: {e}");
@@ -772,6 +838,40 @@ mod tests {
         let e =
             with2(("FERROCE_SPORT_BASE", "65000"), ("FERROCE_SPORT_RANGE", "1000")).unwrap_err();
         assert!(e.to_string().contains("FERROCE_SPORT_RANGE"), "{e}");
+    }
+
+    #[test]
+    fn nccls_knobs_take_every_integer_nccl_takes() {
+        // On/off: any integer, and any but 0 is on.
+        for (v, on) in [("2", true), ("-1", true), ("0x10", true), ("0", false)] {
+            let c = with("NCCL_IB_MERGE_VFS", v).unwrap();
+            assert_eq!(c.merge_vfs, on, "{v}");
+            assert_eq!(with("NCCL_GDR_FLUSH_DISABLE", v).unwrap().gdr_flush_disable, on);
+            assert_eq!(with("NCCL_DMABUF_ENABLE", v).unwrap().dmabuf_enable, on);
+            assert_eq!(with("NCCL_IB_SPLIT_DATA_ON_QPS", v).unwrap().split_data, on);
+        }
+        assert!(!with("NCCL_IB_QUERY_PORT_SPEED", "0").unwrap().query_port_speed);
+        assert!(Config::from_lookup(|_| None).unwrap().query_port_speed);
+        // A service level or traffic class wider than the NIC's field: its low bits, and a WARN.
+        for (k, v, want) in
+            [("NCCL_IB_SL", "19", 3), ("NCCL_IB_SL", "16", 0), ("NCCL_IB_TC", "300", 44)]
+        {
+            let c = with(k, v).unwrap();
+            assert_eq!(if k == "NCCL_IB_SL" { c.sl } else { c.tc }, Some(want), "{k}={v}");
+            assert!(c.warnings[0].contains(&format!("{k}={v} is wider than")), "{:?}", c.warnings);
+        }
+        let c = with("NCCL_IB_SL", "15").unwrap();
+        assert_eq!((c.sl, c.warnings.len()), (Some(15), 0));
+        // What ferroce takes nothing from: accepted, one WARN naming it and why.
+        let c = with("NCCL_IB_RESILIENCY_PORT_FAILOVER_PROBE_DELAY", "10").unwrap();
+        assert_eq!(c.warnings.len(), 1);
+        assert!(c.warnings[0].starts_with(
+            "NCCL_IB_RESILIENCY_PORT_FAILOVER_PROBE_DELAY=10 is ignored by ferroce: "
+        ));
+        assert_eq!(
+            with("NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", "1000").unwrap().repair_attempts,
+            1000
+        );
     }
 
     #[test]
@@ -793,7 +893,6 @@ mod tests {
         assert_eq!(c.gid_index_per_dev, vec![("rxe0".to_string(), 3)]);
         // Out of range says so, also past every integer type, and for negatives of unsigned.
         for (k, v) in [
-            ("NCCL_IB_TC", "0x100"),
             ("NCCL_IB_TIMEOUT", "99999999999999999999999999"),
             ("FERROCE_SETUP_TIMEOUT_MS", "-5"),
             ("NCCL_IB_QPS_PER_CONNECTION", "0201"), // octal 129

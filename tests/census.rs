@@ -202,7 +202,6 @@ impl<'a, 'l> Census<'a, 'l> {
             qpns,
             sports,
             split: false,
-            fifo_tc: 0,
             sl: 0,
             mtu: 3,
             port: 1,

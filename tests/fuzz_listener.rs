@@ -709,7 +709,6 @@ fn valid_hello(rng: &mut Rng, nonce: u64) -> Msg {
         ),
         sports: std::array::from_fn(|i| if i < nqps { 0xc000 + i as u16 } else { 0 }),
         split: rng.below(2) == 1,
-        fifo_tc: 0,
         sl: 0,
         mtu: 3,
         port: 1,

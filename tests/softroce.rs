@@ -415,7 +415,6 @@ fn hello(nonce: u64) -> Msg {
         qpns: std::array::from_fn(|i| if i == 0 { 0x77 } else { 0 }),
         sports: [0xc000; 128],
         split: false,
-        fifo_tc: 0,
         sl: 0,
         mtu: 3,
         port: 1,

@@ -137,9 +137,9 @@ pub struct Policy {
     pub nqps: usize,
     pub sports: [u16; MAX_QPS],
     pub split: bool,
-    /// Traffic class of the data QPs (the connector's) and of the receiver's control writes.
+    /// Traffic class of the data QPs (the connector's), and of the receiver's control writes
+    /// unless its own `NCCL_IB_FIFO_TC` says otherwise ([`Policy::receiver_tc`]).
     pub tc: u8,
-    pub fifo_tc: u8,
     pub sl: u8,
 }
 
@@ -151,9 +151,14 @@ impl Policy {
             sports: m.sports,
             split: m.split,
             tc: m.traffic_class,
-            fifo_tc: m.fifo_tc,
             sl: m.sl,
         }
+    }
+
+    /// The traffic class of the receiver's queue pairs, which carry its clear-to-send writes:
+    /// its own `NCCL_IB_FIFO_TC` if set, else the sender's data class, as NCCL's receiver does.
+    pub fn receiver_tc(&self, own_fifo_tc: Option<u8>) -> u8 {
+        own_fifo_tc.unwrap_or(self.tc)
     }
 }
 
@@ -184,7 +189,6 @@ fn message(kind: Kind, nonce: u64, p: &Policy, l: &Local) -> Msg {
         qpns: l.qpns,
         sports: p.sports,
         split: p.split,
-        fifo_tc: p.fifo_tc,
         sl: p.sl,
         mtu: l.mtu,
         port: l.port,
@@ -596,6 +600,9 @@ struct Terms {
     max_qps: usize,
     /// This side's ports (one, or a fused device's).
     ports: usize,
+    /// This side's `NCCL_IB_FIFO_TC`: the traffic class of its queue pairs, which carry the
+    /// clear-to-send writes (`None`: the sender's data class), as NCCL's receiver chooses it.
+    fifo_tc: Option<u8>,
 }
 
 impl Terms {
@@ -648,13 +655,14 @@ impl Answer {
         self.hello.as_ref().expect("proven")
     }
 
-    fn command(&self) -> Cmd<'_> {
+    fn command(&self, terms: &Terms) -> Cmd<'_> {
         match self.stage {
             AnswerStage::AwaitHello | AnswerStage::AwaitReady => Cmd::Recv(self.frame.missing()),
             AnswerStage::ConnectQps => {
-                // The receiver's QPs carry the control (CTS) writes: the FIFO traffic class.
+                // The receiver's QPs carry the control (CTS) writes: its own FIFO traffic class.
                 let p = Policy::of(self.hello());
-                Cmd::ConnectQps(Box::new(QpPlan::towards(self.hello(), &p, p.fifo_tc)))
+                let tc = p.receiver_tc(terms.fifo_tc);
+                Cmd::ConnectQps(Box::new(QpPlan::towards(self.hello(), &p, tc)))
             }
             AnswerStage::Reply => Cmd::Endpoint,
             AnswerStage::SendReply => Cmd::Send(self.frame.unsent()),
@@ -860,19 +868,25 @@ pub struct Listen {
 }
 
 impl Listen {
-    /// A listener that serves hellos of at most `max_qps` QPs, its unproven connections
-    /// counted in `unproven`.
+    /// A listener that serves hellos of at most `max_qps` QPs, its queue pairs in traffic
+    /// class `fifo_tc` (else the sender's), its unproven connections counted in `unproven`.
     pub fn new(
         handle: Handle,
         describe: String,
         timeout: Duration,
-        max_qps: usize,
+        (max_qps, fifo_tc): (usize, Option<u8>),
         unproven: Arc<Unproven>,
     ) -> Listen {
         Listen {
             handle,
             describe,
-            terms: Terms { nonce: handle.nonce, timeout, max_qps, ports: handle.members.into() },
+            terms: Terms {
+                nonce: handle.nonce,
+                timeout,
+                max_qps,
+                ports: handle.members.into(),
+                fifo_tc,
+            },
             unproven,
             pending: VecDeque::new(),
             deadline: None,
@@ -1001,7 +1015,7 @@ impl Listen {
             p.place = None;
         }
         match next {
-            Next::Go => self.pending[i].answer.command(),
+            Next::Go => self.pending[i].answer.command(&self.terms),
             Next::Wait => self.wait(i, now),
             Next::Stranger(why) => {
                 let p = self.pending.remove(i).expect("found above");

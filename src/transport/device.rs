@@ -560,7 +560,7 @@ fn net_device(
         port,
         nccl_port: place.port,
         speed_mbps: nccl_speed_mbps(
-            ctx.query_port_speed(port),
+            config.query_port_speed.then(|| ctx.query_port_speed(port)).flatten(),
             pa.active_speed_ex,
             pa.active_speed,
             pa.active_width,

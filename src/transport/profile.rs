@@ -14,6 +14,12 @@ use ferroce_core::data::{MAX_RECVS, Posted, SLOTS};
 pub const WR_RDMA_WRITE: i32 = 0;
 pub const WR_RDMA_WRITE_WITH_IMM: i32 = 1;
 
+/// The most events a request starts: NCCL's own transport holds at most this many per request
+/// (`MAX_QPS_PER_REQ`, asserted), and profiler plugins keep as many per step, unchecked. A
+/// request split over more lanes, or with chunks sent again after a lane failed, reports its
+/// first ones only.
+pub const MAX_EVENTS: usize = 8;
+
 /// What one event says: the member port, the work request, the queue pair, the request's
 /// bytes in it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,7 +62,7 @@ impl Events {
     /// A journal entry: the start of its event, on queue pair `qpn`.
     pub fn posted(&mut self, p: &Posted, qpn: u32, port: usize) {
         let Some(&phandle) = self.phandles.get(p.key) else { return };
-        if phandle == 0 {
+        if phandle == 0 || self.open[p.key].len() >= MAX_EVENTS {
             return;
         }
         let opcode = if p.imm { WR_RDMA_WRITE_WITH_IMM } else { WR_RDMA_WRITE };
@@ -138,5 +144,20 @@ mod tests {
         assert_eq!((rec.starts.lock().unwrap().len(), rec.stops.lock().unwrap().len()), (3, 2));
         drop(ev);
         assert_eq!(*rec.stops.lock().unwrap(), vec![1, 2, 3], "the open one stops at close");
+    }
+
+    /// A request posted on more queue pairs than NCCL's profiler holds events for (split over
+    /// 12 lanes) starts its first 8 only, and stops each of those once.
+    #[test]
+    fn a_request_starts_at_most_max_events() {
+        let rec = Arc::new(Recorder::default());
+        let mut ev = Events::new(rec.clone());
+        ev.handed(5, 0xc0);
+        for qp in 0..12 {
+            ev.posted(&posted(5, 10, qp == 11), 0x20 + qp, 0);
+        }
+        assert_eq!(rec.starts.lock().unwrap().len(), MAX_EVENTS);
+        ev.done(5);
+        assert_eq!(*rec.stops.lock().unwrap(), (1..=MAX_EVENTS).collect::<Vec<_>>());
     }
 }

@@ -129,7 +129,7 @@ fn local_policy(net: &Net, comm_tc: Option<u8>, own: IpAddr, peer: IpAddr, ports
     sports[..nqps].copy_from_slice(&ports);
     let tc = c.tc.or(comm_tc).unwrap_or(0);
     let sl = c.sl.or(comm_tc.map(|t| t & 0xf)).unwrap_or(0);
-    Policy { nqps, sports, split: c.split_data, tc, fifo_tc: c.fifo_tc.unwrap_or(tc), sl }
+    Policy { nqps, sports, split: c.split_data, tc, sl }
 }
 
 /// This side's endpoint: its queue pairs, each member port's GID, MTU and port, and the
@@ -356,7 +356,8 @@ impl Listener {
         let describe = format!("listener {addr} (device {})", names.join("+"));
         let c = &net.config;
         let max_qps = c.qps_per_conn;
-        let core = Listen::new(handle, describe, c.setup_timeout, max_qps, UNPROVEN.clone());
+        let terms = (max_qps, c.fifo_tc);
+        let core = Listen::new(handle, describe, c.setup_timeout, terms, UNPROVEN.clone());
         let profiler = ctx.profiler();
         let conns = HashMap::new();
         Ok(Listener { listener, handle, net, devs, core, conns, profiler })
@@ -490,7 +491,8 @@ impl Listener {
         let policy = Policy::of(hello);
         // The peer's RoCE address: the TCP one is our own when both ends share a host.
         let peer = format!("{} (tcp {})", gid::ip_of(&hello.gid), conn.peer);
-        let path = path(&self.net, &self.devs, peer, hello, &policy, policy.fifo_tc);
+        let tc = policy.receiver_tc(self.net.config.fifo_tc);
+        let path = path(&self.net, &self.devs, peer, hello, &policy, tc);
         log_connection("accepted from", &path, &policy);
         let theirs = usize::from(hello.members);
         RecvComm::new(

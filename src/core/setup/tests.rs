@@ -84,7 +84,7 @@ fn policy(nqps: usize) -> Policy {
     for (i, p) in sports[..nqps].iter_mut().enumerate() {
         *p = 0xc000 + 7 * i as u16;
     }
-    Policy { nqps, sports, split: nqps > 1, tc: 106, fifo_tc: 104, sl: 3 }
+    Policy { nqps, sports, split: nqps > 1, tc: 106, sl: 3 }
 }
 
 /// Side 1 connects, side 2 listens.
@@ -109,13 +109,15 @@ fn hello(nqps: usize) -> [u8; MSG_LEN] {
 /// The listener's `NCCL_IB_QPS_PER_CONNECTION` in a `World`: above every count the tests dial
 /// with, below what a hello may carry.
 const MAX_QPS_HERE: usize = 8;
+/// The listener's own `NCCL_IB_FIFO_TC` (the connector's data class is 106).
+const FIFO_TC: u8 = 96;
 
 fn unproven() -> Arc<Unproven> {
     Arc::new(Unproven::new(MAX_UNPROVEN))
 }
 
 fn listen(describe: &str, max_qps: usize, unproven: &Arc<Unproven>) -> Listen {
-    Listen::new(handle(), describe.into(), TIMEOUT, max_qps, unproven.clone())
+    Listen::new(handle(), describe.into(), TIMEOUT, (max_qps, Some(FIFO_TC)), unproven.clone())
 }
 
 fn verbs_error(what: &str) -> Error {
@@ -530,7 +532,7 @@ impl World {
         assert_eq!(sent, MSG_LEN);
         assert_eq!(plan, QpPlan::towards(&reply, &p, p.tc));
         assert_eq!(plan.remote_qpns, a.local.qpns);
-        // The acceptor's before its reply, with the FIFO traffic class.
+        // The acceptor's before its reply, with its own FIFO traffic class.
         let (_, plan, sent) = *a.plans.iter().find(|x| x.0 == s).expect("the acceptor's QPs");
         assert_eq!(sent, 0);
         assert_eq!(
@@ -539,7 +541,7 @@ impl World {
         );
         assert_eq!(
             (plan.nqps, plan.sports, plan.traffic_class, plan.sl),
-            (nqps, p.sports, p.fifo_tc, p.sl)
+            (nqps, p.sports, FIFO_TC, p.sl)
         );
     }
 }
@@ -1284,6 +1286,12 @@ fn the_cap_is_exactly_max_pending() {
 }
 
 #[test]
+fn the_receivers_queue_pairs_take_its_own_fifo_tc_else_the_senders_class() {
+    let p = policy(2);
+    assert_eq!((p.receiver_tc(Some(FIFO_TC)), p.receiver_tc(None)), (FIFO_TC, p.tc));
+}
+
+#[test]
 fn one_address_holds_at_most_max_per_source_places() {
     // Silent strangers from one address: the first MAX_PER_SOURCE keep places, the next is
     // refused once its grace is over; a connection from anywhere else still finds a place.
@@ -1436,7 +1444,13 @@ proptest! {
 /// ports, so a fused end's hello (or a fused listener's peer) is within it, and no more.
 #[test]
 fn a_fused_end_may_ask_for_qps_per_port_of_the_larger_end() {
-    let terms = |ports| Terms { nonce: NONCE, timeout: Duration::from_secs(1), max_qps: 2, ports };
+    let terms = |ports| Terms {
+        nonce: NONCE,
+        timeout: Duration::from_secs(1),
+        max_qps: 2,
+        ports,
+        fifo_tc: None,
+    };
     let hello = |members| Msg { members, ..message(Kind::Hello, NONCE, &policy(2), &local(1, 2)) };
     assert_eq!(terms(1).bound(&hello(1)), 2);
     assert_eq!(terms(1).bound(&hello(3)), 6, "the connector's 3 ports");

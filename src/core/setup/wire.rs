@@ -158,8 +158,8 @@ pub struct Msg {
     pub sports: [u16; MAX_QPS],
     /// Whether each message is split across the QPs (else whole messages round-robin).
     pub split: bool,
-    /// The traffic class of the receiver's control writes, and the service level.
-    pub fifo_tc: u8,
+    /// The service level. (Byte 34, before it, is reserved: the receiver's control writes take
+    /// its own `NCCL_IB_FIFO_TC`, not the sender's.)
     pub sl: u8,
     /// `ibv_mtu` enum of the sender's port (1..=5).
     pub mtu: u8,
@@ -212,7 +212,6 @@ impl Msg {
         put(&mut b, 24, self.nonce.to_le_bytes());
         b[32] = self.nqps;
         b[33] = u8::from(self.split);
-        b[34] = self.fifo_tc;
         b[35] = self.sl;
         for i in 0..MAX_QPS {
             put(&mut b, 96 + 4 * i, self.qpns[i].to_le_bytes());
@@ -262,7 +261,6 @@ impl Msg {
             nonce,
             nqps: b[32],
             split: b[33] == 1,
-            fifo_tc: b[34],
             sl: b[35],
             qpns: std::array::from_fn(|i| u32::from_le_bytes(get(b, 96 + 4 * i))),
             sports: std::array::from_fn(|i| u16::from_le_bytes(get(b, 96 + 4 * MAX_QPS + 2 * i))),
@@ -338,7 +336,6 @@ mod tests {
             qpns: std::array::from_fn(|i| if i < 2 { 0x11 + i as u32 } else { 0 }),
             sports: std::array::from_fn(|i| if i < 2 { 0xc000 + i as u16 } else { 0 }),
             split: true,
-            fifo_tc: 4,
             sl: 3,
             mtu: 3,
             port: 1,
@@ -455,7 +452,7 @@ mod props {
     /// A message that passes every check of `decode` for `kind`.
     fn valid(kind: Kind) -> impl Strategy<Value = Msg> {
         (
-            (1..=MAX_QPS, any::<u64>(), any::<bool>(), any::<u8>(), 0u8..=15, 1u8..=5),
+            (1..=MAX_QPS, any::<u64>(), any::<bool>(), 0u8..=15, 1u8..=5),
             (
                 1u8..=255,
                 any::<u8>(),
@@ -466,7 +463,7 @@ mod props {
             ),
             (proptest::collection::vec((1u32..=0xff_ffff, 0xc000u16..=0xffff), MAX_QPS)),
         )
-            .prop_map(move |((nqps, nonce, split, fifo_tc, sl, mtu), rest, qps)| {
+            .prop_map(move |((nqps, nonce, split, sl, mtu), rest, qps)| {
                 let (port, traffic_class, gid, buf_addr, buf_rkey, max_msg) = rest;
                 // Unused slots are zero, as `endpoint` leaves them.
                 let slot = |i: usize, v: u32| if i < nqps { v } else { 0 };
@@ -477,7 +474,6 @@ mod props {
                     qpns: std::array::from_fn(|i| slot(i, qps[i].0)),
                     sports: std::array::from_fn(|i| slot(i, u32::from(qps[i].1)) as u16),
                     split,
-                    fifo_tc,
                     sl,
                     mtu,
                     port,
