@@ -35,6 +35,7 @@ macro_rules! knobs {
 knobs! {
     "NCCL_IB_HCA", "(all devices)", "device/port filter, NCCL syntax: [^][=]name[:port[:rail[:plane]]],...";
     "NCCL_IB_MERGE_VFS", "1", "1: the virtual functions of one NIC share its pciPath, so NCCL's topology places them as one card; 0: each VF keeps its own (the PCI function digit is merged either way)";
+    "NCCL_IB_DEVICE_PCI_ORDER", "1", "1: devices are numbered in PCI order (bus id of each device's PCI function, software devices last), as NCCL numbers them; 0: name order";
     "NCCL_IB_MERGE_NICS", "1", "1: makeVDevice fuses the ports NCCL asks for into one NCCL device (NIC fusion); 0: it refuses, and NCCL uses each port alone";
     "NCCL_IB_GID_INDEX", "-1", "GID index for every device; -1 chooses automatically";
     "FERROCE_GID_INDEX", "(unset)", "per-device GID index, e.g. rxe0:1,rxe1:3; wins over NCCL_IB_GID_INDEX";
@@ -140,6 +141,8 @@ pub struct Config {
     pub ib_hca: HcaFilter,
     /// `NCCL_IB_MERGE_VFS`: the pciPath NCCL is told also merges a VF into its card.
     pub merge_vfs: bool,
+    /// `NCCL_IB_DEVICE_PCI_ORDER`: devices numbered in PCI order (else name order).
+    pub pci_order: bool,
     /// `NCCL_IB_MERGE_NICS`: `makeVDevice` may fuse ports into one NCCL device.
     pub merge_nics: bool,
     pub gid_index: Option<u8>,
@@ -543,6 +546,7 @@ impl Config {
 
         let ib_hca = r.hca()?;
         let merge_vfs = r.flag("NCCL_IB_MERGE_VFS", true)?;
+        let pci_order = r.flag("NCCL_IB_DEVICE_PCI_ORDER", true)?;
         let merge_nics = r.flag("NCCL_IB_MERGE_NICS", true)?;
         let gid_index = u8::try_from(r.int("NCCL_IB_GID_INDEX", -1i32, -1..=255)?).ok();
         let gid_index_per_dev = r.gid_index_per_dev()?;
@@ -585,6 +589,7 @@ impl Config {
         Ok(Config {
             ib_hca,
             merge_vfs,
+            pci_order,
             merge_nics,
             gid_index,
             gid_index_per_dev,

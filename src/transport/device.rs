@@ -470,14 +470,52 @@ pub fn read_places(root: &Path, devs: &[(String, u8)], merge_vfs: bool) -> Vec<N
     places
 }
 
+/// NCCL's sort key of a device, from the realpath of its PCI function: the hex digits of the
+/// path's last component (`0000:3b:00.1` → 0x3b001), as NCCL's `pciPathToInt64` reads them;
+/// `None` without a path (software devices), which NCCL orders last.
+pub fn nccl_pci_key(path: Option<&str>) -> Option<i64> {
+    let last = path?.trim_end_matches('/').rsplit('/').next()?;
+    let hex: String = last
+        .chars()
+        .filter(|&c| c != '.' && c != ':')
+        .take_while(char::is_ascii_hexdigit)
+        .take(16)
+        .collect();
+    Some(i64::from_str_radix(&hex, 16).unwrap_or(0))
+}
+
+/// The order NCCL numbers `devs` (RDMA device, port) in with `NCCL_IB_DEVICE_PCI_ORDER` (its
+/// default): by [`nccl_pci_key`] of each device's PCI function under the sysfs `root`, devices
+/// without one last, ties (ports of one device, software devices) in name order. So device
+/// indices, and the ports NCCL is told, match NCCL's own transport on every node, even where
+/// name order differs (`mlx5_10` before `mlx5_2`).
+pub fn pci_order(root: &Path, devs: &[(String, u8)]) -> Vec<usize> {
+    let keys: Vec<Option<i64>> = devs
+        .iter()
+        .map(|(dev, _)| {
+            let path = verbs::sysfs::pci_function(root, dev);
+            nccl_pci_key(path.as_deref().and_then(Path::to_str))
+        })
+        .collect();
+    let mut order: Vec<usize> = (0..devs.len()).collect();
+    order.sort_by_key(|&i| (keys[i].is_none(), keys[i]));
+    order
+}
+
 /// Opens the RDMA devices and returns the usable ports as NCCL devices.
 pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
     let (ports, found) = open_ports(config)?;
-    let usable = select(&ports, &config.ib_hca)?;
-    let keys: Vec<_> =
-        usable.iter().map(|s| (ports[s.index].dev.clone(), ports[s.index].port)).collect();
+    let mut usable = select(&ports, &config.ib_hca)?;
+    let root = Path::new(verbs::sysfs::ROOT);
+    let key = |s: &Selected| (ports[s.index].dev.clone(), ports[s.index].port);
+    if config.pci_order {
+        let keys: Vec<_> = usable.iter().map(key).collect();
+        let mut sorted: Vec<Option<Selected>> = usable.into_iter().map(Some).collect();
+        usable = pci_order(root, &keys).into_iter().filter_map(|i| sorted[i].take()).collect();
+    }
+    let keys: Vec<_> = usable.iter().map(key).collect();
     let names = unique_names(&keys);
-    let places = read_places(Path::new(verbs::sysfs::ROOT), &keys, config.merge_vfs);
+    let places = read_places(root, &keys, config.merge_vfs);
     let devices = usable
         .into_iter()
         .zip(names)
@@ -833,6 +871,31 @@ mod tests {
     /// The place of a port of the PCI function `f` that [`FakeSys::pci`] made.
     fn card(f: &str, port: i32) -> (String, i32) {
         place(&format!("/devices/pci0000:00/0000:00:02.0/{f}"), port)
+    }
+
+    #[test]
+    fn devices_take_nccls_pci_order_not_their_name_order() {
+        // Name order puts mlx5_10 before mlx5_2; NCCL sorts by the PCI function's bus id.
+        let sys = FakeSys::new("order");
+        sys.pci("mlx5_2", "0000:3b:00.0")
+            .pci("mlx5_10", "0000:d8:00.0")
+            .pci("mlx5_3", "0000:3b:00.1")
+            .software("rxe0");
+        let devs: Vec<(String, u8)> =
+            [("mlx5_10", 1), ("mlx5_2", 1), ("mlx5_2", 2), ("mlx5_3", 1), ("rxe0", 1)]
+                .iter()
+                .map(|(d, p)| (d.to_string(), *p))
+                .collect();
+        let order = pci_order(&sys.0, &devs);
+        let names: Vec<String> =
+            order.iter().map(|&i| format!("{}:{}", devs[i].0, devs[i].1)).collect();
+        assert_eq!(names, ["mlx5_2:1", "mlx5_2:2", "mlx5_3:1", "mlx5_10:1", "rxe0:1"]);
+        assert_eq!(
+            nccl_pci_key(Some("/sys/devices/pci0000:00/0000:00:02.0/0000:02:00.0/")),
+            Some(0x2000)
+        );
+        assert_eq!(nccl_pci_key(Some("/x/0001:af:1f.7")), Some(0x1af1f7));
+        assert_eq!(nccl_pci_key(None), None);
     }
 
     #[test]
