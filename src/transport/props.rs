@@ -34,7 +34,7 @@ impl Net {
     /// The properties of NCCL device `dev`. A fused device's are its first port's, as NCCL's IB
     /// transport gives them, except: its name joins the ports', its speed is their sum, its
     /// members list them, the QPs a comm takes scale with its ports, its rail is the ports'
-    /// common one (else none) and it has no plane.
+    /// common one (else none) and its plane is NCCL's virtual one ([`virtual_plane`]).
     pub fn props(&self, dev: i32) -> Result<Props> {
         let members = self.members(dev)?;
         let ports: Vec<&NetDevice> = members.iter().map(|&m| &self.devices[m]).collect();
@@ -57,8 +57,49 @@ impl Net {
                 .map(|p| p.rail)
                 .reduce(|a, b| if a == b { a } else { None })
                 .flatten(),
-            plane: if ports.len() > 1 { None } else { d.plane },
+            plane: if ports.len() > 1 {
+                let planes: Vec<Option<i16>> = self.devices.iter().map(|d| d.plane).collect();
+                Some(virtual_plane(&planes, &members))
+            } else {
+                d.plane
+            },
             members,
         })
     }
 }
+
+/// A fused device's `planeId`, as NCCL's IB transport forms it: bit 14 (its mark of a virtual
+/// plane) and, for each member port, bit `i` where `i` is the place of the port's plane among
+/// the distinct planes of all devices (`planes`, in device order; place 0 is "no plane").
+fn virtual_plane(planes: &[Option<i16>], members: &[usize]) -> i16 {
+    let mut distinct: Vec<Option<i16>> = vec![None];
+    for p in planes {
+        if !distinct.contains(p) {
+            distinct.push(*p);
+        }
+    }
+    members.iter().fold(VIRTUAL_PLANE, |acc, &m| {
+        let i = distinct.iter().position(|p| *p == planes[m]).unwrap_or(0);
+        acc | if i < PLANE_PLACES { 1 << i } else { 0 }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fused_devices_plane_is_nccls_virtual_plane() {
+        // No planes set (NCCL_IB_HCA without :plane): every port at place 0.
+        assert_eq!(virtual_plane(&[None, None, None], &[0, 1]), 0x4001);
+        // Planes 7 and 9 take places 1 and 2 (place 0 is "none"), in device order.
+        let planes = [Some(7), Some(9), Some(7), None];
+        assert_eq!(virtual_plane(&planes, &[0, 1]), 0x4000 | 0b110);
+        assert_eq!(virtual_plane(&planes, &[0, 2]), 0x4000 | 0b010);
+        assert_eq!(virtual_plane(&planes, &[1, 3]), 0x4000 | 0b101);
+    }
+}
+
+/// NCCL's mark of a fused device's plane (`NCCL_IB_PLANE_VIRT_BIT`), and the places below it.
+const PLANE_PLACES: usize = 14;
+const VIRTUAL_PLANE: i16 = 1 << PLANE_PLACES;
