@@ -203,6 +203,28 @@ fn a_fused_pair_spreads_verified_data_over_both_ports() {
     );
 }
 
+/// One message on a fused pair is split across its ports, as NCCL's transport splits it: each
+/// sending port carries at least a quarter of its packets (whole messages, one lane each, put
+/// it all on one port).
+#[test]
+#[ignore = "needs the 4-rank Soft-RoCE VM: run ci/test.sh"]
+fn one_message_on_a_fused_pair_uses_both_ports() {
+    let Setup { devs, lib, _serial: _held, .. } = setup();
+    let (a, b) = fuse(&lib);
+    let mut f = Fused::open(&lib, a, b);
+    let before: Vec<u64> = devs[..2].iter().map(|d| counter(d, "sent_pkts")).collect();
+    f.message(1).unwrap();
+    let sent: Vec<u64> =
+        devs[..2].iter().zip(&before).map(|(d, b)| counter(d, "sent_pkts") - b).collect();
+    f.close();
+    let total: u64 = sent.iter().sum();
+    assert!(
+        total > 0 && sent.iter().all(|&s| s * 4 >= total),
+        "one 1 MiB message: packets sent by rxe0, rxe1: {sent:?}"
+    );
+    println!("fusion: one 1 MiB message: packets sent by rxe0, rxe1: {sent:?}");
+}
+
 #[test]
 #[ignore = "needs the 4-rank Soft-RoCE VM: run ci/test.sh"]
 fn one_port_down_fails_over_and_comes_back_both_down_fail_the_comm() {

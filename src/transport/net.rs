@@ -276,12 +276,17 @@ impl Net {
         // The lock is let go before `out_of_range` takes it again.
         let members = fused().get(d - n).cloned();
         let members = members.ok_or_else(out_of_range)?;
-        match members.iter().find(|&&m| m >= n) {
-            Some(m) => Err(Error::InvalidUsage(format!(
-                "fused device {dev}'s member {m} is gone (have {n} ports)"
-            ))),
-            None => Ok(members),
-        }
+        resolve(&members, &self.ports()).map_err(|gone| {
+            Error::InvalidUsage(format!(
+                "fused device {dev}'s port {gone} is gone since it was made (a new init found \
+                 other ports)"
+            ))
+        })
+    }
+
+    /// Each physical port's identity: its name and verbs port.
+    fn ports(&self) -> Vec<PortId> {
+        self.devices.iter().map(|d| (d.name.clone(), d.port)).collect()
     }
 
     /// `makeVDevice`: one NCCL device over the ports `devs` ([`fusion`] says which may
@@ -293,11 +298,13 @@ impl Net {
         if let [one] = members[..] {
             return Ok(one as i32);
         }
+        let ports = self.ports();
+        let ids: Vec<PortId> = members.iter().map(|&m| ports[m].clone()).collect();
         let mut fused = fused();
-        let index = match fused.iter().position(|f| *f == members) {
+        let index = match fused.iter().position(|f| *f == ids) {
             Some(i) => i,
             None => {
-                fused.push(members.clone());
+                fused.push(ids);
                 fused.len() - 1
             }
         };
@@ -342,13 +349,25 @@ fn fusion<L: PartialEq + std::fmt::Debug>(
     Ok(members)
 }
 
-/// The fused devices `makeVDevice` made, by their index after the physical ports: each one's
-/// member ports. They outlive the device state (NCCL makes them once per process and keeps
-/// using their numbers across `finalize` and `init`; a new `init` finds the ports in the same
-/// order).
-static FUSED: Mutex<Vec<Vec<usize>>> = Mutex::new(Vec::new());
+/// A physical port by what names it across a new discovery: its device name and verbs port.
+type PortId = (String, u8);
 
-fn fused() -> MutexGuard<'static, Vec<Vec<usize>>> {
+/// The fused devices `makeVDevice` made, by their index after the physical ports: each one's
+/// member ports, by identity. They outlive the device state (NCCL makes them once per process
+/// and keeps using their numbers across `finalize` and `init`); a new `init` may number the
+/// ports otherwise, or miss one, so they are found again by name ([`resolve`]).
+static FUSED: Mutex<Vec<Vec<PortId>>> = Mutex::new(Vec::new());
+
+/// The indices in `ports` of a fused device's `members`, or the first member not there (then
+/// the device is an error, never other ports).
+fn resolve(members: &[PortId], ports: &[PortId]) -> std::result::Result<Vec<usize>, String> {
+    members
+        .iter()
+        .map(|m| ports.iter().position(|p| p == m).ok_or_else(|| format!("{} {}", m.0, m.1)))
+        .collect()
+}
+
+fn fused() -> MutexGuard<'static, Vec<Vec<PortId>>> {
     FUSED.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -477,6 +496,19 @@ mod tests {
         assert!(refused(&[0, 6], true).contains("6 is not a port"));
         assert!(refused(&[-1, 0], true).contains("-1 is not a port"));
         assert!(refused(&[0, 3], true).contains("one link layer"));
+    }
+
+    #[test]
+    fn a_fused_device_finds_its_ports_by_name_after_a_new_discovery() {
+        let id = |n: &str, p: u8| (n.to_string(), p);
+        let members = [id("mlx5_1", 1), id("mlx5_3", 1)];
+        let before = [id("mlx5_0", 1), id("mlx5_1", 1), id("mlx5_2", 1), id("mlx5_3", 1)];
+        assert_eq!(resolve(&members, &before), Ok(vec![1, 3]));
+        // mlx5_0 is gone at the next init: the others move down, and the device follows them.
+        assert_eq!(resolve(&members, &before[1..]), Ok(vec![0, 2]));
+        // A member gone: an error naming it, never the port now at its old index.
+        let without = [id("mlx5_0", 1), id("mlx5_2", 1), id("mlx5_3", 1), id("mlx5_4", 1)];
+        assert_eq!(resolve(&members, &without), Err("mlx5_1 1".into()));
     }
 
     #[test]

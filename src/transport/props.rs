@@ -68,6 +68,10 @@ impl Net {
     }
 }
 
+/// NCCL's mark of a fused device's plane (`NCCL_IB_PLANE_VIRT_BIT`), and the places below it.
+const PLANE_PLACES: usize = 14;
+const VIRTUAL_PLANE: i16 = 1 << PLANE_PLACES;
+
 /// A fused device's `planeId`, as NCCL's IB transport forms it: bit 14 (its mark of a virtual
 /// plane) and, for each member port, bit `i` where `i` is the place of the port's plane among
 /// the distinct planes of all devices (`planes`, in device order; place 0 is "no plane").
@@ -99,7 +103,3 @@ mod tests {
         assert_eq!(virtual_plane(&planes, &[1, 3]), 0x4000 | 0b101);
     }
 }
-
-/// NCCL's mark of a fused device's plane (`NCCL_IB_PLANE_VIRT_BIT`), and the places below it.
-const PLANE_PLACES: usize = 14;
-const VIRTUAL_PLANE: i16 = 1 << PLANE_PLACES;

@@ -120,16 +120,19 @@ fn local_policy(net: &Net, comm_tc: Option<u8>, own: IpAddr, peer: IpAddr, ports
     let c = &net.config;
     // NCCL_IB_QPS_PER_CONNECTION per member port of the end with more of them, as NCCL does.
     let nqps = (c.qps_per_conn * ports).min(MAX_QPS);
-    let ports = if c.sport_spread {
+    let sport_list = if c.sport_spread {
         PORT_BLOCKS.take(c.sport_base, c.sport_range, nqps, own, peer)
     } else {
         ecmp::source_ports(c.sport_base, c.sport_range, nqps)
     };
     let mut sports = [0; MAX_QPS];
-    sports[..nqps].copy_from_slice(&ports);
+    sports[..nqps].copy_from_slice(&sport_list);
     let tc = c.tc.or(comm_tc).unwrap_or(0);
     let sl = c.sl.or(comm_tc.map(|t| t & 0xf)).unwrap_or(0);
-    Policy { nqps, sports, split: c.split_data, tc, sl }
+    // A fused end splits every message across its lanes, so that one message uses every port,
+    // as NCCL's IB transport does for a fused device whatever NCCL_IB_SPLIT_DATA_ON_QPS says.
+    let split = c.split_data || ports > 1;
+    Policy { nqps, sports, split, tc, sl }
 }
 
 /// This side's endpoint: its queue pairs, each member port's GID, MTU and port, and the
