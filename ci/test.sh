@@ -9,7 +9,10 @@
 #      run the VM tests against rxe0/rxe1 inside it, plus perftest between the same devices;
 #   5. boot it again with 4 ranks on one bridge and run the cluster test (ring collectives,
 #      ECMP ports, the failure of one rank);
-#   6. the checkers of undefined behaviour (ci/sanitizers.sh): Miri on the handle register and
+#   6. the Debian package (ci/package.sh): installed on this host as a user would, then, in the
+#      VM, the installed tool finds the installed plugin by NCCL's own lookup and a self-test
+#      transfer verifies its data, with no LD_LIBRARY_PATH; then removed again;
+#   7. the checkers of undefined behaviour (ci/sanitizers.sh): Miri on the handle register and
 #      FFI boundary, AddressSanitizer on the unit tests, ThreadSanitizer on the unit tests and
 #      on the concurrency and census programs in the VM.
 # Steps 4 and 5 run with one core busy: a CPU-bound process of this script's own (`yes`) runs
@@ -88,6 +91,14 @@ for l in sys.stdin:
     kill "$hog"
     echo "ci/test.sh: stopped the CPU hog (pid $hog)"
   fi
+
+  step "the Debian package: installed, used from its paths in the VM, removed"
+  local deb
+  deb=$(ci/package.sh | tail -n 1)
+  dpkg -i "$deb"
+  FERROCE_VM_TIMEOUT=600 ci/vm.sh ci/vm-package-test.sh
+  dpkg -r ferroce
+  [[ ! -e /usr/bin/ferroce ]] || { echo "ci/test.sh: dpkg -r left /usr/bin/ferroce" >&2; exit 1; }
 
   step "Miri, AddressSanitizer and ThreadSanitizer"
   ci/sanitizers.sh

@@ -15,6 +15,7 @@
 //! - `ferroce connections`: what a plugin holds per connection, at 1, 64 and 1,024 pairs
 //!   ([`connections`]).
 //! - `ferroce completions SHELL`: a completion script for bash, zsh, fish, elvish or PowerShell.
+//! - `ferroce man`: the manual page, in roff.
 //!
 //! The command line is parsed by clap, so every subcommand has `--help` and its errors look
 //! alike. Exit status 0 on success, 1 on any failure, a bad command line included (with the
@@ -84,6 +85,8 @@ enum Cmd {
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
+    /// Print the manual page (roff) on stdout: `ferroce man | man -l -`
+    Man,
 }
 
 fn main() -> ExitCode {
@@ -113,6 +116,13 @@ fn main() -> ExitCode {
             let mut script = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "ferroce", &mut script);
             std::io::stdout().write_all(&script).map_err(|e| format!("completions: {e}"))
+        }
+        Cmd::Man => {
+            let mut page = Vec::new();
+            let man = clap_mangen::Man::new(Cli::command());
+            man.render(&mut page)
+                .and_then(|()| std::io::stdout().write_all(&page))
+                .map_err(|e| format!("man: {e}"))
         }
     };
     match result {
