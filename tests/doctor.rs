@@ -133,6 +133,10 @@ fn a_clean_setup_passes_without_a_warning() {
     let o = doctor(&[], &[]);
     assert_eq!(o.code, 0, "clean set-up must pass");
     assert!(o.lines("WARN").is_empty() && o.lines("BLOCK").is_empty(), "{}", o.stdout);
+    // The numbering NCCL will use: software devices have no PCI function, so name order.
+    let order = "NCCL's device numbers, in PCI order, as NCCL numbers its own \
+                 (NCCL_IB_DEVICE_PCI_ORDER=1): 0 rxe0, 1 rxe1";
+    assert!(o.stdout.contains(order), "{}", o.stdout);
     for (dev, ip) in [("rxe0", "198.18.0.1"), ("rxe1", "198.18.0.2")] {
         let idx = gid_index_of(dev, ip).unwrap();
         assert!(o.stdout.contains(&format!("== {dev} port 1")), "{dev} has its screen");
@@ -334,6 +338,10 @@ fn set_knobs_are_listed_and_a_malformed_one_or_a_bad_argument_named() {
     ] {
         assert!(o.stdout.contains(must), "missing {must:?} in\n{}", o.stdout);
     }
+    // A group NCCL cannot match fails NCCL's init: doctor says so before NCCL does.
+    let o = doctor(&[], &[("NCCL_NET_FORCE_MERGE", "rxe0,rxe9")]);
+    let warn = o.lines("WARN").join("\n");
+    assert!(warn.contains("group `rxe0,rxe9` matches 1 device(s) ([0]) for its 2"), "{}", o.stdout);
     let o = doctor(&["--frobnicate"], &[]);
     assert_eq!(o.code, 1);
     assert!(o.stderr.contains("unexpected argument") && o.stderr.contains("Usage"));

@@ -237,10 +237,59 @@ impl Fusion {
             ));
         }
         if let Some(f) = &self.force {
-            out.push(format!("NCCL_NET_FORCE_MERGE={f}: NCCL fuses these groups as named"));
+            out.push(format!(
+                "NCCL_NET_FORCE_MERGE={f}: NCCL fuses these groups as named (a WARN above says \
+                 if a group cannot match)"
+            ));
         }
         out
     }
+}
+
+/// What stops `NCCL_NET_FORCE_MERGE` from fusing as written, read as NCCL reads it: groups by
+/// `;`, entries by `,`, each `name[:port]` matching a device whose name is exactly `name` (and
+/// whose NCCL port is `port`). NCCL fails init when a group matches fewer devices than it has
+/// entries; a device whose name holds `:`, `,` or `;` cannot be named at all. `devs`: each NCCL
+/// device's name and port, in NCCL's numbering.
+fn force_merge_problems(force: Option<&str>, devs: &[(&str, i32)]) -> Vec<String> {
+    let Some(force) = force else { return Vec::new() };
+    let mut out = Vec::new();
+    for (name, _) in devs.iter().filter(|(n, _)| n.contains([':', ',', ';'])) {
+        out.push(format!(
+            "device {name}'s name holds one of `:,;`, NCCL's separators: no NCCL_NET_FORCE_MERGE \
+             entry can name it"
+        ));
+    }
+    for group in force.split(';').map(str::trim).filter(|g| !g.is_empty()) {
+        let entries: Vec<(&str, Option<i32>)> = group
+            .split(',')
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .map(|e| match e.split_once(':') {
+                Some((n, p)) => (n, p.trim().parse().ok()),
+                None => (e, None),
+            })
+            .collect();
+        let matched: Vec<usize> = (0..devs.len())
+            .filter(|&d| {
+                let (name, port) = devs[d];
+                entries.iter().any(|&(n, p)| n == name && p.is_none_or(|p| p == port))
+            })
+            .collect();
+        if matched.len() != entries.len() {
+            let all: Vec<String> = devs.iter().map(|(n, p)| format!("{n}:{p}")).collect();
+            out.push(format!(
+                "group `{group}` matches {} device(s) ({matched:?}) for its {} entries: NCCL \
+                 fails init (\"Only matched {} devices\"); names match exactly, with NCCL's \
+                 port after `:`; the devices here: {}",
+                matched.len(),
+                entries.len(),
+                matched.len(),
+                all.join(", ")
+            ));
+        }
+    }
+    out
 }
 
 /// What the plugin itself would do at init: NCCL's devices in its numbering, as (port key
@@ -258,6 +307,18 @@ fn plugin_devices(
         }
     };
     let fusion = Fusion::of(&devs, config);
+    let named: Vec<(&str, i32)> = devs.iter().map(|d| (d.name.as_str(), d.nccl_port)).collect();
+    let order: Vec<String> =
+        named.iter().enumerate().map(|(i, (n, _))| format!("{i} {n}")).collect();
+    let rule = if config.pci_order {
+        "PCI order, as NCCL numbers its own (NCCL_IB_DEVICE_PCI_ORDER=1)"
+    } else {
+        "name order (NCCL_IB_DEVICE_PCI_ORDER=0)"
+    };
+    add(Level::Note, "order", format!("NCCL's device numbers, in {rule}: {}", order.join(", ")));
+    for w in force_merge_problems(fusion.force.as_deref(), &named) {
+        add(Level::Warn, "NCCL_NET_FORCE_MERGE", w);
+    }
     let key = |d: &device::NetDevice| format!("{}:{}", d.ctx.name(), d.port);
     let nccl = devs.iter().map(|d| (key(d), d.name.clone())).collect();
     let in_use = devs
