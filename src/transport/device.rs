@@ -27,7 +27,9 @@ use crate::verbs::{self, LinkLayer, Mr, Pd, PortState};
 
 /// One NCCL net device: a port of an RDMA device.
 pub struct NetDevice {
-    /// The name NCCL sees; unique among the devices (see [`unique_names`]).
+    /// The name NCCL sees: its RDMA device's, as NCCL's own transport names it, so the ports
+    /// of a dual-port device share it and `NCCL_NET_FORCE_MERGE` tells them apart by NCCL's
+    /// port (`mlx5_0:1,mlx5_0:3`).
     pub name: String,
     /// The verbs port number, which the QPs are set up on.
     pub port: u8,
@@ -358,20 +360,6 @@ fn describe(p: &PortInfo) -> String {
     }
 }
 
-/// NCCL names a device after its RDMA device; when one device contributes several ports the
-/// names would collide, so those get a `:port` suffix.
-pub fn unique_names(kept: &[(String, u8)]) -> Vec<String> {
-    kept.iter()
-        .map(|(dev, port)| {
-            if kept.iter().filter(|(d, _)| d == dev).count() > 1 {
-                format!("{dev}:{port}")
-            } else {
-                dev.clone()
-            }
-        })
-        .collect()
-}
-
 /// Per-lane rate in Mbps of the verbs speed codes, by their lowest set bit: SDR, DDR, QDR,
 /// FDR10, FDR, EDR, HDR, NDR, XDR.
 const LANE_MBPS: [i32; 9] = [2500, 5000, 10000, 10000, 14000, 25000, 50000, 100000, 200000];
@@ -514,7 +502,7 @@ pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
         usable = pci_order(root, &keys).into_iter().filter_map(|i| sorted[i].take()).collect();
     }
     let keys: Vec<_> = usable.iter().map(key).collect();
-    let names = unique_names(&keys);
+    let names: Vec<String> = keys.iter().map(|(dev, _)| dev.clone()).collect();
     let places = read_places(root, &keys, config.merge_vfs);
     let devices = usable
         .into_iter()
@@ -769,12 +757,6 @@ mod tests {
             select(&ports, &filter("mlx5_0:1:2:3")).unwrap(),
             vec![Selected { index: 0, rail: Some(2), plane: Some(3) }]
         );
-    }
-
-    #[test]
-    fn names_are_unique() {
-        let kept = [("mlx5_0".to_string(), 1), ("mlx5_0".to_string(), 2), ("rxe0".to_string(), 1)];
-        assert_eq!(unique_names(&kept), ["mlx5_0:1", "mlx5_0:2", "rxe0"]);
     }
 
     #[test]

@@ -329,7 +329,7 @@ impl PortFacts {
 pub fn port_facts(name: &str) -> Result<String, String> {
     let config = Config::from_env().unwrap_or_default();
     let ports = read_ports(&config, &BTreeMap::new())?;
-    // The plugin names a device `dev`, or `dev:port` where it uses several ports of one device;
+    // The plugin names a port after its device (several ports of one device share the name);
     // among a device's ports it uses the kept, ACTIVE ones.
     let mut found: Vec<&Port> =
         ports.iter().filter(|p| p.key() == name || (p.dev == name && p.kept)).collect();

@@ -498,27 +498,30 @@ impl<'a> Driver<'a> {
         ok("makeVDevice", r?).map(|_| d)
     }
 
-    /// The device `want` names: its name as the plugin reports it (`rxe0`, or `mlx5_0:1` where
-    /// one device has several ports; the part before `:` is enough when unique), or its index
-    /// among the devices the plugin offers after `NCCL_IB_HCA`. Returns the index and name.
+    /// The device `want` names: its name as the plugin reports it (`rxe0`), with `:port` (the
+    /// port NCCL is told) where one device has several ports (`mlx5_0:3`), or its index among
+    /// the devices the plugin offers after `NCCL_IB_HCA`. Returns the index and name.
     pub fn resolve(&self, want: &str) -> Result<(c_int, String), String> {
         let n = self.devices()?;
-        let names =
-            (0..n).map(|d| Ok(self.properties(d)?.name)).collect::<Result<Vec<_>, String>>()?;
-        let found: Vec<usize> = match want.parse::<usize>() {
-            Ok(i) if i < names.len() => vec![i],
-            Ok(_) => vec![],
-            Err(_) => {
-                let exact: Vec<usize> = (0..names.len()).filter(|&i| names[i] == want).collect();
-                if exact.is_empty() {
-                    (0..names.len()).filter(|&i| names[i].split(':').next() == Some(want)).collect()
-                } else {
-                    exact
-                }
-            }
+        let named = (0..n)
+            .map(|d| self.properties(d).map(|p| (p.name, p.port)))
+            .collect::<Result<Vec<_>, String>>()?;
+        // `name`, or `name:port` with the port NCCL is told (the ports of a dual-port device
+        // share its name, as in NCCL's NCCL_NET_FORCE_MERGE).
+        let (name, port) = match want.rsplit_once(':').map(|(n, p)| (n, p.parse::<c_int>())) {
+            Some((n, Ok(p))) => (n, Some(p)),
+            _ => (want, None),
         };
+        let found: Vec<usize> = match want.parse::<usize>() {
+            Ok(i) if i < named.len() => vec![i],
+            Ok(_) => vec![],
+            Err(_) => (0..named.len())
+                .filter(|&i| named[i].0 == name && port.is_none_or(|p| p == named[i].1))
+                .collect(),
+        };
+        let names: Vec<String> = named.iter().map(|(n, p)| format!("{n}:{p}")).collect();
         match found[..] {
-            [i] => Ok((i as c_int, names[i].clone())),
+            [i] => Ok((i as c_int, named[i].0.clone())),
             _ => Err(format!(
                 "device {want:?} is not one device the plugin offers: {names:?} (NCCL_IB_HCA={})",
                 std::env::var("NCCL_IB_HCA").unwrap_or_else(|_| "unset".into())
