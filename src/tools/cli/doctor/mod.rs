@@ -493,6 +493,27 @@ struct Report<'a> {
 #[cfg(test)]
 pub mod tests {
     use super::*;
+
+    #[test]
+    fn force_merge_groups_must_match_as_nccl_matches_them() {
+        let devs = [("mlx5_0", 1), ("mlx5_1", 1), ("mlx5_2:1", 1), ("mlx5_2:2", 3)];
+        assert!(force_merge_problems(None, &devs).is_empty());
+        let ok = force_merge_problems(Some("mlx5_0,mlx5_1"), &devs[..2]);
+        assert!(ok.is_empty(), "{ok:?}");
+        assert!(force_merge_problems(Some("mlx5_0:1, mlx5_1:1"), &devs[..2]).is_empty());
+        let w = force_merge_problems(Some("mlx5_0,mlx5_9;mlx5_1:2"), &devs[..2]);
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(w[0].starts_with("group `mlx5_0,mlx5_9` matches 1 device(s) ([0]) for its 2"));
+        assert!(w[1].contains("group `mlx5_1:2` matches 0 device(s)"), "{w:?}");
+        // The two ports of a dual-port device, named as NCCL names them: told apart by port.
+        let dual = [("mlx5_0", 1), ("mlx5_0", 3)];
+        assert!(force_merge_problems(Some("mlx5_0:1,mlx5_0:3"), &dual).is_empty());
+        assert!(force_merge_problems(Some("mlx5_0"), &dual)[0].contains("matches 2 device(s)"));
+        // A name with NCCL's port separator (ferroce's old names) cannot be written at all.
+        let w = force_merge_problems(Some("mlx5_2:1,mlx5_2:2"), &devs);
+        assert!(w[0].contains("device mlx5_2:1's name holds one of"), "{w:?}");
+        assert!(w.iter().any(|l| l.contains("matches 0 device(s)")), "{w:?}");
+    }
     use ferroce::transport::gid::{self, GidEntry};
 
     pub fn port(kinds: &[(u8, &str, GidType)], config: &Config) -> Port {
