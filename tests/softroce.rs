@@ -428,6 +428,26 @@ fn hello(nonce: u64) -> Msg {
     }
 }
 
+/// Posts `wr` (signaled) on `qp` and waits up to 60 s for its completion on `cq`: its status.
+fn completion(
+    qp: &ferroce::verbs::Qp,
+    cq: &ferroce::verbs::Cq,
+    wr: ferroce_core::wr::SendWr,
+) -> u32 {
+    let wr_id = wr.wr_id;
+    qp.post_send(&[wr]).unwrap();
+    let (mut status, t) = (None, Instant::now());
+    while status.is_none() {
+        cq.poll_with(|_, _, c| {
+            assert_eq!(c.wr_id, wr_id);
+            status = Some(c.status);
+        })
+        .unwrap();
+        assert!(t.elapsed() < Duration::from_secs(60), "no completion");
+    }
+    status.unwrap()
+}
+
 /// Least privilege on real verbs: a connector of our own (raw verbs on rxe0, speaking the
 /// handshake itself) reaches the plugin's receive QP. An RDMA write into the receiver's size
 /// records goes through (the path works), and an RDMA read of the same words is refused by the
@@ -509,26 +529,10 @@ fn the_receivers_nic_refuses_a_peers_rdma_read() {
 
     // One operation at a time; its completion's status.
     let op = |op: Op, wr_id: u64| -> u32 {
-        let wr = SendWr {
-            wr_id,
-            op,
-            signaled: true,
-            local: Some((local.addr(0), 8, local.lkey())),
-            remote_addr: reply.buf_addr,
-            rkey: reply.buf_rkey,
-            inline: false,
-        };
-        qp.post_send(&[wr]).unwrap();
-        let (mut status, t) = (None, Instant::now());
-        while status.is_none() {
-            cq.poll_with(|_, _, c| {
-                assert_eq!(c.wr_id, wr_id);
-                status = Some(c.status);
-            })
-            .unwrap();
-            assert!(t.elapsed() < Duration::from_secs(60), "no completion");
-        }
-        status.unwrap()
+        let local = Some((local.addr(0), 8, local.lkey()));
+        let (remote_addr, rkey) = (reply.buf_addr, reply.buf_rkey);
+        let wr = SendWr { wr_id, op, signaled: true, local, remote_addr, rkey, inline: false };
+        completion(&qp, &cq, wr)
     };
     assert_eq!(op(Op::Write, 1), 0, "a write into the size records goes through");
     // Inline data is copied by the CPU: from our registered host buffer it goes; from memory
@@ -633,26 +637,9 @@ fn the_senders_nic_refuses_a_read_and_a_write_outside_its_fifo() {
             assert!(t.elapsed() < Duration::from_secs(30), "no comm after our reply");
         }
         let post = |op: Op, remote_addr: u64, wr_id: u64| -> u32 {
-            let wr = SendWr {
-                wr_id,
-                op,
-                signaled: true,
-                local: Some((local.addr(0), 8, local.lkey())),
-                remote_addr,
-                rkey: hello.buf_rkey,
-                inline: false,
-            };
-            qp.post_send(&[wr]).unwrap();
-            let (mut status, t) = (None, Instant::now());
-            while status.is_none() {
-                cq.poll_with(|_, _, c| {
-                    assert_eq!(c.wr_id, wr_id);
-                    status = Some(c.status);
-                })
-                .unwrap();
-                assert!(t.elapsed() < Duration::from_secs(60), "no completion");
-            }
-            status.unwrap()
+            let (local, rkey) = (Some((local.addr(0), 8, local.lkey())), hello.buf_rkey);
+            let wr = SendWr { wr_id, op, signaled: true, local, remote_addr, rkey, inline: false };
+            completion(&qp, &cq, wr)
         };
         // Zeros over the FIFO's first row, which is zero: nothing the sender reads changes.
         assert_eq!(post(Op::Write, hello.buf_addr, 1), 0, "a write into the FIFO goes through");
