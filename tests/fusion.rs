@@ -1,5 +1,5 @@
-//! NIC fusion on real verbs, in the VM's 4-rank topology (`FERROCE_VM_RANKS=4 ci/vm.sh`: rxe0
-//! to rxe3, each on its own veth, all on one bridge). One side fuses rxe0 and rxe1, the other
+//! NIC fusion on real verbs, in the VM's 8-rank topology (`FERROCE_VM_RANKS=8 ci/vm.sh`: rxe0
+//! to rxe7, each on its own veth, all on one bridge). One side fuses rxe0 and rxe1, the other
 //! rxe2 and rxe3, through `makeVDevice` as NCCL would call it, with one lane per port (lane 0
 //! rxe0 -> rxe2, lane 1 rxe1 -> rxe3):
 //!
@@ -9,9 +9,10 @@
 //! - one port's veth taken down mid-run: every message still arrives intact, the sender warns
 //!   once of its lane on that port, naming it; brought back, the lane is rebuilt and the port
 //!   carries traffic again;
-//! - both of the sender's ports down: the comm fails with a remote error within the bound.
+//! - both of the sender's ports down: the comm fails with a remote error within the bound;
+//! - v12's widest fused device, all 8 ports on each side: one message leaves on every port.
 //!
-//! Every test here is `#[ignore]`d on the host and run in the 4-rank VM by `ci/test.sh`.
+//! Every test here is `#[ignore]`d on the host and run in the 8-rank VM by `ci/test.sh`.
 
 mod common;
 
@@ -55,6 +56,9 @@ struct Fused<'a> {
 }
 
 const MSG: usize = 1 << 20;
+
+/// The VM's ports: v12's most per fused device.
+const PORTS: usize = 8;
 
 impl<'a> Fused<'a> {
     fn open(lib: &'a Library, sdev: i32, rdev: i32) -> Fused<'a> {
@@ -105,7 +109,7 @@ impl<'a> Fused<'a> {
     }
 }
 
-/// A test's set-up: the VM's four devices and their veths (or a loud failure), the test lock,
+/// A test's set-up: the VM's eight devices and their veths (or a loud failure), the test lock,
 /// and the plugin with one lane per port.
 struct Setup {
     devs: Vec<String>,
@@ -118,8 +122,8 @@ fn setup() -> Setup {
     require_vm();
     let (devs, netdevs) = (vm_list("FERROCE_VM_DEVS"), vm_list("FERROCE_VM_NETDEVS"));
     assert!(
-        devs.len() >= 4 && netdevs.len() == devs.len(),
-        "needs the VM's 4-rank mode (FERROCE_VM_RANKS=4): devices {devs:?}, veths {netdevs:?}"
+        devs.len() == PORTS && netdevs.len() == devs.len(),
+        "needs the VM's 8-rank mode (FERROCE_VM_RANKS=8): devices {devs:?}, veths {netdevs:?}"
     );
     let _serial = serial();
     set_env(&[("NCCL_IB_QPS_PER_CONNECTION", Some("1"))]);
@@ -130,25 +134,25 @@ fn setup() -> Setup {
 fn fuse(lib: &Library) -> (i32, i32) {
     let drv = Driver::new(lib, 12).unwrap();
     let ctx = drv.init(10).unwrap();
-    // The four ports (and, where an earlier test of this process fused them, those two).
+    // The eight ports (each test runs in a process of its own).
     let n = drv.devices().unwrap();
-    assert!(n == 4 || n == 6, "{n} devices");
+    assert_eq!(n, PORTS as i32, "devices");
     let a = drv.make_vdevice(&[0, 1]).unwrap();
     let b = drv.make_vdevice(&[2, 3]).unwrap();
-    assert_eq!((a, b, drv.devices().unwrap()), (4, 5, 6), "fused devices follow the ports");
+    assert_eq!((a, b, drv.devices().unwrap()), (n, n + 1, n + 2), "fused devices follow the ports");
     assert_eq!(drv.make_vdevice(&[0, 1]).unwrap(), a, "the same ports are the same device");
     let (pa, p0) = (drv.properties(a).unwrap(), drv.properties(0).unwrap());
     assert_eq!(pa.name, "rxe0+rxe1");
     assert_eq!(pa.speed, p0.speed + drv.properties(1).unwrap().speed);
     assert_eq!(pa.vprops, Some(vec![0, 1]));
     assert_eq!(p0.vprops, Some(vec![0]));
-    assert!(drv.make_vdevice(&[0, 0]).is_err() && drv.make_vdevice(&[0, 9]).is_err());
+    assert!(drv.make_vdevice(&[0, 0]).is_err() && drv.make_vdevice(&[0, 99]).is_err());
     drv.finalize(ctx).unwrap();
     (a, b)
 }
 
 #[test]
-#[ignore = "needs the 4-rank Soft-RoCE VM: run ci/test.sh"]
+#[ignore = "needs the 8-rank Soft-RoCE VM: run ci/test.sh"]
 fn a_fused_pair_spreads_verified_data_over_both_ports() {
     let Setup { devs, lib, _serial: _held, .. } = setup();
     let (a, b) = fuse(&lib);
@@ -207,7 +211,7 @@ fn a_fused_pair_spreads_verified_data_over_both_ports() {
 /// sending port carries at least a quarter of its packets (whole messages, one lane each, put
 /// it all on one port).
 #[test]
-#[ignore = "needs the 4-rank Soft-RoCE VM: run ci/test.sh"]
+#[ignore = "needs the 8-rank Soft-RoCE VM: run ci/test.sh"]
 fn one_message_on_a_fused_pair_uses_both_ports() {
     let Setup { devs, lib, _serial: _held, .. } = setup();
     let (a, b) = fuse(&lib);
@@ -226,7 +230,7 @@ fn one_message_on_a_fused_pair_uses_both_ports() {
 }
 
 #[test]
-#[ignore = "needs the 4-rank Soft-RoCE VM: run ci/test.sh"]
+#[ignore = "needs the 8-rank Soft-RoCE VM: run ci/test.sh"]
 fn one_port_down_fails_over_and_comes_back_both_down_fail_the_comm() {
     let Setup { devs, netdevs, lib, _serial: _held } = setup();
     let (a, b) = fuse(&lib);
@@ -304,7 +308,7 @@ fn one_port_down_fails_over_and_comes_back_both_down_fail_the_comm() {
 /// spreads over both its ports towards one receiving port, and a single sending port reaches
 /// both of a fused receiver's.
 #[test]
-#[ignore = "needs the 4-rank Soft-RoCE VM: run ci/test.sh"]
+#[ignore = "needs the 8-rank Soft-RoCE VM: run ci/test.sh"]
 fn ends_with_different_port_counts_connect_and_use_every_port() {
     let Setup { devs, lib, _serial: _held, .. } = setup();
     let (a, _) = fuse(&lib);
@@ -327,5 +331,49 @@ fn ends_with_different_port_counts_connect_and_use_every_port() {
         for p in receivers {
             assert!(got[p] > 1000, "{s} -> {r}: port {p} received {got:?}");
         }
+    }
+}
+
+/// v12's widest fused device: all 8 ports on each side (the receiver's in another order, so
+/// that lane `q` runs rxe`q` -> rxe`q+1`), every key of a CTS entry in use. Each message arrives
+/// intact, and one message leaves on every sending port and arrives on every receiving one,
+/// each with at least half of an even share of its packets.
+#[test]
+#[ignore = "needs the 8-rank Soft-RoCE VM: run ci/test.sh"]
+fn eight_fused_ports_carry_one_message_on_every_port() {
+    let Setup { devs, lib, _serial: _held, .. } = setup();
+    let drv = Driver::new(&lib, 12).unwrap();
+    let ctx = drv.init(10).unwrap();
+    let ports: Vec<i32> = (0..PORTS as i32).collect();
+    let rotated: Vec<i32> = (0..PORTS as i32).map(|p| (p + 1) % PORTS as i32).collect();
+    let (a, b) = (drv.make_vdevice(&ports).unwrap(), drv.make_vdevice(&rotated).unwrap());
+    assert_ne!(a, b, "the same ports in another order are another device");
+    assert_eq!(drv.properties(a).unwrap().vprops, Some(ports.clone()));
+    assert!(drv.make_vdevice(&[ports.clone(), vec![0]].concat()).is_err(), "a ninth");
+    drv.finalize(ctx).unwrap();
+    let mut f = Fused::open(&lib, a, b);
+    f.message(1).unwrap();
+    let read = |name| -> Vec<u64> { devs.iter().map(|d| counter(d, name)).collect() };
+    let (sent0, rcvd0) = (read("sent_pkts"), read("rcvd_pkts"));
+    f.message(2).unwrap();
+    let grew = |now: Vec<u64>, then: &[u64]| -> Vec<u64> {
+        now.iter().zip(then).map(|(n, t)| n - t).collect()
+    };
+    let (sent, rcvd) = (grew(read("sent_pkts"), &sent0), grew(read("rcvd_pkts"), &rcvd0));
+    for m in 3..8 {
+        f.message(m).unwrap();
+    }
+    f.close();
+    println!(
+        "fusion: one 1 MiB message over 8 fused ports: packets sent {sent:?}, received {rcvd:?}"
+    );
+    // Every port both sends (its lane's data) and receives (its neighbour's); the ACKs going
+    // back are fewer than the data, so each direction holds on its own.
+    for (what, per_port) in [("sent", &sent), ("received", &rcvd)] {
+        let total: u64 = per_port.iter().sum();
+        assert!(
+            total > 0 && per_port.iter().all(|&p| p * 2 * PORTS as u64 >= total),
+            "one message: packets {what} per port {per_port:?}"
+        );
     }
 }

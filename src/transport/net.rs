@@ -482,18 +482,20 @@ mod tests {
     /// What `makeVDevice` fuses and what it refuses, each refusal saying why.
     #[test]
     fn fusion_takes_distinct_ports_of_one_link_layer() {
-        let layers = ["eth", "eth", "eth", "ib", "eth", "eth"];
+        let layers = ["eth", "eth", "eth", "ib", "eth", "eth", "eth", "eth", "eth", "eth"];
         assert_eq!(fusion(&[1, 0], &layers, true).unwrap(), vec![1, 0]);
+        let eight = [0, 1, 2, 4, 5, 6, 7, 8];
+        assert_eq!(fusion(&eight, &layers, true).unwrap(), vec![0, 1, 2, 4, 5, 6, 7, 8], "v12's 8");
         assert_eq!(fusion(&[2], &layers, false).unwrap(), vec![2], "one port needs no merging");
         let refused = |devs: &[i32], merge: bool| match fusion(devs, &layers, merge) {
             Err(Error::InvalidUsage(why)) => why,
             other => panic!("{devs:?}: {other:?}"),
         };
         assert!(refused(&[0, 1], false).contains("NCCL_IB_MERGE_NICS=0"));
-        assert!(refused(&[], true).contains("1 to 4 ports"));
-        assert!(refused(&[0, 1, 2, 4, 5], true).contains("1 to 4 ports"));
+        assert!(refused(&[], true).contains("1 to 8 ports"));
+        assert!(refused(&[0, 1, 2, 4, 5, 6, 7, 8, 9], true).contains("1 to 8 ports"));
         assert!(refused(&[0, 0], true).contains("given twice"));
-        assert!(refused(&[0, 6], true).contains("6 is not a port"));
+        assert!(refused(&[0, 10], true).contains("10 is not a port"));
         assert!(refused(&[-1, 0], true).contains("-1 is not a port"));
         assert!(refused(&[0, 3], true).contains("one link layer"));
     }

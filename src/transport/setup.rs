@@ -159,7 +159,7 @@ fn endpoint(net: &Net, devs: &[usize], qps: &[verbs::Qp], buf: &RegisteredBuf) -
         buf_rkey: ends[0].rkey,
         max_msg,
         members: devs.len() as u8,
-        more: [ends[1], ends[2], ends[3]],
+        more: std::array::from_fn(|i| ends[i + 1]),
     })
 }
 

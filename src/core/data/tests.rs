@@ -877,8 +877,9 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         })
         .collect();
     let optional = groups.iter().map(|g: &Vec<Item>| g.len() == 1 && rng.below(3) == 0).collect();
-    // Each end spans 1 to 3 member ports (fewer with fewer lanes), the two counts independent.
-    let (ours, theirs) = (1 + rng.below(3) as usize, 1 + rng.below(3) as usize);
+    // Each end spans 1 to 8 member ports (fewer with fewer lanes), the two counts independent.
+    let m = MAX_MEMBERS as u64;
+    let (ours, theirs) = (1 + rng.below(m) as usize, 1 + rng.below(m) as usize);
     let members = (0..nqps).map(|q| (q % ours.min(nqps), q % theirs.min(nqps))).collect();
     Run {
         optional,
@@ -2508,7 +2509,7 @@ fn cts_entries_round_trip() {
     let c = Cts {
         addr: 0xdead_beef_0000,
         size: 1 << 40,
-        rkeys: [0x1234, 0xffff_ffff, 0, 7],
+        rkeys: [0x1234, 0xffff_ffff, 0, 7, 0x8000_0001, 5, 0xffff_fffe, 1],
         tag: -7,
         nreqs: 8,
         optional: true,

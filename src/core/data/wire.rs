@@ -16,8 +16,9 @@ pub const SLOTS: usize = 32;
 /// Buffers one `irecv` may group (`maxRecvs`).
 pub const MAX_RECVS: usize = 8;
 
-/// Most member ports one comm spans (a fused device's), as NCCL's IB transport allows.
-pub const MAX_MEMBERS: usize = 4;
+/// Most member ports one comm spans (a fused device's): NCCL's `NCCL_NET_MAX_DEVS_PER_NIC`
+/// of v12.
+pub const MAX_MEMBERS: usize = 8;
 
 /// A registration's key on each member port of its comm (entry `m`: member `m`'s).
 pub type Keys = [u32; MAX_MEMBERS];
@@ -277,8 +278,8 @@ pub fn entry_word(slot: usize, r: usize) -> usize {
 }
 
 impl Cts {
-    /// The entry's words: address, size, the keys two to a word, the tag, two spare words,
-    /// and last `idx` (48 bits, enough for 10^14 receives) with the buffer count and the
+    /// The entry's words: address, size, keys 0-3 two to a word, the tag, keys 4-7 two to a
+    /// word, and last `idx` (48 bits, enough for 10^14 receives) with the buffer count and the
     /// optional flag, which lands last, as the sender checks it to see a landed entry.
     pub fn encode(&self) -> [u64; ENTRY_WORDS] {
         let k = |i: usize| u64::from(self.rkeys[i]) | u64::from(self.rkeys[i + 1]) << 32;
@@ -288,8 +289,8 @@ impl Cts {
             k(0),
             k(2),
             u64::from(self.tag as u32),
-            0,
-            0,
+            k(4),
+            k(6),
             u64::from(self.nreqs) | if self.optional { CTS_OPTIONAL } else { 0 } | self.idx << 16,
         ]
     }
@@ -298,7 +299,7 @@ impl Cts {
         Cts {
             addr: w[0],
             size: w[1],
-            rkeys: [w[2] as u32, (w[2] >> 32) as u32, w[3] as u32, (w[3] >> 32) as u32],
+            rkeys: std::array::from_fn(|i| (w[[2, 3, 5, 6][i / 2]] >> (32 * (i % 2))) as u32),
             tag: w[4] as u32 as i32,
             nreqs: w[7] as u8,
             optional: w[7] & CTS_OPTIONAL != 0,

@@ -23,14 +23,16 @@ pub const MAGIC: u64 = 0x3145_434f_5252_4546; // "FERROCE1", little-endian
 /// a repaired lane gets new queue pairs (two-word mailboxes that carry their numbers); 5 since
 /// CTS entries carry a key per member port (64-byte entries), for comms over fused devices; 6
 /// since lane failover fences before it re-sends (fence requests and receipts after the FIFO,
-/// an ack after every optional row), which a version-5 peer would never answer.
-pub const VERSION: u32 = 6;
+/// an ack after every optional row), which a version-5 peer would never answer; 7 since a
+/// fused device spans up to 8 ports (longer messages, 8 keys in a CTS entry).
+pub const VERSION: u32 = 7;
 pub const HANDLE_SIZE: usize = 128;
 /// Bytes 96..128 of the handle are never sent: the connector keeps its resumable state there.
 pub const HANDLE_STATE_OFFSET: usize = 96;
 /// The most queue pairs one connection may use (`NCCL_IB_QPS_PER_CONNECTION`).
 pub const MAX_QPS: usize = 128;
-/// 96 bytes of fields, then the QP numbers (u32) and UDP source ports (u16) of up to 128 QPs.
+/// 96 bytes of fields, then the QP numbers (u32) and UDP source ports (u16) of up to 128 QPs,
+/// then the ends of member ports 1 to 7.
 pub const MSG_LEN: usize = MORE_AT + (MAX_MEMBERS - 1) * END_LEN;
 /// Where the other member ports' ends start (after the QP numbers and source ports), and the
 /// bytes of each.
@@ -171,7 +173,7 @@ pub struct Msg {
     pub buf_rkey: u32,
     /// The sender's largest message (`max_msg_sz` of its port).
     pub max_msg: u32,
-    /// Member ports of the sender's device (1..=4): `gid`, `mtu`, `port` and `buf_rkey` are
+    /// Member ports of the sender's device (1..=8): `gid`, `mtu`, `port` and `buf_rkey` are
     /// the first's, `more` the others'.
     pub members: u8,
     pub more: [End; MAX_MEMBERS - 1],
@@ -397,6 +399,30 @@ mod tests {
             let m = msg(kind);
             assert_eq!(Msg::decode(&m.encode(), kind, m.nonce).unwrap(), m);
         }
+    }
+
+    /// A fused end of v12's 8 ports: every member's end comes back, and a ninth is refused.
+    #[test]
+    fn messages_carry_eight_member_ends() {
+        let more = std::array::from_fn(|i| End {
+            gid: [i as u8 + 1; 16],
+            mtu: 1 + i as u8 % 5,
+            port: 1 + i as u8,
+            rkey: 0x1000 + i as u32,
+        });
+        let m = Msg { members: 8, more, ..msg(Kind::Hello) };
+        let back = Msg::decode(&m.encode(), Kind::Hello, m.nonce).unwrap();
+        assert_eq!(back.ends().len(), 8);
+        assert_eq!(back.end(7), End { gid: [7; 16], mtu: 2, port: 7, rkey: 0x1006 });
+        assert_eq!(back, m);
+        let mut nine = m.encode();
+        nine[39] = 9;
+        assert_eq!(Msg::decode(&nine, Kind::Hello, m.nonce), Err(Reject::Field("members")));
+        let mut b = [0; HANDLE_SIZE];
+        Handle { addr: "10.0.0.1:1".parse().unwrap(), nonce: 1, members: 8 }.encode(&mut b);
+        assert_eq!(Handle::decode(&b).unwrap().members, 8);
+        b[13] = 9;
+        assert_eq!(Handle::decode(&b), Err(Reject::Field("handle members")));
     }
 
     #[test]
