@@ -446,8 +446,10 @@ pub(super) unsafe extern "C" fn isend(
         let AnyComm::Send(c) = c else {
             return Err(Error::Internal("isend on a receive comm".into()));
         };
-        // SAFETY: NCCL passes an mhandle it registered and has not deregistered.
-        c.isend(unsafe { buf(data, size as u64, mhandle, devs) }?, tag, phandle as usize)
+        // SAFETY: NCCL passes an mhandle it registered and has not deregistered, and the
+        // lookup runs inside this call.
+        let lookup = || unsafe { buf(data, size as u64, mhandle, devs) };
+        c.isend(lookup, tag, phandle as usize)
     };
     // SAFETY: send_comm came from connect and is not closed; NCCL passes NULL or a valid slot.
     unsafe { post("isend", send_comm, request, send) }

@@ -739,11 +739,17 @@ impl SendComm {
         (0..SLOTS * MAX_RECVS).map(|i| (ReqKind::Send, i as u16))
     }
 
-    /// Matches a send against the receiver's posted buffers. `Ok(None)`: not yet. `phandle`:
+    /// Matches a send against the receiver's posted buffers. `Ok(None)`: not yet. `buf`: the
+    /// lookup of the buffer's registration, run only once a receive matches it. `phandle`:
     /// NCCL's profiler handle of the request (0: none).
-    pub fn isend(&mut self, buf: Buf, tag: i32, phandle: usize) -> Result<Option<usize>> {
+    pub fn isend(
+        &mut self,
+        buf: impl FnOnce() -> Result<Buf>,
+        tag: i32,
+        phandle: usize,
+    ) -> Result<Option<usize>> {
         let mut io = qps!(self, &[]);
-        let r = self.core.isend(&self.fifo, &self.sizes_stage, &mut io, buf, tag);
+        let r = self.core.isend_with(&self.fifo, &self.sizes_stage, &mut io, buf, tag);
         if let (Ok(Some(id)), Some(ev)) = (&r, &mut self.lanes.events) {
             ev.handed(*id, phandle);
         }

@@ -471,6 +471,20 @@ impl SendCore {
         buf: Buf,
         tag: i32,
     ) -> Result<Option<usize>> {
+        self.isend_with(fifo, stage, io, || Ok(buf), tag)
+    }
+
+    /// [`Self::isend`] with the buffer found only once a receive matches it (`buf`: the lookup
+    /// of its registration, whose error is the caller's and leaves the comm as it was): a send
+    /// that finds no receive posted, which NCCL repeats until one is, costs no lookup.
+    pub fn isend_with(
+        &mut self,
+        fifo: &impl Words,
+        stage: &impl Words,
+        io: &mut impl Post,
+        buf: impl FnOnce() -> Result<Buf>,
+        tag: i32,
+    ) -> Result<Option<usize>> {
         self.check()?;
         self.resend(stage, io)?;
         if self.unfenced != 0 || !self.resend.is_empty() {
@@ -493,7 +507,7 @@ impl SendCore {
         };
         let last = s.matched.count_ones() as usize + 1 == nreqs;
         let (size, optional) = (row[r].size, nreqs == 1 && row[0].optional);
-        let buf = self.fit_to(buf, tag, size);
+        let buf = self.fit_to(buf()?, tag, size);
         // In place (a slot's buffers are most of a kilobyte), and put back if it cannot go.
         let before = self.slots[slot].bufs[r].replace(buf);
         if last {
@@ -527,11 +541,9 @@ impl SendCore {
     fn next_row(&mut self, fifo: &impl Words) -> Result<Option<(usize, usize)>> {
         let slot = (self.head % SLOTS as u64) as usize;
         let want = self.head + 1;
-        let first = Cts::read(fifo, slot, 0);
-        self.wants_cts = first.idx != want;
-        if self.wants_cts {
-            return Ok(None);
-        }
+        let first = Cts::landed(fifo, slot, 0, want);
+        self.wants_cts = first.is_none();
+        let Some(first) = first else { return Ok(None) };
         let nreqs = usize::from(first.nreqs);
         if !(1..=MAX_RECVS).contains(&nreqs) {
             let peer = &self.p.path.peer;
@@ -542,10 +554,9 @@ impl SendCore {
         }
         self.next[0] = first;
         for r in 1..nreqs {
-            let e = Cts::read(fifo, slot, r);
-            if e.idx != want {
+            let Some(e) = Cts::landed(fifo, slot, r, want) else {
                 return Ok(None); // the rest of the row is still landing
-            }
+            };
             self.next[r] = e;
         }
         // Every address a write derives from an entry (`addr + at`, `at` within `size`) must

@@ -2391,6 +2391,31 @@ fn every_row_goes_out_at_its_irecv() {
     assert_eq!(receiver.test(ids[5], &mut [0; MAX_RECVS]).unwrap(), Some(1), "data landed");
 }
 
+/// A send looks its buffer up only once a receive matches it: with no row landed the lookup
+/// never runs (NCCL repeats such an `isend` until one has); a lookup that fails is the
+/// caller's error and leaves the comm as it was, so the same send then goes through.
+#[test]
+fn a_send_looks_its_buffer_up_only_once_a_receive_matches() {
+    let pair = Pair::new(64 << 10);
+    let Ends { mut sender, mut receiver, mut sio, mut rio, fifo, sstage, rstage, rsizes } =
+        pair.ends(one_qp(Path::default()));
+    let sbuf = Buf { addr: SEND_DATA, size: 64, lkeys: keys(11), rkeys: keys(11), host: true };
+    let never = || -> Result<Buf> { panic!("a buffer looked up with no receive posted") };
+    assert_eq!(sender.isend_with(&fifo, &sstage, &mut sio, never, 0).unwrap(), None);
+    let rbuf = Buf { addr: RECV_DATA, size: 64, lkeys: keys(12), rkeys: keys(12), host: true };
+    let id = receiver.irecv(&rstage, &rsizes, &mut rio, &[(rbuf, 0)], false).unwrap().unwrap();
+    pair.drain(1, 0);
+    let bad = || -> Result<Buf> { Err(Error::InvalidUsage("not registered here".into())) };
+    let err = sender.isend_with(&fifo, &sstage, &mut sio, bad, 0).unwrap_err();
+    assert!(matches!(err, Error::InvalidUsage(_)), "{err:?}");
+    let sent = sender.isend_with(&fifo, &sstage, &mut sio, || Ok(sbuf), 0).unwrap();
+    assert!(sent.is_some(), "the comm is as it was before the failed lookup");
+    pair.drain(0, 0);
+    poll(&pair.wire, 0, |c| sender.complete(c));
+    poll(&pair.wire, 1, |c| receiver.complete(c, &rsizes));
+    assert_eq!(receiver.test(id, &mut [0; MAX_RECVS]).unwrap(), Some(1));
+}
+
 /// The property behind [`every_row_goes_out_at_its_irecv`], over random programs: after the
 /// receiver's last call, the sender, driven alone (its NIC and the receiver's NIC still run,
 /// the receiving process does not), consumes every row posted. 1 to 8 lanes, both split

@@ -312,10 +312,22 @@ impl Cts {
     /// in order, and each load is an acquire).
     pub(super) fn read(fifo: &impl Words, slot: usize, r: usize) -> Cts {
         let base = entry_word(slot, r);
-        let last = fifo.load(base + ENTRY_WORDS - 1);
+        Cts::read_after(fifo, base, fifo.load(base + ENTRY_WORDS - 1))
+    }
+
+    /// The entry at `base` whose last word, read first, was `last`.
+    fn read_after(fifo: &impl Words, base: usize, last: u64) -> Cts {
         Cts::decode(std::array::from_fn(|i| {
             if i + 1 < ENTRY_WORDS { fifo.load(base + i) } else { last }
         }))
+    }
+
+    /// Entry `r` of `slot` once its `idx` is `want` (it has landed), as [`Self::read`] reads
+    /// it; `None`, having read only the `idx` word, while it is not.
+    pub(super) fn landed(fifo: &impl Words, slot: usize, r: usize, want: u64) -> Option<Cts> {
+        let base = entry_word(slot, r);
+        let last = fifo.load(base + ENTRY_WORDS - 1);
+        (last >> 16 == want).then(|| Cts::read_after(fifo, base, last))
     }
 }
 
