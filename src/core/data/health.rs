@@ -407,6 +407,9 @@ impl Health {
 
     /// The live lanes whose member port's link is down.
     pub(super) fn on_down(&self, alive: u128, members: &[(usize, usize)]) -> u128 {
+        if self.ports_down == 0 {
+            return 0;
+        }
         let down = members.iter().enumerate().filter(|(_, m)| self.ports_down & (1 << m.0) != 0);
         down.fold(0u128, |m, (q, _)| m | 1 << q) & alive
     }

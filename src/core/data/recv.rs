@@ -780,10 +780,13 @@ impl RecvCore {
                 // Only a lane on a port whose link went down: a stall is the sender's to find
                 // (it owns lane repair; two ends fencing on their own could keep disjoint
                 // lanes). A silent path under our CTS rows stalls the sender's work or probes
-                // on the lane, and its fence moves the rows.
+                // on the lane, and its fence moves the rows. (With no lane busy here, the stall
+                // check itself finds nothing: it runs only for a link that went down.)
                 let on_down = self.health.on_down(self.alive, &self.p.members);
-                let found = self.health.stalled(now, (0, self.alive, on_down), |_| Duration::ZERO);
-                if let Some((lane, why)) = found {
+                let found = (on_down != 0).then(|| {
+                    self.health.stalled(now, (0, self.alive, on_down), |_| Duration::ZERO)
+                });
+                if let Some((lane, why)) = found.flatten() {
                     io.fence(lane).map_err(|e| self.health.post_failed(e))?;
                     self.drop_lane(lane, &why, sizes);
                 }

@@ -78,9 +78,9 @@ impl Stall {
         self.since[lane] = None;
     }
 
-    /// The bound of lane `lane` with `allowance` for its oldest work.
-    fn bound(&self, floor: Duration, lane: usize, allowance: Duration) -> Duration {
-        floor.max(self.typical[lane] * 4).saturating_add(allowance)
+    /// The bound of lane `lane` before the allowance for its oldest work is added.
+    fn base(&self, floor: Duration, lane: usize) -> Duration {
+        floor.max(self.typical[lane] * 4)
     }
 
     /// At `now`, with `busy` the live lanes that have signaled work outstanding and `live`
@@ -116,8 +116,12 @@ impl Stall {
         let mut verdict = Verdict::Clear;
         for q in (0..self.done.len()).filter(|&q| busy & (1 << q) != 0) {
             let Some(t) = self.since[q] else { continue };
-            let bound = self.bound(floor, q, allowance(q));
-            let waited = now.saturating_sub(t);
+            let (waited, base) = (now.saturating_sub(t), self.base(floor, q));
+            // The allowance (a float division) only for a wait past the rest of the bound.
+            if waited <= base {
+                continue;
+            }
+            let bound = base.saturating_add(allowance(q));
             if waited <= bound {
                 continue;
             }
