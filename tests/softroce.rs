@@ -455,8 +455,7 @@ fn completion(
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn the_receivers_nic_refuses_a_peers_rdma_read() {
-    use ferroce::verbs::{self, Cq, Pd, Qp, QpCaps, RegisteredBuf, RtrAttr, RtsAttr};
-    use ferroce_core::setup::first_psn;
+    use ferroce::verbs::{self, Cq, Pd, Qp, QpCaps, RegisteredBuf};
     use ferroce_core::wr::{Op, SendWr};
     use std::io::{Read, Write};
     use std::sync::Arc;
@@ -502,21 +501,7 @@ fn the_receivers_nic_refuses_a_peers_rdma_read() {
         assert!(t.elapsed() < Duration::from_secs(30), "no reply");
     }
     let reply = Msg::decode(&reply, Kind::Reply, h.nonce).expect("a valid reply");
-    let rtr = RtrAttr {
-        port: 1,
-        path_mtu: 3,
-        dest_qpn: reply.qpns[0],
-        dgid: reply.gid,
-        sgid_index: sgid,
-        flow_label: 0,
-        traffic_class: 0,
-        sl: 0,
-        rq_psn: first_psn(h.nonce, reply.qpns[0]),
-    };
-    qp.to_rtr(&rtr).unwrap();
-    let rts =
-        RtsAttr { timeout: 14, retry_cnt: 3, rnr_retry: 3, sq_psn: first_psn(h.nonce, qp.qpn()) };
-    qp.to_rts(&rts).unwrap();
+    connect_qp(&qp, &reply, sgid, h.nonce);
     let ready = Msg { kind: Kind::Ready, ..hi };
     s.write_all(&ready.encode()).unwrap();
     let t = Instant::now();
@@ -560,6 +545,26 @@ fn the_receivers_nic_refuses_a_peers_rdma_read() {
     drv.finalize(ctx).unwrap();
 }
 
+/// Brings our raw queue pair `qp` to RTS towards the plugin's first QP in `peer` (its hello or
+/// reply), from our GID at index `sgid`, with the PSNs both ends derive from `nonce`.
+fn connect_qp(qp: &ferroce::verbs::Qp, peer: &Msg, sgid: u8, nonce: u64) {
+    use ferroce::verbs::{RtrAttr, RtsAttr};
+    let rtr = RtrAttr {
+        port: 1,
+        path_mtu: 3,
+        dest_qpn: peer.qpns[0],
+        dgid: peer.gid,
+        sgid_index: sgid,
+        flow_label: 0,
+        traffic_class: 0,
+        sl: 0,
+        rq_psn: ferroce_core::setup::first_psn(nonce, peer.qpns[0]),
+    };
+    qp.to_rtr(&rtr).unwrap();
+    let sq_psn = ferroce_core::setup::first_psn(nonce, qp.qpn());
+    qp.to_rts(&RtsAttr { timeout: 14, retry_cnt: 3, rnr_retry: 3, sq_psn }).unwrap();
+}
+
 /// Least privilege on the sending side, on real verbs: a listener of our own (raw verbs on
 /// rxe1, speaking the handshake itself) takes the plugin's connect. The receiver must write
 /// its clear-to-send rows into the sender's FIFO, so the sender's queue pair takes writes, but
@@ -570,9 +575,8 @@ fn the_receivers_nic_refuses_a_peers_rdma_read() {
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn the_senders_nic_refuses_a_read_and_a_write_outside_its_fifo() {
-    use ferroce::verbs::{self, Cq, Pd, Qp, QpCaps, RegisteredBuf, RtrAttr, RtsAttr};
+    use ferroce::verbs::{self, Cq, Pd, Qp, QpCaps, RegisteredBuf};
     use ferroce_core::data::FIFO_AREA;
-    use ferroce_core::setup::first_psn;
     use ferroce_core::setup::wire::MSG_LEN;
     use ferroce_core::wr::{Op, SendWr};
     use std::io::{Read, Write};
@@ -613,21 +617,7 @@ fn the_senders_nic_refuses_a_read_and_a_write_outside_its_fifo() {
         s.read_exact(&mut hello).expect("the plugin's hello");
         let hello = Msg::decode(&hello, Kind::Hello, nonce).expect("a valid hello");
         assert_eq!(hello.nqps, 1);
-        let rtr = RtrAttr {
-            port: 1,
-            path_mtu: 3,
-            dest_qpn: hello.qpns[0],
-            dgid: hello.gid,
-            sgid_index: sgid,
-            flow_label: 0,
-            traffic_class: 0,
-            sl: 0,
-            rq_psn: first_psn(nonce, hello.qpns[0]),
-        };
-        qp.to_rtr(&rtr).unwrap();
-        let rts =
-            RtsAttr { timeout: 14, retry_cnt: 3, rnr_retry: 3, sq_psn: first_psn(nonce, qp.qpn()) };
-        qp.to_rts(&rts).unwrap();
+        connect_qp(&qp, &hello, sgid, nonce);
         let mut reply = Msg { kind: Kind::Reply, gid: ours.octets(), ..hello };
         reply.qpns = std::array::from_fn(|i| if i == 0 { qp.qpn() } else { 0 });
         (reply.buf_addr, reply.buf_rkey) = (local.addr(0), local.rkey());
