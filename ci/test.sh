@@ -8,7 +8,8 @@
 #   4. build the release plugin and the test binaries on the host, boot the Soft-RoCE VM and
 #      run the VM tests against rxe0/rxe1 inside it, plus perftest between the same devices;
 #   5. boot it again with 4 ranks on one bridge and run the cluster test (ring collectives,
-#      ECMP ports, the failure of one rank);
+#      ECMP ports, the failure of one rank), then with 8 for the NIC-fusion tests (up to 8
+#      fused ports);
 #   6. the Debian package (ci/package.sh): installed on this host as a user would, then, in the
 #      VM, the installed tool finds the installed plugin by NCCL's own lookup and a self-test
 #      transfer verifies its data, with no LD_LIBRARY_PATH; then removed again;
