@@ -43,8 +43,17 @@ fn stderr_shows(level: ncclDebugLogLevel) -> bool {
 
 /// The message exactly as it is handed to NCCL: prefixed, and with no interior NUL.
 pub fn c_message(text: &str) -> CString {
-    let clean: String = text.chars().filter(|&c| c != '\0').collect();
-    CString::new(format!("NET/ferroce: {clean}")).unwrap_or_default()
+    const PREFIX: &[u8] = b"NET/ferroce: ";
+    let mut bytes = Vec::with_capacity(PREFIX.len() + text.len() + 1);
+    bytes.extend_from_slice(PREFIX);
+    // A NUL is a byte of its own in UTF-8 (never part of another character), so dropping NUL
+    // bytes leaves valid text; the common line has none and is copied whole.
+    if text.as_bytes().contains(&0) {
+        bytes.extend(text.bytes().filter(|&b| b != 0));
+    } else {
+        bytes.extend_from_slice(text.as_bytes());
+    }
+    CString::new(bytes).unwrap_or_default()
 }
 
 impl ::log::Log for NcclLog {
@@ -95,5 +104,7 @@ mod tests {
     #[test]
     fn messages_are_prefixed_and_nul_free() {
         assert_eq!(c_message("a\0b %s %n").to_str().unwrap(), "NET/ferroce: ab %s %n");
+        assert_eq!(c_message("\0é\0→").to_str().unwrap(), "NET/ferroce: é→");
+        assert_eq!(c_message("rxe0: 1 ok").to_str().unwrap(), "NET/ferroce: rxe0: 1 ok");
     }
 }

@@ -230,7 +230,9 @@ pub(super) struct SendSlot {
 /// The sending end's protocol state.
 pub struct SendCore {
     pub(super) reqs: [SendReq; SLOTS * MAX_RECVS],
-    pub(super) slots: [SendSlot; SLOTS],
+    /// On the heap: with its buffers and rows it is about 42 KB, which each move of the core
+    /// (into its comm, into a box) would otherwise copy.
+    pub(super) slots: Box<[SendSlot; SLOTS]>,
     /// Slots fully posted so far; the next slot is `head % SLOTS`.
     pub(super) head: u64,
     pub(super) p: Params,
@@ -295,7 +297,7 @@ impl SendCore {
         let health = Health::new(&p);
         SendCore {
             reqs: [SendReq::default(); SLOTS * MAX_RECVS],
-            slots: [SendSlot::default(); SLOTS],
+            slots: Box::new([SendSlot::default(); SLOTS]),
             head: 0,
             remote_sizes,
             sq: (0..p.nqps).map(|_| SqCount::new(send_queue(p.nqps))).collect(),
