@@ -498,8 +498,7 @@ pub fn discover(config: &Config) -> Result<Vec<NetDevice>> {
     let key = |s: &Selected| (ports[s.index].dev.clone(), ports[s.index].port);
     if config.pci_order {
         let keys: Vec<_> = usable.iter().map(key).collect();
-        let mut sorted: Vec<Option<Selected>> = usable.into_iter().map(Some).collect();
-        usable = pci_order(root, &keys).into_iter().filter_map(|i| sorted[i].take()).collect();
+        usable = pci_order(root, &keys).into_iter().map(|i| usable[i].clone()).collect();
     }
     let keys: Vec<_> = usable.iter().map(key).collect();
     let names: Vec<String> = keys.iter().map(|(dev, _)| dev.clone()).collect();

@@ -298,8 +298,8 @@ impl Net {
         if let [one] = members[..] {
             return Ok(one as i32);
         }
-        let ports = self.ports();
-        let ids: Vec<PortId> = members.iter().map(|&m| ports[m].clone()).collect();
+        let id = |m: &usize| (self.devices[*m].name.clone(), self.devices[*m].port);
+        let ids: Vec<PortId> = members.iter().map(id).collect();
         let mut fused = fused();
         let index = match fused.iter().position(|f| *f == ids) {
             Some(i) => i,

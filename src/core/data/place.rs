@@ -177,9 +177,21 @@ impl Nic {
     }
 }
 
-/// Lanes whose effective rate [`avoided`] keeps from its first pass for its second (more are
-/// read again).
-const KEPT: usize = 8;
+/// The best rate among the live lanes at `now`, if any is known.
+fn best(lanes: &[Lane], alive: u128, now: Duration) -> Option<f64> {
+    (0..lanes.len())
+        .filter(|&q| alive & (1 << q) != 0)
+        .filter_map(|q| lanes[q].effective(now))
+        .fold(None, |m: Option<f64>, r| Some(m.map_or(r, |m| m.max(r))))
+}
+
+/// Whether lane `q` is to be avoided: its rate is known and under [`AVOID`] of `best`.
+fn slow(lanes: &[Lane], q: usize, now: Duration, best: Option<f64>) -> bool {
+    match (lanes[q].effective(now), best) {
+        (Some(r), Some(b)) => r < AVOID * b,
+        _ => false,
+    }
+}
 
 /// Whole-message mode: never a lane to avoid (in `avoid`, from [`avoided`]) while the other
 /// is not; else lane `rotation` unless lane `other` holds, with the message, under [`CHEAPER`]
@@ -197,24 +209,10 @@ pub fn choose(lanes: &[Lane], avoid: u128, (rotation, other): (usize, usize), by
 /// Split mode: the lanes whose chunk is empty: the dead ones and those to avoid ([`AVOID`]).
 pub fn avoided(lanes: &[Lane], alive: u128, now: Duration) -> u128 {
     let dead = !alive & super::lanes_mask(lanes.len());
-    // The best rate among the live lanes; the first lanes' rates are kept for the second pass.
-    let mut kept = [None; KEPT];
-    let mut best: Option<f64> = None;
-    for q in (0..lanes.len()).filter(|&q| alive & (1 << q) != 0) {
-        let r = lanes[q].effective(now);
-        if let Some(k) = kept.get_mut(q) {
-            *k = r;
-        }
-        best = match (best, r) {
-            (Some(b), Some(r)) => Some(b.max(r)),
-            (b, r) => b.or(r),
-        };
-    }
-    // No rate known (small messages only, or none lately): no lane is slow.
-    let Some(best) = best else { return dead };
-    let rate = |q: usize| if q < KEPT { kept[q] } else { lanes[q].effective(now) };
-    let slow = |q: &usize| alive & (1 << q) != 0 && rate(*q).is_some_and(|r| r < AVOID * best);
-    (0..lanes.len()).filter(slow).fold(dead, |m, q| m | 1 << q)
+    // No rate known (small messages only, or none lately): no lane is slow, and the rates
+    // are not read twice.
+    let Some(best) = best(lanes, alive, now) else { return dead };
+    (0..lanes.len()).filter(|&q| slow(lanes, q, now, Some(best))).fold(dead, |m, q| m | 1 << q)
 }
 
 #[cfg(test)]
