@@ -8,7 +8,10 @@ use super::*;
 impl SendCore {
     /// Sends again, on live lanes, the chunks whose lane failed; those that do not fit wait.
     pub(super) fn resend(&mut self, stage: &impl Words, io: &mut impl Post) -> Result<()> {
-        let at = self.timestamp(io, !self.resend.is_empty());
+        if self.resend.is_empty() {
+            return Ok(());
+        }
+        let at = self.timestamp(io, true);
         while let Some(&(slot, c)) = self.resend.front() {
             if self.slots[slot].pending & (1 << c) == 0 {
                 self.resend.pop_front();
@@ -281,6 +284,11 @@ impl SendCore {
         stage: &impl Words,
         io: &mut impl Post,
     ) {
+        // Every lane lives (so none waits, is asked or proves) and none waits to be fenced:
+        // nothing to do but keep the repair's clock.
+        if self.alive == lanes_mask(self.p.nqps) && self.fence.is_none() && self.unfenced == 0 {
+            return self.mend.saw(now);
+        }
         let rows = if self.mend.asking() { newest_row(fifo) } else { 0 };
         while let Some((lane, why)) = self.mend.tick(now, rows) {
             self.attempt_failed(lane, why);
@@ -338,6 +346,7 @@ impl SendCore {
         self.mend.proven(lane);
         self.alive |= 1 << lane;
         self.lanes[lane] = place::Lane::new();
+        self.health.traffic.rate[lane] = None;
         let t = &mut self.health.traffic;
         t.down[lane] = false;
         t.repaired[lane] += 1;

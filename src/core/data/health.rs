@@ -314,7 +314,7 @@ impl Health {
     /// Posts a zero-length RDMA write to the peer on each of `lanes` (the live ones with room)
     /// when one is due: every path is checked at once, so a dead peer fails the comm within one
     /// retry bound however many lanes it has, and a dead path is found even while its lane is
-    /// idle. `target` is a region of the peer's this comm may write (a zero-length write
+    /// idle. `lanes` gives them; `target` is a region of the peer's this comm may write (a zero-length write
     /// checks no key anyway). A stall's witness is probed for at once ([`Self::stalled`]). The
     /// lanes probed.
     pub(super) fn probe(
@@ -322,20 +322,21 @@ impl Health {
         now: Duration,
         (waiting, soon): (bool, bool),
         io: &mut impl Post,
-        (lanes, target): (u128, impl Fn(usize) -> (u64, u32)),
+        (lanes, target): (impl FnOnce() -> u128, impl Fn(usize) -> (u64, u32)),
     ) -> Result<u128> {
         let witness = std::mem::take(&mut self.witness);
-        let lanes = lanes & !self.prober.out;
         // Soon: a sender that waits for a CTS probes after the stall bound's floor, so that a
         // silent path under the receiver's CTS rows is found by its probe stalling.
         let interval = match self.stall.floor() {
             Some(floor) if soon => floor.min(self.prober.interval),
             _ => self.prober.interval,
         };
-        if self.fatal.is_some()
-            || lanes == 0
-            || !(witness || self.prober.due(now, waiting, interval))
-        {
+        if self.fatal.is_some() || !(witness || self.prober.due(now, waiting, interval)) {
+            return Ok(0);
+        }
+        // The lanes are looked at only once a probe is due.
+        let lanes = lanes() & !self.prober.out;
+        if lanes == 0 {
             return Ok(0);
         }
         for lane in (0..MAX_CHUNKS).filter(|&q| lanes & (1 << q) != 0) {

@@ -195,7 +195,7 @@ impl Mend {
     /// request is asked again, at once, and no attempt is counted, however long NCCL leaves
     /// that comm alone (an answer may also have been lost with the lane it went on).
     pub fn tick(&mut self, now: Duration, rows: u64) -> Option<(usize, &'static str)> {
-        self.now = now;
+        self.saw(now);
         for (lane, s) in self.stage.iter_mut().enumerate() {
             match *s {
                 Stage::Wait { at: None } => {
@@ -219,6 +219,11 @@ impl Mend {
             }
         }
         None
+    }
+
+    /// The time is `now` (a lane that fails is timed from it), with every lane live.
+    pub fn saw(&mut self, now: Duration) {
+        self.now = now;
     }
 
     /// The lane whose attempt may start now: none while another is asked (one mailbox word).

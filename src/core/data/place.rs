@@ -177,20 +177,9 @@ impl Nic {
     }
 }
 
-/// The best rate among the live lanes at `now`, if any is known.
-fn best(lanes: &[Lane], alive: u128, now: Duration) -> Option<f64> {
-    (0..lanes.len())
-        .filter(|&q| alive & (1 << q) != 0)
-        .filter_map(|q| lanes[q].effective(now))
-        .fold(None, |m: Option<f64>, r| Some(m.map_or(r, |m| m.max(r))))
-}
-
 /// Whether lane `q` is to be avoided: its rate is known and under [`AVOID`] of `best`.
-fn slow(lanes: &[Lane], q: usize, now: Duration, best: Option<f64>) -> bool {
-    match (lanes[q].effective(now), best) {
-        (Some(r), Some(b)) => r < AVOID * b,
-        _ => false,
-    }
+fn slow(lanes: &[Lane], q: usize, now: Duration, best: f64) -> bool {
+    lanes[q].effective(now).is_some_and(|r| r < AVOID * best)
 }
 
 /// Whole-message mode: never a lane to avoid (in `avoid`, from [`avoided`]) while the other
@@ -209,10 +198,20 @@ pub fn choose(lanes: &[Lane], avoid: u128, (rotation, other): (usize, usize), by
 /// Split mode: the lanes whose chunk is empty: the dead ones and those to avoid ([`AVOID`]).
 pub fn avoided(lanes: &[Lane], alive: u128, now: Duration) -> u128 {
     let dead = !alive & super::lanes_mask(lanes.len());
-    // No rate known (small messages only, or none lately): no lane is slow, and the rates
-    // are not read twice.
-    let Some(best) = best(lanes, alive, now) else { return dead };
-    (0..lanes.len()).filter(|&q| slow(lanes, q, now, Some(best))).fold(dead, |m, q| m | 1 << q)
+    // One pass for the best and the worst known rate of the live lanes: none is slow unless
+    // the worst is, and then a second pass finds which. With no rate known, none is.
+    let (mut best, mut worst) = (f64::MIN, f64::MAX);
+    for (q, lane) in lanes.iter().enumerate() {
+        if alive >> q & 1 != 0
+            && let Some(r) = lane.effective(now)
+        {
+            (best, worst) = (best.max(r), worst.min(r));
+        }
+    }
+    if worst >= AVOID * best {
+        return dead;
+    }
+    (0..lanes.len()).filter(|&q| slow(lanes, q, now, best)).fold(dead, |m, q| m | 1 << q)
 }
 
 #[cfg(test)]

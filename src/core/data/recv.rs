@@ -796,8 +796,8 @@ impl RecvCore {
         let waiting = self.waiting > 0 || self.awaits_acks(sizes);
         // Every live lane with room, as the sender does: a dead sender fails the comm within
         // one retry bound however many lanes it has (one lane at a time took one bound each).
-        let room = (0..self.p.nqps).filter(|&q| self.alive & (1 << q) != 0 && self.sq[q].fits(0));
-        let lanes = room.fold(0u128, |m, q| m | 1 << q);
+        let (alive, queues) = (self.alive, &self.sq);
+        let lanes = || sq::room(alive, queues);
         let (target, members) = (self.remote_fifo, &self.p.members);
         let at = |q: usize| target.at(0, members[q].1);
         let probed = self.health.probe(now, (waiting, false), io, (lanes, at))?;

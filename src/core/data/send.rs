@@ -7,12 +7,6 @@ use std::time::Duration;
 
 use super::*;
 
-/// The live lanes with a signaled request outstanding: those that expect a completion.
-pub(super) fn busy_lanes(alive: u128, sq: &[SqCount]) -> u128 {
-    let busy = sq.iter().enumerate().filter(|(_, c)| !c.signaled.is_empty());
-    busy.fold(0, |m, (q, _)| m | 1 << q) & alive
-}
-
 /// A growing chain of work requests for one QP, posted in batches of `MAX_CHAIN` and counted
 /// in the QP's send queue.
 pub(super) struct Chain<'a> {
@@ -794,6 +788,7 @@ impl SendCore {
         } else {
             self.lanes[lane].retired(self.clock.unwrap_or_default(), Duration::ZERO);
         }
+        self.health.traffic.rate[lane] = self.lanes[lane].rate;
         self.chunk_done(wr_slot(c.wr_id), wr_chunk(c.wr_id));
     }
 
@@ -845,9 +840,6 @@ impl SendCore {
                 }
             }
         }
-        for (q, l) in self.lanes.iter().enumerate() {
-            self.health.traffic.rate[q] = l.rate;
-        }
         if self.p.path_aware {
             let now = self.clock.unwrap_or_default();
             self.avoid = place::avoided(&self.lanes, self.alive, now);
@@ -855,8 +847,8 @@ impl SendCore {
         // Waiting on the peer: for a CTS, for completions, or with a row half matched.
         let half = self.slots[(self.head % SLOTS as u64) as usize].matched != 0;
         let waiting = self.wants_cts || self.in_flight > 0 || half || self.unfenced != 0;
-        let room = (0..self.p.nqps).filter(|&q| self.alive & (1 << q) != 0 && self.sq[q].fits(0));
-        let lanes = room.fold(0u128, |m, q| m | 1 << q);
+        let (alive, queues) = (self.alive, &self.sq);
+        let lanes = || sq::room(alive, queues);
         let (target, members) = (self.remote_sizes, &self.p.members);
         let at = |q: usize| target.at(0, members[q].1);
         let probed = self.health.probe(now, (waiting, self.wants_cts), io, (lanes, at))?;

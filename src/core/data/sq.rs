@@ -17,6 +17,18 @@ pub(super) struct SqCount {
     pub(super) depth: u64,
 }
 
+/// The live lanes with room for one more work request.
+pub(super) fn room(alive: u128, sq: &[SqCount]) -> u128 {
+    let room = sq.iter().enumerate().filter(|(q, c)| alive & (1 << q) != 0 && c.fits(0));
+    room.fold(0, |m, (q, _)| m | 1 << q)
+}
+
+/// The live lanes with a signaled request outstanding: those that expect a completion.
+pub(super) fn busy_lanes(alive: u128, sq: &[SqCount]) -> u128 {
+    let busy = sq.iter().enumerate().filter(|(_, c)| !c.signaled.is_empty());
+    busy.fold(0, |m, (q, _)| m | 1 << q) & alive
+}
+
 impl SqCount {
     pub(super) fn new(depth: usize) -> SqCount {
         SqCount {

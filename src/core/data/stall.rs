@@ -26,9 +26,6 @@ pub struct Stall {
     since: Vec<Option<Duration>>,
     /// Per lane: its longest recent wait that a completion ended.
     typical: Vec<Duration>,
-    /// The last check found no lane busy, and nothing completed since: a check with no lane
-    /// busy has nothing to look at.
-    settled: bool,
 }
 
 /// A lane found stalled: how long it waited, its bound, and the lane that completed meanwhile.
@@ -56,7 +53,6 @@ impl Stall {
             moved: vec![Duration::ZERO; nqps],
             since: vec![None; nqps],
             typical: vec![Duration::ZERO; nqps],
-            settled: false,
         }
     }
 
@@ -69,7 +65,6 @@ impl Stall {
     pub fn completed(&mut self, lane: usize) {
         if let Some(n) = self.done.get_mut(lane) {
             *n += 1;
-            self.settled = false;
         }
     }
 
@@ -91,10 +86,12 @@ impl Stall {
         (busy, live): (u128, u128),
         allowance: impl Fn(usize) -> Duration,
     ) -> Verdict {
-        if busy == 0 && self.settled {
+        // No lane busy and none timed: nothing to sample or find. The counts are taken in
+        // at the next check that has a busy lane, which starts its waits then, so a
+        // completion seen late witnesses none of them (a witness must move after a wait began).
+        if busy == 0 && self.since.iter().all(Option::is_none) {
             return Verdict::Clear;
         }
-        self.settled = busy == 0;
         for q in 0..self.done.len() {
             let waiting = busy & (1 << q) != 0;
             if self.done[q] != self.seen[q] {
