@@ -325,6 +325,10 @@ impl Health {
         (lanes, target): (impl FnOnce() -> u128, impl Fn(usize) -> (u64, u32)),
     ) -> Result<u128> {
         let witness = std::mem::take(&mut self.witness);
+        if !(witness || waiting) {
+            self.prober.quiet = None; // as `due` finds it: nothing waited for, nothing due
+            return Ok(0);
+        }
         // Soon: a sender that waits for a CTS probes after the stall bound's floor, so that a
         // silent path under the receiver's CTS rows is found by its probe stalling.
         let interval = match self.stall.floor() {
@@ -404,6 +408,17 @@ impl Health {
         };
         self.traffic.stalled[lane] += 1;
         Some((lane, why))
+    }
+
+    /// For a comm with nothing outstanding and no lane busy: whether the timed checks have
+    /// nothing to find (no witness wanted, no port down, no wait being timed). Then the
+    /// prober's quiet time restarts, as a probe check that is not due restarts it.
+    pub(super) fn at_rest(&mut self) -> bool {
+        let rest = !self.witness && self.ports_down == 0 && self.stall.untimed();
+        if rest {
+            self.prober.quiet = None;
+        }
+        rest
     }
 
     /// The live lanes whose member port's link is down.

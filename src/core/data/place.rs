@@ -90,13 +90,14 @@ impl Lane {
 
     /// The lane's oldest chunk completed at `now`; `shared`: when the NIC last finished a
     /// chunk of another lane that this one waited behind (split mode: every lane has a chunk
-    /// of each message, and one NIC serves them in its own order), else zero.
-    pub fn retired(&mut self, now: Duration, shared: Duration) {
-        let Some((at, bytes)) = self.queue.pop_front() else { return };
+    /// of each message, and one NIC serves them in its own order), else zero. Whether the
+    /// chunk was timed (what the lane knows of its rate changed).
+    pub fn retired(&mut self, now: Duration, shared: Duration) -> bool {
+        let Some((at, bytes)) = self.queue.pop_front() else { return false };
         self.out = self.out.saturating_sub(bytes);
         self.last = self.last.max(now);
         if at == UNTIMED {
-            return;
+            return false;
         }
         self.timed -= 1;
         let spent = now.saturating_sub(at.max(self.last_timed).max(shared));
@@ -111,6 +112,12 @@ impl Lane {
             self.rate = Some(self.rate.map_or(sample, |r| keep(r) * r + (1.0 - keep(r)) * sample));
             self.sampled = now;
         }
+        true
+    }
+
+    /// Whether a chunk is in flight: its wait makes the lane's effective rate change with time.
+    pub fn busy(&self) -> bool {
+        !self.queue.is_empty()
     }
 
     /// The lane failed: nothing of it is in flight any more.
@@ -171,9 +178,10 @@ impl Nic {
     }
 
     /// `lane`'s oldest chunk finished at `at` (from [`Self::taken`]).
-    pub fn retired(&mut self, lane: &mut Lane, at: Duration) {
-        lane.retired(at, self.last);
+    pub fn retired(&mut self, lane: &mut Lane, at: Duration) -> bool {
+        let timed = lane.retired(at, self.last);
         self.last = self.last.max(at);
+        timed
     }
 }
 

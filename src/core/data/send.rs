@@ -262,6 +262,8 @@ pub struct SendCore {
     /// The lanes placement avoids ([`place::avoided`]: slow, or dead), as of the last idle
     /// run: a message reads this mask, not every lane's rate (path-aware only).
     pub(super) avoid: u128,
+    /// A timed chunk retired since `avoid` was computed: a lane's rate may have changed.
+    pub(super) retimed: bool,
     /// The row [`Self::next_row`] read last (its first `nreqs` entries).
     pub(super) next: [Cts; MAX_RECVS],
     /// The last isend found no CTS for its slot: the sender waits on the receiver.
@@ -307,6 +309,7 @@ impl SendCore {
             clock: None,
             draw: 0x9e37_79b9_7f4a_7c15,
             avoid: 0,
+            retimed: false,
             next: [Cts::default(); MAX_RECVS],
             wants_cts: false,
             nic: place::Nic::default(),
@@ -783,12 +786,15 @@ impl SendCore {
         // lane's time on a chunk starts no earlier than the NIC's last finished chunk of
         // another lane: healthy lanes that the NIC serves one after the other then measure
         // alike (timed from their posts, the last served measured half the first's rate).
-        if self.p.split {
-            self.nic.retired(&mut self.lanes[lane], at);
+        let timed = if self.p.split {
+            self.nic.retired(&mut self.lanes[lane], at)
         } else {
-            self.lanes[lane].retired(self.clock.unwrap_or_default(), Duration::ZERO);
+            self.lanes[lane].retired(self.clock.unwrap_or_default(), Duration::ZERO)
+        };
+        if timed {
+            self.retimed = true;
+            self.health.traffic.rate[lane] = self.lanes[lane].rate;
         }
-        self.health.traffic.rate[lane] = self.lanes[lane].rate;
         self.chunk_done(wr_slot(c.wr_id), wr_chunk(c.wr_id));
     }
 
@@ -825,12 +831,28 @@ impl SendCore {
         io: &mut impl Post,
         (fifo, stage): (&impl Words, &impl Words),
     ) -> Result<()> {
+        // Waiting on the peer: for a CTS, for completions, or with a row half matched.
+        let half = self.slots[(self.head % SLOTS as u64) as usize].matched != 0;
+        let waiting = self.wants_cts || self.in_flight > 0 || half || self.unfenced != 0;
+        // At rest: nothing outstanding or waited for, no lane busy, no port down, no wait
+        // being timed, no witness wanted. Then nothing is left to send again, the stall check
+        // and the probe have nothing to find, and only the repair, the lanes to avoid and the
+        // watchdog are looked at (each returns at once with nothing to do).
+        if !waiting && self.sq.iter().all(|c| c.signaled.is_empty()) && self.health.at_rest() {
+            if self.health.fatal.is_none() {
+                self.repair(now, fifo, stage, io);
+            }
+            self.avoid_lanes();
+            return self.health.idle(now, elsewhere);
+        }
         if self.health.fatal.is_none() {
             self.resend(stage, io)?;
             self.repair(now, fifo, stage, io);
-            if self.p.failover {
-                let busy = busy_lanes(self.alive, &self.sq);
-                let on_down = self.health.on_down(self.alive, &self.p.members);
+            let busy = busy_lanes(self.alive, &self.sq);
+            let on_down = self.health.on_down(self.alive, &self.p.members);
+            // With no lane busy, none on a port that is down and no wait being timed, the
+            // stall check has nothing to find.
+            if self.p.failover && (busy != 0 || on_down != 0 || !self.health.stall.untimed()) {
                 let lanes = &self.lanes;
                 let allowance = |q: usize| lanes[q].allowance();
                 let found = self.health.stalled(now, (busy, self.alive, on_down), allowance);
@@ -840,13 +862,7 @@ impl SendCore {
                 }
             }
         }
-        if self.p.path_aware {
-            let now = self.clock.unwrap_or_default();
-            self.avoid = place::avoided(&self.lanes, self.alive, now);
-        }
-        // Waiting on the peer: for a CTS, for completions, or with a row half matched.
-        let half = self.slots[(self.head % SLOTS as u64) as usize].matched != 0;
-        let waiting = self.wants_cts || self.in_flight > 0 || half || self.unfenced != 0;
+        self.avoid_lanes();
         let (alive, queues) = (self.alive, &self.sq);
         let lanes = || sq::room(alive, queues);
         let (target, members) = (self.remote_sizes, &self.p.members);
@@ -856,6 +872,21 @@ impl SendCore {
             self.sq[q].posted(1, true);
         }
         self.health.idle(now, elsewhere)
+    }
+
+    /// The lanes to avoid, as of now ([`Self::avoid`]). Only a chunk in flight (its wait),
+    /// a timed chunk retired (a rate), or a lane avoided (its rate is forgotten in time) can
+    /// change them: forgetting a rate never adds a lane to avoid.
+    pub(super) fn avoid_lanes(&mut self) {
+        if !self.p.path_aware {
+            return;
+        }
+        let dead = !self.alive & lanes_mask(self.p.nqps);
+        let busy = self.in_flight > 0 || self.lanes.iter().any(place::Lane::busy);
+        if busy || std::mem::take(&mut self.retimed) || self.avoid != dead {
+            let now = self.clock.unwrap_or_default();
+            self.avoid = place::avoided(&self.lanes, self.alive, now);
+        }
     }
 
     /// A poll that found completions, between the idle work's runs ([`IDLE_EVERY`]): chunks

@@ -25,8 +25,13 @@ pub(super) fn room(alive: u128, sq: &[SqCount]) -> u128 {
 
 /// The live lanes with a signaled request outstanding: those that expect a completion.
 pub(super) fn busy_lanes(alive: u128, sq: &[SqCount]) -> u128 {
-    let busy = sq.iter().enumerate().filter(|(_, c)| !c.signaled.is_empty());
-    busy.fold(0, |m, (q, _)| m | 1 << q) & alive
+    let mut busy = 0;
+    for (q, c) in sq.iter().enumerate() {
+        if !c.signaled.is_empty() {
+            busy |= 1 << q;
+        }
+    }
+    busy & alive
 }
 
 impl SqCount {

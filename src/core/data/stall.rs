@@ -61,6 +61,11 @@ impl Stall {
         self.floor
     }
 
+    /// Whether no lane's wait is being timed.
+    pub fn untimed(&self) -> bool {
+        self.since.iter().all(Option::is_none)
+    }
+
     /// A request on lane `lane` completed successfully.
     pub fn completed(&mut self, lane: usize) {
         if let Some(n) = self.done.get_mut(lane) {
@@ -89,7 +94,7 @@ impl Stall {
         // No lane busy and none timed: nothing to sample or find. The counts are taken in
         // at the next check that has a busy lane, which starts its waits then, so a
         // completion seen late witnesses none of them (a witness must move after a wait began).
-        if busy == 0 && self.since.iter().all(Option::is_none) {
+        if busy == 0 && self.untimed() {
             return Verdict::Clear;
         }
         for q in 0..self.done.len() {

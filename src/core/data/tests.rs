@@ -2294,6 +2294,67 @@ fn a_slow_lane_gets_less_of_the_work() {
     }
 }
 
+/// The lanes to avoid are kept between idle runs and worked out again only when something
+/// can have changed them: a timed chunk retired (a new rate), or a lane avoided whose rate is
+/// forgotten with time, also on a comm at rest between messages.
+#[test]
+fn avoided_lanes_follow_new_rates_and_forgetting_at_rest() {
+    let params = Params { nqps: 2, members: vec![(0, 0); 2], ..one_qp(Path::default()) };
+    let mut sender = SendCore::new(params, remote(RECV_SIZES, 16));
+    assert_eq!(sender.avoid, 0);
+    // Lane 1 measured at a hundredth of lane 0's rate, both sampled at 0.
+    (sender.lanes[0].rate, sender.lanes[1].rate) = (Some(1e8), Some(1e6));
+    sender.retimed = true;
+    sender.clock = Some(Duration::from_millis(500));
+    sender.avoid_lanes();
+    assert_eq!(sender.avoid, 0b10, "a new rate under a quarter of the best's is avoided");
+    // A second later both rates are forgotten: lane 1 is tried again, with nothing in flight.
+    sender.clock = Some(Duration::from_millis(1500));
+    sender.avoid_lanes();
+    assert_eq!(sender.avoid, 0, "a forgotten rate avoids nothing");
+}
+
+/// A sender with nothing outstanding skips the idle run's timed checks only while they have
+/// nothing to find: a port that went down, a lane with a signaled request outstanding, a
+/// wait still being timed and a wanted witness are each acted on at rest too.
+#[test]
+fn a_sender_at_rest_still_sees_what_its_idle_checks_must() {
+    let pair = Pair { mem: Mem::both_ends(4096), wire: RefCell::new(Wire::new(2)) };
+    let (fifo, stage) = (pair.area(FIFO, 13), pair.area(SEND_STAGE, 14));
+    let fresh = || {
+        let params = Params {
+            nqps: 2,
+            members: vec![(0, 0), (1, 1)],
+            stall: Some(Duration::from_millis(100)),
+            ..one_qp(Path::default())
+        };
+        SendCore::new(params, remote(RECV_SIZES, 16))
+    };
+    let mut sio = pair.io(0);
+    let ms = Duration::from_millis;
+    // A witness wanted: every live lane is probed.
+    let mut s = fresh();
+    s.health.witness = true;
+    s.idle(ms(10), None, &mut sio, (&fifo, &stage)).unwrap();
+    let probes = |q: usize| pair.wire.borrow().sq[0][q].len();
+    assert_eq!((probes(0), probes(1)), (1, 1), "both lanes probed");
+    // A port down: its lane is fenced at once.
+    let mut s = fresh();
+    s.links_down(Some("port 1".into()), 0b10);
+    s.idle(ms(10), None, &mut sio, (&fifo, &stage)).unwrap();
+    assert_eq!(s.alive, 0b01, "the lane on the port that is down is out");
+    // A signaled request outstanding on lane 1: its wait is timed from now ...
+    let mut s = fresh();
+    s.sq[1].posted(1, true);
+    s.idle(ms(10), None, &mut sio, (&fifo, &stage)).unwrap();
+    assert!(!s.health.stall.untimed(), "a busy lane's wait is timed");
+    // ... and once it completed, the next run takes the wait in as a sample.
+    s.sq[1].completed();
+    s.health.stall.completed(1);
+    s.idle(ms(30), None, &mut sio, (&fifo, &stage)).unwrap();
+    assert!(s.health.stall.untimed(), "the ended wait is taken in");
+}
+
 /// A lane's queue pair fails on its own (an async `QP_FATAL`, either end): the core takes it
 /// as that lane's failure while another lives, the lane's flushed work is ignored, the peer's
 /// work on it runs out of retries, and every request completes once with its bytes.
