@@ -50,7 +50,7 @@ knobs! {
     "FERROCE_ALLOW_UNBOUNDED", "0", "1: accept NCCL_IB_TIMEOUT=0 and FERROCE_RNR_RETRY=7 (waits without bound)";
     "FERROCE_PROGRESS_TIMEOUT_MS", "0", "error when posted work sees no completion for this long; 0: 2x the retry bound + 10 s (none with an unbounded NCCL_IB_TIMEOUT=0)";
     "FERROCE_PROBE_INTERVAL_MS", "5000", "a comm that waits with no completion for this long probes its peer (a zero-length write): a dead peer fails within this + the retry bound";
-    "FERROCE_STATS_INTERVAL_S", "0", "every this many seconds each comm logs its statistics line at INFO (also logged at close); 0: only at close";
+    "FERROCE_STATS_INTERVAL_S", "0", "every this many seconds each comm logs its statistics line at INFO (also logged at close); 0: only at close; both only with NCCL_DEBUG=INFO or TRACE, the levels at which NCCL shows INFO lines (below them the line is not made and the port counters are not read)";
     "NCCL_IB_QPS_PER_CONNECTION", "2", "queue pairs per connection (1..=128), each with its own UDP source port; 2 (NCCL's is 1): a second ECMP path, and a lane to fail over to";
     "NCCL_IB_SPLIT_DATA_ON_QPS", "0", "1: split every message across the QPs; 0: whole messages round-robin";
     "FERROCE_PATH_AWARE", "1", "1: place work by each QP's measured path (a whole message on the cheaper of two QPs; a QP under a quarter of the fastest one's rate gets no new work); 0: strict rotation and equal chunks";
@@ -159,6 +159,9 @@ pub struct Config {
     pub probe_interval: Duration,
     /// `FERROCE_STATS_INTERVAL_S`; `None`: statistics only at close.
     pub stats_interval: Option<Duration>,
+    /// `NCCL_DEBUG` is `INFO` or `TRACE`: NCCL shows INFO lines, so the statistics lines are
+    /// made (and the port counters read for them).
+    pub stats: bool,
     pub qps_per_conn: usize,
     pub split_data: bool,
     pub path_aware: bool,
@@ -562,6 +565,8 @@ impl Config {
 
         let stats_s = r.int("FERROCE_STATS_INTERVAL_S", 0u64, 0..=86_400)?;
         let stats_interval = (stats_s > 0).then(|| Duration::from_secs(stats_s));
+        let shown = |v: &String| v.eq_ignore_ascii_case("INFO") || v.eq_ignore_ascii_case("TRACE");
+        let stats = r.raw("NCCL_DEBUG").is_some_and(|v| shown(&v));
         let qps_per_conn = r.int("NCCL_IB_QPS_PER_CONNECTION", 2usize, 1..=128)?;
         let split_data = r.flag("NCCL_IB_SPLIT_DATA_ON_QPS", false)?;
         let path_aware = r.int("FERROCE_PATH_AWARE", 1u8, 0..=1)? == 1;
@@ -604,6 +609,7 @@ impl Config {
             progress_timeout,
             probe_interval,
             stats_interval,
+            stats,
             qps_per_conn,
             split_data,
             path_aware,
@@ -760,6 +766,11 @@ mod tests {
         assert_eq!(d.stats_interval, None);
         let c = with("FERROCE_STATS_INTERVAL_S", "30").unwrap();
         assert_eq!(c.stats_interval, Some(Duration::from_secs(30)));
+        // Statistics lines only where NCCL shows INFO lines.
+        assert!(!d.stats);
+        for (v, shown) in [("INFO", true), ("trace", true), ("WARN", false), ("VERSION", false)] {
+            assert_eq!(with("NCCL_DEBUG", v).unwrap().stats, shown, "NCCL_DEBUG={v}");
+        }
         assert_eq!((d.dmabuf_enable, d.gdr_flush_disable, d.relaxed_ordering), (true, false, 2));
         assert!(d.merge_vfs);
         assert!(!with("NCCL_IB_MERGE_VFS", "0").unwrap().merge_vfs);

@@ -20,6 +20,7 @@ const SENDER: [u8; 4] = [198, 18, 0, 1];
 /// Sends `count` messages of `size` bytes from rxe0 to rxe1 on a fresh connection, with the
 /// current environment's knobs; returns the INFO lines the plugin logged.
 fn traffic(size: usize, count: usize, comm_tc: i32) -> Vec<String> {
+    set_env(&[("NCCL_DEBUG", Some("INFO"))]); // the statistics lines
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12).unwrap();
     let ctx = drv.init_with_tc(1, comm_tc).unwrap();
@@ -830,6 +831,7 @@ fn on_a_pair<T>(
     lane: usize,
     f: impl FnOnce(&Driver, Ptr, Ptr, u16) -> Result<T, String>,
 ) -> Result<(T, Vec<String>), String> {
+    set_env(&[("NCCL_DEBUG", Some("INFO"))]); // the statistics lines
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12)?;
     let ctx = drv.init(1)?;
@@ -1336,9 +1338,9 @@ fn socket_ifname_in_nccl_syntax_picks_the_setup_interface() {
 
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
-fn statistics_are_logged_periodically_for_long_jobs() {
+fn statistics_are_logged_periodically_for_long_jobs_at_nccl_debug_info() {
     let _g = vm_serial();
-    set_env(&[("FERROCE_STATS_INTERVAL_S", Some("1"))]);
+    set_env(&[("FERROCE_STATS_INTERVAL_S", Some("1")), ("NCCL_DEBUG", Some("INFO"))]);
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12).unwrap();
     let ctx = drv.init(3).unwrap();
@@ -1366,6 +1368,21 @@ fn statistics_are_logged_periodically_for_long_jobs() {
             "{periodic:#?}"
         );
     }
+    // Below NCCL_DEBUG=INFO NCCL shows no INFO line: none is made, periodic or at close.
+    set_env(&[("FERROCE_STATS_INTERVAL_S", Some("1")), ("NCCL_DEBUG", Some("WARN"))]);
+    let ctx = drv.init(4).unwrap();
+    let (send, recv) = pair(&drv, ctx, 1, 0).unwrap();
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(1500) {
+        transfer(&drv, send, recv, 4096, 7).unwrap();
+    }
+    drv.close(Close::Send, send).unwrap();
+    drv.close(Close::Recv, recv).unwrap();
+    drv.finalize(ctx).unwrap();
+    set_env(&[("FERROCE_STATS_INTERVAL_S", None), ("NCCL_DEBUG", None)]);
+    let lines: Vec<String> = take_captured().into_iter().map(|l| l.2).collect();
+    let stats: Vec<&String> = lines.iter().filter(|l| l.contains(" messages, ")).collect();
+    assert!(stats.is_empty(), "statistics lines at NCCL_DEBUG=WARN: {stats:#?}");
 }
 
 /// Streams `count` verified messages of `size` bytes from `send` to `recv`, `depth` in flight,
@@ -1547,6 +1564,7 @@ fn slow_run(
         ("FERROCE_PATH_AWARE", Some(aware)),
         // A lost tail packet waits out one ACK timeout: 0.54 s, not the default 4.3 s.
         ("NCCL_IB_TIMEOUT", Some("17")),
+        ("NCCL_DEBUG", Some("INFO")), // the statistics lines
     ]);
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12)?;

@@ -1036,6 +1036,7 @@ struct Profiled {
 fn net_profiler_events_report_every_post_once_in_v10_v11_v12() {
     use ferroce_tools::profiler;
     with_plugin(|lib| {
+        set_env(&[("NCCL_DEBUG", Some("INFO"))]); // the send comm's statistics line
         let m = |posted: &[usize], sent: &[usize], handles, optional| Profiled {
             posted: posted.to_vec(),
             sent: sent.to_vec(),

@@ -506,7 +506,8 @@ fn ports(
 }
 
 /// A comm's life, for its statistics: when it opened, its devices' counters then, and when
-/// the next periodic report is due (`FERROCE_STATS_INTERVAL_S`).
+/// the next periodic report is due (`FERROCE_STATS_INTERVAL_S`). `None` where NCCL shows no
+/// INFO lines (`NCCL_DEBUG` below `INFO`): no line is made, and no counter read.
 struct Life {
     opened: Duration,
     /// Each member port's counters at the start.
@@ -531,11 +532,14 @@ fn counters(net: &Net, devs: &[usize]) -> Vec<Arc<Counters>> {
 }
 
 impl Life {
-    fn start(net: &Net, devs: &[usize]) -> Life {
+    fn start(net: &Net, devs: &[usize]) -> Option<Life> {
+        if !net.config.stats {
+            return None;
+        }
         let opened = crate::os::coarse_now();
         let every = net.config.stats_interval;
         let counters = counters(net, devs);
-        Life { opened, counters, every, next: opened + every.unwrap_or_default() }
+        Some(Life { opened, counters, every, next: opened + every.unwrap_or_default() })
     }
 
     /// The statistics line of `what` now.
@@ -584,7 +588,7 @@ pub struct Lanes {
     qps: Vec<Qp>,
     links: Vec<Link>,
     ports: Vec<Port>,
-    life: Life,
+    life: Option<Life>,
     /// Profiler events, with a profiler (`None`: the core journals nothing).
     events: Option<Events>,
     /// When the idle work runs next if polls keep finding nothing (see [`progress`]).
@@ -623,19 +627,23 @@ impl Lanes {
 
     /// Logs the statistics line of `role` (e.g. "send comm to") when one is due.
     fn tick(&mut self, role: &str, t: &Traffic) {
-        self.life.tick(role, t, &self.path, &self.net, &self.devs);
+        if let Some(life) = &mut self.life {
+            life.tick(role, t, &self.path, &self.net, &self.devs);
+        }
     }
 
     /// At close: outstanding work flushes before the buffers go (a failure is logged, teardown
-    /// goes on), then the comm's statistics line.
+    /// goes on), then the comm's statistics line (where NCCL shows it).
     fn close(&self, role: &str, flush: &[Flusher], t: &Traffic) {
         for qp in self.qps.iter().chain(flush.iter().map(|f| &f.qp)) {
             if let Err(e) = qp.to_error() {
                 log::warn!("closing the {role} {}: {e}", self.path.peer);
             }
         }
-        let what = format!("{role} {} closed", self.path.peer);
-        log::info!("{}", self.life.line(&what, t, &self.path, &self.net, &self.devs));
+        if let Some(life) = &self.life {
+            let what = format!("{role} {} closed", self.path.peer);
+            log::info!("{}", life.line(&what, t, &self.path, &self.net, &self.devs));
+        }
     }
 }
 
