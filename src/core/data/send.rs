@@ -609,25 +609,25 @@ impl SendCore {
     /// ([`send_queue`] holds every multi-receive whose buffers need at most 2 work requests
     /// each, on all lanes but one failing): waiting would never end.
     pub(super) fn fits(&self, slot: usize, bufs: &[Option<Buf>], optional: bool) -> Result<bool> {
-        let (split, n) = if optional {
-            (false, 1)
+        let per_lane = if optional || !self.p.split {
+            // One chunk, the whole message, on whichever live lane.
+            self.wrs_for(slot, bufs, false, 0)
         } else {
-            (self.p.split, lanes(self.p.split, self.p.nqps, slot).len())
-        };
-        let most = (0..n).map(|c| self.wrs_for(slot, bufs, split, c)).max().unwrap_or(0);
-        let live = (0..self.p.nqps).filter(|&q| self.alive & (1 << q) != 0);
-        // The empty chunks of avoided lanes ride on the others (`split_lane`): one lane may
-        // take its own chunk and every one of them.
-        let empty = self.slots[slot].empty;
-        let riders: u64 = (0..n)
-            .filter(|&c| empty & (1 << c) != 0)
-            .map(|c| self.wrs_for(slot, bufs, split, c))
-            .sum();
-        // Once lanes failed a live lane may take several chunks of the slot: all of them.
-        let per_lane = if self.alive.count_ones() as usize == self.p.nqps {
-            most + riders
-        } else {
-            most * n as u64
+            let n = lanes(true, self.p.nqps, slot).len();
+            let most = (0..n).map(|c| self.wrs_for(slot, bufs, true, c)).max().unwrap_or(0);
+            // The empty chunks of avoided lanes ride on the others (`split_lane`): one lane
+            // may take its own chunk and every one of them.
+            let empty = self.slots[slot].empty;
+            let riders: u64 = (0..n)
+                .filter(|&c| empty & (1 << c) != 0)
+                .map(|c| self.wrs_for(slot, bufs, true, c))
+                .sum();
+            // Once lanes failed a live lane may take several chunks of the slot: all of them.
+            if self.alive.count_ones() as usize == self.p.nqps {
+                most + riders
+            } else {
+                most * n as u64
+            }
         };
         let depth = send_queue(self.p.nqps) as u64;
         if per_lane >= depth {
@@ -639,7 +639,8 @@ impl SendCore {
                 self.p.max_msg
             )));
         }
-        Ok(live.into_iter().all(|q| self.sq[q].fits(per_lane)))
+        let live = self.sq.iter().enumerate().filter(|&(q, _)| self.alive >> q & 1 != 0);
+        Ok(live.into_iter().all(|(_, c)| c.fits(per_lane)))
     }
 
     /// Posts the slot's chunks: chunk `c` of a split message (or the whole message, chunk 0)
@@ -702,11 +703,14 @@ impl SendCore {
         let nreqs = usize::from(s.nreqs);
         let optional = nreqs == 1 && s.row[0].optional;
         let split = self.p.split && !optional;
-        let sizes: [u64; MAX_RECVS] = std::array::from_fn(|r| s.bufs[r].map_or(0, |b| b.size));
+        // The row's buffers only (a slot's others are empty).
+        let (mut sizes, mut parts) = ([0; MAX_RECVS], [(0, 0); MAX_RECVS]);
+        for (r, b) in s.bufs[..nreqs].iter().enumerate() {
+            if let Some(b) = b {
+                (sizes[r], parts[r]) = (b.size, self.part(slot, b.size, split, c));
+            }
+        }
         let size = if optional { None } else { size_in_imm(&sizes[..nreqs]) };
-        let parts: [(u64, u64); MAX_RECVS] = std::array::from_fn(|r| {
-            s.bufs[r].map_or((0, 0), |b| self.part(slot, b.size, split, c))
-        });
         let k = ChunkWrs {
             slot,
             chunk: c,
