@@ -656,7 +656,10 @@ impl SendCore {
         s.row[..nreqs].copy_from_slice(&self.next[..nreqs]);
         s.nreqs = nreqs as u8;
         s.matched = 0;
-        let sizes: [u64; MAX_RECVS] = std::array::from_fn(|r| s.bufs[r].map_or(0, |b| b.size));
+        let mut sizes = [0; MAX_RECVS];
+        for (size, b) in sizes.iter_mut().zip(&s.bufs[..nreqs]) {
+            *size = b.map_or(0, |b| b.size);
+        }
         let optional = nreqs == 1 && s.row[0].optional;
         if !optional && size_in_imm(&sizes[..nreqs]).is_none() {
             for (r, &sz) in sizes.iter().enumerate().take(nreqs) {
@@ -763,7 +766,8 @@ impl SendCore {
 
     /// Takes in one completion of the comm's CQ.
     pub fn complete(&mut self, c: &Completion) {
-        let at = self.nic.taken();
+        // Split mode's NIC times every completion of a batch in turn (whole messages: unused).
+        let at = if self.p.split { self.nic.taken() } else { Duration::ZERO };
         let lane = wr_lane(c.wr_id) % self.p.nqps;
         if wr_life(c.wr_id) != self.health.life[lane] {
             return; // work of an earlier life of a rebuilt lane: dropped, or sent again
@@ -815,7 +819,8 @@ impl SendCore {
         if s.pending == 0 {
             self.in_flight -= 1;
             self.ll.1 -= usize::from(s.nreqs == 1 && s.row[0].optional);
-            s.bufs = [None; MAX_RECVS];
+            // The row's buffers only: the others are empty already.
+            s.bufs[..usize::from(s.nreqs)].fill(None);
             for req in &mut self.reqs[slot * MAX_RECVS..(slot + 1) * MAX_RECVS] {
                 if req.state == State::Pending {
                     req.state = State::Done;
