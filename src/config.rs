@@ -228,6 +228,12 @@ impl Effective {
 }
 
 /// Reads knobs and records what each ended up as.
+/// Whether NCCL shows INFO lines at this `NCCL_DEBUG` level: `INFO` or `TRACE`, in any case.
+pub fn shows_info(nccl_debug: &str) -> bool {
+    let level = nccl_debug.trim();
+    level.eq_ignore_ascii_case("INFO") || level.eq_ignore_ascii_case("TRACE")
+}
+
 struct Reader<F: Fn(&str) -> Option<String>> {
     get: F,
     effective: Vec<Effective>,
@@ -565,8 +571,7 @@ impl Config {
 
         let stats_s = r.int("FERROCE_STATS_INTERVAL_S", 0u64, 0..=86_400)?;
         let stats_interval = (stats_s > 0).then(|| Duration::from_secs(stats_s));
-        let shown = |v: &String| v.eq_ignore_ascii_case("INFO") || v.eq_ignore_ascii_case("TRACE");
-        let stats = r.raw("NCCL_DEBUG").is_some_and(|v| shown(&v));
+        let stats = r.raw("NCCL_DEBUG").is_some_and(|v| shows_info(&v));
         let qps_per_conn = r.int("NCCL_IB_QPS_PER_CONNECTION", 2usize, 1..=128)?;
         let split_data = r.flag("NCCL_IB_SPLIT_DATA_ON_QPS", false)?;
         let path_aware = r.int("FERROCE_PATH_AWARE", 1u8, 0..=1)? == 1;

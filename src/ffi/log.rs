@@ -33,11 +33,11 @@ pub fn install(logger: ncclDebugLogger_t) {
 /// Whether a line of `level` goes to stderr when NCCL gave no logger: WARN always, INFO and
 /// TRACE as `NCCL_DEBUG` asks.
 fn stderr_shows(level: ncclDebugLogLevel) -> bool {
-    let debug = std::env::var("NCCL_DEBUG").map(|v| v.to_ascii_uppercase()).unwrap_or_default();
+    let debug = std::env::var("NCCL_DEBUG").unwrap_or_default();
     match level {
         ncclDebugLogLevel::NCCL_LOG_WARN => true,
-        ncclDebugLogLevel::NCCL_LOG_INFO => debug == "INFO" || debug == "TRACE",
-        _ => debug == "TRACE",
+        ncclDebugLogLevel::NCCL_LOG_INFO => crate::config::shows_info(&debug),
+        _ => debug.trim().eq_ignore_ascii_case("TRACE"),
     }
 }
 

@@ -314,8 +314,8 @@ impl Health {
     /// Posts a zero-length RDMA write to the peer on each of `lanes` (the live ones with room)
     /// when one is due: every path is checked at once, so a dead peer fails the comm within one
     /// retry bound however many lanes it has, and a dead path is found even while its lane is
-    /// idle. `lanes` gives them; `target` is a region of the peer's this comm may write (a zero-length write
-    /// checks no key anyway). A stall's witness is probed for at once ([`Self::stalled`]). The
+    /// idle. `lanes` gives them, asked only once a probe is due; `target` is a region of the
+    /// peer's this comm may write (a zero-length write checks no key anyway). A stall's witness is probed for at once ([`Self::stalled`]). The
     /// lanes probed.
     pub(super) fn probe(
         &mut self,
@@ -379,6 +379,10 @@ impl Health {
         (busy, live, on_down): (u128, u128, u128),
         allowance: impl Fn(usize) -> Duration,
     ) -> Option<(usize, String)> {
+        // No lane busy, none on a down port, no wait being timed: nothing to find.
+        if busy == 0 && on_down == 0 && self.stall.untimed() {
+            return None;
+        }
         let verdict = self.stall.check(now, (busy, live), allowance);
         if live.count_ones() < 2 || self.fatal.is_some() {
             return None;

@@ -857,11 +857,9 @@ impl SendCore {
         if self.health.fatal.is_none() {
             self.resend(stage, io)?;
             self.repair(now, fifo, stage, io);
-            let busy = busy_lanes(self.alive, &self.sq);
-            let on_down = self.health.on_down(self.alive, &self.p.members);
-            // With no lane busy, none on a port that is down and no wait being timed, the
-            // stall check has nothing to find.
-            if self.p.failover && (busy != 0 || on_down != 0 || !self.health.stall.untimed()) {
+            if self.p.failover {
+                let busy = busy_lanes(self.alive, &self.sq);
+                let on_down = self.health.on_down(self.alive, &self.p.members);
                 let lanes = &self.lanes;
                 let allowance = |q: usize| lanes[q].allowance();
                 let found = self.health.stalled(now, (busy, self.alive, on_down), allowance);
