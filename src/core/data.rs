@@ -31,8 +31,9 @@
 //! peer's p2p transfer, back to the application. The simulated wire in the tests checks every
 //! write against it. (Optional receives have no completion the plugin sees: see below.)
 //!
-//! Lanes: a lane whose path dies (retries exhausted) or whose QP fails on its own (an async
-//! error) is dropped while another lives. Its chunks in flight may have landed with only their
+//! Lanes: a lane whose path dies (retries exhausted), whose QP fails on its own (an async
+//! error) or whose peer's QP refuses a write as invalid (rxe, now and then, on a path that
+//! reorders) is dropped while another lives. Its chunks in flight may have landed with only their
 //! ACKs lost (a path can fail one way), so they are not simply sent again: **fence, confirm,
 //! then re-send.** The sender holds them and writes a [`mend::Msg::Fence`] into the receiver's
 //! mailbox through a live lane. The receiver fences its end of the lane (its queue pair to the

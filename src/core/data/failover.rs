@@ -46,8 +46,9 @@ impl SendCore {
         }
         // IBV_WC_RETRY_EXC_ERR: the path stopped answering; IBV_WC_WR_FLUSH_ERR with no
         // failed work before it on the lane: its queue pair failed on its own, and the async
-        // event saying so comes later. Anything else (the peer refused an access, our own NIC
-        // failed) is not the lane's, and fails the comm as before.
+        // event saying so comes later; IBV_WC_REM_INV_REQ_ERR: the peer's queue pair broke on
+        // a request it lost track of (see `lane_status`). Anything else (the peer refused an
+        // access, our own NIC failed) is not the lane's, and fails the comm as before.
         let last = self.alive & !bit == 0 || !self.p.failover;
         if !lane_status(c.status) || last || self.health.fatal.is_some() {
             return false;

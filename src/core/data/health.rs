@@ -90,12 +90,20 @@ pub(super) const FLUSHED: u32 = 5;
 /// every request of a port whose link is down gets).
 pub(super) const LOCAL_QP_ERROR: u32 = 2;
 
+/// `IBV_WC_REM_INV_REQ_ERR`: the peer's queue pair refused a request as malformed, and both
+/// ends of the lane are in the error state.
+pub(super) const REMOTE_INVALID: u32 = 9;
+
 /// A failed completion that is its lane's failure, not the comm's: retries exhausted
 /// (`IBV_WC_RETRY_EXC_ERR`: the path stopped answering), a local queue-pair error (its port
-/// went down, or the QP broke on its own), or flushed (the first failed completion of a lane
-/// that is flushed: its QP failed on its own, see `lane_failed`).
+/// went down, or the QP broke on its own), flushed (the first failed completion of a lane
+/// that is flushed: its QP failed on its own, see `lane_failed`), or the peer's queue pair
+/// refusing a request as invalid. The last is what rxe (6.1) answers, now and then, when the
+/// path reorders a queue pair's packets: its responder loses track of a write's packets. It
+/// breaks that queue pair alone, at both ends, and nothing of the refused request after the
+/// refused packet lands, so the lane's chunks are fenced and settled like a dead path's.
 pub(super) fn lane_status(status: u32) -> bool {
-    status == 12 || status == LOCAL_QP_ERROR || status == FLUSHED
+    matches!(status, 12 | LOCAL_QP_ERROR | FLUSHED | REMOTE_INVALID)
 }
 
 /// Why a completion failed a lane, for its WARN.

@@ -244,8 +244,9 @@ impl RecvCore {
             self.proving &= !bit; // a rebuilt lane that failed before it was proven
             return true;
         }
-        // Retries run out on our own writes; a flush (a receive's too) is the lane's queue
-        // pair failing on its own, its async event still to come.
+        // Retries run out (or the peer refuses one as invalid) on our own writes; a flush (a
+        // receive's too) is the lane's queue pair failing on its own, or refusing a write of
+        // the sender's, its async event (if any) still to come.
         let ours = matches!(wr_kind(c.wr_id), WR_CTS | WR_PROBE | WR_MAIL) || c.status == FLUSHED;
         let last = (self.alive | self.proving) & !bit == 0 || !self.p.failover;
         if !ours || !lane_status(c.status) || last || self.health.fatal.is_some() {

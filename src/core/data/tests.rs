@@ -35,6 +35,8 @@
 //!   `an_immediate_of_another_use_of_the_slot_is_not_counted`;
 //! - a queue pair's async error taken without dropping its lane:
 //!   `a_queue_pair_error_fails_over_like_a_dead_path`;
+//! - a write the peer's queue pair refused as invalid taken as the comm's failure:
+//!   `a_write_the_peer_refuses_fails_over_like_a_dead_path`;
 //! - path-aware placement off (strict rotation, equal chunks): `a_slow_lane_gets_less_of_the_work`.
 
 use std::cell::RefCell;
@@ -236,6 +238,9 @@ struct Wire {
     /// writes all land, their ACKs vanish): the sender's signaled requests that executed
     /// without an ACK, and how many more of its requests execute before its retries run out.
     one_way: Vec<Option<(Vec<u64>, u32)>>,
+    /// Per lane: the receiver's queue pair refused a write as invalid ([`Run::refusals`]): the
+    /// sender's head fails with `IBV_WC_REM_INV_REQ_ERR`, not with its retries run out.
+    refused: Vec<bool>,
     /// The simulated clock, as the cores' precise one.
     now: Duration,
     /// Per lane, the sender's and the receiver's member ports (empty: all on the first).
@@ -278,6 +283,7 @@ impl Wire {
             failed: [vec![false; nqps + 1], vec![false; nqps + 1]],
             fenced: [vec![false; nqps + 1], vec![false; nqps + 1]],
             one_way: vec![None; nqps + 1],
+            refused: vec![false; nqps + 1],
             now: Duration::ZERO,
             members: Vec::new(),
             failover: true,
@@ -563,7 +569,8 @@ impl Wire {
                 late.push((q, life, head));
             }
         }
-        self.cq[side].push_back(Completion { wr_id: wr.wr_id, status: 12, ..Default::default() });
+        let status = if side == 0 && self.refused[q] { REMOTE_INVALID } else { 12 };
+        self.cq[side].push_back(Completion { wr_id: wr.wr_id, status, ..Default::default() });
         self.failed[side][q] = true;
         self.fail_head(mem, side, q);
     }
@@ -670,6 +677,7 @@ impl Post for Io<'_> {
         w.held[side][qp] = (0, 0);
         w.failed[side][qp] = false;
         w.fenced[side][qp] = false;
+        w.refused[qp] = false;
         w.life[side][qp] += 1;
         w.renewed[side] += 1;
         let qpn = 1000 + (w.renewed[0] + w.renewed[1]) as u32; // unique
@@ -816,6 +824,11 @@ struct Run {
     /// Queue pairs that fail on their own (an async error event): after this many scheduler
     /// steps, lane, and side.
     qp_errors: Vec<(u64, usize, usize)>,
+    /// Lanes whose receiving queue pair refuses the sender's next write as invalid, as rxe's
+    /// does now and then on a path that reorders: after this many scheduler steps, lane. Both
+    /// ends' queue pairs break, with no async event: the receiver's flushes, the sender's head
+    /// fails with `IBV_WC_REM_INV_REQ_ERR`.
+    refusals: Vec<(u64, usize)>,
     /// Steps from a queue pair's failure to its async event: its flushed work may be polled
     /// first.
     event_lag: u64,
@@ -899,6 +912,7 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         path_aware: rng.below(4) != 0,
         slow: (rng.below(3) == 0).then(|| rng.below(nqps as u64) as usize),
         qp_errors: Vec::new(),
+        refusals: Vec::new(),
         event_lag: 0,
         heals: Vec::new(),
         repairs: 0,
@@ -1012,6 +1026,7 @@ impl Journaled {
         let n = SLOTS * MAX_RECVS;
         let faults = !run.kills.is_empty()
             || !run.qp_errors.is_empty()
+            || !run.refusals.is_empty()
             || !run.one_way.is_empty()
             || run.stall.is_some();
         Journaled { send: vec![Vec::new(); n], recv: vec![Vec::new(); n], faults }
@@ -1293,6 +1308,11 @@ impl<'a> Harness<'a> {
             // The queue pair fails on its own: it flushes, and its peer's work on the lane
             // finds nobody.
             wire.borrow_mut().failed[side][lane] = true;
+        }
+        for &(_, lane) in run.refusals.iter().filter(|k| k.0 == steps) {
+            let mut w = wire.borrow_mut();
+            w.refused[lane] = true;
+            w.failed[1][lane] = true;
         }
         // The async event of each, `event_lag` steps later: the core hears of it.
         let events = run.qp_errors.iter().filter(|k| k.0 + run.event_lag == steps);
@@ -2013,8 +2033,9 @@ fn completing_runs(
             let o = drive(&run, seed + salt);
             let n = run.groups.len();
             let what = format!(
-                "seed {seed}: kills {:?} one-way {:?} heals {:?} queue pair errors {:?}",
-                run.kills, run.one_way, run.heals, run.qp_errors
+                "seed {seed}: kills {:?} one-way {:?} heals {:?} queue pair errors {:?} \
+                 refusals {:?}",
+                run.kills, run.one_way, run.heals, run.qp_errors, run.refusals
             );
             assert_eq!((o.recvs_done, o.sends_done), (n, n), "{what}");
             o
@@ -2374,6 +2395,26 @@ fn a_queue_pair_error_fails_over_like_a_dead_path() {
             }
         }
     });
+}
+
+/// The receiving queue pair of a lane refuses a write as invalid (rxe on a reordering path):
+/// both ends of the lane break with no async event, the sender hears
+/// `IBV_WC_REM_INV_REQ_ERR`, and the lane fails over like a dead path, with every request
+/// completing once with its bytes. Some runs refuse on every lane but one, some repair.
+#[test]
+fn a_write_the_peer_refuses_fails_over_like_a_dead_path() {
+    let mut rng = Rng(0x0bad_0e09);
+    let mut refused = 0;
+    let outcomes = completing_runs(&mut rng, (miri_or(60, 2), 7), |run, rng, seed| {
+        run.repairs = if seed % 3 == 0 { 3 } else { 0 };
+        some_lanes(run, rng, false, |run, rng, lane| {
+            run.refusals.push((50 + rng.below(miri_or(4000, 300)), lane));
+        });
+        refused += run.refusals.len();
+    });
+    assert!(refused > 0);
+    let fences: usize = outcomes.iter().map(|o| o.fences).sum();
+    assert!(fences > 0, "no refused lane was fenced and settled");
 }
 
 /// Every lane's path dies: the comm fails with a remote error, on both ends, and nothing hangs
