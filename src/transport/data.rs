@@ -764,8 +764,12 @@ impl SendComm {
         self.lanes.report(self.core.journal());
         let r = r?;
         log_lines(|| self.core.take_line());
-        if r.is_none() {
-            self.progress()?; // what frees a slot or the send queue is a completion
+        // What frees a slot or the send queue is a completion. With nothing in flight
+        // (waiting for the peer's CTS) there is none to poll for, and progress runs only for
+        // its idle checks, when they are due.
+        let idle = || crate::os::coarse_now() < self.lanes.idle_at;
+        if r.is_none() && !(self.core.nothing_posted() && idle()) {
+            self.progress()?;
         }
         Ok(r)
     }

@@ -368,6 +368,15 @@ impl SendCore {
         self.p.path_aware && self.p.nqps > 1
     }
 
+    /// Whether a poll of the comm's CQs can find nothing: no signaled request outstanding on
+    /// any lane (probes, fences and repair requests included). Every request whose completion
+    /// the comm waits for is signaled (an unsignaled one that fails is followed by a signaled
+    /// one that flushes), so an `isend` that waits for the peer's CTS with nothing in flight
+    /// skips the poll.
+    pub fn nothing_posted(&self) -> bool {
+        self.sq.iter().all(|c| c.signaled.is_empty())
+    }
+
     /// Whether completions about to be polled want the clock: a timed chunk is in flight.
     pub fn needs_clock(&self) -> bool {
         self.places() && self.lanes.iter().any(place::Lane::timing)

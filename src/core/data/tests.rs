@@ -1573,16 +1573,28 @@ impl Harness<'_> {
         }
     }
 
-    /// NCCL's test of an outstanding send (pick 3; a proxy tests the oldest): a completed one
-    /// has its size and its journal, an error is one the link's faults explain.
-    fn test_send(&mut self) {
-        let (run, wire) = (self.run, self.wire);
+    /// The sender's CQ drained: not at all while the core says it has nothing posted (as the
+    /// transport's `isend` that finds no CTS does; here every poll does it, so that a
+    /// completion the core still waits for then would never be taken). The completions taken.
+    fn poll_sender(&mut self) -> usize {
+        let wire = self.wire;
+        if self.sender.nothing_posted() {
+            return 0;
+        }
         self.sender.stamp(self.now, wire.borrow().cq[0].len());
         let mut got = 0;
         poll(wire, 0, |c| {
             got += 1;
             self.sender.complete(c)
         });
+        got
+    }
+
+    /// NCCL's test of an outstanding send (pick 3; a proxy tests the oldest): a completed one
+    /// has its size and its journal, an error is one the link's faults explain.
+    fn test_send(&mut self) {
+        let (run, wire) = (self.run, self.wire);
+        let got = self.poll_sender();
         let r = self.send_step(got);
         if !wire.borrow().failing() {
             r.expect("progress on a healthy link");
@@ -1631,12 +1643,7 @@ impl Harness<'_> {
         let s = if self.asleep[0] > steps || !called(sending) {
             Ok(())
         } else {
-            self.sender.stamp(now, wire.borrow().cq[0].len());
-            let mut got = 0;
-            poll(wire, 0, |c| {
-                got += 1;
-                self.sender.complete(c)
-            });
+            let got = self.poll_sender();
             self.send_step(got)
         };
         // A receiving rank whose last operation on the connection is done while its
@@ -2898,6 +2905,38 @@ fn a_quiet_wait_probes_the_peer_and_only_a_dead_peer_fails() {
     poll(&wire, 1, |c| receiver.complete(c, &rsizes));
     let e = receiver.test(id, &mut [0; MAX_RECVS]).unwrap_err().to_string();
     assert!(e.contains("liveness probe") && e.contains("peer"), "{e}");
+}
+
+/// A sender that waits for a CTS with nothing in flight skips the poll of its CQ (the
+/// transport asks [`SendCore::nothing_posted`] first), yet takes its probes' completions: a live
+/// peer is probed once per quiet interval for as long as the wait lasts, not once and never
+/// again.
+#[test]
+fn a_sender_waiting_for_a_cts_takes_its_probes_completions() {
+    let pair = Pair { mem: Mem::both_ends(4096), wire: RefCell::new(Wire::new(1)) };
+    let (fifo, stage) = (pair.area(FIFO, 13), pair.area(SEND_STAGE, 14));
+    let ms = Duration::from_millis;
+    let params = Params { probe_interval: ms(100), ..one_qp(Path::default()) };
+    let mut s = SendCore::new(params, remote(RECV_SIZES, 16));
+    let mut sio = pair.io(0);
+    let buf = || Ok(Buf { addr: SEND_DATA, size: 8, lkeys: keys(11), rkeys: keys(11), host: true });
+    let mut acked = 0;
+    for t in 0..50 {
+        assert_eq!(s.isend_with(&fifo, &stage, &mut sio, buf, 1).unwrap(), None, "no CTS");
+        s.idle(ms(t * 40), None, &mut sio, (&fifo, &stage)).unwrap();
+        if !pair.wire.borrow().sq[0][0].is_empty() {
+            assert!(!s.nothing_posted(), "a probe in flight");
+            while !pair.wire.borrow().sq[0][0].is_empty() {
+                pair.wire.borrow_mut().step(&pair.mem, 0, 0);
+            }
+            acked += 1;
+        }
+        if !s.nothing_posted() {
+            poll(&pair.wire, 0, |c| s.complete(c));
+        }
+        assert!(s.nothing_posted(), "the probe's completion taken");
+    }
+    assert!((6..=20).contains(&acked), "one probe per quiet interval, not per poll: {acked}");
 }
 
 /// The receiver serves repair requests as they come: a request naming a lane the comm does
