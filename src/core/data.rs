@@ -184,7 +184,8 @@ pub struct Params {
     pub timed_from: u64,
     /// Lane repair (`NCCL_IB_RESILIENCY_PORT_RECOVERY_*`).
     pub repair: Repair,
-    pub path: Path,
+    /// Shared with the comm's other owners (the transport's lanes): one copy of its strings.
+    pub path: std::sync::Arc<Path>,
     /// Per lane, the member ports it runs between: `(ours, the peer's)`, indices into the
     /// keys of [`Buf`], [`Cts`], [`Remote`] and [`Words::lkey`].
     pub members: Vec<(usize, usize)>,

@@ -584,7 +584,7 @@ pub struct Lanes {
     pub net: Arc<Net>,
     /// The comm's member ports (device indices): one, or a fused device's.
     pub devs: Vec<usize>,
-    path: Path,
+    path: Arc<Path>,
     qps: Vec<Qp>,
     links: Vec<Link>,
     ports: Vec<Port>,
@@ -604,7 +604,7 @@ impl Lanes {
         net: Arc<Net>,
         Queues { devs, qps, cqs }: Queues,
         links: Vec<Link>,
-        path: Path,
+        path: Arc<Path>,
         profiler: Option<Arc<dyn Profiler>>,
         flush: &[Flusher],
     ) -> Lanes {
@@ -654,7 +654,7 @@ fn params(
     qps: &[Qp],
     (ours, theirs): (usize, usize),
     (split, max_msg): (bool, u64),
-    path: &Path,
+    path: &Arc<Path>,
     journal: bool,
 ) -> Params {
     Params {
@@ -733,7 +733,7 @@ impl SendComm {
         (theirs, peer): (usize, Peer),
         profiler: Option<Arc<dyn Profiler>>,
     ) -> Box<SendComm> {
-        let journal = profiler.is_some();
+        let (journal, path) = (profiler.is_some(), Arc::new(path));
         let ours = parts.q.devs.len();
         let p = params(&net, &parts.q.qps, (ours, theirs), (split, peer.max_msg), &path, journal);
         let links = links(send_caps(p.nqps), attrs, send_grant);
@@ -886,7 +886,7 @@ impl RecvComm {
         // The receiver only sends CTS rows and probes, on its control lane; all its QPs are
         // created alike.
         let nqps = parts.q.qps.len();
-        let journal = profiler.is_some();
+        let (journal, path) = (profiler.is_some(), Arc::new(path));
         let ours = parts.q.devs.len();
         let p = params(&net, &parts.q.qps, (ours, theirs), (split, 0), &path, journal);
         let core = RecvCore::new(p, remote(peer.addr, &peer.rkeys));

@@ -60,15 +60,6 @@ pub struct RtsAttr {
     pub sq_psn: u32,
 }
 
-fn modify(qp: *mut sys::ibv_qp, attr: &mut sys::ibv_qp_attr, mask: u32, what: &str) -> Result<()> {
-    // SAFETY: qp is live and attr is a fully initialised ibv_qp_attr.
-    let rc = unsafe { sys::ibv_modify_qp(qp, attr, mask as i32) };
-    if rc != 0 {
-        return Err(Error::verbs("ibv_modify_qp", rc, what));
-    }
-    Ok(())
-}
-
 fn zeroed_attr() -> sys::ibv_qp_attr {
     // SAFETY: ibv_qp_attr is plain data for which all-zero bytes are valid.
     unsafe { MaybeUninit::zeroed().assume_init() }
@@ -119,8 +110,15 @@ impl Qp {
         self.qpn
     }
 
-    fn what(&self, state: &str) -> String {
-        format!("{} QP {:#x} to {state}", self.pd.context().name(), self.qpn)
+    /// Moves the QP to `state` (its name, for the error only: formatted when one occurs).
+    fn modify(&self, attr: &mut sys::ibv_qp_attr, mask: u32, state: &str) -> Result<()> {
+        // SAFETY: the QP is live and attr is a fully initialised ibv_qp_attr.
+        let rc = unsafe { sys::ibv_modify_qp(self.raw, attr, mask as i32) };
+        if rc != 0 {
+            let what = format!("{} QP {:#x} to {state}", self.pd.context().name(), self.qpn);
+            return Err(Error::verbs("ibv_modify_qp", rc, &what));
+        }
+        Ok(())
     }
 
     pub fn to_init(&self, port: u8, access: u32) -> Result<()> {
@@ -133,7 +131,7 @@ impl Qp {
             | M::IBV_QP_PKEY_INDEX.0
             | M::IBV_QP_PORT.0
             | M::IBV_QP_ACCESS_FLAGS.0;
-        modify(self.raw, &mut a, mask, &self.what("INIT"))
+        self.modify(&mut a, mask, "INIT")
     }
 
     pub fn to_rtr(&self, r: &RtrAttr) -> Result<()> {
@@ -159,7 +157,7 @@ impl Qp {
             | M::IBV_QP_RQ_PSN.0
             | M::IBV_QP_MAX_DEST_RD_ATOMIC.0
             | M::IBV_QP_MIN_RNR_TIMER.0;
-        modify(self.raw, &mut a, mask, &self.what("RTR"))
+        self.modify(&mut a, mask, "RTR")
     }
 
     pub fn to_rts(&self, r: &RtsAttr) -> Result<()> {
@@ -176,14 +174,14 @@ impl Qp {
             | M::IBV_QP_RETRY_CNT.0
             | M::IBV_QP_RNR_RETRY.0
             | M::IBV_QP_MAX_QP_RD_ATOMIC.0;
-        modify(self.raw, &mut a, mask, &self.what("RTS"))
+        self.modify(&mut a, mask, "RTS")
     }
 
     /// Moves the QP to ERR so outstanding work requests flush before it is destroyed.
     pub fn to_error(&self) -> Result<()> {
         let mut a = zeroed_attr();
         a.qp_state = sys::ibv_qp_state::IBV_QPS_ERR;
-        modify(self.raw, &mut a, M::IBV_QP_STATE.0, &self.what("ERR"))
+        self.modify(&mut a, M::IBV_QP_STATE.0, "ERR")
     }
 
     /// Posts up to [`MAX_CHAIN`] send work requests as one chain. Only the entries used are

@@ -230,7 +230,7 @@ pub(super) struct Health {
     pub(super) witness: bool,
     /// Our member ports whose link is down (bit `m` for member `m`): their lanes are fenced.
     pub(super) ports_down: u64,
-    pub(super) path: Path,
+    pub(super) path: std::sync::Arc<Path>,
     pub(super) traffic: Traffic,
     /// Our member ports whose link is down, named (`rxe1 port 1`): a local queue-pair error
     /// is then the network's failure, not ours.

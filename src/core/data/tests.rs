@@ -1200,7 +1200,7 @@ fn params(run: &Run) -> Params {
             delay: Duration::from_millis(5),
             timeout: Duration::from_millis(60),
         },
-        path: Path { peer: "sim".into(), ..Default::default() },
+        path: Path { peer: "sim".into(), ..Default::default() }.into(),
     }
 }
 
@@ -2793,7 +2793,7 @@ fn one_qp(path: Path) -> Params {
         stall: None,
         members: Vec::new(),
         repair: NO_REPAIR,
-        path,
+        path: path.into(),
     }
 }
 
@@ -2874,7 +2874,7 @@ fn a_quiet_wait_probes_the_peer_and_only_a_dead_peer_fails() {
         stall: None,
         members: Vec::new(),
         repair: NO_REPAIR,
-        path: Path { peer: "peer".into(), ..Default::default() },
+        path: Path { peer: "peer".into(), ..Default::default() }.into(),
     };
     let mut receiver = RecvCore::new(params, remote(FIFO, 13));
     let wire = RefCell::new(Wire::new(1));

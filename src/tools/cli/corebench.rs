@@ -14,8 +14,7 @@ use std::time::{Duration, Instant};
 
 use ferroce::wr::{Completion, Op, SendWr};
 use ferroce_core::data::{
-    Buf, FIFO_AREA, MAX_MEMBERS, Params, Path, Post, RecvCore, Remote, Repair, SIZE_AREA, SendCore,
-    Words,
+    Buf, FIFO_AREA, MAX_MEMBERS, Params, Post, RecvCore, Remote, Repair, SIZE_AREA, SendCore, Words,
 };
 
 /// Regions, told apart by the top bits of their fake addresses.
@@ -153,7 +152,7 @@ fn run(n: usize, size: u64, inline: u32, optional: bool, depth: usize) -> Result
             delay: Duration::from_secs(1),
             timeout: Duration::from_secs(1),
         },
-        path: Path::default(),
+        path: Default::default(),
     };
     let mut send = SendCore::new(params.clone(), Remote { addr: SIZES, rkeys: [1; MAX_MEMBERS] });
     let mut recv = RecvCore::new(params, Remote { addr: FIFO, rkeys: [1; MAX_MEMBERS] });
