@@ -227,13 +227,13 @@ impl Effective {
     }
 }
 
-/// Reads knobs and records what each ended up as.
 /// Whether NCCL shows INFO lines at this `NCCL_DEBUG` level: `INFO` or `TRACE`, in any case.
 pub fn shows_info(nccl_debug: &str) -> bool {
     let level = nccl_debug.trim();
     level.eq_ignore_ascii_case("INFO") || level.eq_ignore_ascii_case("TRACE")
 }
 
+/// Reads knobs and records what each ended up as.
 struct Reader<F: Fn(&str) -> Option<String>> {
     get: F,
     effective: Vec<Effective>,

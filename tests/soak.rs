@@ -81,9 +81,8 @@ const KNOBS: [(&str, &str); 5] = [
 /// packets, one work request each) get through all of them. The jitter phase keeps packet order
 /// (netem's `rate` serialises its queue) and so carries the full range of sizes. Under
 /// reordering rxe's responder now and then loses track of a write and refuses it as invalid
-/// (`IBV_WC_REM_INV_REQ_ERR`: once in a CI soak of 120 s, and once in two reordering-only soaks
-/// of 600 s): that lane fails over, with a
-/// WARN, and the soak goes on.
+/// (`IBV_WC_REM_INV_REQ_ERR`: once in a CI soak of 120 s, and in one of three reordering-only
+/// soaks of 400 to 600 s): that lane fails over, with a WARN, and the soak goes on.
 const PHASES: [(&str, &str, usize); 4] = [
     ("loss 1%", "loss 1%", 8 << 10),
     ("loss 5%", "loss 5%", 8 << 10),

@@ -767,8 +767,8 @@ impl SendComm {
         // What frees a slot or the send queue is a completion. With nothing in flight
         // (waiting for the peer's CTS) there is none to poll for, and progress runs only for
         // its idle checks, when they are due.
-        let idle = || crate::os::coarse_now() < self.lanes.idle_at;
-        if r.is_none() && !(self.core.nothing_posted() && idle()) {
+        let not_due = || crate::os::coarse_now() < self.lanes.idle_at;
+        if r.is_none() && !(self.core.nothing_posted() && not_due()) {
             self.progress()?;
         }
         Ok(r)

@@ -323,8 +323,8 @@ impl Health {
     /// when one is due: every path is checked at once, so a dead peer fails the comm within one
     /// retry bound however many lanes it has, and a dead path is found even while its lane is
     /// idle. `lanes` gives them, asked only once a probe is due; `target` is a region of the
-    /// peer's this comm may write (a zero-length write checks no key anyway). A stall's witness is probed for at once ([`Self::stalled`]). The
-    /// lanes probed.
+    /// peer's this comm may write (a zero-length write checks no key anyway). A stall's
+    /// witness is probed for at once ([`Self::stalled`]). The lanes probed.
     pub(super) fn probe(
         &mut self,
         now: Duration,

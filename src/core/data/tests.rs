@@ -35,7 +35,7 @@
 //!   `an_immediate_of_another_use_of_the_slot_is_not_counted`;
 //! - a queue pair's async error taken without dropping its lane:
 //!   `a_queue_pair_error_fails_over_like_a_dead_path`;
-//! - a write the peer's queue pair refused as invalid taken as the comm's failure:
+//! - a write the peer's queue pair refused as invalid failing the comm, not its lane:
 //!   `a_write_the_peer_refuses_fails_over_like_a_dead_path`;
 //! - path-aware placement off (strict rotation, equal chunks): `a_slow_lane_gets_less_of_the_work`.
 
