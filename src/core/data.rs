@@ -45,7 +45,8 @@
 //! receive that completed is never written again. The sender posts nothing new until they
 //! have. The receiver's CTS rows move to its next live lane if they rode on the fenced one.
 //! Where messages go is path-aware ([`place`]): a lane's measured rate and queue steer whole
-//! messages, and a lane under a quarter of the best rate gets no new work.
+//! messages, and a lane under a quarter of the best rate gets no new work (in split mode, once
+//! it also holds up the oldest message).
 //!
 //! Optional receive completions: NCCL marks LL/LL128 receives (one buffer) whose arrival it
 //! detects itself through flags in the data. Their CTS says so; the sender then sends a plain

@@ -19,8 +19,12 @@
 //! of any lane: timed from their posts, the lanes served last measured half the first's rate
 //! or less on a busy host (one lane then carried every 4 MiB message of a sweep, the other
 //! avoided for 10 s at a time). Split mode still cuts no finer than avoiding a lane, so that
-//! the NIC's order is never read as path speed. Both leave the rotation and equal chunks alone unless a lane is
-//! clearly worse ([`CHEAPER`], [`AVOID`]), so a clean fabric's noise changes nothing.
+//! the NIC's order is never read as path speed. It also times a lane's wait from the NIC's
+//! last finished chunk, and starts to avoid a slow lane only while it holds up the oldest
+//! message ([`lags`]): a busy host's absence, charged to the one completion polled after it
+//! (or to the chunks still waiting), once left a healthy lane 8% of a sweep's 4 MiB messages.
+//! Both modes leave the rotation and equal chunks alone unless a lane is clearly worse
+//! ([`CHEAPER`], [`AVOID`]), so a clean fabric's noise changes nothing.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -129,12 +133,14 @@ impl Lane {
     }
 
     /// The rate to count on at `now`: the measured one, or less while the oldest chunk has
-    /// waited longer than it explains (a stall); `None` if neither is known.
-    pub fn effective(&self, now: Duration) -> Option<f64> {
+    /// waited longer than it explains (a stall); `None` if neither is known. `shared`: as in
+    /// [`Self::retired`], the wait starts no earlier.
+    pub fn effective(&self, now: Duration, shared: Duration) -> Option<f64> {
         if self.queue.is_empty() && now.saturating_sub(self.sampled) > FORGET {
             return None;
         }
-        let waited = self.queue.front().map(|&(at, _)| now.saturating_sub(at.max(self.last)));
+        let since = |at: Duration| at.max(self.last).max(shared);
+        let waited = self.queue.front().map(|&(at, _)| now.saturating_sub(since(at)));
         let stall = waited.filter(|w| !w.is_zero()).map(|w| self.out as f64 / w.as_secs_f64());
         // Not yet a full sample: what completed so far bounds the rate from below (chunks
         // that complete within a tick of the coarse clock take no time on it).
@@ -185,11 +191,6 @@ impl Nic {
     }
 }
 
-/// Whether lane `q` is to be avoided: its rate is known and under [`AVOID`] of `best`.
-fn slow(lanes: &[Lane], q: usize, now: Duration, best: f64) -> bool {
-    lanes[q].effective(now).is_some_and(|r| r < AVOID * best)
-}
-
 /// Whole-message mode: never a lane to avoid (in `avoid`, from [`avoided`]) while the other
 /// is not; else lane `rotation` unless lane `other` holds, with the message, under [`CHEAPER`]
 /// of its outstanding bytes (the shorter queue: rates that differ by less than half are noise).
@@ -203,15 +204,30 @@ pub fn choose(lanes: &[Lane], avoid: u128, (rotation, other): (usize, usize), by
     if load(other) < CHEAPER * load(rotation) { other } else { rotation }
 }
 
-/// Split mode: the lanes whose chunk is empty: the dead ones and those to avoid ([`AVOID`]).
-pub fn avoided(lanes: &[Lane], alive: u128, now: Duration) -> u128 {
+/// Split mode: whether lane `q` lags: its oldest chunk in flight is older than every other
+/// live lane's (the others are done with that message, or idle).
+fn lags(lanes: &[Lane], alive: u128, q: usize) -> bool {
+    let Some(&(at, _)) = lanes[q].queue.front() else { return false };
+    let others = (0..lanes.len()).filter(|&k| k != q && alive >> k & 1 != 0);
+    others.into_iter().all(|k| lanes[k].queue.front().is_none_or(|&(t, _)| t > at))
+}
+
+/// The lanes to avoid: the dead ones and those under [`AVOID`] of the fastest. `split`: in
+/// split mode, the lanes avoided before, and the NIC (a lane's wait starts no earlier than
+/// its last finished chunk). A lane not avoided before joins them only while it also lags
+/// ([`lags`]): every lane has a chunk of each message, so a slow path holds up the oldest
+/// message, while a healthy lane that a busy host's absence was charged to (the one
+/// completion polled after it) measures slow but is ahead of the others, not behind.
+pub fn avoided(lanes: &[Lane], alive: u128, now: Duration, split: Option<(u128, &Nic)>) -> u128 {
     let dead = !alive & super::lanes_mask(lanes.len());
+    let shared = split.map_or(Duration::ZERO, |(_, nic)| nic.last);
+    let rate = |q: usize| lanes[q].effective(now, shared);
     // One pass for the best and the worst known rate of the live lanes: none is slow unless
     // the worst is, and then a second pass finds which. With no rate known, none is.
     let (mut best, mut worst) = (f64::MIN, f64::MAX);
-    for (q, lane) in lanes.iter().enumerate() {
+    for q in 0..lanes.len() {
         if alive >> q & 1 != 0
-            && let Some(r) = lane.effective(now)
+            && let Some(r) = rate(q)
         {
             (best, worst) = (best.max(r), worst.min(r));
         }
@@ -219,7 +235,9 @@ pub fn avoided(lanes: &[Lane], alive: u128, now: Duration) -> u128 {
     if worst >= AVOID * best {
         return dead;
     }
-    (0..lanes.len()).filter(|&q| slow(lanes, q, now, best)).fold(dead, |m, q| m | 1 << q)
+    let slow = |q: usize| rate(q).is_some_and(|r| r < AVOID * best);
+    let joins = |q| split.is_none_or(|(before, _)| before >> q & 1 != 0 || lags(lanes, alive, q));
+    (0..lanes.len()).filter(|&q| slow(q) && joins(q)).fold(dead, |m, q| m | 1 << q)
 }
 
 #[cfg(test)]
@@ -266,23 +284,23 @@ mod tests {
     fn a_stalled_lane_counts_as_slow_while_it_waits() {
         let mut l = lane(0, Some(1e8));
         l.posted(ms(1000), 1_000_000);
-        assert_eq!(l.effective(ms(1005)), Some(1e8), "5 ms for 1 MB is within its rate");
-        let e = l.effective(ms(1500)).unwrap();
+        assert_eq!(l.effective(ms(1005), ms(0)), Some(1e8), "5 ms for 1 MB is within its rate");
+        let e = l.effective(ms(1500), ms(0)).unwrap();
         assert!((e - 2e6).abs() < 1.0, "half a second for 1 MB: {e}");
         // An idle lane's rate is forgotten after FORGET: it gets tried again.
         let mut idle = lane(0, Some(1e6));
         idle.sampled = ms(1000);
-        assert_eq!(idle.effective(ms(1000) + FORGET), Some(1e6));
-        assert_eq!(idle.effective(ms(1001) + FORGET), None);
+        assert_eq!(idle.effective(ms(1000) + FORGET, ms(0)), Some(1e6));
+        assert_eq!(idle.effective(ms(1001) + FORGET, ms(0)), None);
         let mut new = Lane::new();
         new.posted(ms(0), 1_000_000);
-        assert_eq!(new.effective(ms(10)), None, "not measured, not yet stalled");
+        assert_eq!(new.effective(ms(10), ms(0)), None, "not measured, not yet stalled");
         new.posted(ms(0), 1_000_000);
         new.retired(ms(2), ms(0));
-        assert_eq!(new.effective(ms(2)), Some(1e8), "a partial sample bounds it from below");
-        assert_eq!(new.effective(ms(100)), Some(1e6 / 0.098));
+        assert_eq!(new.effective(ms(2), ms(0)), Some(1e8), "a partial sample bounds it from below");
+        assert_eq!(new.effective(ms(100), ms(0)), Some(1e6 / 0.098));
         new.failed();
-        assert_eq!((new.out, new.effective(ms(200))), (0, None));
+        assert_eq!((new.out, new.effective(ms(200), ms(0))), (0, None));
     }
 
     #[test]
@@ -316,9 +334,38 @@ mod tests {
             }
         }
         let rates: Vec<f64> = lanes.iter().map(|l| l.rate.unwrap()).collect();
-        assert_eq!(avoided(&lanes, 0b1111, t), 0, "rates {rates:?}");
+        assert_eq!(avoided(&lanes, 0b1111, t, Some((0, &nic))), 0, "rates {rates:?}");
         let (lo, hi) = rates.iter().fold((f64::MAX, 0f64), |(a, b), &r| (a.min(r), b.max(r)));
         assert!(lo > 0.5 * hi, "rates {rates:?}");
+    }
+
+    #[test]
+    fn a_busy_hosts_absence_charged_to_one_lane_avoids_none_in_split_mode() {
+        // 4 lanes of one NIC, a 256 KiB chunk each per message, finished in turn 1 ms apart.
+        // Two rounds in three, the process is away for 100 ms right before it polls lane 1's
+        // completion, alone: lane 1 is charged the absence and measures slow.
+        let (mut lanes, mut nic) = (vec![Lane::new(); 4], Nic::default());
+        let (mut t, mut split, mut whole) = (ms(0), 0u128, 0u128);
+        for round in 0..60 {
+            for l in &mut lanes {
+                l.posted(t, 256 << 10);
+            }
+            for q in 0..4 {
+                let looked = t;
+                t += ms(1) + if q == 1 && round % 3 != 0 { ms(100) } else { ms(0) };
+                nic.polled(looked, t, 1);
+                let at = nic.taken();
+                nic.retired(&mut lanes[q], at);
+                split = avoided(&lanes, 0b1111, t, Some((split, &nic)));
+                whole |= avoided(&lanes, 0b1111, t, None);
+                assert_eq!(split, 0, "round {round}, lane {q}: {lanes:?}");
+            }
+        }
+        let rates: Vec<f64> = lanes.iter().map(|l| l.rate.unwrap()).collect();
+        assert!(rates[1] < AVOID * rates[0], "lane 1 measures slow: {rates:?}");
+        // Without the NIC's view and the lag (whole-message mode's rule, split mode's before),
+        // lane 1 is avoided for its rate, and lanes 2 and 3 for their wait behind the absence.
+        assert_eq!(whole, 0b1110);
     }
 
     #[test]
@@ -326,19 +373,19 @@ mod tests {
         let now = Duration::ZERO;
         let even = [lane(2 << 20, Some(1e8)), lane(2 << 20, Some(1.9e8))];
         assert_eq!(
-            choose(&even, avoided(&even, 0b11, now), (0, 1), 1 << 20),
+            choose(&even, avoided(&even, 0b11, now, None), (0, 1), 1 << 20),
             0,
             "rates within 2x: noise"
         );
         let slow = [lane(0, Some(1e7)), lane(2 << 20, Some(1e8))];
-        assert_eq!(choose(&slow, avoided(&slow, 0b11, now), (0, 1), 1 << 20), 1);
+        assert_eq!(choose(&slow, avoided(&slow, 0b11, now, None), (0, 1), 1 << 20), 1);
         // Under a quarter of the fastest: avoided however loaded the other lane is.
         let loaded = [lane(0, Some(2e7)), lane(64 << 20, Some(1e8))];
-        assert_eq!(choose(&loaded, avoided(&loaded, 0b11, now), (0, 1), 1 << 20), 1);
-        assert_eq!(choose(&loaded, avoided(&loaded, 0b11, now), (1, 0), 1 << 20), 1);
+        assert_eq!(choose(&loaded, avoided(&loaded, 0b11, now, None), (0, 1), 1 << 20), 1);
+        assert_eq!(choose(&loaded, avoided(&loaded, 0b11, now, None), (1, 0), 1 << 20), 1);
         // Nothing measured yet: outstanding bytes decide.
         let queued = [lane(8 << 20, None), lane(0, None)];
-        assert_eq!(choose(&queued, avoided(&queued, 0b11, now), (0, 1), 1 << 20), 1);
+        assert_eq!(choose(&queued, avoided(&queued, 0b11, now, None), (0, 1), 1 << 20), 1);
     }
 
     #[test]
@@ -346,9 +393,22 @@ mod tests {
         let now = Duration::ZERO;
         // Healthy lanes of one NIC measure up to 2x apart (the NIC's order, a busy host).
         let clean = [lane(0, Some(1e8)), lane(0, Some(0.4e8)), lane(0, None), lane(0, Some(1e8))];
-        assert_eq!(avoided(&clean, 0b1111, now), 0);
+        assert_eq!(avoided(&clean, 0b1111, now, None), 0);
         let slower = [lane(0, Some(1e8)), lane(0, Some(2e7)), lane(0, Some(1e8)), lane(0, None)];
-        assert_eq!(avoided(&slower, 0b1111, now), 0b0010);
-        assert_eq!(avoided(&clean, 0b1011, now), 0b0100);
+        assert_eq!(avoided(&slower, 0b1111, now, None), 0b0010);
+        assert_eq!(avoided(&clean, 0b1011, now, None), 0b0100);
+        // Split mode: a slow lane starts to be avoided only while it holds up the oldest
+        // message, and stays avoided once it is.
+        let (mut split, nic) = (slower.clone(), Nic::default());
+        for (q, lane) in split.iter_mut().enumerate() {
+            lane.posted(ms(10), 1 << 20);
+            if q != 1 {
+                lane.retired(ms(12), ms(0));
+            }
+        }
+        assert_eq!(avoided(&split, 0b1111, ms(12), Some((0, &nic))), 0b0010, "lane 1 holds it up");
+        split[1].retired(ms(13), ms(0));
+        assert_eq!(avoided(&split, 0b1111, ms(13), Some((0, &nic))), 0, "lane 1 is not behind");
+        assert_eq!(avoided(&split, 0b1111, ms(13), Some((0b0010, &nic))), 0b0010, "still avoided");
     }
 }

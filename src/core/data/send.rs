@@ -901,7 +901,8 @@ impl SendCore {
         let busy = self.in_flight > 0 || self.lanes.iter().any(place::Lane::busy);
         if busy || std::mem::take(&mut self.retimed) || self.avoid != dead {
             let now = self.clock.unwrap_or_default();
-            self.avoid = place::avoided(&self.lanes, self.alive, now);
+            let split = self.p.split.then_some((self.avoid, &self.nic));
+            self.avoid = place::avoided(&self.lanes, self.alive, now, split);
         }
     }
 
