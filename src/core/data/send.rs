@@ -403,19 +403,21 @@ impl SendCore {
     /// live one); path-aware, the cheaper of it and a live lane drawn at random.
     pub(super) fn whole_lane(&mut self, slot: usize, bytes: u64) -> usize {
         let rotation = self.live_lane(slot % self.p.nqps);
-        let live = self.alive.count_ones() as u64;
-        if !self.p.path_aware || live < 2 {
+        // The live lanes other than the rotation's, as bits.
+        let mut others = self.alive & lanes_mask(self.p.nqps) & !(1 << rotation);
+        if !self.p.path_aware || others == 0 {
             return rotation;
         }
-        // xorshift64: the k-th live lane other than the rotation's.
-        self.draw ^= self.draw << 13;
-        self.draw ^= self.draw >> 7;
-        self.draw ^= self.draw << 17;
-        let k = (self.draw % (live - 1)) as usize;
-        let other = (0..self.p.nqps)
-            .filter(|&q| q != rotation && self.alive & (1 << q) != 0)
-            .nth(k)
-            .unwrap_or(rotation);
+        if others.count_ones() > 1 {
+            // xorshift64: the k-th of them (the lowest k bits cleared). With one, it is that.
+            self.draw ^= self.draw << 13;
+            self.draw ^= self.draw >> 7;
+            self.draw ^= self.draw << 17;
+            for _ in 0..self.draw % u64::from(others.count_ones()) {
+                others &= others - 1;
+            }
+        }
+        let other = others.trailing_zeros() as usize;
         place::choose(&self.lanes, self.avoid, (rotation, other), bytes)
     }
 
