@@ -208,8 +208,8 @@ pub fn choose(lanes: &[Lane], avoid: u128, (rotation, other): (usize, usize), by
 /// live lane's (the others are done with that message, or idle).
 fn lags(lanes: &[Lane], alive: u128, q: usize) -> bool {
     let Some(&(at, _)) = lanes[q].queue.front() else { return false };
-    let others = (0..lanes.len()).filter(|&k| k != q && alive >> k & 1 != 0);
-    others.into_iter().all(|k| lanes[k].queue.front().is_none_or(|&(t, _)| t > at))
+    let mut others = (0..lanes.len()).filter(|&k| k != q && alive >> k & 1 != 0);
+    others.all(|k| lanes[k].queue.front().is_none_or(|&(t, _)| t > at))
 }
 
 /// The lanes to avoid: the dead ones and those under [`AVOID`] of the fastest. `split`: in

@@ -408,12 +408,13 @@ impl SendCore {
         if !self.p.path_aware || others == 0 {
             return rotation;
         }
-        if others.count_ones() > 1 {
+        let n = others.count_ones();
+        if n > 1 {
             // xorshift64: the k-th of them (the lowest k bits cleared). With one, it is that.
             self.draw ^= self.draw << 13;
             self.draw ^= self.draw >> 7;
             self.draw ^= self.draw << 17;
-            for _ in 0..self.draw % u64::from(others.count_ones()) {
+            for _ in 0..self.draw % u64::from(n) {
                 others &= others - 1;
             }
         }
