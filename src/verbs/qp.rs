@@ -232,8 +232,8 @@ impl Qp {
                 std::ptr::null_mut()
             };
             // SAFETY: all-zero is a valid ibv_send_wr; every field the provider reads for an
-            // RDMA write/read is set right after.
-            let mut c: sys::ibv_send_wr = unsafe { MaybeUninit::zeroed().assume_init() };
+            // RDMA write/read is set right after, in place.
+            let c = chain[i].write(unsafe { MaybeUninit::zeroed().assume_init() });
             c.wr_id = w.wr_id;
             c.next = next;
             c.sg_list = sg_list;
@@ -242,7 +242,6 @@ impl Qp {
             c.send_flags = flags;
             c.imm_data_invalidated_rkey_union.imm_data = imm;
             c.wr.rdma = sys::rdma_t { remote_addr: w.remote_addr, rkey: w.rkey };
-            chain[i].write(c);
         }
         let mut bad = std::ptr::null_mut();
         // SAFETY: the first wrs.len() entries of the chain and their SGEs are initialised and

@@ -204,6 +204,12 @@ pub fn choose(lanes: &[Lane], avoid: u128, (rotation, other): (usize, usize), by
     if load(other) < CHEAPER * load(rotation) { other } else { rotation }
 }
 
+/// Whether lane `rotation` is [`choose`]'s pick whatever the other lane: it is not avoided
+/// and has nothing outstanding (no other lane holds a message in under its own bytes).
+pub fn idle(lanes: &[Lane], avoid: u128, rotation: usize) -> bool {
+    avoid & 1 << rotation == 0 && lanes[rotation].out == 0
+}
+
 /// Split mode: whether lane `q` lags: its oldest chunk in flight is older than every other
 /// live lane's (the others are done with that message, or idle).
 fn lags(lanes: &[Lane], alive: u128, q: usize) -> bool {
@@ -386,6 +392,41 @@ mod tests {
         // Nothing measured yet: outstanding bytes decide.
         let queued = [lane(8 << 20, None), lane(0, None)];
         assert_eq!(choose(&queued, avoided(&queued, 0b11, now, None), (0, 1), 1 << 20), 1);
+    }
+
+    #[test]
+    fn an_idle_rotation_lane_is_chosen_whatever_the_other() {
+        // Every load and rate of the other lane, every avoid mask, and messages of 0 bytes up:
+        // where `idle` says so, `choose` picks the rotation's lane; and it says so for an
+        // idle lane not avoided.
+        let outs = [0, 1, 4096, 64 << 20];
+        let rates = [None, Some(1e6), Some(1e8), Some(1e10)];
+        for (out, rate, avoid, bytes) in
+            every(&outs, &rates, &[0b00, 0b01, 0b10, 0b11], &[0, 8, 1 << 20])
+        {
+            for mine in [0, 8] {
+                let lanes = [lane(mine, Some(1e8)), lane(out, rate)];
+                let idle = idle(&lanes, avoid, 0);
+                assert_eq!(idle, mine == 0 && avoid & 1 == 0);
+                if idle {
+                    assert_eq!(choose(&lanes, avoid, (0, 1), bytes), 0, "{out} {rate:?} {avoid}");
+                }
+            }
+        }
+    }
+
+    /// Every combination of the four lists.
+    fn every<'a>(
+        a: &'a [u64],
+        b: &'a [Option<f64>],
+        c: &'a [u128],
+        d: &'a [u64],
+    ) -> impl Iterator<Item = (u64, Option<f64>, u128, u64)> + 'a {
+        a.iter().flat_map(move |&a| {
+            b.iter().flat_map(move |&b| {
+                c.iter().flat_map(move |&c| d.iter().map(move |&d| (a, b, c, d)))
+            })
+        })
     }
 
     #[test]

@@ -184,7 +184,7 @@ impl RecvCore {
             return Err(Error::Internal(format!("irecv of {n} buffers (1..={MAX_RECVS})")));
         }
         let slot = (self.head % SLOTS as u64) as usize;
-        let prev = self.slots[slot];
+        let prev = &self.slots[slot];
         if prev.state != State::Free || self.known_consumed(sizes) < prev.ack_for {
             return Ok(None);
         }

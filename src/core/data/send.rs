@@ -405,7 +405,7 @@ impl SendCore {
         let rotation = self.live_lane(slot % self.p.nqps);
         // The live lanes other than the rotation's, as bits.
         let mut others = self.alive & lanes_mask(self.p.nqps) & !(1 << rotation);
-        if !self.p.path_aware || others == 0 {
+        if !self.p.path_aware || others == 0 || place::idle(&self.lanes, self.avoid, rotation) {
             return rotation;
         }
         let n = others.count_ones();
