@@ -76,7 +76,7 @@ fn send_caps(nqps: usize) -> verbs::QpCaps {
 fn recv_caps(nqps: usize) -> verbs::QpCaps {
     verbs::QpCaps {
         max_send_wr: RECV_SEND_QUEUE as u32,
-        max_recv_wr: ferroce_core::data::recv_pool(nqps) as u32,
+        max_recv_wr: ferroce_core::data::recv_queue(nqps) as u32,
         max_inline: INLINE,
     }
 }
@@ -237,8 +237,8 @@ impl Post for Qps<'_> {
     fn send(&mut self, qp: usize, wrs: &[SendWr]) -> Result<()> {
         self.qp(qp)?.post_send(wrs)
     }
-    fn recv(&mut self, qp: usize, wr_id: u64) -> Result<()> {
-        self.qp(qp)?.post_recv(wr_id)
+    fn recv(&mut self, qp: usize, wr_id: u64, n: usize) -> Result<()> {
+        self.qp(qp)?.post_recv(wr_id, n)
     }
     fn now(&self) -> Duration {
         crate::os::precise_now()
@@ -861,7 +861,7 @@ impl RecvParts {
     pub fn new(net: &Arc<Net>, devs: &[usize], nqps: usize) -> Result<RecvParts> {
         // Room for every work request of every lane, receive and send (all flushed at once
         // when the comm closes or fails), and the flushes.
-        let per_lane = ferroce_core::data::recv_pool(nqps) + RECV_SEND_QUEUE;
+        let per_lane = ferroce_core::data::recv_queue(nqps) + RECV_SEND_QUEUE;
         let flushes = if needs_flush(net, devs) { FLUSH_QUEUE } else { 0 };
         let grant = |q| recv_grant(q, nqps);
         let q = Queues::new(net, (devs, nqps), (per_lane, flushes), recv_caps(nqps), grant)?;

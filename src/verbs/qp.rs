@@ -13,6 +13,9 @@ use super::pd::Pd;
 use crate::error::{Error, Result};
 use crate::wr::{MAX_CHAIN, Op, SendWr};
 
+/// Receive work requests posted in one call at most (a lane tops its pool up by 16 at a time).
+pub const RECV_CHAIN: usize = 16;
+
 pub struct Qp {
     raw: *mut sys::ibv_qp,
     qpn: u32,
@@ -256,16 +259,31 @@ impl Qp {
         Ok(())
     }
 
-    /// Posts one receive with no buffer: it only absorbs an RDMA write with immediate.
-    pub fn post_recv(&self, wr_id: u64) -> Result<()> {
+    /// Posts `n` receives of id `wr_id` with no buffer (each only absorbs an RDMA write with
+    /// immediate), as chains of up to [`RECV_CHAIN`].
+    pub fn post_recv(&self, wr_id: u64, n: usize) -> Result<()> {
         // SAFETY: all-zero is a valid ibv_recv_wr (no SGEs, no next).
-        let mut wr: sys::ibv_recv_wr = unsafe { MaybeUninit::zeroed().assume_init() };
-        wr.wr_id = wr_id;
-        let mut bad = std::ptr::null_mut();
-        // SAFETY: wr lives for the call; the QP is live.
-        let rc = unsafe { sys::ibv_post_recv(self.raw, &mut wr, &mut bad) };
-        if rc != 0 {
-            return Err(Error::verbs("ibv_post_recv", rc, &format!("QP {:#x}", self.qpn)));
+        let mut chain: [sys::ibv_recv_wr; RECV_CHAIN] =
+            unsafe { MaybeUninit::zeroed().assume_init() };
+        let mut left = n;
+        while left > 0 {
+            let len = left.min(RECV_CHAIN);
+            let base = chain.as_mut_ptr();
+            for i in 0..len {
+                // SAFETY: i < len <= RECV_CHAIN, inside the array; only `base` reaches it here.
+                let wr = unsafe { &mut *base.add(i) };
+                wr.wr_id = wr_id;
+                // The next entry (inside the array: i + 1 < len), or the chain's end.
+                wr.next = if i + 1 < len { base.wrapping_add(i + 1) } else { std::ptr::null_mut() };
+            }
+            let mut bad = std::ptr::null_mut();
+            // SAFETY: the first `len` entries are initialised and linked, and live for the call;
+            // the QP is live.
+            let rc = unsafe { sys::ibv_post_recv(self.raw, base, &mut bad) };
+            if rc != 0 {
+                return Err(Error::verbs("ibv_post_recv", rc, &format!("QP {:#x}", self.qpn)));
+            }
+            left -= len;
         }
         Ok(())
     }

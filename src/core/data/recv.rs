@@ -487,15 +487,18 @@ impl RecvCore {
         &mut self.journal
     }
 
-    /// Posts receive WQEs until every live lane holds [`recv_pool`].
+    /// Tops up every live lane whose pool fell under [`recv_pool`] to [`RECV_BATCH`] - 1 more
+    /// than that, in one post: a lane holds at least its pool whenever a CTS goes out (this
+    /// runs first), and posts once per [`RECV_BATCH`] messages it carries.
     pub(super) fn refill(&mut self, io: &mut impl Post) -> Result<()> {
         let want = recv_pool(self.p.nqps);
         let open = self.alive | self.proving;
         for (q, n) in self.pool.iter_mut().enumerate() {
-            while open & (1 << q) != 0 && *n < want {
+            if open & (1 << q) != 0 && *n < want {
                 let id = tagged(wr_id(WR_RECV, q, 0), self.health.life[q]);
-                io.recv(q, id).map_err(|e| self.health.post_failed(e))?;
-                *n += 1;
+                let more = want + RECV_BATCH - 1 - *n;
+                io.recv(q, id, more).map_err(|e| self.health.post_failed(e))?;
+                *n += more;
             }
         }
         Ok(())

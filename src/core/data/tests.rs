@@ -223,6 +223,8 @@ struct Wire {
     wrapped: u64,
     /// Writes of the receiver's ack word.
     acks: u64,
+    /// Calls that posted receive WQEs.
+    recv_posts: u64,
     /// Deliver every write-with-immediate a second time on another lane; how many were.
     duplicates: bool,
     dups: u64,
@@ -277,6 +279,7 @@ impl Wire {
             batches: 0,
             wrapped: 0,
             acks: 0,
+            recv_posts: 0,
             duplicates: false,
             dups: 0,
             black_hole: vec![None; nqps + 1],
@@ -707,15 +710,18 @@ impl Post for Io<'_> {
         }
         Ok(())
     }
-    fn recv(&mut self, qp: usize, wr_id: u64) -> Result<()> {
+    fn recv(&mut self, qp: usize, wr_id: u64, n: usize) -> Result<()> {
         let mut w = self.wire.borrow_mut();
         if w.posts_fail {
             return Err(Error::verbs("ibv_post_recv", ENOMEM, "sim"));
         }
-        if w.broken || w.failed[self.side][qp] {
-            w.cq[self.side].push_back(Completion { wr_id, status: 5, ..Default::default() });
-        } else {
-            w.rq[self.side][qp].push_back(wr_id);
+        w.recv_posts += 1;
+        for _ in 0..n {
+            if w.broken || w.failed[self.side][qp] {
+                w.cq[self.side].push_back(Completion { wr_id, status: 5, ..Default::default() });
+            } else {
+                w.rq[self.side][qp].push_back(wr_id);
+            }
         }
         Ok(())
     }
@@ -2986,7 +2992,8 @@ fn the_receiver_serves_a_repair_request_and_counts_nothing_it_dropped() {
     assert_eq!(wire.borrow().renewed[1], 1);
     assert_eq!(receiver.ctl, 1, "the CTS rows move off the rebuilt lane");
     assert!(kinds(&wire, 0).is_empty(), "the fence flushed the probe");
-    assert_eq!(wire.borrow().rq[1][0].len(), recv_pool(2), "the lane's receives again");
+    let full = recv_pool(2) + RECV_BATCH - 1;
+    assert_eq!(wire.borrow().rq[1][0].len(), full, "the lane's receives again");
     assert!(kinds(&wire, 1).contains(&WR_MAIL), "the answer, on lane 1");
     // Served once: the same word read again changes nothing.
     receiver.idle(ms(203), None, &mut rio, &rstage, &rsizes).unwrap();
@@ -3111,6 +3118,38 @@ fn optional_receives_flow_with_acks_and_a_bounded_cts_queue() {
     // last row that landed, what a fence's receipts report.
     let acks = pair.wire.borrow().acks;
     assert_eq!(acks, n as u64, "acks for {n} optional messages");
+}
+
+/// Receives are topped up in batches: the lane holds at least its pool every time a CTS row
+/// goes out (an `irecv` refills first), and the receiver calls into the provider once per
+/// [`RECV_BATCH`] messages, not once per message.
+#[test]
+fn receive_wqes_are_posted_in_batches_and_the_pool_never_runs_short() {
+    let pair = Pair::new(64 << 10);
+    let Ends { mut sender, mut receiver, mut sio, mut rio, fifo, sstage, rstage, rsizes } =
+        pair.ends(one_qp(Path::default()));
+    let n = 20 * RECV_BATCH;
+    for i in 0..n {
+        let addr = RECV_DATA + 1024 * (i % 64) as u64;
+        let b = Buf { addr, size: 64, lkeys: keys(12), rkeys: keys(12), host: true };
+        let id = receiver.irecv(&rstage, &rsizes, &mut rio, &[(b, 0)], false).unwrap().unwrap();
+        let held = pair.wire.borrow().rq[1][0].len();
+        assert!(held >= recv_pool(1), "message {i}: {held} receives behind its CTS");
+        assert!(held < recv_pool(1) + RECV_BATCH, "message {i}: {held} receives posted");
+        pair.drain(1, 0);
+        let b = Buf { addr: SEND_DATA, size: 64, lkeys: keys(11), rkeys: keys(11), host: true };
+        let sid = sender.isend(&fifo, &sstage, &mut sio, b, 0).unwrap().unwrap();
+        pair.drain(0, 0);
+        poll(&pair.wire, 0, |c| sender.complete(c));
+        assert_eq!(sender.test(sid).unwrap(), Some(64));
+        poll(&pair.wire, 1, |c| receiver.complete(c, &rsizes));
+        receiver.after_poll(Duration::ZERO, &mut rio, &rstage, &rsizes).unwrap();
+        assert!(receiver.test(id, &mut [0; MAX_RECVS]).unwrap().is_some(), "message {i}");
+    }
+    // The first fill, then one post per batch consumed (the last batch's waits for the next
+    // receive: nothing is waited for meanwhile).
+    let posts = pair.wire.borrow().recv_posts;
+    assert_eq!(posts, (n / RECV_BATCH) as u64, "posts of receives for {n} messages");
 }
 
 /// A large message on a slow link completes no work request for longer than the progress

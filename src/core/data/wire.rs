@@ -122,6 +122,16 @@ pub fn recv_pool(nqps: usize) -> usize {
     2 * SLOTS * nqps.clamp(1, 4)
 }
 
+/// Receive WQEs a lane's pool is topped up by at once: it holds between [`recv_pool`] and this
+/// many more, and a refill posts them as one chain (one call into the provider per this many
+/// messages on the lane, not one per message).
+pub const RECV_BATCH: usize = 16;
+
+/// The receive queue a lane needs: its pool, topped up by up to [`RECV_BATCH`].
+pub fn recv_queue(nqps: usize) -> usize {
+    recv_pool(nqps) + RECV_BATCH
+}
+
 /// `wr_id` = kind << 32 | lane << 8 | slot.
 pub const WR_SEND: u64 = 1 << 32;
 

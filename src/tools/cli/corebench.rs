@@ -97,8 +97,8 @@ impl Post for Loopback<'_> {
         }
         Ok(())
     }
-    fn recv(&mut self, _qp: usize, wr_id: u64) -> ferroce::error::Result<()> {
-        self.rq.borrow_mut().push_back(wr_id);
+    fn recv(&mut self, _qp: usize, wr_id: u64, n: usize) -> ferroce::error::Result<()> {
+        self.rq.borrow_mut().extend(std::iter::repeat_n(wr_id, n));
         Ok(())
     }
     fn fresh(&mut self, qp: usize) -> ferroce::error::Result<u32> {
