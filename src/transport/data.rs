@@ -434,10 +434,11 @@ pub fn needs_flush(net: &Net, devs: &[usize]) -> bool {
     devs.iter().any(|&d| net.devices[d].gdr.flush)
 }
 
-/// One CQ per member port, each with room for `per_lane` entries of each lane on it (and one
-/// lane more, for a repair's flush) plus `extra`: every work request that can be outstanding
-/// on it, so that it never overflows. Soft-RoCE rounds `n + 1` up to a power of two: the
-/// queue depths above keep a comm of 2 lanes at 255 (send) and 511 (receive) entries.
+/// One CQ per member port, each with room for `per_lane` entries of each lane on it (and, where
+/// the comm has several lanes, one lane more, for a repair's flush: a single lane is never
+/// repaired, its failure fails the comm) plus `extra`: every work request that can be
+/// outstanding on it, so that it never overflows. Soft-RoCE rounds `n + 1` up to a power of
+/// two.
 fn port_cqs(
     net: &Net,
     devs: &[usize],
@@ -447,8 +448,8 @@ fn port_cqs(
 ) -> Result<Vec<Arc<Cq>>> {
     let n = devs.len();
     let cq = |(m, &dev): (usize, &usize)| {
-        let lanes = (0..nqps).filter(|&q| port_of(q, n) == m).count();
-        Cq::new(&net.devices[dev].ctx, ((lanes + 1) * per_lane + extra).min(32767) as i32)
+        let lanes = (0..nqps).filter(|&q| port_of(q, n) == m).count() + usize::from(nqps > 1);
+        Cq::new(&net.devices[dev].ctx, (lanes * per_lane + extra).min(32767) as i32)
     };
     devs.iter().enumerate().map(cq).collect()
 }
