@@ -228,15 +228,17 @@ impl Qp {
                 }
                 flags |= sys::ibv_send_flags::IBV_SEND_INLINE.0;
             }
-            let next = if i + 1 < wrs.len() {
-                // SAFETY: i + 1 < MAX_CHAIN; the pointer is only stored, written next round.
-                unsafe { base.add(i + 1) }
-            } else {
-                std::ptr::null_mut()
+            // The next entry (inside the array: i + 1 < wrs.len() <= MAX_CHAIN), or the end.
+            let next =
+                if i + 1 < wrs.len() { base.wrapping_add(i + 1) } else { std::ptr::null_mut() };
+            // SAFETY: i < MAX_CHAIN: inside the array, which is reached only through `base`
+            // from here on (so the pointers the provider follows stay valid); all-zero is a
+            // valid ibv_send_wr, and every field the provider reads for an RDMA write or read
+            // is set right after, in place.
+            let c = unsafe {
+                base.add(i).write(MaybeUninit::zeroed().assume_init());
+                &mut *base.add(i)
             };
-            // SAFETY: all-zero is a valid ibv_send_wr; every field the provider reads for an
-            // RDMA write/read is set right after, in place.
-            let c = chain[i].write(unsafe { MaybeUninit::zeroed().assume_init() });
             c.wr_id = w.wr_id;
             c.next = next;
             c.sg_list = sg_list;

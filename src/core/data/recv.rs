@@ -488,8 +488,9 @@ impl RecvCore {
     }
 
     /// Tops up every live lane whose pool fell under [`recv_pool`] to [`RECV_BATCH`] - 1 more
-    /// than that, in one post: a lane holds at least its pool whenever a CTS goes out (this
-    /// runs first), and posts once per [`RECV_BATCH`] messages it carries.
+    /// than that: a lane holds at least its pool whenever a CTS goes out (this runs first),
+    /// and posts once per [`RECV_BATCH`] messages it carries (one chain of 16; a first fill,
+    /// or a rebuilt lane's, goes in several).
     pub(super) fn refill(&mut self, io: &mut impl Post) -> Result<()> {
         let want = recv_pool(self.p.nqps);
         let open = self.alive | self.proving;
