@@ -130,8 +130,8 @@ pub trait Words {
 /// Where the core's work requests go: QP `qp` of the comm (index `nqps` is the flush QP).
 pub trait Post {
     fn send(&mut self, qp: usize, wrs: &[SendWr]) -> Result<()>;
-    /// Posts `n` receive WQEs of id `wr_id` on QP `qp`, in as few calls as the provider takes
-    /// (chains of up to 16).
+    /// Posts `n` receive WQEs of id `wr_id` on QP `qp`, in chains of up to
+    /// [`MAX_CHAIN`].
     fn recv(&mut self, qp: usize, wr_id: u64, n: usize) -> Result<()>;
     /// A precise monotonic clock, read only where placement needs it (see
     /// [`SendCore::stamp`]); without one, placement sees no time pass.

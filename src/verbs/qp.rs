@@ -13,9 +13,6 @@ use super::pd::Pd;
 use crate::error::{Error, Result};
 use crate::wr::{MAX_CHAIN, Op, SendWr};
 
-/// Receive work requests posted in one call at most (a lane tops its pool up by 16 at a time).
-pub const RECV_CHAIN: usize = 16;
-
 pub struct Qp {
     raw: *mut sys::ibv_qp,
     qpn: u32,
@@ -262,17 +259,17 @@ impl Qp {
     }
 
     /// Posts `n` receives of id `wr_id` with no buffer (each only absorbs an RDMA write with
-    /// immediate), as chains of up to [`RECV_CHAIN`].
+    /// immediate), as chains of up to [`MAX_CHAIN`].
     pub fn post_recv(&self, wr_id: u64, n: usize) -> Result<()> {
         // SAFETY: all-zero is a valid ibv_recv_wr (no SGEs, no next).
-        let mut chain: [sys::ibv_recv_wr; RECV_CHAIN] =
+        let mut chain: [sys::ibv_recv_wr; MAX_CHAIN] =
             unsafe { MaybeUninit::zeroed().assume_init() };
         let mut left = n;
         while left > 0 {
-            let len = left.min(RECV_CHAIN);
+            let len = left.min(MAX_CHAIN);
             let base = chain.as_mut_ptr();
             for i in 0..len {
-                // SAFETY: i < len <= RECV_CHAIN, inside the array; only `base` reaches it here.
+                // SAFETY: i < len <= MAX_CHAIN, inside the array; only `base` reaches it here.
                 let wr = unsafe { &mut *base.add(i) };
                 wr.wr_id = wr_id;
                 // The next entry (inside the array: i + 1 < len), or the chain's end.

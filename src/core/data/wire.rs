@@ -125,7 +125,7 @@ pub fn recv_pool(nqps: usize) -> usize {
 /// Receive WQEs a lane's pool is topped up by at once: it holds between [`recv_pool`] and this
 /// many more, and a refill posts them as one chain (one call into the provider per this many
 /// messages on the lane, not one per message).
-pub const RECV_BATCH: usize = 16;
+pub const RECV_BATCH: usize = crate::wr::MAX_CHAIN;
 
 /// The receive queue a lane needs: its pool, topped up by up to [`RECV_BATCH`].
 pub fn recv_queue(nqps: usize) -> usize {
