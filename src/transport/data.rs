@@ -149,6 +149,23 @@ struct Port {
     seen_up: u64,
     /// Its link was down at the last look.
     seen_down: bool,
+    /// The device's count of news (a port down or back, a queue's error) last seen.
+    seen_news: u64,
+}
+
+/// Whether any of `ports`' devices has news since the last look ([`DeviceFlags::news`]): only
+/// then are their port states and the comm's alarms read, so that a poll that finds nothing
+/// touches only its CQs, the clock and one word per port.
+///
+/// [`DeviceFlags::news`]: crate::transport::device::DeviceFlags::news
+fn news(net: &Net, ports: &mut [Port]) -> bool {
+    let mut any = false;
+    for p in ports {
+        let n = net.devices[p.dev].flags.news.load(Ordering::Acquire);
+        any |= n != p.seen_news;
+        p.seen_news = n;
+    }
+    any
 }
 
 /// Tells `set` which of `ports`' links are down (by name, and as bits by member index), when
@@ -341,17 +358,22 @@ impl Drain for RecvDrain<'_> {
 /// The one progress loop: drains each member port's CQ in batches into the core, then lets
 /// it check its watchdog (against the coarse clock: a precise read costs microseconds under
 /// emulation), the devices' health and the comm's async alarms once per [`IDLE_EVERY`]
-/// (`idle_at`: when next), or sooner when an alarm or a failed poll says so; in between, a
-/// poll that found completions runs what they make possible. Every failure here is local and
-/// fails the comm for good. `Ok(false)`: the poll found nothing, and nothing ran (so nothing
-/// is left to report or log).
-fn progress(side: &mut impl Drain, io: &mut Qps, idle_at: &mut Duration) -> Result<bool> {
+/// (`idle_at`: when next), or sooner when the devices have `news`, or a failed poll says so;
+/// in between, a poll that found completions runs what they make possible. Every failure here
+/// is local and fails the comm for good. `Ok(false)`: the poll found nothing, and nothing ran
+/// (so nothing is left to report or log).
+fn progress(
+    side: &mut impl Drain,
+    io: &mut Qps,
+    idle_at: &mut Duration,
+    news: bool,
+) -> Result<bool> {
     let n = io.ports.len();
     // Queue pairs the async-event thread saw fail: a lane's failure each, while another
     // lives (taken before the poll, ahead of most of their flushed work). A queue pair number
     // is only unique on its device: the lanes of that port are searched.
     let mut lost = None;
-    for (m, port) in io.ports.iter().enumerate() {
+    for (m, port) in io.ports.iter().enumerate().filter(|_| news) {
         while let Some((qpn, why)) = port.watch.alarm.lanes.pop() {
             let mine = |l: &usize| port_of(*l, n) == m && io.qps[*l].qpn() == qpn;
             let lane = (0..io.qps.len()).find(mine);
@@ -380,7 +402,7 @@ fn progress(side: &mut impl Drain, io: &mut Qps, idle_at: &mut Duration) -> Resu
         }
     }
     let now = crate::os::coarse_now();
-    if polled.is_none() && lost.is_none() && now < *idle_at {
+    if polled.is_none() && !news && now < *idle_at {
         if any {
             side.after_poll(now, io)?;
         } else {
@@ -501,7 +523,7 @@ fn ports(
         let flags = &net.devices[devs[m]].flags;
         let watch = flags.watch(comm.to_string(), queues);
         let seen_up = flags.port_up.load(Ordering::Acquire);
-        Port { dev: devs[m], cq, watch, seen_up, seen_down: false }
+        Port { dev: devs[m], cq, watch, seen_up, seen_down: false, seen_news: 0 }
     };
     cqs.into_iter().enumerate().map(port).collect()
 }
@@ -618,7 +640,14 @@ impl Lanes {
 
     /// Turns what the core journaled into profiler events (the core journals nothing without
     /// a profiler, so then this is one branch); `ports`: how many member ports the comm spans.
+    #[inline]
     fn report(&mut self, journal: &mut Vec<Posted>) {
+        if self.events.is_some() {
+            self.report_to_profiler(journal);
+        }
+    }
+
+    fn report_to_profiler(&mut self, journal: &mut Vec<Posted>) {
         let ports = self.devs.len();
         let Some(ev) = &mut self.events else { return };
         for p in journal.drain(..) {
@@ -776,20 +805,23 @@ impl SendComm {
     }
 
     pub fn progress(&mut self) -> Result<()> {
-        // A port that came back: its lanes are repaired now (port recovery).
-        for (m, p) in self.lanes.ports.iter_mut().enumerate() {
-            let up = self.lanes.net.devices[p.dev].flags.port_up.load(Ordering::Acquire);
-            if up != p.seen_up {
-                p.seen_up = up;
-                self.core.port_up(m);
+        let news = news(&self.lanes.net, &mut self.lanes.ports);
+        if news {
+            // A port that came back: its lanes are repaired now (port recovery).
+            for (m, p) in self.lanes.ports.iter_mut().enumerate() {
+                let up = self.lanes.net.devices[p.dev].flags.port_up.load(Ordering::Acquire);
+                if up != p.seen_up {
+                    p.seen_up = up;
+                    self.core.port_up(m);
+                }
             }
+            let ports = &mut self.lanes.ports;
+            links_down(&self.lanes.net, ports, |down, bits| self.core.links_down(down, bits));
         }
-        let ports = &mut self.lanes.ports;
-        links_down(&self.lanes.net, ports, |down, bits| self.core.links_down(down, bits));
         let mut io = qps!(self, &[]);
         let mut side =
             SendDrain { core: &mut self.core, stage: &self.sizes_stage, fifo: &self.fifo };
-        let r = progress(&mut side, &mut io, &mut self.lanes.idle_at);
+        let r = progress(&mut side, &mut io, &mut self.lanes.idle_at, news);
         if let Ok(false) = r {
             return Ok(());
         }
@@ -964,12 +996,15 @@ impl RecvComm {
     }
 
     pub fn progress(&mut self) -> Result<()> {
-        let ports = &mut self.lanes.ports;
-        links_down(&self.lanes.net, ports, |down, bits| self.core.links_down(down, bits));
+        let news = news(&self.lanes.net, &mut self.lanes.ports);
+        if news {
+            let ports = &mut self.lanes.ports;
+            links_down(&self.lanes.net, ports, |down, bits| self.core.links_down(down, bits));
+        }
         let mut side =
             RecvDrain { core: &mut self.core, stage: &self.cts_stage, sizes: &self.sizes };
         let mut io = qps!(self, &self.flushers);
-        let r = progress(&mut side, &mut io, &mut self.lanes.idle_at);
+        let r = progress(&mut side, &mut io, &mut self.lanes.idle_at, news);
         if let Ok(false) = r {
             return Ok(());
         }

@@ -82,6 +82,11 @@ pub struct DeviceFlags {
     pub port_up: AtomicU64,
     /// The port went down (`IBV_EVENT_PORT_ERR`) and has not come back.
     pub port_down: AtomicBool,
+    /// Counts what a comm's progress loop must see at once: the port going down or coming
+    /// back, and a comm's queue failing (its alarm raised). Bumped after the change, so a
+    /// loop that sees a new count sees the change; until the count moves, a loop reads none
+    /// of them.
+    pub news: AtomicU64,
     /// The device reported `IBV_EVENT_DEVICE_FATAL`, or its event fd broke: every later call
     /// fails.
     pub fatal: AtomicBool,
@@ -178,6 +183,7 @@ impl DeviceFlags {
         if let Some(why) = whole {
             let _ = alarm.raised.set(why);
         }
+        self.news.fetch_add(1, Ordering::AcqRel);
         Some(alarm.comm.clone())
     }
 
@@ -688,7 +694,10 @@ mod tests {
         let a = flags.watch("send comm to a".into(), vec![Queue::Qp(7), Queue::Cq(0x1000)]);
         let b = flags.watch("receive comm from b".into(), vec![Queue::Qp(8)]);
         assert_eq!(flags.raise(Queue::Qp(9), "x".into()), None, "no comm owns QP 9");
+        assert_eq!(flags.news.load(Ordering::Acquire), 0, "nobody's error is no comm's news");
         assert_eq!(flags.raise(Queue::Cq(0x1000), "CQ_ERR".into()).unwrap(), "send comm to a");
+        // The comms' progress loops read their alarms only once the news count moves.
+        assert_eq!(flags.news.load(Ordering::Acquire), 1);
         assert_eq!(a.alarm.raised.get().unwrap(), "CQ_ERR");
         assert!(b.alarm.raised.get().is_none(), "only the owner is failed");
         // A queue pair's error is a lane's, for the comm to take; the first cause is kept.

@@ -138,6 +138,7 @@ fn handle_event(ports: &[Watched], ev: verbs::AsyncEvent) {
         PortError(p) => {
             for (_, name, flags) in on_port(p) {
                 flags.port_down.store(true, Ordering::Release);
+                flags.news.fetch_add(1, Ordering::AcqRel);
                 log::warn!(
                     "{name}: port went down (IBV_EVENT_PORT_ERR); check the link with `rdma link show`"
                 );
@@ -148,6 +149,7 @@ fn handle_event(ports: &[Watched], ev: verbs::AsyncEvent) {
                 log::info!("{name}: port is ACTIVE again; its failed lanes are tried again");
                 flags.port_down.store(false, Ordering::Release);
                 flags.port_up.fetch_add(1, Ordering::AcqRel);
+                flags.news.fetch_add(1, Ordering::AcqRel);
             }
         }
         DeviceFatal => {

@@ -7,10 +7,16 @@ use super::*;
 
 impl SendCore {
     /// Sends again, on live lanes, the chunks whose lane failed; those that do not fit wait.
+    /// Inlined: most calls find nothing to send again (a call costs about 20 instructions).
+    #[inline]
     pub(super) fn resend(&mut self, stage: &impl Words, io: &mut impl Post) -> Result<()> {
         if self.resend.is_empty() {
             return Ok(());
         }
+        self.resend_queued(stage, io)
+    }
+
+    fn resend_queued(&mut self, stage: &impl Words, io: &mut impl Post) -> Result<()> {
         let at = self.timestamp(io, true);
         while let Some(&(slot, c)) = self.resend.front() {
             if self.slots[slot].pending & (1 << c) == 0 {

@@ -24,6 +24,7 @@ pub enum Fault {
 }
 
 impl Fault {
+    #[cold]
     pub fn error(&self) -> Error {
         match self {
             Fault::Local(m) => Error::Local(m.clone()),
@@ -257,6 +258,7 @@ impl Health {
 }
 
 impl Health {
+    #[inline]
     pub(super) fn check(&self) -> Result<()> {
         self.fatal.as_ref().map_or(Ok(()), |f| Err(f.error()))
     }

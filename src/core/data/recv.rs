@@ -75,6 +75,9 @@ pub struct RecvCore {
     pub(super) chain: Box<[SendWr; MAX_CHAIN]>,
     /// Receive WQEs posted on each lane and not yet used.
     pub(super) pool: Vec<usize>,
+    /// The lanes whose pool is under [`recv_pool`]: what [`Self::refill`] tops up (a bit per
+    /// lane, so that the refill before each CTS and after each poll costs one test).
+    pub(super) short: u128,
     /// Warnings for the log not yet taken: each lane that failed.
     pub(super) warnings: VecDeque<Line>,
     pub(super) health: Health,
@@ -111,6 +114,7 @@ impl RecvCore {
             acked: std::cell::Cell::new(0),
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
             pool: vec![0; p.nqps],
+            short: lanes_mask(p.nqps),
             warnings: VecDeque::new(),
             journal: Vec::new(),
             health,
@@ -157,6 +161,7 @@ impl RecvCore {
         sizes.load(ACK_WORD).min(self.head)
     }
 
+    #[inline]
     pub fn check(&self) -> Result<()> {
         self.health.check()
     }
@@ -464,6 +469,7 @@ impl RecvCore {
         self.health.life[lane] = self.health.life[lane].wrapping_add(1);
         self.sq[lane] = SqCount::new(RECV_SEND_QUEUE);
         self.pool[lane] = 0;
+        self.short |= bit;
         if self.alive & (1 << self.ctl) == 0 {
             self.alive |= bit; // no other lane to carry the rows
             self.ctl = lane;
@@ -492,15 +498,19 @@ impl RecvCore {
     /// and posts once per [`RECV_BATCH`] messages it carries (one chain of 16; a first fill,
     /// or a rebuilt lane's, goes in several).
     pub(super) fn refill(&mut self, io: &mut impl Post) -> Result<()> {
+        let todo = self.short & (self.alive | self.proving);
+        if todo == 0 {
+            return Ok(());
+        }
         let want = recv_pool(self.p.nqps);
-        let open = self.alive | self.proving;
-        for (q, n) in self.pool.iter_mut().enumerate() {
-            if open & (1 << q) != 0 && *n < want {
+        for (q, n) in self.pool.iter_mut().enumerate().filter(|(q, _)| todo & (1 << q) != 0) {
+            if *n < want {
                 let id = tagged(wr_id(WR_RECV, q, 0), self.health.life[q]);
                 let more = want + RECV_BATCH - 1 - *n;
                 io.recv(q, id, more).map_err(|e| self.health.post_failed(e))?;
                 *n += more;
             }
+            self.short &= !(1 << q);
         }
         Ok(())
     }
@@ -623,6 +633,9 @@ impl RecvCore {
             // A WQE of the lane's pool came back, landed or flushed: a fenced lane is drained
             // once none is left.
             self.pool[lane] = self.pool[lane].saturating_sub(1);
+            if self.pool[lane] < recv_pool(self.p.nqps) {
+                self.short |= 1 << lane;
+            }
         }
         if c.status != 0 && kind != WR_FLUSH && self.lane_failed(lane, c, sizes) {
             return;

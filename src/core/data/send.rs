@@ -462,6 +462,7 @@ impl SendCore {
         lane_part(size, true, full.count_ones() as usize, before)
     }
 
+    #[inline]
     pub fn check(&self) -> Result<()> {
         self.health.check()
     }
