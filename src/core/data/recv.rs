@@ -483,6 +483,7 @@ impl RecvCore {
 
     /// A line for the log: each lane whose path failed our CTS rows or probes, or that the
     /// sender had rebuilt.
+    #[inline]
     pub fn take_line(&mut self) -> Option<Line> {
         self.warnings.pop_front()
     }

@@ -324,6 +324,7 @@ impl SendCore {
     }
 
     /// A line for the log: the first truncated send, each lane that failed or came back.
+    #[inline]
     pub fn take_line(&mut self) -> Option<Line> {
         self.warnings.pop_front()
     }
@@ -373,6 +374,7 @@ impl SendCore {
     /// the comm waits for is signaled (an unsignaled one that fails is followed by a signaled
     /// one that flushes), so an `isend` that waits for the peer's CTS with nothing in flight
     /// skips the poll.
+    #[inline]
     pub fn nothing_posted(&self) -> bool {
         self.sq.iter().all(|c| c.signaled.is_empty())
     }
