@@ -497,9 +497,12 @@ pub(super) unsafe extern "C" fn irecv(
                 ph[i] = unsafe { *phandles.add(i) } as usize;
             }
         }
-        // SAFETY: the loop wrote the first `count` entries (a failed lookup returned), and
-        // `(Buf, c_int)` is `Copy`: nothing is dropped.
-        let bufs = unsafe { std::slice::from_raw_parts(bufs.as_ptr().cast(), count) };
+        let written = &bufs[..count];
+        // SAFETY: `written` is the first `count` (1..=MAX_RECVS, checked above) entries, each
+        // written by the loop (a failed lookup returned first); `MaybeUninit<T>` has `T`'s
+        // layout, and `(Buf, c_int)` is `Copy`: nothing is dropped.
+        let bufs =
+            unsafe { &*(written as *const [MaybeUninit<(Buf, c_int)>] as *const [(Buf, c_int)]) };
         c.irecv(bufs, optional, &ph[..count])
     };
     // SAFETY: recv_comm came from accept and is not closed; the slot is as above.

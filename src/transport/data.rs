@@ -355,11 +355,12 @@ impl Drain for RecvDrain<'_> {
     }
 }
 
-/// The one progress loop: drains each member port's CQ in batches into the core, then lets
-/// it check its watchdog (against the coarse clock: a precise read costs microseconds under
-/// emulation), the devices' health and the comm's async alarms once per [`IDLE_EVERY`]
-/// (`idle_at`: when next), or sooner when the devices have `news`, or a failed poll says so;
-/// in between, a poll that found completions runs what they make possible. Every failure here
+/// The one progress loop: takes the lane errors the async-event thread queued (only when the
+/// devices have `news`), drains each member port's CQ in batches into the core, then lets it
+/// check its watchdog (against the coarse clock: a precise read costs microseconds under
+/// emulation), the devices' health and the comm's whole-comm alarm once per [`IDLE_EVERY`]
+/// (`idle_at`: when next), or at once on `news` or a failed poll; in between, a poll that
+/// found completions runs what they make possible. Every failure here
 /// is local and fails the comm for good. `Ok(false)`: the poll found nothing, and nothing ran
 /// (so nothing is left to report or log).
 fn progress(

@@ -83,9 +83,10 @@ pub struct DeviceFlags {
     /// The port went down (`IBV_EVENT_PORT_ERR`) and has not come back.
     pub port_down: AtomicBool,
     /// Counts what a comm's progress loop must see at once: the port going down or coming
-    /// back, and a comm's queue failing (its alarm raised). Bumped after the change, so a
-    /// loop that sees a new count sees the change; until the count moves, a loop reads none
-    /// of them.
+    /// back, a comm's queue failing (its alarm raised), the device failing. Bumped after the
+    /// change, so a loop that sees a new count sees the change; until the count moves, a loop
+    /// reads none of them (the idle run, once per `IDLE_EVERY`, still checks the device and
+    /// the comm's whole-comm alarm).
     pub news: AtomicU64,
     /// The device reported `IBV_EVENT_DEVICE_FATAL`, or its event fd broke: every later call
     /// fails.
@@ -191,6 +192,7 @@ impl DeviceFlags {
     pub fn set_fatal(&self, why: String) {
         let _ = self.fatal_why.set(why);
         self.fatal.store(true, Ordering::Release);
+        self.news.fetch_add(1, Ordering::AcqRel);
     }
 }
 

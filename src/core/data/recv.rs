@@ -499,6 +499,13 @@ impl RecvCore {
     /// and posts once per [`RECV_BATCH`] messages it carries (one chain of 16; a first fill,
     /// or a rebuilt lane's, goes in several).
     pub(super) fn refill(&mut self, io: &mut impl Post) -> Result<()> {
+        let low = |(q, &n): (usize, &usize)| n < recv_pool(self.p.nqps) && self.short & 1 << q == 0;
+        debug_assert!(
+            !self.pool.iter().enumerate().any(low),
+            "a lane's pool ran low without its bit in `short`: {:?} {:#x}",
+            self.pool,
+            self.short
+        );
         let todo = self.short & (self.alive | self.proving);
         if todo == 0 {
             return Ok(());

@@ -118,6 +118,7 @@ pub(super) const IMM_MAX_SIZE: u64 = (IMM_SIZES >> IMM_SIZE_SHIFT) as u64 - 1;
 /// chunk that landed before its ACK was lost lands twice. Twice a slot's chunks on each lane
 /// covers every lane but one failing, for up to 4 lanes; beyond 4, as long as a quarter of the
 /// lanes live. The receiver tops the pools up before every CTS and after every poll.
+#[inline]
 pub fn recv_pool(nqps: usize) -> usize {
     2 * SLOTS * nqps.clamp(1, 4)
 }
