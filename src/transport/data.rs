@@ -360,9 +360,9 @@ impl Drain for RecvDrain<'_> {
 /// check its watchdog (against the coarse clock: a precise read costs microseconds under
 /// emulation), the devices' health and the comm's whole-comm alarm once per [`IDLE_EVERY`]
 /// (`idle_at`: when next), or at once on `news` or a failed poll; in between, a poll that
-/// found completions runs what they make possible. Every failure here
-/// is local and fails the comm for good. `Ok(false)`: the poll found nothing, and nothing ran
-/// (so nothing is left to report or log).
+/// found completions runs what they make possible. Every failure here is local and fails the
+/// comm for good. `Ok(false)`: the poll found nothing, and nothing ran (so nothing is left to
+/// report or log).
 fn progress(
     side: &mut impl Drain,
     io: &mut Qps,
@@ -372,9 +372,11 @@ fn progress(
     let n = io.ports.len();
     // Queue pairs the async-event thread saw fail: a lane's failure each, while another
     // lives (taken before the poll, ahead of most of their flushed work). A queue pair number
-    // is only unique on its device: the lanes of that port are searched.
+    // is only unique on its device: the lanes of that port are searched. The thread bumps the
+    // news count after it queues one, so without news there is none to take.
     let mut lost = None;
-    for (m, port) in io.ports.iter().enumerate().filter(|_| news) {
+    let queued: &[Port] = if news { io.ports } else { &[] };
+    for (m, port) in queued.iter().enumerate() {
         while let Some((qpn, why)) = port.watch.alarm.lanes.pop() {
             let mine = |l: &usize| port_of(*l, n) == m && io.qps[*l].qpn() == qpn;
             let lane = (0..io.qps.len()).find(mine);
