@@ -121,6 +121,17 @@ pub use wire::*;
 pub trait Words {
     fn load(&self, word: usize) -> u64;
     fn store(&self, word: usize, v: u64);
+    /// Words `word..word + N`, each loaded as [`Self::load`] does, in order. An implementation
+    /// may check the bounds once for all of them (a CTS entry is eight words).
+    fn load_n<const N: usize>(&self, word: usize) -> [u64; N] {
+        std::array::from_fn(|i| self.load(word + i))
+    }
+    /// Stores `v` at words `word..word + N`, each as [`Self::store`] does, in order.
+    fn store_n<const N: usize>(&self, word: usize, v: [u64; N]) {
+        for (i, w) in v.into_iter().enumerate() {
+            self.store(word + i, w);
+        }
+    }
     /// The address of `word`, for a work request.
     fn addr(&self, word: usize) -> u64;
     /// Its local key on member port `member` of the comm.

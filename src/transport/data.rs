@@ -122,6 +122,12 @@ impl Words for RegisteredBuf {
     fn store(&self, word: usize, v: u64) {
         self.store_u64(word * 8, v)
     }
+    fn load_n<const N: usize>(&self, word: usize) -> [u64; N] {
+        RegisteredBuf::load_n(self, word * 8)
+    }
+    fn store_n<const N: usize>(&self, word: usize, v: [u64; N]) {
+        RegisteredBuf::store_n(self, word * 8, v)
+    }
     fn addr(&self, word: usize) -> u64 {
         RegisteredBuf::addr(self, word * 8)
     }

@@ -99,6 +99,27 @@ impl RegisteredBuf {
         unsafe { AtomicU64::from_ptr(self.ptr.add(off).cast::<u64>()) }
     }
 
+    /// The `N` words from `off` (8-byte aligned) as atomics, with one bounds check.
+    fn words<const N: usize>(&self, off: usize) -> &[AtomicU64; N] {
+        assert!(off.is_multiple_of(8) && off + 8 * N <= self.len(), "bad {N}-word offset {off}");
+        // SAFETY: as in `word`, for the N words in bounds (`[AtomicU64; N]` is N aligned words).
+        unsafe { &*self.ptr.add(off).cast::<[AtomicU64; N]>() }
+    }
+
+    /// Reads the `N` words from `off` (8-byte aligned) in order, each as [`Self::load_u64`].
+    pub fn load_n<const N: usize>(&self, off: usize) -> [u64; N] {
+        let w = self.words::<N>(off);
+        std::array::from_fn(|i| w[i].load(Ordering::Acquire))
+    }
+
+    /// Writes `v` at the `N` words from `off` (8-byte aligned) in order, each as
+    /// [`Self::store_u64`].
+    pub fn store_n<const N: usize>(&self, off: usize, v: [u64; N]) {
+        for (w, v) in self.words::<N>(off).iter().zip(v) {
+            w.store(v, Ordering::Release);
+        }
+    }
+
     /// Reads the `u64` at `off` (8-byte aligned), as the NIC last wrote it.
     pub fn load_u64(&self, off: usize) -> u64 {
         self.word(off).load(Ordering::Acquire)

@@ -282,20 +282,37 @@ impl Health {
     /// taken here too.
     pub(super) fn completion(&mut self, c: &Completion) -> bool {
         self.prober.activity += 1;
-        let probe = wr_kind(c.wr_id) == WR_PROBE;
-        if c.status == 0 && wr_kind(c.wr_id) != WR_FLUSH {
-            self.stall.completed(wr_lane(c.wr_id));
+        let (kind, lane) = (wr_kind(c.wr_id), wr_lane(c.wr_id));
+        if c.status != 0 {
+            self.failed(c);
+            return false;
         }
-        if c.status != 0
-            && let Some(e) = self.traffic.errors.get_mut(wr_lane(c.wr_id))
-        {
+        if kind != WR_FLUSH {
+            self.stall.completed(lane);
+        }
+        if kind == WR_PROBE {
+            self.probe_done(lane);
+            return false;
+        }
+        true
+    }
+
+    fn probe_done(&mut self, lane: usize) {
+        self.prober.out &= !(1u128 << (lane % MAX_CHUNKS));
+        self.watchdog.completed(true);
+    }
+
+    /// A failed completion: counted on its lane, and the comm's first failure.
+    #[cold]
+    fn failed(&mut self, c: &Completion) {
+        let probe = wr_kind(c.wr_id) == WR_PROBE;
+        if let Some(e) = self.traffic.errors.get_mut(wr_lane(c.wr_id)) {
             *e += 1;
         }
         if probe {
-            self.prober.out &= !(1u128 << (wr_lane(c.wr_id) % MAX_CHUNKS));
-            self.watchdog.completed(true);
+            self.probe_done(wr_lane(c.wr_id));
         }
-        if c.status != 0 && self.fatal.is_none() {
+        if self.fatal.is_none() {
             let down = self.links_down.as_ref().filter(|_| c.status == LOCAL_QP_ERROR);
             let class = if remote_status(c.status) || down.is_some() {
                 Fault::Remote
@@ -318,7 +335,6 @@ impl Health {
                 hint
             )));
         }
-        c.status == 0 && !probe
     }
 
     /// Posts a zero-length RDMA write to the peer on each of `lanes` (the live ones with room)

@@ -204,10 +204,7 @@ impl RecvCore {
             let nreqs = n as u8;
             let rkeys = b.rkeys;
             let cts = Cts { addr: b.addr, size: b.size, rkeys, tag: *tag, nreqs, optional, idx };
-            let base = entry_word(slot, r);
-            for (i, w) in cts.encode().into_iter().enumerate() {
-                stage.store(base + i, w);
-            }
+            stage.store_n(entry_word(slot, r), cts.encode());
         }
         let posted = std::array::from_fn(|r| bufs.get(r).map_or(0, |b| b.0.size));
         self.slots[slot] = if optional {

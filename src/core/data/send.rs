@@ -609,13 +609,14 @@ impl SendCore {
     /// Work requests chunk `c` of slot `slot` needs for `bufs` (data pieces, then the size
     /// record and the immediate, or the ack).
     pub(super) fn wrs_for(&self, slot: usize, bufs: &[Option<Buf>], split: bool, c: usize) -> u64 {
-        let data: u64 = bufs
-            .iter()
-            .map(|b| {
-                let size = b.map_or(0, |b| b.size);
-                self.part(slot, size, split, c).1.div_ceil(self.p.max_msg)
-            })
-            .sum();
+        let size = |b: &Option<Buf>| b.map_or(0, |b| b.size);
+        let pieces = |len: u64| len.div_ceil(self.p.max_msg);
+        let data: u64 = if split {
+            bufs.iter().map(|b| pieces(self.part(slot, size(b), true, c).1)).sum()
+        } else {
+            // A whole message: each buffer all of it (`part`'s answer, without asking).
+            bufs.iter().map(|b| pieces(size(b))).sum()
+        };
         data + 2
     }
 
@@ -725,7 +726,8 @@ impl SendCore {
         let (mut sizes, mut parts) = ([0; MAX_RECVS], [(0, 0); MAX_RECVS]);
         for (r, b) in s.bufs[..nreqs].iter().enumerate() {
             if let Some(b) = b {
-                (sizes[r], parts[r]) = (b.size, self.part(slot, b.size, split, c));
+                let part = if split { self.part(slot, b.size, true, c) } else { (0, b.size) };
+                (sizes[r], parts[r]) = (b.size, part);
             }
         }
         let size = if optional { None } else { size_in_imm(&sizes[..nreqs]) };
@@ -834,9 +836,10 @@ impl SendCore {
         if s.pending == 0 {
             self.in_flight -= 1;
             self.ll.1 -= usize::from(s.nreqs == 1 && s.row[0].optional);
-            // The row's buffers only: the others are empty already.
-            s.bufs[..usize::from(s.nreqs)].fill(None);
-            for req in &mut self.reqs[slot * MAX_RECVS..(slot + 1) * MAX_RECVS] {
+            // The row's buffers and requests only: the others are empty and free already.
+            let nreqs = usize::from(s.nreqs);
+            s.bufs[..nreqs].fill(None);
+            for req in &mut self.reqs[slot * MAX_RECVS..][..nreqs] {
                 if req.state == State::Pending {
                     req.state = State::Done;
                 }

@@ -328,9 +328,8 @@ impl Cts {
 
     /// The entry at `base` whose last word, read first, was `last`.
     fn read_after(fifo: &impl Words, base: usize, last: u64) -> Cts {
-        Cts::decode(std::array::from_fn(|i| {
-            if i + 1 < ENTRY_WORDS { fifo.load(base + i) } else { last }
-        }))
+        let rest: [u64; ENTRY_WORDS - 1] = fifo.load_n(base);
+        Cts::decode(std::array::from_fn(|i| if i + 1 < ENTRY_WORDS { rest[i] } else { last }))
     }
 
     /// Entry `r` of `slot` once its `idx` is `want` (it has landed), as [`Self::read`] reads
