@@ -240,6 +240,9 @@ impl<'a, 'l> Census<'a, 'l> {
         let rmh = drv.reg_mr(recv, self.dst.as_mut_ptr(), BUF)?;
         let d = self.dst.as_mut_ptr();
         let rreq = until("irecv", BOUND, || drv.irecv(recv, &[d], &[BUF], &[tag], &[rmh], false))?;
+        if cycle % 100 == 0 {
+            outside(drv, send, tag, smh)?;
+        }
         let s = self.src.as_mut_ptr();
         let sreq = until("isend", BOUND, || drv.isend(send, s, size, tag, smh))?;
         let ss = until("test send", BOUND, || drv.test(sreq))?;
@@ -603,6 +606,28 @@ impl Census<'_, '_> {
         }
         Ok(())
     }
+}
+
+/// Sends of 8 bytes below and above the registration `smh`, with a receive posted: each is
+/// refused with a WARN naming the registration (never posted: the addresses are not mapped),
+/// and the comm stays usable. The registration's keys are looked up only once a receive
+/// matches, so `Ok(None)` (its CTS not yet here) is asked again.
+fn outside(drv: &Driver, send: Ptr, tag: i32, smh: Ptr) -> Result<(), String> {
+    for (addr, what) in [(8, "below"), (usize::MAX - 16, "above")] {
+        common::warnings();
+        until("an isend outside its registration", BOUND, || {
+            match drv.isend(send, addr as *mut u8, 8, tag, smh) {
+                Err(_) => Ok(Some(())),
+                Ok(None) => Ok(None),
+                Ok(Some(_)) => Err(format!("an isend {what} its registration was posted")),
+            }
+        })?;
+        let warns = common::warnings();
+        if !warns.iter().any(|w| w.contains("is outside its registration")) {
+            return Err(format!("an isend {what} its registration: no WARN names it: {warns:?}"));
+        }
+    }
+    Ok(())
 }
 
 /// The last finalize names what it ended: the 4 registrations, the listener and the 2 comms.

@@ -94,7 +94,15 @@ pub enum ReqKind {
 /// ports `members` (device indices): it must lie inside the registration on every one.
 pub fn buf_within(h: &MrHandle, members: &[usize], addr: u64, size: u64) -> Result<Buf> {
     let end = addr.checked_add(size).ok_or_else(|| Error::Internal("buffer wraps".into()))?;
-    let mut b = Buf { addr, size, host: h.kind == MemKind::Host, ..Buf::default() };
+    let host = h.kind == MemKind::Host;
+    // The common case, a comm over the devices it was registered on: the keys made then.
+    let same =
+        h.parts.len() == members.len() && h.parts.iter().zip(members).all(|(p, d)| p.dev == *d);
+    if same && (size == 0 || (addr >= h.common.0 && end <= h.common.1)) {
+        let (lkeys, rkeys) = h.keys;
+        return Ok(Buf { addr, size, lkeys, rkeys, host });
+    }
+    let mut b = Buf { addr, size, host, ..Buf::default() };
     for (m, dev) in members.iter().enumerate() {
         let Some(part) = h.parts.iter().find(|p| p.dev == *dev) else {
             return Err(Error::InvalidUsage(format!(

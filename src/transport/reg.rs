@@ -10,12 +10,18 @@ use super::mr_cache::MemKind;
 use super::net::Net;
 use crate::error::{Error, Result};
 use crate::verbs::{self, ForeignMem, Mr};
+use ferroce_core::data::{Keys, MAX_MEMBERS};
 
 /// What `regMr` hands NCCL as `mhandle`: the region's registration on each member port of the
 /// comm it was made on.
 pub struct MrHandle {
     pub kind: MemKind,
     pub parts: Vec<Part>,
+    /// The parts' local and remote keys in part order, and the range all their MRs cover: a
+    /// buffer inside it, on a comm whose member ports are the parts' devices in that order,
+    /// carries these keys (what `buf_within` would find part by part).
+    pub keys: (Keys, Keys),
+    pub common: (u64, u64),
     net: Arc<Net>,
 }
 
@@ -34,11 +40,23 @@ fn on_each(
     kind: MemKind,
     mut one: impl FnMut(usize) -> Result<super::mr_cache::Lease<Arc<Mr>>>,
 ) -> Result<MrHandle> {
-    let mut h = MrHandle { kind, parts: Vec::with_capacity(devs.len()), net: net.clone() };
+    let mut h = MrHandle {
+        kind,
+        parts: Vec::with_capacity(devs.len()),
+        keys: Default::default(),
+        common: (0, u64::MAX),
+        net: net.clone(),
+    };
     for &dev in devs {
         match one(dev) {
             Ok(lease) => {
                 let (mr, start, end) = (lease.reg, lease.start, lease.end);
+                let m = h.parts.len();
+                if m < MAX_MEMBERS {
+                    (h.keys.0[m], h.keys.1[m]) = (mr.lkey, mr.rkey);
+                }
+                let (lo, hi) = h.common;
+                h.common = (lo.max(mr.addr), hi.min(mr.addr.saturating_add(mr.len as u64)));
                 h.parts.push(Part { dev, mr, start, end });
             }
             Err(e) => {

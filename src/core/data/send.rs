@@ -836,10 +836,9 @@ impl SendCore {
         if s.pending == 0 {
             self.in_flight -= 1;
             self.ll.1 -= usize::from(s.nreqs == 1 && s.row[0].optional);
-            // The row's buffers and requests only: the others are empty and free already.
-            let nreqs = usize::from(s.nreqs);
-            s.bufs[..nreqs].fill(None);
-            for req in &mut self.reqs[slot * MAX_RECVS..][..nreqs] {
+            // The row's buffers only: the others are empty already.
+            s.bufs[..usize::from(s.nreqs)].fill(None);
+            for req in &mut self.reqs[slot * MAX_RECVS..(slot + 1) * MAX_RECVS] {
                 if req.state == State::Pending {
                     req.state = State::Done;
                 }
