@@ -240,7 +240,7 @@ impl<'a, 'l> Census<'a, 'l> {
         let rmh = drv.reg_mr(recv, self.dst.as_mut_ptr(), BUF)?;
         let d = self.dst.as_mut_ptr();
         let rreq = until("irecv", BOUND, || drv.irecv(recv, &[d], &[BUF], &[tag], &[rmh], false))?;
-        if cycle % 100 == 0 {
+        if cycle.is_multiple_of(100) {
             outside(drv, send, tag, smh)?;
         }
         let s = self.src.as_mut_ptr();
