@@ -334,6 +334,7 @@ impl Cts {
 
     /// Entry `r` of `slot` once its `idx` is `want` (it has landed), as [`Self::read`] reads
     /// it; `None`, having read only the `idx` word, while it is not.
+    #[inline]
     pub(super) fn landed(fifo: &impl Words, slot: usize, r: usize, want: u64) -> Option<Cts> {
         let base = entry_word(slot, r);
         let last = fifo.load(base + ENTRY_WORDS - 1);
