@@ -240,10 +240,10 @@ impl<'a, 'l> Census<'a, 'l> {
         let rmh = drv.reg_mr(recv, self.dst.as_mut_ptr(), BUF)?;
         let d = self.dst.as_mut_ptr();
         let rreq = until("irecv", BOUND, || drv.irecv(recv, &[d], &[BUF], &[tag], &[rmh], false))?;
-        if cycle.is_multiple_of(100) {
-            outside(drv, send, tag, smh)?;
-        }
         let s = self.src.as_mut_ptr();
+        if cycle.is_multiple_of(100) {
+            outside(drv, send, tag, (s, smh))?;
+        }
         let sreq = until("isend", BOUND, || drv.isend(send, s, size, tag, smh))?;
         let ss = until("test send", BOUND, || drv.test(sreq))?;
         let rs = until("test recv", BOUND, || drv.test(rreq))?;
@@ -608,15 +608,18 @@ impl Census<'_, '_> {
     }
 }
 
-/// Sends of 8 bytes below and above the registration `smh`, with a receive posted: each is
-/// refused with a WARN naming the registration (never posted: the addresses are not mapped),
-/// and the comm stays usable. The registration's keys are looked up only once a receive
-/// matches, so `Ok(None)` (its CTS not yet here) is asked again.
-fn outside(drv: &Driver, send: Ptr, tag: i32, smh: Ptr) -> Result<(), String> {
-    for (addr, what) in [(8, "below"), (usize::MAX - 16, "above")] {
+/// Sends that start below the registration `smh`, start above it, and start at its start `s`
+/// but run past its end, with a receive posted: each is refused with a WARN naming the
+/// registration, and the comm stays usable. (The first two, should a lookup pass them, would
+/// go out inline from unmapped addresses and crash the process; the third then goes out
+/// truncated to the receive, and this says so.) The registration's keys are looked up only
+/// once a receive matches, so `Ok(None)` (its CTS not yet here) is asked again.
+fn outside(drv: &Driver, send: Ptr, tag: i32, (s, smh): (*mut u8, Ptr)) -> Result<(), String> {
+    let cases = [(8, 8, "below"), (usize::MAX - 16, 8, "above"), (s as usize, 1 << 40, "across")];
+    for (addr, size, what) in cases {
         common::warnings();
         until("an isend outside its registration", BOUND, || {
-            match drv.isend(send, addr as *mut u8, 8, tag, smh) {
+            match drv.isend(send, addr as *mut u8, size, tag, smh) {
                 Err(_) => Ok(Some(())),
                 Ok(None) => Ok(None),
                 Ok(Some(_)) => Err(format!("an isend {what} its registration was posted")),

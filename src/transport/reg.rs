@@ -47,7 +47,9 @@ fn on_each(
         common: (0, u64::MAX),
         net: net.clone(),
     };
+    debug_assert!(devs.len() <= MAX_MEMBERS, "a comm has at most {MAX_MEMBERS} member ports");
     for &dev in devs {
+        debug_assert!(!h.parts.iter().any(|p| p.dev == dev), "device {dev} twice in {devs:?}");
         match one(dev) {
             Ok(lease) => {
                 let (mr, start, end) = (lease.reg, lease.start, lease.end);
@@ -55,8 +57,10 @@ fn on_each(
                 if m < MAX_MEMBERS {
                     (h.keys.0[m], h.keys.1[m]) = (mr.lkey, mr.rkey);
                 }
-                let (lo, hi) = h.common;
-                h.common = (lo.max(mr.addr), hi.min(mr.addr.saturating_add(mr.len as u64)));
+                // A range that wraps (no MR does) leaves only empty buffers to the fast path,
+                // as the search would.
+                let covered = mr.addr.checked_add(mr.len as u64).unwrap_or(0);
+                h.common = (h.common.0.max(mr.addr), h.common.1.min(covered));
                 h.parts.push(Part { dev, mr, start, end });
             }
             Err(e) => {
