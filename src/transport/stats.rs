@@ -40,51 +40,40 @@ pub fn line(
         mib(total),
         if secs > 0.0 { mib(total) / secs } else { 0.0 }
     );
-    let sent: u64 = t.bytes.iter().sum();
-    for (q, chunks) in t.chunks.iter().enumerate() {
+    let sent = t.sum(|l| l.bytes);
+    for (q, l) in t.lanes.iter().enumerate() {
         let port = sports.get(q).copied().unwrap_or(0);
-        let errors = t.errors.get(q).copied().unwrap_or(0);
         let _ = write!(s, "; QP {q} sport {port}: ");
         // The sender's: bytes and share; the receiver cannot tell how a message was cut.
         if sent > 0 {
-            let bytes = t.bytes.get(q).copied().unwrap_or(0);
-            let share = 100.0 * bytes as f64 / sent as f64;
-            let _ = write!(s, "{:.1} MiB ({share:.1}%), ", mib(bytes));
+            let share = 100.0 * l.bytes as f64 / sent as f64;
+            let _ = write!(s, "{:.1} MiB ({share:.1}%), ", mib(l.bytes));
         }
-        let _ = write!(s, "{errors} failed completions, {chunks} chunks");
-        if let Some(Some(rate)) = t.rate.get(q) {
+        let _ = write!(s, "{} failed completions, {} chunks", l.errors, l.chunks);
+        if let Some(rate) = l.rate {
             let _ = write!(s, ", path {:.1} MiB/s", rate / f64::from(1 << 20));
         }
-        let stalled = t.stalled.get(q).copied().unwrap_or(0);
-        if stalled > 0 {
-            let _ = write!(s, ", stalled {stalled} time(s)");
+        for (n, what) in [(l.stalled, "stalled"), (l.fenced, "fenced"), (l.repaired, "repaired")] {
+            if n > 0 {
+                let _ = write!(s, ", {what} {n} time(s)");
+            }
         }
-        let fenced = t.fenced.get(q).copied().unwrap_or(0);
-        if fenced > 0 {
-            let _ = write!(s, ", fenced {fenced} time(s)");
-        }
-        let repaired = t.repaired.get(q).copied().unwrap_or(0);
-        if repaired > 0 {
-            let _ = write!(s, ", repaired {repaired} time(s)");
-        }
-        match (t.down.get(q), t.kept_out.get(q)) {
-            (Some(true), Some(true)) => s.push_str(", out (failed; it stays out)"),
-            (Some(true), _) => s.push_str(", out (failed)"),
+        match (l.down, l.kept_out) {
+            (true, true) => s.push_str(", out (failed; it stays out)"),
+            (true, false) => s.push_str(", out (failed)"),
             _ => {}
         }
     }
     // The sender's shares per message size (with lanes to share): a lane starved at some
     // sizes shows here, where the totals would hide it.
     let classes = ["under 64 KiB", "64 KiB to 1 MiB", "1 MiB and up"];
-    if t.by_size.len() > 1 {
+    if t.lanes.len() > 1 {
         for (k, class) in classes.iter().enumerate() {
-            let total: u64 = t.by_size.iter().map(|b| b[k]).sum();
+            let total = t.sum(|l| l.by_size[k]);
             if total == 0 {
                 continue;
             }
-            let shares: Vec<String> = (t.by_size.iter())
-                .map(|b| format!("{:.1}", 100.0 * b[k] as f64 / total as f64))
-                .collect();
+            let shares = t.each(|l| format!("{:.1}", 100.0 * l.by_size[k] as f64 / total as f64));
             let _ = write!(s, "; messages {class}: {}% per QP", shares.join("/"));
         }
     }
@@ -100,6 +89,7 @@ pub fn line(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ferroce_core::data::LaneTraffic;
 
     fn c(v: &[(&str, u64)]) -> Vec<(String, u64)> {
         v.iter().map(|(n, x)| (n.to_string(), *x)).collect()
@@ -117,16 +107,27 @@ mod tests {
     fn the_line_gives_each_qps_port_share_and_errors() {
         let t = Traffic {
             messages: 12,
-            bytes: vec![3 << 20, 1 << 20],
-            chunks: vec![9, 3],
-            errors: vec![0, 2],
-            rate: vec![Some(2.5 * f64::from(1 << 20)), None],
-            down: vec![false, true],
-            kept_out: vec![false, true],
-            repaired: vec![1, 0],
-            fenced: vec![1, 0],
-            stalled: vec![1, 0],
-            by_size: vec![[1 << 20, 0, 2 << 20], [1 << 20, 0, 0]],
+            lanes: vec![
+                LaneTraffic {
+                    bytes: 3 << 20,
+                    chunks: 9,
+                    rate: Some(2.5 * f64::from(1 << 20)),
+                    repaired: 1,
+                    fenced: 1,
+                    stalled: 1,
+                    by_size: [1 << 20, 0, 2 << 20],
+                    ..LaneTraffic::default()
+                },
+                LaneTraffic {
+                    bytes: 1 << 20,
+                    chunks: 3,
+                    errors: 2,
+                    down: true,
+                    kept_out: true,
+                    by_size: [1 << 20, 0, 0],
+                    ..LaneTraffic::default()
+                },
+            ],
             ..Traffic::default()
         };
         let l = line(
@@ -148,16 +149,8 @@ mod tests {
              rxe0 hw_counters over this time: rcvd_seq_err +4"
         );
         // The receiver's: bytes delivered, and per QP the chunks that arrived on it.
-        let t = Traffic {
-            messages: 2,
-            bytes: vec![0, 0],
-            delivered: 3 << 20,
-            chunks: vec![2, 1],
-            errors: vec![0, 0],
-            rate: vec![None, None],
-            down: vec![false, false],
-            ..Traffic::default()
-        };
+        let lane = |chunks| LaneTraffic { chunks, ..LaneTraffic::default() };
+        let t = Traffic { messages: 2, delivered: 3 << 20, lanes: vec![lane(2), lane(1)] };
         let l = line("receive comm from x", &t, &[7, 8], Duration::from_secs(1), "rxe1", &[]);
         assert!(
             l.contains("2 messages, 3.0 MiB in 1.0 s")

@@ -107,11 +107,11 @@ impl SendCore {
                 self.mend.wait(lane).as_millis()
             ),
             (false, _) if self.p.repair.attempts == 0 => {
-                self.health.traffic.kept_out[lane] = true;
+                self.health.traffic.lanes[lane].kept_out = true;
                 "; it stays out (lane repair is off)".to_string()
             }
             (false, _) => {
-                self.health.traffic.kept_out[lane] = true;
+                self.health.traffic.lanes[lane].kept_out = true;
                 format!(
                     "; it stays out as a flapping path: {} failed repair attempts in a row, a \
                      failure within {} ms of a repair counting as one \
@@ -219,7 +219,7 @@ impl SendCore {
         let slots = &self.slots;
         self.resend.make_contiguous().sort_by_key(|&(slot, c)| (slots[slot].row[0].idx, c));
         self.unfenced &= !(1 << lane);
-        self.health.traffic.fenced[lane] += 1;
+        self.health.traffic.lanes[lane].fenced += 1;
         let sport = self.p.path.sports.get(lane).copied().unwrap_or(0);
         self.warnings.push_back(Line::Info(format!(
             "lane {lane} (UDP source port {sport}) of the send comm to {} is fenced at both \
@@ -248,7 +248,7 @@ impl SendCore {
         for lane in (0..self.p.nqps).filter(|&q| self.p.members[q].0 == port) {
             let was_out = self.mend.rearm(lane);
             if self.alive & (1 << lane) == 0 {
-                self.health.traffic.kept_out[lane] = false;
+                self.health.traffic.lanes[lane].kept_out = false;
                 let again = if was_out { "out after its attempts" } else { "waiting" };
                 self.warnings.push_back(Line::Info(format!(
                     "lane {lane} of the send comm to {peer} ({again}): its port is up again, it \
@@ -271,7 +271,7 @@ impl SendCore {
             )));
             return;
         }
-        self.health.traffic.kept_out[lane] = true;
+        self.health.traffic.lanes[lane].kept_out = true;
         self.warnings.push_back(Line::Warn(format!(
             "lane {lane} (UDP source port {sport}) of the send comm to {peer} stays out: {tries} \
              repair attempt(s) failed (NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX), the last \
@@ -353,10 +353,9 @@ impl SendCore {
         self.mend.proven(lane);
         self.alive |= 1 << lane;
         self.lanes[lane] = place::Lane::new();
-        self.health.traffic.rate[lane] = None;
-        let t = &mut self.health.traffic;
-        t.down[lane] = false;
-        t.repaired[lane] += 1;
+        let t = &mut self.health.traffic.lanes[lane];
+        (t.rate, t.down) = (None, false);
+        t.repaired += 1;
         let sport = self.p.path.sports.get(lane).copied().unwrap_or(0);
         self.warnings.push_back(Line::Info(format!(
             "lane {lane} (UDP source port {sport}) of the send comm to {} is repaired: a new \

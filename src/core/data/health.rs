@@ -306,8 +306,8 @@ impl Health {
     #[cold]
     fn failed(&mut self, c: &Completion) {
         let probe = wr_kind(c.wr_id) == WR_PROBE;
-        if let Some(e) = self.traffic.errors.get_mut(wr_lane(c.wr_id)) {
-            *e += 1;
+        if let Some(l) = self.traffic.lanes.get_mut(wr_lane(c.wr_id)) {
+            l.errors += 1;
         }
         if probe {
             self.probe_done(wr_lane(c.wr_id));
@@ -384,8 +384,8 @@ impl Health {
     /// bound per lane, not one probe interval too.
     pub(super) fn lane_lost(&mut self, lane: usize) {
         self.stall.reset(lane);
-        self.traffic.errors[lane] += 1;
-        self.traffic.down[lane] = true;
+        self.traffic.lanes[lane].errors += 1;
+        self.traffic.lanes[lane].down = true;
         self.prober.activity += 1;
         self.prober.quiet = Some((Duration::ZERO, self.prober.activity));
         if self.prober.out & (1 << lane) != 0 {
@@ -436,7 +436,7 @@ impl Health {
                 ),
             }
         };
-        self.traffic.stalled[lane] += 1;
+        self.traffic.lanes[lane].stalled += 1;
         Some((lane, why))
     }
 

@@ -473,7 +473,7 @@ impl RecvCore {
         } else {
             self.proving |= bit;
         }
-        self.health.traffic.repaired[lane] += 1;
+        self.health.traffic.lanes[lane].repaired += 1;
         self.refill(io)?;
         Ok(Some(qpn))
     }
@@ -652,7 +652,7 @@ impl RecvCore {
             // The sender's write landed on the rebuilt queue pair: both ends are joined.
             self.proving &= !(1 << lane);
             self.alive |= 1 << lane;
-            self.health.traffic.down[lane] = false;
+            self.health.traffic.lanes[lane].down = false;
         }
         if !self.health.completion(c) {
             return;
@@ -690,9 +690,9 @@ impl RecvCore {
             return;
         }
         if s.got & bit == 0
-            && let Some(n) = self.health.traffic.chunks.get_mut(q)
+            && let Some(l) = self.health.traffic.lanes.get_mut(q)
         {
-            *n += 1;
+            l.chunks += 1;
         }
         s.got |= bit;
         if s.got != s.want {

@@ -588,22 +588,30 @@ impl SendCore {
     }
 
     /// `buf`, cut to the receive's `size` if it is larger.
+    #[inline]
     fn fit_to(&mut self, mut buf: Buf, tag: i32, size: u64) -> Buf {
-        // A send larger than its receive is cut to the receive's size, as NCCL's transport
-        // does; the first of a comm is reported (once: a mismatch repeats every step).
         if buf.size > size {
-            if !self.truncated {
-                self.truncated = true;
-                self.warnings.push_back(Line::Warn(format!(
-                    "send of {} bytes (tag {tag}) to {} is larger than the posted receive of {} \
-                     bytes: truncated to {} bytes, as NCCL's own transport does (a size mismatch \
-                     between the ranks' calls; later truncations on this comm are not reported)",
-                    buf.size, self.p.path.peer, size, size
-                )));
-            }
+            self.truncated(buf.size, tag, size);
             buf.size = size;
         }
         buf
+    }
+
+    /// A send of `sent` bytes larger than its receive of `size` is cut to the receive's size,
+    /// as NCCL's transport does; the first of a comm is reported (once: a mismatch repeats
+    /// every step).
+    #[cold]
+    fn truncated(&mut self, sent: u64, tag: i32, size: u64) {
+        if !self.truncated {
+            self.truncated = true;
+            self.warnings.push_back(Line::Warn(format!(
+                "send of {sent} bytes (tag {tag}) to {} is larger than the posted receive of \
+                 {size} bytes: truncated to {size} bytes, as NCCL's own transport does (a size \
+                 mismatch between the ranks' calls; later truncations on this comm are not \
+                 reported)",
+                self.p.path.peer
+            )));
+        }
     }
 
     /// Work requests chunk `c` of slot `slot` needs for `bufs` (data pieces, then the size
@@ -754,10 +762,10 @@ impl SendCore {
         chain.flush(io)?;
         self.chunk_posted((slot, c, q), &parts[..nreqs], (optional, size.is_some()), k.id(WR_SEND));
         self.lanes[q].posted(at, data);
-        let t = &mut self.health.traffic;
-        t.bytes[q] += data;
-        t.by_size[q][size_class(sizes[..nreqs].iter().sum())] += data;
-        t.chunks[q] += 1;
+        let t = &mut self.health.traffic.lanes[q];
+        t.bytes += data;
+        t.by_size[size_class(sizes[..nreqs].iter().sum())] += data;
+        t.chunks += 1;
         Ok(())
     }
 
@@ -818,7 +826,7 @@ impl SendCore {
         };
         if timed {
             self.retimed = true;
-            self.health.traffic.rate[lane] = self.lanes[lane].rate;
+            self.health.traffic.lanes[lane].rate = self.lanes[lane].rate;
         }
         self.chunk_done(wr_slot(c.wr_id), wr_chunk(c.wr_id));
     }

@@ -17,15 +17,22 @@ use std::time::Duration;
 pub struct Stall {
     /// The floor of every lane's bound; `None`: detection is off.
     floor: Option<Duration>,
-    /// Per lane: successful completions taken in, and the count at the last check.
-    done: Vec<u64>,
-    seen: Vec<u64>,
-    /// Per lane: when its count was last seen to move.
-    moved: Vec<Duration>,
-    /// Per lane: since when it has waited with signaled work outstanding and no completion.
-    since: Vec<Option<Duration>>,
-    /// Per lane: its longest recent wait that a completion ended.
-    typical: Vec<Duration>,
+    /// One record per lane (one allocation per comm).
+    lanes: Vec<Wait>,
+}
+
+/// One lane's waits.
+#[derive(Clone, Default)]
+struct Wait {
+    /// Successful completions taken in, and the count at the last check.
+    done: u64,
+    seen: u64,
+    /// When its count was last seen to move.
+    moved: Duration,
+    /// Since when it has waited with signaled work outstanding and no completion.
+    since: Option<Duration>,
+    /// Its longest recent wait that a completion ended.
+    typical: Duration,
 }
 
 /// A lane found stalled: how long it waited, its bound, and the lane that completed meanwhile.
@@ -46,14 +53,7 @@ pub enum Verdict {
 
 impl Stall {
     pub fn new(nqps: usize, floor: Option<Duration>) -> Stall {
-        Stall {
-            floor,
-            done: vec![0; nqps],
-            seen: vec![0; nqps],
-            moved: vec![Duration::ZERO; nqps],
-            since: vec![None; nqps],
-            typical: vec![Duration::ZERO; nqps],
-        }
+        Stall { floor, lanes: vec![Wait::default(); nqps] }
     }
 
     /// The floor of every lane's bound (`None`: detection is off).
@@ -63,24 +63,24 @@ impl Stall {
 
     /// Whether no lane's wait is being timed.
     pub fn untimed(&self) -> bool {
-        self.since.iter().all(Option::is_none)
+        self.lanes.iter().all(|w| w.since.is_none())
     }
 
     /// A request on lane `lane` completed successfully.
     pub fn completed(&mut self, lane: usize) {
-        if let Some(n) = self.done.get_mut(lane) {
-            *n += 1;
+        if let Some(w) = self.lanes.get_mut(lane) {
+            w.done += 1;
         }
     }
 
     /// Lane `lane` is out: its wait ends with it.
     pub fn reset(&mut self, lane: usize) {
-        self.since[lane] = None;
+        self.lanes[lane].since = None;
     }
 
     /// The bound of lane `lane` before the allowance for its oldest work is added.
     fn base(&self, floor: Duration, lane: usize) -> Duration {
-        floor.max(self.typical[lane] * 4)
+        floor.max(self.lanes[lane].typical * 4)
     }
 
     /// At `now`, with `busy` the live lanes that have signaled work outstanding and `live`
@@ -97,27 +97,26 @@ impl Stall {
         if busy == 0 && self.untimed() {
             return Verdict::Clear;
         }
-        for q in 0..self.done.len() {
+        for (q, w) in self.lanes.iter_mut().enumerate() {
             let waiting = busy & (1 << q) != 0;
-            if self.done[q] != self.seen[q] {
-                if let Some(t) = self.since[q] {
+            if w.done != w.seen {
+                if let Some(t) = w.since {
                     let sample = now.saturating_sub(t);
-                    let decayed = self.typical[q].saturating_sub(self.typical[q] / 8);
-                    self.typical[q] = sample.max(decayed);
+                    w.typical = sample.max(w.typical.saturating_sub(w.typical / 8));
                 }
-                self.seen[q] = self.done[q];
-                self.moved[q] = now;
-                self.since[q] = waiting.then_some(now);
+                (w.seen, w.moved) = (w.done, now);
+                w.since = waiting.then_some(now);
             } else if waiting {
-                self.since[q].get_or_insert(now);
+                w.since.get_or_insert(now);
             } else {
-                self.since[q] = None;
+                w.since = None;
             }
         }
         let Some(floor) = self.floor else { return Verdict::Clear };
         let mut verdict = Verdict::Clear;
-        for q in (0..self.done.len()).filter(|&q| busy & (1 << q) != 0) {
-            let Some(t) = self.since[q] else { continue };
+        let n = self.lanes.len();
+        for q in (0..n).filter(|&q| busy & (1 << q) != 0) {
+            let Some(t) = self.lanes[q].since else { continue };
             let (waited, base) = (now.saturating_sub(t), self.base(floor, q));
             // The allowance (a float division) only for a wait past the rest of the bound.
             if waited <= base {
@@ -127,8 +126,8 @@ impl Stall {
             if waited <= bound {
                 continue;
             }
-            let others = (0..self.done.len()).filter(|&r| r != q && live & (1 << r) != 0);
-            match others.clone().find(|&r| self.moved[r] > t) {
+            let others = (0..n).filter(|&r| r != q && live & (1 << r) != 0);
+            match others.clone().find(|&r| self.lanes[r].moved > t) {
                 Some(witness) => {
                     return Verdict::Stalled(Stalled { lane: q, waited, bound, witness });
                 }

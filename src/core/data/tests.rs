@@ -1336,7 +1336,7 @@ impl<'a> Harness<'a> {
     fn read_lines(&mut self) {
         take_lines(&mut self.sender, &mut self.receiver, &mut self.lines);
         if self.lines.repaired > 0 && self.out.sent_at_repair.is_none() {
-            self.out.sent_at_repair = Some(self.sender.traffic().bytes.clone());
+            self.out.sent_at_repair = Some(self.sender.traffic().each(|l| l.bytes));
         }
     }
 
@@ -1736,9 +1736,8 @@ impl Harness<'_> {
         out.repaired = lines.repaired;
         out.kept_out = lines.kept_out;
         (out.batches, out.wrapped) = (wire.borrow().batches, wire.borrow().wrapped);
-        out.sent = self.sender.traffic().bytes.clone();
-        out.stalls =
-            [self.sender.traffic(), self.receiver.traffic()].map(|t| t.stalled.iter().sum());
+        out.sent = self.sender.traffic().each(|l| l.bytes);
+        out.stalls = [self.sender.traffic(), self.receiver.traffic()].map(|t| t.sum(|l| l.stalled));
         out.dups = wire.borrow().dups;
         self.out
     }
@@ -1834,22 +1833,26 @@ impl Harness<'_> {
             let warned = lines.recv_lanes;
             assert!((least..=most).contains(&warned), "one receiver warning per failed lane");
         }
-        let sent_bytes = st.bytes.iter().sum::<u64>();
+        let sent_bytes = st.sum(|l| l.bytes);
         // Chunks of a failed lane are sent again: the sender counts them twice.
         assert!(sent_bytes == sent || failures > 0 && sent_bytes >= sent, "sender bytes");
         assert_eq!(st.messages, items, "sender stats");
         assert_eq!((rt.messages, rt.delivered), (items, seen), "receiver stats");
-        assert_eq!(st.errors.iter().sum::<u64>(), failures as u64, "sender errors: failures");
+        assert_eq!(st.sum(|l| l.errors), failures as u64, "sender errors: failures");
         // Each failure ends repaired, or the lane is out still (for good, or until its repair).
-        let down = st.down.iter().filter(|&&d| d).count();
+        let down = st.lanes.iter().filter(|l| l.down).count();
         assert_eq!(down + lines.repaired, failures, "the line marks the lanes out");
-        assert_eq!(st.repaired.iter().sum::<u64>(), lines.repaired as u64, "repairs counted");
-        assert_eq!(st.fenced.iter().sum::<u64>(), lines.fences as u64, "fences counted");
-        let kept = st.kept_out.iter().zip(&st.down).filter(|(k, d)| **k && **d).count();
+        assert_eq!(st.sum(|l| l.repaired), lines.repaired as u64, "repairs counted");
+        assert_eq!(st.sum(|l| l.fenced), lines.fences as u64, "fences counted");
+        let kept = st.lanes.iter().filter(|l| l.kept_out && l.down).count();
         assert_eq!(kept, lines.kept_out + usize::from(run.repairs == 0) * failures, "kept out");
-        assert_eq!(rt.errors.iter().sum::<u64>(), lines.recv_lanes as u64, "receiver errors");
+        assert_eq!(rt.sum(|l| l.errors), lines.recv_lanes as u64, "receiver errors");
         if !run.optional.contains(&true) && failures == 0 {
-            assert_eq!(st.chunks, rt.chunks, "both ends count the same chunks per QP");
+            assert_eq!(
+                st.each(|l| l.chunks),
+                rt.each(|l| l.chunks),
+                "both ends count the same chunks per QP"
+            );
         }
     }
 
