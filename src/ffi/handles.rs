@@ -18,8 +18,8 @@
 //! deregistering it frees the box and reports the error. Closing a pointer the register does
 //! not know (closed twice, never ours) is an error that touches nothing.
 
+use crate::verbs::FastMap;
 use std::cell::UnsafeCell;
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -57,14 +57,14 @@ pub unsafe fn clear(p: *mut *mut c_void) {
 /// the address NCCL was given. A call takes its own reference, so a `finalize` on another
 /// thread never frees a context under it; a second `finalize`, or a call after it, finds no
 /// entry and is an error.
-struct Contexts<T>(Lazy<Mutex<HashMap<usize, Arc<T>>>>);
+struct Contexts<T>(Lazy<Mutex<FastMap<usize, Arc<T>>>>);
 
 impl<T> Contexts<T> {
     const fn new() -> Contexts<T> {
-        Contexts(Lazy::new(|| Mutex::new(HashMap::new())))
+        Contexts(Lazy::new(|| Mutex::new(FastMap::default())))
     }
 
-    fn map(&self) -> MutexGuard<'_, HashMap<usize, Arc<T>>> {
+    fn map(&self) -> MutexGuard<'_, FastMap<usize, Arc<T>>> {
         // Every update is one insert or remove: a panic cannot leave it half done.
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -124,9 +124,10 @@ enum Kind {
 /// The address of every listener, comm and `mhandle` NCCL holds, by kind, with the context it
 /// was made under (0 for registrations, which NCCL may share between communicators: they end
 /// with the last `finalize` only).
-static LIVE: Lazy<Mutex<HashMap<usize, (Kind, usize)>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+static LIVE: Lazy<Mutex<FastMap<usize, (Kind, usize)>>> =
+    Lazy::new(|| Mutex::new(FastMap::default()));
 
-fn live() -> MutexGuard<'static, HashMap<usize, (Kind, usize)>> {
+fn live() -> MutexGuard<'static, FastMap<usize, (Kind, usize)>> {
     // Every update is one insert or remove: a panic cannot leave it half done.
     LIVE.lock().unwrap_or_else(|p| p.into_inner())
 }

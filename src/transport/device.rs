@@ -11,7 +11,6 @@
 //! transport is explained instead of silent.
 
 use crossbeam_queue::ArrayQueue;
-use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -23,7 +22,7 @@ use super::mr_cache::MrCache;
 use crate::config::Config;
 use crate::config::hca::HcaFilter;
 use crate::error::{Error, Result};
-use crate::verbs::{self, LinkLayer, Mr, Pd, PortState};
+use crate::verbs::{self, FastMap, LinkLayer, Mr, Pd, PortState};
 
 /// One NCCL net device: a port of an RDMA device.
 pub struct NetDevice {
@@ -94,7 +93,7 @@ pub struct DeviceFlags {
     /// Why, when `fatal` is set.
     pub fatal_why: OnceLock<String>,
     /// The comms on this device, by the queues an async error can name.
-    alarms: Mutex<HashMap<Queue, Arc<Alarm>>>,
+    alarms: Mutex<FastMap<Queue, Arc<Alarm>>>,
 }
 
 /// A queue an asynchronous error event names.
@@ -126,6 +125,9 @@ const LANE_ERRORS: usize = 8;
 pub struct Watch {
     flags: Arc<DeviceFlags>,
     pub alarm: Arc<Alarm>,
+    /// The queues it registered (lane repair swaps one): what its drop takes out, without a
+    /// walk of every comm's on the device.
+    queues: Mutex<Vec<Queue>>,
 }
 
 impl Watch {
@@ -137,6 +139,9 @@ impl Watch {
             alarms.remove(&old);
         }
         alarms.insert(new, self.alarm.clone());
+        let mut queues = self.queues.lock().unwrap_or_else(|p| p.into_inner());
+        queues.retain(|q| *q != old);
+        queues.push(new);
         // No raise can push meanwhile: it holds the table's lock.
         for _ in 0..self.alarm.lanes.len() {
             match self.alarm.lanes.pop() {
@@ -153,8 +158,13 @@ impl Watch {
 impl Drop for Watch {
     fn drop(&mut self) {
         let mut alarms = self.flags.alarms.lock().unwrap_or_else(|p| p.into_inner());
-        // Only its own entries: a queue number may already be reused by a newer comm.
-        alarms.retain(|_, a| !Arc::ptr_eq(a, &self.alarm));
+        let queues = self.queues.get_mut().unwrap_or_else(|p| p.into_inner());
+        for q in queues.iter() {
+            // Only its own entries: a queue number may already be reused by a newer comm.
+            if alarms.get(q).is_some_and(|a| Arc::ptr_eq(a, &self.alarm)) {
+                alarms.remove(q);
+            }
+        }
     }
 }
 
@@ -168,7 +178,7 @@ impl DeviceFlags {
             alarms.insert(*q, alarm.clone());
         }
         drop(alarms);
-        Watch { flags: self.clone(), alarm }
+        Watch { flags: self.clone(), alarm, queues: Mutex::new(queues) }
     }
 
     /// Raises the alarm of the comm that owns `queue` with `why`: a queue pair's error goes

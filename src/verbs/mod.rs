@@ -24,7 +24,7 @@ pub use device::{Context, DeviceAttr, LinkLayer, PortAttr, PortState, open_all};
 pub use events::{AsyncEvent, wait_async};
 pub use pd::{
     ACCESS_LOCAL_WRITE, ACCESS_RELAXED_ORDERING, ACCESS_REMOTE_READ, ACCESS_REMOTE_WRITE,
-    DmabufProbe, ForeignMem, Mr, Pd,
+    DmabufProbe, FastMap, ForeignMem, Mr, Pd,
 };
 pub use qp::{Qp, QpCaps, RtrAttr, RtsAttr};
 pub use sym::SYMBOLS;
