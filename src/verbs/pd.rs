@@ -53,19 +53,21 @@ impl CpuReadable<'_> {
     }
 }
 
-/// A map keyed by values that are ours or the provider's, never an attacker's (memory keys,
-/// the addresses of the plugin's own boxes), hashed by one multiplication: SipHash cost more
-/// than an inline post, and about 1,000 instructions a close in the handle register.
+/// A map keyed by integers that are ours or the provider's, never an attacker's (memory keys,
+/// queue numbers, the addresses of the plugin's own boxes), hashed by one multiplication:
+/// SipHash cost more than an inline post, and about 1,000 instructions a close in the handle
+/// register. Only integer keys hash well (bytes are folded in without mixing).
 pub type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<KeyHasher>>;
 
-/// [`FastMap`]'s hasher: Fibonacci hashing of an integer key (its high bits, which the map
-/// reads first, depend on every bit of the key).
+/// [`FastMap`]'s hasher: Fibonacci hashing of an integer key, rotated so that the low bits
+/// (which pick the bucket) come from the product's high bits, which depend on every bit of the
+/// key (a box's address has its low four bits clear).
 #[derive(Default)]
 pub struct KeyHasher(u64);
 
 impl Hasher for KeyHasher {
     fn finish(&self) -> u64 {
-        self.0
+        self.0.rotate_left(26)
     }
     fn write(&mut self, bytes: &[u8]) {
         self.0 = bytes.iter().fold(self.0, |h, &b| h.rotate_left(8) ^ u64::from(b));

@@ -38,7 +38,7 @@ pub struct LaneTraffic {
     pub by_size: [u64; 3],
 }
 
-/// The size class of a message of `bytes` for [`Traffic::by_size`].
+/// The size class of a message of `bytes` for [`LaneTraffic::by_size`].
 pub fn size_class(bytes: u64) -> usize {
     match bytes {
         0..0x1_0000 => 0,
