@@ -18,7 +18,6 @@
 //! deregistering it frees the box and reports the error. Closing a pointer the register does
 //! not know (closed twice, never ours) is an error that touches nothing.
 
-use crate::verbs::FastMap;
 use std::cell::UnsafeCell;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,6 +31,7 @@ use crate::transport::data::{RecvComm, ReqKind, SendComm};
 use crate::transport::reg::MrHandle;
 use crate::transport::setup::Listener;
 use crate::transport::{CommContext, Net};
+use crate::verbs::FastMap;
 
 /// An out-pointer NCCL must supply.
 ///
