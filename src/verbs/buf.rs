@@ -92,19 +92,16 @@ impl RegisteredBuf {
 
     /// The word at `off` (8-byte aligned) as an atomic.
     fn word(&self, off: usize) -> &AtomicU64 {
-        let inside = off.checked_add(8).is_some_and(|end| end <= self.len());
-        assert!(off.is_multiple_of(8) && inside, "bad u64 offset {off}");
-        // SAFETY: in bounds and aligned (page-aligned base, off.is_multiple_of(8)); the memory
-        // lives as long as `self`, and Rust only ever accesses it atomically (the NIC's DMA is
-        // not a Rust access).
-        unsafe { AtomicU64::from_ptr(self.ptr.add(off).cast::<u64>()) }
+        &self.words::<1>(off)[0]
     }
 
     /// The `N` words from `off` (8-byte aligned) as atomics, with one bounds check.
     fn words<const N: usize>(&self, off: usize) -> &[AtomicU64; N] {
         let inside = off.checked_add(8 * N).is_some_and(|end| end <= self.len());
         assert!(off.is_multiple_of(8) && inside, "bad {N}-word offset {off}");
-        // SAFETY: as in `word`, for the N words in bounds (`[AtomicU64; N]` is N aligned words).
+        // SAFETY: in bounds and aligned (page-aligned base, off.is_multiple_of(8); `[AtomicU64;
+        // N]` is N aligned words); the memory lives as long as `self`, and Rust only ever
+        // accesses it atomically (the NIC's DMA is not a Rust access).
         unsafe { &*self.ptr.add(off).cast::<[AtomicU64; N]>() }
     }
 

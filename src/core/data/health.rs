@@ -284,7 +284,7 @@ impl Health {
         self.prober.activity += 1;
         let (kind, lane) = (wr_kind(c.wr_id), wr_lane(c.wr_id));
         if c.status != 0 {
-            self.failed(c);
+            self.failed(c, kind == WR_PROBE, lane);
             return false;
         }
         if kind != WR_FLUSH {
@@ -304,13 +304,12 @@ impl Health {
 
     /// A failed completion: counted on its lane, and the comm's first failure.
     #[cold]
-    fn failed(&mut self, c: &Completion) {
-        let probe = wr_kind(c.wr_id) == WR_PROBE;
-        if let Some(l) = self.traffic.lanes.get_mut(wr_lane(c.wr_id)) {
+    fn failed(&mut self, c: &Completion, probe: bool, lane: usize) {
+        if let Some(l) = self.traffic.lanes.get_mut(lane) {
             l.errors += 1;
         }
         if probe {
-            self.probe_done(wr_lane(c.wr_id));
+            self.probe_done(lane);
         }
         if self.fatal.is_none() {
             let down = self.links_down.as_ref().filter(|_| c.status == LOCAL_QP_ERROR);

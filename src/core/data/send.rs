@@ -451,10 +451,16 @@ impl SendCore {
 
     /// The byte range `(offset, len)` of a `size`-byte buffer that chunk `c` of slot `slot`
     /// carries: the equal split over the chunks that are not empty.
+    /// A whole message is all of its buffer: answered inline, without the split arithmetic.
+    #[inline]
     pub(super) fn part(&self, slot: usize, size: u64, split: bool, c: usize) -> (u64, u64) {
+        if !split { (0, size) } else { self.split_part(slot, size, c) }
+    }
+
+    fn split_part(&self, slot: usize, size: u64, c: usize) -> (u64, u64) {
         let (n, empty) = (self.p.nqps, self.slots[slot].empty);
-        if !split || empty == 0 {
-            return lane_part(size, split, n, c);
+        if empty == 0 {
+            return lane_part(size, true, n, c);
         }
         if empty & (1 << c) != 0 {
             return (0, 0);
@@ -617,14 +623,13 @@ impl SendCore {
     /// Work requests chunk `c` of slot `slot` needs for `bufs` (data pieces, then the size
     /// record and the immediate, or the ack).
     pub(super) fn wrs_for(&self, slot: usize, bufs: &[Option<Buf>], split: bool, c: usize) -> u64 {
-        let size = |b: &Option<Buf>| b.map_or(0, |b| b.size);
-        let pieces = |len: u64| len.div_ceil(self.p.max_msg);
-        let data: u64 = if split {
-            bufs.iter().map(|b| pieces(self.part(slot, size(b), true, c).1)).sum()
-        } else {
-            // A whole message: each buffer all of it (`part`'s answer, without asking).
-            bufs.iter().map(|b| pieces(size(b))).sum()
-        };
+        let data: u64 = bufs
+            .iter()
+            .map(|b| {
+                let size = b.map_or(0, |b| b.size);
+                self.part(slot, size, split, c).1.div_ceil(self.p.max_msg)
+            })
+            .sum();
         data + 2
     }
 
@@ -734,8 +739,7 @@ impl SendCore {
         let (mut sizes, mut parts) = ([0; MAX_RECVS], [(0, 0); MAX_RECVS]);
         for (r, b) in s.bufs[..nreqs].iter().enumerate() {
             if let Some(b) = b {
-                let part = if split { self.part(slot, b.size, true, c) } else { (0, b.size) };
-                (sizes[r], parts[r]) = (b.size, part);
+                (sizes[r], parts[r]) = (b.size, self.part(slot, b.size, split, c));
             }
         }
         let size = if optional { None } else { size_in_imm(&sizes[..nreqs]) };
