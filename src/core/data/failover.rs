@@ -284,6 +284,9 @@ impl SendCore {
     /// Lane repair after an idle poll: attempts whose wait ran out fail; a lane whose peer end
     /// is rebuilt gets its probe; the next due attempt rebuilds our end and asks the peer,
     /// through a live lane, to rebuild its own.
+    /// Inline, for its common case: every lane lives (so none waits, is asked or proves) and
+    /// none waits to be fenced, with nothing to do but keep the repair's clock.
+    #[inline]
     pub(super) fn repair(
         &mut self,
         now: Duration,
@@ -291,11 +294,20 @@ impl SendCore {
         stage: &impl Words,
         io: &mut impl Post,
     ) {
-        // Every lane lives (so none waits, is asked or proves) and none waits to be fenced:
-        // nothing to do but keep the repair's clock.
         if self.alive == lanes_mask(self.p.nqps) && self.fence.is_none() && self.unfenced == 0 {
             return self.mend.saw(now);
         }
+        self.mend_lanes(now, fifo, stage, io)
+    }
+
+    /// [`Self::repair`] with a lane down or a fence pending.
+    fn mend_lanes(
+        &mut self,
+        now: Duration,
+        fifo: &impl Words,
+        stage: &impl Words,
+        io: &mut impl Post,
+    ) {
         let rows = if self.mend.asking() { newest_row(fifo) } else { 0 };
         while let Some((lane, why)) = self.mend.tick(now, rows) {
             self.attempt_failed(lane, why);

@@ -61,9 +61,11 @@ pub(super) fn hint(status: u32) -> &'static str {
     }
 }
 
-/// The bits of `n` lanes (or chunks): the first `n`.
+/// The bits of `n` lanes (or chunks): the first `n`. Below 64, one 64-bit shift: a `u128`
+/// shift by a variable is about ten instructions, and this runs a few times per message.
+#[inline]
 pub(super) fn lanes_mask(n: usize) -> u128 {
-    u128::MAX >> (MAX_CHUNKS - n)
+    if n < 64 { u128::from((1u64 << n) - 1) } else { u128::MAX >> (MAX_CHUNKS - n) }
 }
 
 /// The first lane set in `alive`, of `n` (the last, if none is).

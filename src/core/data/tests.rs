@@ -3347,3 +3347,12 @@ fn one_message_at_a_time_never_stalls_the_cts_rows() {
         assert!(receiver.test(rid, &mut [0; MAX_RECVS]).unwrap().is_some(), "recv {k}");
     }
 }
+
+#[test]
+fn a_lane_mask_has_exactly_its_first_n_bits() {
+    for n in 1..=MAX_CHUNKS {
+        let m = lanes_mask(n);
+        assert_eq!(m.count_ones() as usize, n, "{n}");
+        assert_eq!(m.trailing_ones() as usize, n, "{n}");
+    }
+}
