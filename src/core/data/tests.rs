@@ -38,6 +38,8 @@
 //! - a write the peer's queue pair refused as invalid failing the comm, not its lane:
 //!   `a_write_the_peer_refuses_fails_over_like_a_dead_path`;
 //! - path-aware placement off (strict rotation, equal chunks): `a_slow_lane_gets_less_of_the_work`.
+//! - a rebuilt lane not marked short (its new queue pair left without receives where the old
+//!   ones never flushed): `a_rebuilt_lane_gets_its_receives_though_the_old_ones_never_flushed`.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -3355,4 +3357,28 @@ fn a_lane_mask_has_exactly_its_first_n_bits() {
         assert_eq!(m.count_ones() as usize, n, "{n}");
         assert_eq!(m.trailing_ones() as usize, n, "{n}");
     }
+}
+
+/// A lane the sender has rebuilt before its old receives came back flushed (its pool still
+/// counted full) gets a full pool on its new queue pair: the rebuild marks it short itself.
+#[test]
+fn a_rebuilt_lane_gets_its_receives_though_the_old_ones_never_flushed() {
+    let mem = Mem::both_ends(4096);
+    let wire = RefCell::new(Wire::new(2));
+    let params = Params { nqps: 2, members: vec![(0, 0); 2], ..one_qp(Path::default()) };
+    let mut receiver = RecvCore::new(params, remote(FIFO, 13));
+    let mut rio = Io { wire: &wire, mem: &mem, side: 1, depth: RECV_SEND_QUEUE };
+    let (rstage, rsizes) = (
+        Area { mem: &mem, base: RECV_STAGE, key: 15 },
+        Area { mem: &mem, base: RECV_SIZES, key: 16 },
+    );
+    let buf = Buf { addr: RECV_DATA, size: 64, lkeys: keys(12), rkeys: keys(12), host: true };
+    receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
+    let full = recv_pool(2);
+    assert!(receiver.pool.iter().all(|&n| n >= full), "first fill: {:?}", receiver.pool);
+    assert_eq!(receiver.short, 0);
+    let qpn = receiver.rebuild(1, 1, 77, &mut rio).unwrap().expect("a new queue pair");
+    assert_eq!(wire.borrow().qpn[1][1], qpn);
+    assert!(receiver.pool[1] >= full, "the new queue pair's pool: {:?}", receiver.pool);
+    assert!(wire.borrow().rq[1][1].len() >= full, "receives posted on the new queue pair");
 }
