@@ -822,6 +822,11 @@ impl SendComm {
     }
 
     pub fn progress(&mut self) -> Result<()> {
+        self.step().map(drop)
+    }
+
+    /// One progress step; `Ok(false)` where its poll found nothing and nothing ran.
+    fn step(&mut self) -> Result<bool> {
         let news = news(&self.lanes.net, &mut self.lanes.ports);
         if news {
             // A port that came back: its lanes are repaired now (port recovery).
@@ -840,18 +845,19 @@ impl SendComm {
             SendDrain { core: &mut self.core, stage: &self.sizes_stage, fifo: &self.fifo };
         let r = progress(&mut side, &mut io, &mut self.lanes.idle_at, news);
         if let Ok(false) = r {
-            return Ok(());
+            return Ok(false);
         }
         self.lanes.report(self.core.journal());
         log_lines(|| self.core.take_line());
         self.lanes.tick(SEND, self.core.traffic());
-        r.map(drop)
+        r
     }
 
     /// `Some(size)` once request `id` completed (the request is then free again).
     pub fn test(&mut self, id: usize) -> Result<Option<u64>> {
-        if self.core.pending(id) {
-            self.progress()?;
+        // A pending request whose poll found nothing, with nothing run, is still pending.
+        if self.core.pending(id) && !self.step()? {
+            return self.core.check().map(|()| None);
         }
         let r = self.core.test(id)?;
         if let (Some(_), Some(ev)) = (r, &mut self.lanes.events) {
@@ -1013,6 +1019,12 @@ impl RecvComm {
     }
 
     pub fn progress(&mut self) -> Result<()> {
+        self.step().map(drop)
+    }
+
+    /// One progress step; `Ok(false)` where its poll found nothing and only the memory the
+    /// peer's NIC writes was looked at.
+    fn step(&mut self) -> Result<bool> {
         let news = news(&self.lanes.net, &mut self.lanes.ports);
         if news {
             let ports = &mut self.lanes.ports;
@@ -1023,19 +1035,24 @@ impl RecvComm {
         let mut io = qps!(self, &self.flushers);
         let r = progress(&mut side, &mut io, &mut self.lanes.idle_at, news);
         if let Ok(false) = r {
-            return Ok(());
+            return Ok(false);
         }
         self.lanes.report(self.core.journal());
         log_lines(|| self.core.take_line());
         self.lanes.tick(RECV, self.core.traffic());
-        r.map(drop)
+        r
     }
 
     /// Receive request `id` (`< SLOTS`) or flush request (`FLUSH_BASE..`): `Some(n)` once
     /// done, with the `n` received sizes in `sizes`.
     pub fn test(&mut self, id: usize, sizes: &mut [u64; MAX_RECVS]) -> Result<Option<usize>> {
-        if self.core.pending(id) || self.core.needs_poll(&self.sizes) {
-            self.progress()?;
+        if (self.core.pending(id) || self.core.needs_poll(&self.sizes))
+            && !self.step()?
+            && self.core.pending(id)
+        {
+            // Still pending after a poll that found nothing (an optional receive may have
+            // landed meanwhile: the ack word is looked at even then).
+            return self.core.check().map(|()| None);
         }
         let r = self.core.test(id, sizes)?;
         if let (Some(_), Some(ev)) = (r, &mut self.lanes.events)
