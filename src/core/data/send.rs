@@ -113,6 +113,31 @@ impl ChunkWrs {
         Ok(data)
     }
 
+    /// The one work request of a whole message of one buffer of `len` bytes that one write
+    /// holds (1 to `max_msg` bytes): its write with immediate `imm`, signaled, as [`Self::data`]
+    /// and [`Self::imm`] build it, and its bytes. `None`: the general path's (an empty buffer
+    /// or message, or one in pieces).
+    pub(super) fn whole(
+        &self,
+        s: &SendSlot,
+        imm: u32,
+        len: u64,
+        max_msg: u64,
+    ) -> Option<(SendWr, u64)> {
+        let b = s.bufs[0].filter(|_| (1..=max_msg).contains(&len))?;
+        let (ours, theirs) = self.members;
+        let wr = SendWr {
+            wr_id: self.id(WR_SEND),
+            op: Op::WriteImm(imm),
+            signaled: true,
+            local: Some((b.addr, len as u32, b.lkeys[ours])),
+            remote_addr: s.row[0].addr,
+            rkey: s.row[0].rkeys[theirs],
+            inline: b.host && len <= u64::from(self.inline),
+        };
+        Some((wr, len))
+    }
+
     /// An optional row's ack, after its data on its lane: its `idx` in the receiver's ack word.
     ///
     /// Optional rows go on one lane in row order, so the ack's high-water mark is the last row
@@ -751,19 +776,29 @@ impl SendCore {
             members: self.p.members[q],
             inline: self.p.max_inline,
         };
-        let mut chain = Chain::new(q, &mut self.chain, &mut self.sq[q]);
-        let mark = if optional { u64::MAX } else { self.p.mark };
-        let data = k.data(&mut chain, io, s, &parts, (self.p.max_msg, mark))?;
-        if optional {
-            k.ack(&mut chain, io, stage, &self.remote_sizes, s.row[0].idx)?;
+        let imm = || Imm { slot, chunk: c, epoch: epoch(s.row[0].idx), size }.encode();
+        // Most of NCCL's messages: one buffer, whole, its size in the immediate.
+        let one = size.filter(|_| nreqs == 1 && !split);
+        let data = if let Some((wr, data)) = one.and_then(|n| k.whole(s, imm(), n, self.p.max_msg))
+        {
+            io.send(q, std::slice::from_ref(&wr))?;
+            self.sq[q].posted(1, true);
+            data
         } else {
-            if size.is_none() && c == 0 {
-                k.size_record(&mut chain, io, stage, &self.remote_sizes, nreqs)?;
+            let mut chain = Chain::new(q, &mut self.chain, &mut self.sq[q]);
+            let mark = if optional { u64::MAX } else { self.p.mark };
+            let data = k.data(&mut chain, io, s, &parts, (self.p.max_msg, mark))?;
+            if optional {
+                k.ack(&mut chain, io, stage, &self.remote_sizes, s.row[0].idx)?;
+            } else {
+                if size.is_none() && c == 0 {
+                    k.size_record(&mut chain, io, stage, &self.remote_sizes, nreqs)?;
+                }
+                k.imm(&mut chain, io, imm(), size.is_some() && data > 0)?;
             }
-            let imm = Imm { slot, chunk: c, epoch: epoch(s.row[0].idx), size }.encode();
-            k.imm(&mut chain, io, imm, size.is_some() && data > 0)?;
-        }
-        chain.flush(io)?;
+            chain.flush(io)?;
+            data
+        };
         self.chunk_posted((slot, c, q), &parts[..nreqs], (optional, size.is_some()), k.id(WR_SEND));
         self.lanes[q].posted(at, data);
         let t = &mut self.health.traffic.lanes[q];
