@@ -693,6 +693,9 @@ impl SendCore {
                 self.p.max_msg
             )));
         }
+        if self.alive == lanes_mask(self.p.nqps) {
+            return Ok(self.sq.iter().all(|c| c.fits(per_lane)));
+        }
         let live = self.sq.iter().enumerate().filter(|&(q, _)| self.alive >> q & 1 != 0);
         Ok(live.into_iter().all(|(_, c)| c.fits(per_lane)))
     }
