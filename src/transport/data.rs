@@ -375,8 +375,8 @@ impl Drain for RecvDrain<'_> {
 /// emulation), the devices' health and the comm's whole-comm alarm once per [`IDLE_EVERY`]
 /// (`idle_at`: when next), or at once on `news` or a failed poll; in between, a poll that
 /// found completions runs what they make possible. Every failure here is local and fails the
-/// comm for good. `Ok(false)`: the poll found nothing, and nothing ran (so nothing is left to
-/// report or log).
+/// comm for good. `Ok(false)`: the poll found nothing, and nothing ran but the side's
+/// [`Drain::quiet`] (so nothing is left to report or log).
 fn progress(
     side: &mut impl Drain,
     io: &mut Qps,

@@ -284,6 +284,7 @@ impl SendCore {
     /// Lane repair after an idle poll: attempts whose wait ran out fail; a lane whose peer end
     /// is rebuilt gets its probe; the next due attempt rebuilds our end and asks the peer,
     /// through a live lane, to rebuild its own.
+    ///
     /// Inline, for its common case: every lane lives (so none waits, is asked or proves) and
     /// none waits to be fenced, with nothing to do but keep the repair's clock.
     #[inline]

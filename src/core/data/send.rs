@@ -113,19 +113,15 @@ impl ChunkWrs {
         Ok(data)
     }
 
-    /// The one work request of a whole message of one buffer of `len` bytes that one write
-    /// holds (1 to `max_msg` bytes): its write with immediate `imm`, signaled, as [`Self::data`]
-    /// and [`Self::imm`] build it, and its bytes. `None`: the general path's (an empty buffer
-    /// or message, or one in pieces).
-    pub(super) fn whole(
-        &self,
-        s: &SendSlot,
-        imm: u32,
-        len: u64,
-        max_msg: u64,
-    ) -> Option<(SendWr, u64)> {
-        let b = s.bufs[0].filter(|_| (1..=max_msg).contains(&len))?;
+    /// The one work request of a whole message of one buffer (the slot's only one) that one
+    /// write holds (1 to `max_msg` bytes), whose size is in the immediate `imm`: its write
+    /// with immediate, signaled, as [`Self::data`] and [`Self::imm`] build it, and its bytes.
+    /// `None`: the general path's (an empty buffer or message, or one in pieces).
+    pub(super) fn whole(&self, s: &SendSlot, imm: u32, max_msg: u64) -> Option<(SendWr, u64)> {
+        debug_assert_eq!(s.nreqs, 1, "a whole message of one buffer");
+        let b = s.bufs[0].filter(|b| (1..=max_msg).contains(&b.size))?;
         let (ours, theirs) = self.members;
+        let len = b.size;
         let wr = SendWr {
             wr_id: self.id(WR_SEND),
             op: Op::WriteImm(imm),
@@ -781,9 +777,9 @@ impl SendCore {
         };
         let imm = || Imm { slot, chunk: c, epoch: epoch(s.row[0].idx), size }.encode();
         // Most of NCCL's messages: one buffer, whole, its size in the immediate.
-        let one = size.filter(|_| nreqs == 1 && !split);
-        let data = if let Some((wr, data)) = one.and_then(|n| k.whole(s, imm(), n, self.p.max_msg))
-        {
+        let one = size.is_some() && nreqs == 1 && !split;
+        let whole = if one { k.whole(s, imm(), self.p.max_msg) } else { None };
+        let data = if let Some((wr, data)) = whole {
             io.send(q, std::slice::from_ref(&wr))?;
             self.sq[q].posted(1, true);
             data

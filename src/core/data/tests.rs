@@ -37,9 +37,9 @@
 //!   `a_queue_pair_error_fails_over_like_a_dead_path`;
 //! - a write the peer's queue pair refused as invalid failing the comm, not its lane:
 //!   `a_write_the_peer_refuses_fails_over_like_a_dead_path`;
-//! - path-aware placement off (strict rotation, equal chunks): `a_slow_lane_gets_less_of_the_work`.
-//! - a rebuilt lane not marked short (its new queue pair left without receives where the old
-//!   ones never flushed): `a_rebuilt_lane_gets_its_receives_though_the_old_ones_never_flushed`.
+//! - path-aware placement off (strict rotation, equal chunks): `a_slow_lane_gets_less_of_the_work`;
+//! - a rebuilt lane not marked short by the rebuild itself:
+//!   `a_rebuilt_lane_gets_its_receives_whatever_its_pool_counted`.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -3359,10 +3359,12 @@ fn a_lane_mask_has_exactly_its_first_n_bits() {
     }
 }
 
-/// A lane the sender has rebuilt before its old receives came back flushed (its pool still
-/// counted full) gets a full pool on its new queue pair: the rebuild marks it short itself.
+/// A rebuilt lane gets a full pool on its new queue pair whatever its old pool counted: the
+/// rebuild marks it short itself (refill's rule: a pool under its size has its bit). `serve`
+/// rebuilds only a lane whose old receives all came back, which marked it already; this calls
+/// the rebuild on a full pool, as another caller might.
 #[test]
-fn a_rebuilt_lane_gets_its_receives_though_the_old_ones_never_flushed() {
+fn a_rebuilt_lane_gets_its_receives_whatever_its_pool_counted() {
     let mem = Mem::both_ends(4096);
     let wire = RefCell::new(Wire::new(2));
     let params = Params { nqps: 2, members: vec![(0, 0); 2], ..one_qp(Path::default()) };
@@ -3381,4 +3383,64 @@ fn a_rebuilt_lane_gets_its_receives_though_the_old_ones_never_flushed() {
     assert_eq!(wire.borrow().qpn[1][1], qpn);
     assert!(receiver.pool[1] >= full, "the new queue pair's pool: {:?}", receiver.pool);
     assert!(wire.borrow().rq[1][1].len() >= full, "receives posted on the new queue pair");
+}
+
+/// A [`Post`] that keeps what is sent.
+#[derive(Default)]
+struct Sent(Vec<(usize, SendWr)>);
+
+impl Post for Sent {
+    fn send(&mut self, qp: usize, wrs: &[SendWr]) -> Result<()> {
+        self.0.extend(wrs.iter().map(|&w| (qp, w)));
+        Ok(())
+    }
+    fn recv(&mut self, _: usize, _: u64, _: usize) -> Result<()> {
+        Ok(())
+    }
+    fn fresh(&mut self, _: usize) -> Result<u32> {
+        Ok(0)
+    }
+    fn join(&mut self, _: usize, _: u32, _: (u32, u32)) -> Result<()> {
+        Ok(())
+    }
+    fn fence(&mut self, _: usize) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The whole message's one write (`ChunkWrs::whole`) is the one the general builders make
+/// (`data`, then `imm` on its last write), field for field, at the sizes where inline data,
+/// the largest message and a signaled mark begin, from host and from GPU memory, on a lane
+/// whose ends are on different member ports.
+#[test]
+fn a_whole_messages_one_write_is_the_general_paths() {
+    let (max_msg, mark, inline) = (4096, 4096, 64);
+    for size in [1, 8, 64, 65, 4095, 4096] {
+        for host in [true, false] {
+            let mut s = SendSlot { nreqs: 1, ..SendSlot::default() };
+            let (lkeys, rkeys) = (keys(11), keys(21));
+            s.bufs[0] = Some(Buf { addr: 0x1000, size, lkeys, rkeys: lkeys, host });
+            s.row[0] = Cts { addr: 0x9000, size, rkeys, nreqs: 1, idx: 5, ..Cts::default() };
+            let k = ChunkWrs { slot: 3, chunk: 0, lane: 1, life: 2, members: (0, 1), inline };
+            let imm = Imm { slot: 3, chunk: 0, epoch: epoch(5), size: Some(size) }.encode();
+            let (whole, len) = k.whole(&s, imm, max_msg).expect("one write holds it");
+            let (mut wrs, mut sq) = ([SendWr::default(); MAX_CHAIN], SqCount::new(64));
+            let mut io = Sent::default();
+            let mut chain = Chain::new(1, &mut wrs, &mut sq);
+            let parts = [(0, size); MAX_RECVS];
+            let data = k.data(&mut chain, &mut io, &s, &parts, (max_msg, mark)).unwrap();
+            k.imm(&mut chain, &mut io, imm, true).unwrap();
+            chain.flush(&mut io).unwrap();
+            assert_eq!((len, data), (size, size));
+            let general: Vec<String> = io.0.iter().map(|w| format!("{w:?}")).collect();
+            assert_eq!(general, [format!("{:?}", (1, whole))], "{size} bytes, host {host}");
+        }
+    }
+    // None where one write does not hold it: an empty message, or one of pieces.
+    let mut s = SendSlot { nreqs: 1, ..SendSlot::default() };
+    let k = ChunkWrs { slot: 0, chunk: 0, lane: 0, life: 0, members: (0, 0), inline };
+    for size in [0, max_msg + 1] {
+        s.bufs[0] = Some(Buf { size, ..Buf::default() });
+        assert!(k.whole(&s, 0, max_msg).is_none(), "{size} bytes");
+    }
 }
