@@ -3350,6 +3350,7 @@ fn one_message_at_a_time_never_stalls_the_cts_rows() {
     }
 }
 
+/// `lanes_mask` on both sides of its 64-bit shortcut: exactly the first `n` bits.
 #[test]
 fn a_lane_mask_has_exactly_its_first_n_bits() {
     for n in 1..=MAX_CHUNKS {
