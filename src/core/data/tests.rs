@@ -3386,29 +3386,6 @@ fn a_rebuilt_lane_gets_its_receives_whatever_its_pool_counted() {
     assert!(wire.borrow().rq[1][1].len() >= full, "receives posted on the new queue pair");
 }
 
-/// A [`Post`] that keeps what is sent.
-#[derive(Default)]
-struct Sent(Vec<(usize, SendWr)>);
-
-impl Post for Sent {
-    fn send(&mut self, qp: usize, wrs: &[SendWr]) -> Result<()> {
-        self.0.extend(wrs.iter().map(|&w| (qp, w)));
-        Ok(())
-    }
-    fn recv(&mut self, _: usize, _: u64, _: usize) -> Result<()> {
-        Ok(())
-    }
-    fn fresh(&mut self, _: usize) -> Result<u32> {
-        Ok(0)
-    }
-    fn join(&mut self, _: usize, _: u32, _: (u32, u32)) -> Result<()> {
-        Ok(())
-    }
-    fn fence(&mut self, _: usize) -> Result<()> {
-        Ok(())
-    }
-}
-
 /// The whole message's one write (`ChunkWrs::whole`) is the one the general builders make
 /// (`data`, then `imm` on its last write), field for field, at the sizes where inline data,
 /// the largest message and a signaled mark begin, from host and from GPU memory, on a lane
@@ -3416,25 +3393,28 @@ impl Post for Sent {
 #[test]
 fn a_whole_messages_one_write_is_the_general_paths() {
     let (max_msg, mark, inline) = (4096, 4096, 64);
+    let mem = Mem::both_ends(4096);
     for size in [1, 8, 64, 65, 4095, 4096] {
         for host in [true, false] {
             let mut s = SendSlot { nreqs: 1, ..SendSlot::default() };
-            let (lkeys, rkeys) = (keys(11), keys(21));
-            s.bufs[0] = Some(Buf { addr: 0x1000, size, lkeys, rkeys: lkeys, host });
-            s.row[0] = Cts { addr: 0x9000, size, rkeys, nreqs: 1, idx: 5, ..Cts::default() };
+            let (lkeys, rkeys) = (keys(11), keys(12));
+            s.bufs[0] = Some(Buf { addr: SEND_DATA, size, lkeys, rkeys: lkeys, host });
+            s.row[0] = Cts { addr: RECV_DATA, size, rkeys, nreqs: 1, idx: 5, ..Cts::default() };
             let k = ChunkWrs { slot: 3, chunk: 0, lane: 1, life: 2, members: (0, 1), inline };
             let imm = Imm { slot: 3, chunk: 0, epoch: epoch(5), size: Some(size) }.encode();
             let (whole, len) = k.whole(&s, imm, max_msg).expect("one write holds it");
             let (mut wrs, mut sq) = ([SendWr::default(); MAX_CHAIN], SqCount::new(64));
-            let mut io = Sent::default();
+            let wire = RefCell::new(Wire::new(2));
+            let mut io = Io { wire: &wire, mem: &mem, side: 0, depth: 64 };
             let mut chain = Chain::new(1, &mut wrs, &mut sq);
             let parts = [(0, size); MAX_RECVS];
             let data = k.data(&mut chain, &mut io, &s, &parts, (max_msg, mark)).unwrap();
             k.imm(&mut chain, &mut io, imm, true).unwrap();
             chain.flush(&mut io).unwrap();
             assert_eq!((len, data), (size, size));
-            let general: Vec<String> = io.0.iter().map(|w| format!("{w:?}")).collect();
-            assert_eq!(general, [format!("{:?}", (1, whole))], "{size} bytes, host {host}");
+            let general: Vec<String> =
+                wire.borrow().sq[0][1].iter().map(|q| format!("{:?}", q.wr)).collect();
+            assert_eq!(general, [format!("{whole:?}")], "{size} bytes, host {host}");
         }
     }
     // None where one write does not hold it: an empty message, or one of pieces.
