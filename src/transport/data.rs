@@ -172,14 +172,16 @@ struct Port {
 /// touches only its CQs, the clock and one word per port.
 ///
 /// [`DeviceFlags::news`]: crate::transport::device::DeviceFlags::news
-fn news(net: &Net, ports: &mut [Port]) -> bool {
-    let mut any = false;
-    for p in ports {
-        let n = net.devices[p.dev].flags.news.load(Ordering::Acquire);
-        any |= n != p.seen_news;
-        p.seen_news = n;
+fn news(ports: &mut [Port]) -> bool {
+    let seen = |p: &mut Port| {
+        let n = p.watch.news();
+        std::mem::replace(&mut p.seen_news, n) != n
+    };
+    // Most comms have one port: straight code for it (the loop is unrolled for many).
+    match ports {
+        [p] => seen(p),
+        ports => ports.iter_mut().fold(false, |any, p| seen(p) | any),
     }
-    any
 }
 
 /// Tells `set` which of `ports`' links are down (by name, and as bits by member index), when
@@ -246,13 +248,7 @@ struct Qps<'a> {
 /// A comm's [`Qps`], with flush QPs `flush`.
 macro_rules! qps {
     ($comm:expr, $flush:expr) => {
-        Qps {
-            qps: &mut $comm.lanes.qps,
-            flush: $flush,
-            links: &$comm.lanes.links,
-            net: &$comm.lanes.net,
-            ports: &$comm.lanes.ports,
-        }
+        $comm.lanes.io($flush)
     };
 }
 
@@ -373,34 +369,37 @@ impl Drain for RecvDrain<'_> {
 /// devices have `news`), drains each member port's CQ in batches into the core, then lets it
 /// check its watchdog (against the coarse clock: a precise read costs microseconds under
 /// emulation), the devices' health and the comm's whole-comm alarm once per [`IDLE_EVERY`]
-/// (`idle_at`: when next), or at once on `news` or a failed poll; in between, a poll that
-/// found completions runs what they make possible. Every failure here is local and fails the
-/// comm for good. `Ok(false)`: the poll found nothing, and nothing ran but the side's
-/// [`Drain::quiet`] (so nothing is left to report or log).
+/// (`lanes.idle_at`: when next), or at once on `news` or a failed poll; in between, a poll
+/// that found completions runs what they make possible. The view of the comm's queue pairs
+/// (`flush`: its flush QPs) is made only for what runs then, not for a poll that found
+/// nothing. Every failure here is local and fails the comm for good. `Ok(false)`: the poll
+/// found nothing, and nothing ran but the side's [`Drain::quiet`] (so nothing is left to
+/// report or log).
 fn progress(
     side: &mut impl Drain,
-    io: &mut Qps,
-    idle_at: &mut Duration,
+    lanes: &mut Lanes,
+    flush: &[Flusher],
     news: bool,
 ) -> Result<bool> {
-    let n = io.ports.len();
     // Queue pairs the async-event thread saw fail: a lane's failure each, while another
     // lives (taken before the poll, ahead of most of their flushed work). A queue pair number
     // is only unique on its device: the lanes of that port are searched. The thread bumps the
     // news count after it queues one, so without news there is none to take.
     let mut lost = None;
-    let queued: &[Port] = if news { io.ports } else { &[] };
-    for (m, port) in queued.iter().enumerate() {
-        while let Some((qpn, why)) = port.watch.alarm.lanes.pop() {
-            let mine = |l: &usize| port_of(*l, n) == m && io.qps[*l].qpn() == qpn;
-            let lane = (0..io.qps.len()).find(mine);
-            if !lane.is_some_and(|l| side.lane_error(l, &why)) {
-                lost.get_or_insert(Fault::Local(why));
+    if news {
+        let n = lanes.ports.len();
+        for (m, port) in lanes.ports.iter().enumerate() {
+            while let Some((qpn, why)) = port.watch.alarm.lanes.pop() {
+                let mine = |l: &usize| port_of(*l, n) == m && lanes.qps[*l].qpn() == qpn;
+                let lane = (0..lanes.qps.len()).find(mine);
+                if !lane.is_some_and(|l| side.lane_error(l, &why)) {
+                    lost.get_or_insert(Fault::Local(why));
+                }
             }
         }
     }
     let (mut polled, mut any) = (None, false);
-    for port in io.ports {
+    let mut drain = |port: &Port| {
         loop {
             let got = port.cq.poll_with(|i, n, c| {
                 if i == 0 {
@@ -417,26 +416,32 @@ fn progress(
                 break;
             }
         }
+    };
+    // As in `news`: one port, most comms', without the loop.
+    match &lanes.ports[..] {
+        [port] => drain(port),
+        ports => ports.iter().for_each(drain),
     }
     let now = crate::os::coarse_now();
-    if polled.is_none() && !news && now < *idle_at {
+    if polled.is_none() && !news && now < lanes.idle_at {
         if any {
-            side.after_poll(now, io)?;
+            side.after_poll(now, &mut lanes.io(flush))?;
         } else {
             side.quiet();
         }
         return Ok(any);
     }
-    *idle_at = now + IDLE_EVERY;
-    let dead = |p: &Port| io.net.devices[p.dev].check_alive().err();
+    lanes.idle_at = now + IDLE_EVERY;
+    let (net, ports) = (&lanes.net, &lanes.ports);
+    let dead = |p: &Port| net.devices[p.dev].check_alive().err();
     let elsewhere = polled
         .or(lost)
-        .or_else(|| io.ports.iter().find_map(dead).map(|e| Fault::Local(e.to_string())))
+        .or_else(|| ports.iter().find_map(dead).map(|e| Fault::Local(e.to_string())))
         .or_else(|| {
-            let raised = io.ports.iter().find_map(|p| p.watch.alarm.raised.get());
+            let raised = ports.iter().find_map(|p| p.watch.alarm.raised.get());
             raised.map(|w| Fault::Local(w.clone()))
         });
-    side.idle(now, elsewhere, io).map(|()| true)
+    side.idle(now, elsewhere, &mut lanes.io(flush)).map(|()| true)
 }
 
 /// The queue pairs `setup` builds for a comm before the peer answers: its lanes over the
@@ -655,6 +660,13 @@ impl Lanes {
         Lanes { net, devs, path, qps, links, ports, life, events, idle_at: Duration::ZERO }
     }
 
+    /// The comm's queue pairs as the core's [`Post`], with flush QPs `flush`.
+    #[inline]
+    fn io<'a>(&'a mut self, flush: &'a [Flusher]) -> Qps<'a> {
+        let (qps, links, net, ports) = (&mut self.qps, &self.links, &self.net, &self.ports);
+        Qps { qps, flush, links, net, ports }
+    }
+
     /// Turns what the core journaled into profiler events (the core journals nothing without
     /// a profiler, so then this is one branch); `ports`: how many member ports the comm spans.
     #[inline]
@@ -796,7 +808,9 @@ impl SendComm {
 
     /// Matches a send against the receiver's posted buffers. `Ok(None)`: not yet. `buf`: the
     /// lookup of the buffer's registration, run only once a receive matches it. `phandle`:
-    /// NCCL's profiler handle of the request (0: none).
+    /// NCCL's profiler handle of the request (0: none). Inline into the FFI's `isend`, its one
+    /// caller.
+    #[inline]
     pub fn isend(
         &mut self,
         buf: impl FnOnce() -> Result<Buf>,
@@ -827,7 +841,7 @@ impl SendComm {
 
     /// One progress step; `Ok(false)` where its poll found nothing and nothing ran.
     fn step(&mut self) -> Result<bool> {
-        let news = news(&self.lanes.net, &mut self.lanes.ports);
+        let news = news(&mut self.lanes.ports);
         if news {
             // A port that came back: its lanes are repaired now (port recovery).
             for (m, p) in self.lanes.ports.iter_mut().enumerate() {
@@ -840,10 +854,9 @@ impl SendComm {
             let ports = &mut self.lanes.ports;
             links_down(&self.lanes.net, ports, |down, bits| self.core.links_down(down, bits));
         }
-        let mut io = qps!(self, &[]);
         let mut side =
             SendDrain { core: &mut self.core, stage: &self.sizes_stage, fifo: &self.fifo };
-        let r = progress(&mut side, &mut io, &mut self.lanes.idle_at, news);
+        let r = progress(&mut side, &mut self.lanes, &[], news);
         if let Ok(false) = r {
             return Ok(false);
         }
@@ -853,7 +866,9 @@ impl SendComm {
         r
     }
 
-    /// `Some(size)` once request `id` completed (the request is then free again).
+    /// `Some(size)` once request `id` completed (the request is then free again). Inline into
+    /// the FFI's `test`, its one caller: NCCL's most frequent call pays no second entry.
+    #[inline]
     pub fn test(&mut self, id: usize) -> Result<Option<u64>> {
         // A pending request whose poll found nothing, with nothing run, is still pending.
         if self.core.pending(id) && !self.step()? {
@@ -961,7 +976,8 @@ impl RecvComm {
 
     /// Posts `bufs` (with their tags) as one multi-receive; `optional`: NCCL needs no
     /// completion; `phandles`: NCCL's profiler handles of the buffers (empty or 0: none).
-    /// `Ok(None)`: all slots busy.
+    /// `Ok(None)`: all slots busy. Inline into the FFI's `irecv`, its one caller.
+    #[inline]
     pub fn irecv(
         &mut self,
         bufs: &[(Buf, i32)],
@@ -1025,15 +1041,14 @@ impl RecvComm {
     /// One progress step; `Ok(false)` where its poll found nothing and only the memory the
     /// peer's NIC writes was looked at.
     fn step(&mut self) -> Result<bool> {
-        let news = news(&self.lanes.net, &mut self.lanes.ports);
+        let news = news(&mut self.lanes.ports);
         if news {
             let ports = &mut self.lanes.ports;
             links_down(&self.lanes.net, ports, |down, bits| self.core.links_down(down, bits));
         }
         let mut side =
             RecvDrain { core: &mut self.core, stage: &self.cts_stage, sizes: &self.sizes };
-        let mut io = qps!(self, &self.flushers);
-        let r = progress(&mut side, &mut io, &mut self.lanes.idle_at, news);
+        let r = progress(&mut side, &mut self.lanes, &self.flushers, news);
         if let Ok(false) = r {
             return Ok(false);
         }
@@ -1044,7 +1059,8 @@ impl RecvComm {
     }
 
     /// Receive request `id` (`< SLOTS`) or flush request (`FLUSH_BASE..`): `Some(n)` once
-    /// done, with the `n` received sizes in `sizes`.
+    /// done, with the `n` received sizes in `sizes`. Inline, as the sender's.
+    #[inline]
     pub fn test(&mut self, id: usize, sizes: &mut [u64; MAX_RECVS]) -> Result<Option<usize>> {
         if (self.core.pending(id) || self.core.needs_poll(&self.sizes))
             && !self.step()?

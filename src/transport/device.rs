@@ -131,6 +131,12 @@ pub struct Watch {
 }
 
 impl Watch {
+    /// Its device's count of news ([`DeviceFlags::news`]).
+    #[inline]
+    pub fn news(&self) -> u64 {
+        self.flags.news.load(Ordering::Acquire)
+    }
+
     /// Lane repair replaced queue `old` with `new`: `new` is watched instead, and an error of
     /// `old` still waiting in the alarm is nobody's any more (dropped).
     pub fn swap(&self, old: Queue, new: Queue) {
