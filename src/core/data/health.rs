@@ -163,11 +163,19 @@ impl Watchdog {
         }
     }
 
+    /// What the watchdog finds at `now`: nothing with nothing outstanding (the common case,
+    /// inline), else [`Self::waiting`].
+    #[inline]
     pub(super) fn check(&mut self, now: Duration, path: &Path) -> Option<String> {
         if self.outstanding == 0 {
             self.since = None;
             return None;
         }
+        self.waiting(now, path)
+    }
+
+    /// With work outstanding: an error once no completion came for the timeout.
+    fn waiting(&mut self, now: Duration, path: &Path) -> Option<String> {
         match self.since {
             Some(since) if self.completions == self.seen => {
                 (now.saturating_sub(since) > self.timeout).then(|| {
@@ -463,6 +471,7 @@ impl Health {
 
     /// After a poll found the CQ empty at `now`: the watchdog, and a failure from elsewhere
     /// (the device, or an async error on one of the comm's queues).
+    #[inline]
     pub(super) fn idle(&mut self, now: Duration, elsewhere: Option<Fault>) -> Result<()> {
         if self.fatal.is_none() {
             self.fatal = self.watchdog.check(now, &self.path).map(Fault::Remote).or(elsewhere);

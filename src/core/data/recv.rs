@@ -528,7 +528,17 @@ impl RecvCore {
     /// only while the control lane's send queue is full, or after the rows moved to another
     /// lane; `idle` writes them then. A batch that does not fit the send queue waits for a
     /// signaled completion, which [`SqCount`] guarantees is on the way.
+    #[inline]
     pub(super) fn advertise(&mut self, stage: &impl Words, io: &mut impl Post) -> Result<()> {
+        // Inline up to here: the idle run and most polls find no row staged.
+        if self.head == self.advertised {
+            return Ok(());
+        }
+        self.write_rows(stage, io)
+    }
+
+    /// [`Self::advertise`] with rows staged.
+    fn write_rows(&mut self, stage: &impl Words, io: &mut impl Post) -> Result<()> {
         loop {
             let staged = self.head - self.advertised;
             if staged == 0 {
@@ -825,8 +835,10 @@ impl RecvCore {
         let (target, members) = (self.remote_fifo, &self.p.members);
         let at = |q: usize| target.at(0, members[q].1);
         let probed = self.health.probe(now, (waiting, false), io, (lanes, at))?;
-        for q in (0..self.p.nqps).filter(|&q| probed & (1 << q) != 0) {
-            self.sq[q].posted(1, true);
+        if probed != 0 {
+            for q in (0..self.p.nqps).filter(|&q| probed & (1 << q) != 0) {
+                self.sq[q].posted(1, true);
+            }
         }
         self.health.idle(now, elsewhere)
     }
