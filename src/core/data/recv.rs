@@ -14,6 +14,7 @@ pub(super) struct RecvSlot {
     pub(super) state: State,
     pub(super) n: usize,
     /// The sizes the buffers were posted with: a size the peer reports must not exceed them.
+    /// Only the first `n` are the receive's (here and in `sizes`); the rest are stale.
     pub(super) posted: [u64; MAX_RECVS],
     /// The `idx` of an optional receive: the slot is reused once the ack word reaches it.
     pub(super) ack_for: u64,
@@ -206,20 +207,26 @@ impl RecvCore {
             let cts = Cts { addr: b.addr, size: b.size, rkeys, tag: *tag, nreqs, optional, idx };
             stage.store_n(entry_word(slot, r), cts.encode());
         }
-        let posted = std::array::from_fn(|r| bufs.get(r).map_or(0, |b| b.0.size));
-        self.slots[slot] = if optional {
+        // Field by field, and only the receive's `n` buffers (a slot is about 200 bytes): the
+        // sizes past `n` are never read, and a receive's own are written when it lands.
+        let want =
+            if optional { 0 } else { lanes_mask(lanes(self.p.split, self.p.nqps, slot).len()) };
+        let s = &mut self.slots[slot];
+        (s.state, s.n, s.idx, s.want, s.got) = (State::Pending, n, idx, want, 0);
+        for (p, (b, _)) in s.posted.iter_mut().zip(bufs) {
+            *p = b.size;
+        }
+        if optional {
             // Done once its row is written to the sender: NCCL watches the data itself. The
             // size reported is the posted one.
+            s.ack_for = idx;
+            s.sizes[0] = s.posted[0];
             self.health.traffic.messages += 1;
             self.optional_idx = idx;
-            let (ack_for, sizes) = (idx, posted);
-            RecvSlot { state: State::Pending, n, posted, ack_for, idx, want: 0, got: 0, sizes }
         } else {
-            let want = lanes_mask(lanes(self.p.split, self.p.nqps, slot).len());
+            s.ack_for = 0;
             self.waiting += 1;
-            let sizes = [0; MAX_RECVS];
-            RecvSlot { state: State::Pending, n, posted, ack_for: 0, idx, want, got: 0, sizes }
-        };
+        }
         self.head += 1;
         self.advertise(stage, io)?;
         Ok(Some(slot))
