@@ -245,13 +245,6 @@ struct Qps<'a> {
     ports: &'a [Port],
 }
 
-/// A comm's [`Qps`], with flush QPs `flush`.
-macro_rules! qps {
-    ($comm:expr, $flush:expr) => {
-        $comm.lanes.io($flush)
-    };
-}
-
 impl Qps<'_> {
     fn qp(&self, i: usize) -> Result<&Qp> {
         let n = self.qps.len();
@@ -817,7 +810,7 @@ impl SendComm {
         tag: i32,
         phandle: usize,
     ) -> Result<Option<usize>> {
-        let mut io = qps!(self, &[]);
+        let mut io = self.lanes.io(&[]);
         let r = self.core.isend_with(&self.fifo, &self.sizes_stage, &mut io, buf, tag);
         if let (Ok(Some(id)), Some(ev)) = (&r, &mut self.lanes.events) {
             ev.handed(*id, phandle);
@@ -990,7 +983,7 @@ impl RecvComm {
         if polled {
             self.progress()?;
         }
-        let mut io = qps!(self, &[]);
+        let mut io = self.lanes.io(&[]);
         let r = self.core.irecv(&self.cts_stage, &self.sizes, &mut io, bufs, optional);
         if let (Ok(Some(slot)), Some(ev)) = (&r, &mut self.lanes.events) {
             for i in 0..MAX_RECVS {
@@ -1030,7 +1023,7 @@ impl RecvComm {
             *s = (f.target.addr(0), f.target.lkey());
         }
         let n = self.flushers.len();
-        let mut io = qps!(self, &self.flushers);
+        let mut io = self.lanes.io(&self.flushers);
         self.core.iflush(&mut io, b, &scratch[..n]).map(Some)
     }
 
