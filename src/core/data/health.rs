@@ -452,6 +452,7 @@ impl Health {
     /// For a comm with nothing outstanding and no lane busy: whether the timed checks have
     /// nothing to find (no witness wanted, no port down, no wait being timed). Then the
     /// prober's quiet time restarts, as a probe check that is not due restarts it.
+    #[inline]
     pub(super) fn at_rest(&mut self) -> bool {
         let rest = !self.witness && self.ports_down == 0 && self.stall.untimed();
         if rest {

@@ -954,8 +954,9 @@ impl SendCore {
             return;
         }
         let dead = !self.alive & lanes_mask(self.p.nqps);
-        let busy = self.in_flight > 0 || self.lanes.iter().any(place::Lane::busy);
-        if busy || std::mem::take(&mut self.retimed) || self.avoid != dead {
+        // A lane holds chunks only of messages in flight.
+        debug_assert!(self.in_flight > 0 || !self.lanes.iter().any(place::Lane::busy));
+        if self.in_flight > 0 || std::mem::take(&mut self.retimed) || self.avoid != dead {
             let now = self.clock.unwrap_or_default();
             let split = self.p.split.then_some((self.avoid, &self.nic));
             self.avoid = place::avoided(&self.lanes, self.alive, now, split);
