@@ -1052,7 +1052,8 @@ impl RecvComm {
     }
 
     /// Receive request `id` (`< SLOTS`) or flush request (`FLUSH_BASE..`): `Some(n)` once
-    /// done, with the `n` received sizes in `sizes`. Inline, as the sender's.
+    /// done, with the `n` received sizes first in `sizes` (the entries after them are
+    /// unspecified). Inline, as the sender's.
     #[inline]
     pub fn test(&mut self, id: usize, sizes: &mut [u64; MAX_RECVS]) -> Result<Option<usize>> {
         if (self.core.pending(id) || self.core.needs_poll(&self.sizes))

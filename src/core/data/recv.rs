@@ -14,7 +14,8 @@ pub(super) struct RecvSlot {
     pub(super) state: State,
     pub(super) n: usize,
     /// The sizes the buffers were posted with: a size the peer reports must not exceed them.
-    /// Only the first `n` are the receive's (here and in `sizes`); the rest are stale.
+    /// Only the first `n` are the receive's (here and in `sizes`); the rest are left from earlier
+    /// receives and never used.
     pub(super) posted: [u64; MAX_RECVS],
     /// The `idx` of an optional receive: the slot is reused once the ack word reaches it.
     pub(super) ack_for: u64,
@@ -208,7 +209,7 @@ impl RecvCore {
             stage.store_n(entry_word(slot, r), cts.encode());
         }
         // Field by field, and only the receive's `n` buffers (a slot is about 200 bytes): the
-        // sizes past `n` are never read, and a receive's own are written when it lands.
+        // sizes past `n` are never used, and a receive's own are written when it lands.
         let want =
             if optional { 0 } else { lanes_mask(lanes(self.p.split, self.p.nqps, slot).len()) };
         let s = &mut self.slots[slot];
@@ -716,6 +717,9 @@ impl RecvCore {
             return;
         }
         if let Some(size) = imm.size {
+            // An honest sender puts the size in the immediate only for one buffer; for more,
+            // the others are 0, never a size left from an earlier receive.
+            s.sizes[..s.n].fill(0);
             s.sizes[0] = size;
         } else {
             for r in 0..s.n {
@@ -863,7 +867,8 @@ impl RecvCore {
     }
 
     /// Receive request `id` (`< SLOTS`) or flush request (`FLUSH_BASE..`): `Some(n)` once done,
-    /// with the `n` received sizes in `sizes` (0 for a flush).
+    /// with the `n` received sizes first in `sizes` (the entries after them are unspecified; 0
+    /// for a flush).
     pub fn test(&mut self, id: usize, sizes: &mut [u64; MAX_RECVS]) -> Result<Option<usize>> {
         match self.state(id) {
             None | Some(State::Free) => {

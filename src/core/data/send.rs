@@ -954,8 +954,13 @@ impl SendCore {
             return;
         }
         let dead = !self.alive & lanes_mask(self.p.nqps);
-        // A lane holds chunks only of messages in flight.
-        debug_assert!(self.in_flight > 0 || !self.lanes.iter().any(place::Lane::busy));
+        // A lane holds chunks only of messages in flight, while the comm lives (a post that
+        // failed part-way leaves its first chunks on their lanes, and fails the comm).
+        debug_assert!(
+            self.health.fatal.is_some()
+                || self.in_flight > 0
+                || !self.lanes.iter().any(place::Lane::busy)
+        );
         if self.in_flight > 0 || std::mem::take(&mut self.retimed) || self.avoid != dead {
             let now = self.clock.unwrap_or_default();
             let split = self.p.split.then_some((self.avoid, &self.nic));
