@@ -717,10 +717,12 @@ impl RecvCore {
             return;
         }
         if let Some(size) = imm.size {
+            s.sizes[0] = size;
             // An honest sender puts the size in the immediate only for one buffer; for more,
             // the others are 0, never a size left from an earlier receive.
-            s.sizes[..s.n].fill(0);
-            s.sizes[0] = size;
+            if s.n > 1 {
+                s.sizes[1..s.n].fill(0);
+            }
         } else {
             for r in 0..s.n {
                 s.sizes[r] = sizes.load(i * MAX_RECVS + r);
