@@ -848,11 +848,7 @@ impl RecvCore {
         let (target, members) = (self.remote_fifo, &self.p.members);
         let at = |q: usize| target.at(0, members[q].1);
         let probed = self.health.probe(now, (waiting, false), io, (lanes, at))?;
-        if probed != 0 {
-            for q in (0..self.p.nqps).filter(|&q| probed & (1 << q) != 0) {
-                self.sq[q].posted(1, true);
-            }
-        }
+        sq::probes_posted(&mut self.sq, probed);
         self.health.idle(now, elsewhere)
     }
 

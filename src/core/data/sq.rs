@@ -34,6 +34,16 @@ pub(super) fn busy_lanes(alive: u128, sq: &[SqCount]) -> u128 {
     busy & alive
 }
 
+/// The probes [`Health::probe`] posted, one signaled request on each lane of `lanes`.
+///
+/// [`Health::probe`]: super::health::Health::probe
+pub(super) fn probes_posted(sq: &mut [SqCount], mut lanes: u128) {
+    while lanes != 0 {
+        sq[lanes.trailing_zeros() as usize].posted(1, true);
+        lanes &= lanes - 1;
+    }
+}
+
 impl SqCount {
     pub(super) fn new(depth: usize) -> SqCount {
         SqCount {
