@@ -83,6 +83,11 @@
 //!   batch that does not fit waits, and one entry is kept for a probe.
 //! - A posted receive never waits on its own end's next call: its row is written by `irecv`
 //!   (or, with the CTS send queue full, by the polls `irecv` makes before it returns).
+//!
+//! Cost: the functions a message or a poll runs through, small or called from one place, are
+//! `#[inline(always)]`. Under fat LTO the compiler kept about thirty of them as calls; forced
+//! inline, an 8 B message costs about 590 fewer instructions (both ends) and an empty `test`
+//! about 30 fewer (`ferroce instructions`).
 #![doc = include_str!("doc/data.md")]
 
 use std::time::Duration;

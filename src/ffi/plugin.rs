@@ -396,6 +396,7 @@ pub(super) unsafe extern "C" fn dereg_mr(_comm: *mut c_void, mhandle: *mut c_voi
 /// # Safety
 /// `mhandle` must be NULL or an `mhandle` from `regMr`/`regMrDmaBuf` not yet deregistered, for
 /// the call.
+#[inline(always)]
 unsafe fn buf(data: *mut c_void, size: u64, mhandle: *mut c_void, devs: &[usize]) -> Result<Buf> {
     if mhandle.is_null() {
         if size == 0 {

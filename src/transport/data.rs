@@ -92,6 +92,7 @@ pub enum ReqKind {
 
 /// `[addr, addr + size)` of the registration `h`, with its keys on each of a comm's member
 /// ports `members` (device indices): it must lie inside the registration on every one.
+#[inline(always)]
 pub fn buf_within(h: &MrHandle, members: &[usize], addr: u64, size: u64) -> Result<Buf> {
     let end = addr.checked_add(size).ok_or_else(|| Error::Internal("buffer wraps".into()))?;
     let host = h.kind == MemKind::Host;
@@ -318,12 +319,14 @@ impl Drain for SendDrain<'_> {
             self.core.stamp(crate::os::precise_now(), got);
         }
     }
+    #[inline(always)]
     fn take(&mut self, c: &Completion) {
         self.core.complete(c)
     }
     fn lane_error(&mut self, lane: usize, why: &str) -> bool {
         self.core.lane_error(lane, why)
     }
+    #[inline(always)]
     fn idle(&mut self, now: Duration, elsewhere: Option<Fault>, io: &mut Qps) -> Result<()> {
         self.core.idle(now, elsewhere, io, (self.fifo, self.stage))
     }
@@ -341,12 +344,14 @@ struct RecvDrain<'a> {
 }
 
 impl Drain for RecvDrain<'_> {
+    #[inline(always)]
     fn take(&mut self, c: &Completion) {
         self.core.complete(c, self.sizes)
     }
     fn lane_error(&mut self, lane: usize, why: &str) -> bool {
         self.core.lane_error(lane, why, self.sizes)
     }
+    #[inline(always)]
     fn idle(&mut self, now: Duration, elsewhere: Option<Fault>, io: &mut Qps) -> Result<()> {
         self.core.idle(now, elsewhere, io, self.stage, self.sizes)
     }
@@ -391,30 +396,12 @@ fn progress(
             }
         }
     }
-    let (mut polled, mut any) = (None, false);
-    let mut drain = |port: &Port| {
-        loop {
-            let got = port.cq.poll_with(|i, n, c| {
-                if i == 0 {
-                    side.polled(n);
-                }
-                side.take(c)
-            });
-            let got = got.unwrap_or_else(|e| {
-                polled.get_or_insert(Fault::Local(format!("{e}; the connection is unusable")));
-                0
-            });
-            any |= got > 0;
-            if got < verbs::POLL_BATCH {
-                break;
-            }
-        }
-    };
+    let mut polled = None;
     // As in `news`: one port, most comms', without the loop.
-    match &lanes.ports[..] {
-        [port] => drain(port),
-        ports => ports.iter().for_each(drain),
-    }
+    let any = match &lanes.ports[..] {
+        [port] => drain(side, port, &mut polled),
+        ports => ports.iter().fold(false, |any, p| drain(side, p, &mut polled) | any),
+    };
     let now = crate::os::coarse_now();
     if polled.is_none() && !news && now < lanes.idle_at {
         if any {
@@ -435,6 +422,29 @@ fn progress(
             raised.map(|w| Fault::Local(w.clone()))
         });
     side.idle(now, elsewhere, &mut lanes.io(flush)).map(|()| true)
+}
+
+/// Drains `port`'s CQ into `side`, in batches: whether it found anything. A failed poll
+/// fails the comm (`polled`). Inline: it runs on every poll.
+#[inline(always)]
+fn drain(side: &mut impl Drain, port: &Port, polled: &mut Option<Fault>) -> bool {
+    let mut any = false;
+    loop {
+        let got = port.cq.poll_with(|i, n, c| {
+            if i == 0 {
+                side.polled(n);
+            }
+            side.take(c)
+        });
+        let got = got.unwrap_or_else(|e| {
+            polled.get_or_insert(Fault::Local(format!("{e}; the connection is unusable")));
+            0
+        });
+        any |= got > 0;
+        if got < verbs::POLL_BATCH {
+            return any;
+        }
+    }
 }
 
 /// The queue pairs `setup` builds for a comm before the peer answers: its lanes over the
@@ -678,6 +688,7 @@ impl Lanes {
     }
 
     /// Logs the statistics line of `role` (e.g. "send comm to") when one is due.
+    #[inline(always)]
     fn tick(&mut self, role: &str, t: &Traffic) {
         if let Some(life) = &mut self.life {
             life.tick(role, t, &self.path, &self.net, &self.devs);

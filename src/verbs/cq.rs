@@ -45,6 +45,7 @@ impl Cq {
 
     /// Polls up to [`POLL_BATCH`] completions and calls `each(i, n, c)` with every one in
     /// order (`i` of `n`); returns `n`. No buffer is written for an empty poll.
+    #[inline(always)]
     pub fn poll_with(&self, mut each: impl FnMut(usize, usize, &Completion)) -> Result<usize> {
         let mut wc = [const { MaybeUninit::<sys::ibv_wc>::uninit() }; POLL_BATCH];
         // SAFETY: raw is a live CQ and wc has room for POLL_BATCH entries.

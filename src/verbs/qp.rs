@@ -186,6 +186,7 @@ impl Qp {
 
     /// Posts up to [`MAX_CHAIN`] send work requests as one chain. Only the entries used are
     /// written: nothing is zeroed per post.
+    #[inline(always)]
     pub fn post_send(&self, wrs: &[SendWr]) -> Result<()> {
         assert!(wrs.len() <= MAX_CHAIN, "post_send chain of {} > {MAX_CHAIN}", wrs.len());
         if wrs.is_empty() {

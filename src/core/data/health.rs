@@ -290,6 +290,7 @@ impl Health {
 
     /// Records the first failed completion; `true` if `c` succeeded. A probe's completion is
     /// taken here too.
+    #[inline(always)]
     pub(super) fn completion(&mut self, c: &Completion) -> bool {
         self.prober.activity += 1;
         let (kind, lane) = (wr_kind(c.wr_id), wr_lane(c.wr_id));
@@ -472,7 +473,7 @@ impl Health {
 
     /// After a poll found the CQ empty at `now`: the watchdog, and a failure from elsewhere
     /// (the device, or an async error on one of the comm's queues).
-    #[inline]
+    #[inline(always)]
     pub(super) fn idle(&mut self, now: Duration, elsewhere: Option<Fault>) -> Result<()> {
         if self.fatal.is_none() {
             self.fatal = self.watchdog.check(now, &self.path).map(Fault::Remote).or(elsewhere);

@@ -72,6 +72,7 @@ impl Lane {
         Lane { queue: VecDeque::with_capacity(64), ..Lane::default() }
     }
 
+    #[inline(always)]
     pub fn posted(&mut self, now: Duration, bytes: u64) {
         self.out += bytes;
         self.queue.push_back((now, bytes));
@@ -96,6 +97,7 @@ impl Lane {
     /// chunk of another lane that this one waited behind (split mode: every lane has a chunk
     /// of each message, and one NIC serves them in its own order), else zero. Whether the
     /// chunk was timed (what the lane knows of its rate changed).
+    #[inline(always)]
     pub fn retired(&mut self, now: Duration, shared: Duration) -> bool {
         let Some((at, bytes)) = self.queue.pop_front() else { return false };
         self.out = self.out.saturating_sub(bytes);

@@ -328,6 +328,7 @@ impl RecvCore {
     /// counted. Then a repair rebuilds our end (a new queue pair, connected to the sender's,
     /// its receives posted again). The answer goes through the control lane, after the
     /// receipts: what this end counted ([`Self::receipts`]).
+    #[inline(always)]
     pub(super) fn serve(
         &mut self,
         now: Duration,
@@ -503,6 +504,7 @@ impl RecvCore {
     /// than that: a lane holds at least its pool whenever a CTS goes out (this runs first),
     /// and posts once per [`RECV_BATCH`] messages it carries (one chain of 16; a first fill,
     /// or a rebuilt lane's, goes in several).
+    #[inline(always)]
     pub(super) fn refill(&mut self, io: &mut impl Post) -> Result<()> {
         let low = |(q, &n): (usize, &usize)| n < recv_pool(self.p.nqps) && self.short & 1 << q == 0;
         debug_assert!(
@@ -643,6 +645,7 @@ impl RecvCore {
     }
 
     /// Takes in one completion; `sizes` are the size records the sender writes.
+    #[inline(always)]
     pub fn complete(&mut self, c: &Completion, sizes: &impl Words) {
         let kind = wr_kind(c.wr_id);
         let lane = wr_lane(c.wr_id) % self.p.nqps.max(1);
@@ -792,6 +795,7 @@ impl RecvCore {
     /// The first of what both [`Self::after_poll`] and [`Self::idle`] do: optional receives
     /// the ack word covers are done, and, unless the comm failed, a repair request is served
     /// and receives are posted again. Whether the comm is still alive.
+    #[inline(always)]
     fn landed(
         &mut self,
         now: Duration,
@@ -867,6 +871,7 @@ impl RecvCore {
     /// Receive request `id` (`< SLOTS`) or flush request (`FLUSH_BASE..`): `Some(n)` once done,
     /// with the `n` received sizes first in `sizes` (the entries after them are unspecified; 0
     /// for a flush).
+    #[inline(always)]
     pub fn test(&mut self, id: usize, sizes: &mut [u64; MAX_RECVS]) -> Result<Option<usize>> {
         match self.state(id) {
             None | Some(State::Free) => {

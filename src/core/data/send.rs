@@ -117,6 +117,7 @@ impl ChunkWrs {
     /// write holds (1 to `max_msg` bytes), whose size is in the immediate `imm`: its write
     /// with immediate, signaled, as [`Self::data`] and [`Self::imm`] build it, and its bytes.
     /// `None`: the general path's (an empty buffer or message, or one in pieces).
+    #[inline(always)]
     pub(super) fn whole(&self, s: &SendSlot, imm: u32, max_msg: u64) -> Option<(SendWr, u64)> {
         debug_assert_eq!(s.nreqs, 1, "a whole message of one buffer");
         let b = s.bufs[0].filter(|b| (1..=max_msg).contains(&b.size))?;
@@ -374,6 +375,7 @@ impl SendCore {
 
     /// Lane `q` if it lives; else a live lane, taken in turn, so that the chunks of dead
     /// lanes spread evenly over the live ones.
+    #[inline(always)]
     pub(super) fn live_lane(&mut self, q: usize) -> usize {
         if self.alive & (1 << q) != 0 {
             return q;
@@ -401,6 +403,7 @@ impl SendCore {
     }
 
     /// Whether completions about to be polled want the clock: a timed chunk is in flight.
+    #[inline(always)]
     pub fn needs_clock(&self) -> bool {
         self.places() && self.lanes.iter().any(place::Lane::timing)
     }
@@ -424,6 +427,7 @@ impl SendCore {
 
     /// The lane for a whole message of `bytes` in slot `slot`: the rotation's (or the next
     /// live one); path-aware, the cheaper of it and a live lane drawn at random.
+    #[inline(always)]
     pub(super) fn whole_lane(&mut self, slot: usize, bytes: u64) -> usize {
         let rotation = self.live_lane(slot % self.p.nqps);
         // The live lanes other than the rotation's, as bits.
@@ -460,6 +464,7 @@ impl SendCore {
 
     /// Decides which of slot `slot`'s chunks stay empty: path-aware in split mode, those of
     /// dead and avoided lanes; else none (a dead lane's chunk rides on a live lane).
+    #[inline(always)]
     pub(super) fn plan(&mut self, slot: usize, optional: bool) {
         let split = self.p.split && !optional;
         let all = lanes_mask(self.p.nqps);
@@ -698,6 +703,7 @@ impl SendCore {
 
     /// Posts the slot's chunks: chunk `c` of a split message (or the whole message, chunk 0)
     /// on its lane, or on the next live one where that lane failed.
+    #[inline(always)]
     pub(super) fn post(
         &mut self,
         stage: &impl Words,
@@ -747,6 +753,7 @@ impl SendCore {
     /// Posts chunk `c` of the slot on lane `q`, as of `at` (for placement): the data writes of
     /// its part, the size record (chunk 0, when needed), and its final write-with-immediate;
     /// or, for an optional receive, the data and the ack.
+    #[inline(always)]
     pub(super) fn post_chunk(
         &mut self,
         stage: &impl Words,
@@ -808,6 +815,7 @@ impl SendCore {
     }
 
     /// Records where chunk `c` went, and its work requests for the profiler's journal.
+    #[inline(always)]
     fn chunk_posted(
         &mut self,
         (slot, c, q): (usize, usize, usize),
@@ -828,6 +836,7 @@ impl SendCore {
     }
 
     /// Takes in one completion of the comm's CQ.
+    #[inline(always)]
     pub fn complete(&mut self, c: &Completion) {
         // Split mode's NIC times every completion of a batch in turn (whole messages: unused).
         let at = if self.p.split { self.nic.taken() } else { Duration::ZERO };
@@ -871,6 +880,7 @@ impl SendCore {
 
     /// Chunk `chunk` of slot `slot` is delivered: its completion arrived, or the receipts of a
     /// fence say it landed.
+    #[inline(always)]
     pub(super) fn chunk_done(&mut self, slot: usize, chunk: usize) {
         let s = &mut self.slots[slot];
         let bit = 1u128 << chunk;
@@ -945,6 +955,7 @@ impl SendCore {
     /// The lanes to avoid, as of now ([`Self::avoid`]). Only a chunk in flight (its wait),
     /// a timed chunk retired (a rate), or a lane avoided (its rate is forgotten in time) can
     /// change them: forgetting a rate never adds a lane to avoid.
+    #[inline(always)]
     pub(super) fn avoid_lanes(&mut self) {
         if !self.p.path_aware {
             return;
@@ -979,6 +990,7 @@ impl SendCore {
     }
 
     /// `Some(size)` once request `id` completed (the request is then free again).
+    #[inline(always)]
     pub fn test(&mut self, id: usize) -> Result<Option<u64>> {
         let req = self
             .reqs

@@ -37,6 +37,7 @@ pub(super) fn busy_lanes(alive: u128, sq: &[SqCount]) -> u128 {
 /// The probes [`Health::probe`] posted, one signaled request on each lane of `lanes`.
 ///
 /// [`Health::probe`]: super::health::Health::probe
+#[inline(always)]
 pub(super) fn probes_posted(sq: &mut [SqCount], mut lanes: u128) {
     while lanes != 0 {
         sq[lanes.trailing_zeros() as usize].posted(1, true);
@@ -69,6 +70,7 @@ impl SqCount {
         self.posted + n - last >= CTS_SIGNAL_EVERY
     }
 
+    #[inline(always)]
     pub(super) fn posted(&mut self, n: u64, signaled: bool) {
         self.posted += n;
         if signaled {
@@ -77,6 +79,7 @@ impl SqCount {
     }
 
     /// A signaled request completed: it and everything before it are free.
+    #[inline(always)]
     pub(super) fn completed(&mut self) {
         if let Some(seq) = self.signaled.pop_front() {
             self.freed = seq;

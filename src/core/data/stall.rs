@@ -62,6 +62,7 @@ impl Stall {
     }
 
     /// Whether no lane's wait is being timed.
+    #[inline(always)]
     pub fn untimed(&self) -> bool {
         self.lanes.iter().all(|w| w.since.is_none())
     }

@@ -306,6 +306,7 @@ impl Cts {
         ]
     }
 
+    #[inline(always)]
     pub fn decode(w: [u64; ENTRY_WORDS]) -> Cts {
         Cts {
             addr: w[0],
