@@ -90,9 +90,9 @@ impl SendCore {
         self.health.lane_lost(lane);
         self.lanes[lane].failed();
         let chunks = self.held(lane).count();
-        if chunks > 0 {
-            self.unfenced |= 1 << lane; // nothing held, nothing to settle
-        }
+        // Fenced even with nothing held: the receiver must stop using the lane too (our end
+        // now drops what arrives on it, and its writes there would wait for an answer).
+        self.unfenced |= 1 << lane;
         let live = self.alive.count_ones();
         let what = format!("the send comm to {}", self.p.path.peer);
         // A live lane's failure counts as an attempt only within the timeout of its last
@@ -173,7 +173,7 @@ impl SendCore {
         }
         let lane = self.unfenced.trailing_zeros() as usize;
         let seq = self.mend.next_seq();
-        let msg = mend::Msg::Fence { lane, seq };
+        let msg = mend::Msg::Fence { lane, seq, via: ctl };
         let life = (ctl, self.health.life[ctl], self.p.members[ctl]);
         let wr = mail_wr(msg, stage, SIZE_MAIL, life, &self.remote_sizes, self.p.max_inline);
         match io.send(ctl, &[wr]) {
@@ -260,6 +260,8 @@ impl SendCore {
 
     /// Lane `lane`'s repair attempt failed (`why`): the next follows, or the lane stays out.
     pub(super) fn attempt_failed(&mut self, lane: usize, why: &str) {
+        // The receiver may have rebuilt its end, and may use it: it is fenced again first.
+        self.unfenced |= 1 << lane;
         let tries = self.mend.tries(lane) + 1;
         let sport = self.p.path.sports.get(lane).copied().unwrap_or(0);
         let peer = &self.p.path.peer;
@@ -313,9 +315,7 @@ impl SendCore {
         while let Some((lane, why)) = self.mend.tick(now, rows) {
             self.attempt_failed(lane, why);
         }
-        if self.fenced(now, fifo, stage, io) {
-            return;
-        }
+        // The answer to the request in flight is taken even while a fence waits for it.
         let target = self.remote_sizes;
         let answer = std::array::from_fn(|i| fifo.load(FIFO_MAIL + i));
         if let Some((lane, seq, qpn)) = self.mend.answered(answer) {
@@ -329,6 +329,9 @@ impl SendCore {
                 }
                 Err(e) => self.attempt_failed(lane, &format!("its probe was refused: {e}")),
             }
+        }
+        if self.fenced(now, fifo, stage, io) {
+            return;
         }
         let Some(lane) = self.mend.due(now) else { return };
         let ctl = self.control_lane();
@@ -344,7 +347,7 @@ impl SendCore {
         };
         self.health.life[lane] = self.health.life[lane].wrapping_add(1);
         self.sq[lane] = SqCount::new(send_queue(self.p.nqps));
-        let ask = mend::Msg::Ask { lane, seq, qpn };
+        let ask = mend::Msg::Ask { lane, seq, qpn, via: ctl };
         let life = (ctl, self.health.life[ctl], self.p.members[ctl]);
         let ask = mail_wr(ask, stage, SIZE_MAIL, life, &target, self.p.max_inline);
         match io.send(ctl, &[ask]) {

@@ -46,16 +46,21 @@ pub enum Stage {
 }
 
 /// What the two ends write into each other's mailbox (two words, one write).
+///
+/// A request names the lane it went through (`via`: live at the sender when it asked), and
+/// its answer goes back through that lane. A lane the sender took out may still look live to
+/// the receiver (a stall is the sender's finding alone), and the sender's end of it drops what
+/// arrives: an answer sent there would be retried without end, unanswered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Msg {
     /// Sender to receiver: replace your end of `lane` and connect it to my new QP `qpn`
     /// (request `seq`).
-    Ask { lane: usize, seq: u16, qpn: u32 },
+    Ask { lane: usize, seq: u16, qpn: u32, via: usize },
     /// Receiver to sender: done, my end of `lane` is QP `qpn`; connect yours and probe.
     Done { lane: usize, seq: u16, qpn: u32 },
     /// Sender to receiver: `lane` failed; fence your end of it (nothing more of it may land)
     /// and tell me which of its chunks you counted.
-    Fence { lane: usize, seq: u16 },
+    Fence { lane: usize, seq: u16, via: usize },
     /// Receiver to sender: `lane` is fenced; what I counted is in the receipts, which landed
     /// before this word.
     Fenced { lane: usize, seq: u16 },
@@ -71,35 +76,38 @@ pub const MAIL_WORDS: usize = 2;
 
 /// The low 32 bits of the first word: a check of everything else, so that a mailbox never
 /// written (zeros), or one torn by a write still landing, reads as no message.
-fn check(high: u64, qpn: u64) -> u64 {
-    let h = (high as u32).wrapping_mul(0x9e37_79b1) ^ (qpn as u32).wrapping_mul(0x85eb_ca6b);
+fn check(high: u64, low: u64) -> u64 {
+    let h = (high as u32).wrapping_mul(0x9e37_79b1) ^ (low as u32).wrapping_mul(0x85eb_ca6b);
     u64::from(h ^ 0x5eed_f00d)
 }
 
 impl Msg {
+    /// Word 0: the kind, the lane and the request number, then the check; word 1: the QP
+    /// number (24 bits) and the lane the request went through (8 bits).
     pub fn encode(self) -> [u64; MAIL_WORDS] {
-        let (kind, lane, seq, qpn) = match self {
-            Msg::Ask { lane, seq, qpn } => (ASK, lane, seq, qpn),
-            Msg::Done { lane, seq, qpn } => (DONE, lane, seq, qpn),
-            Msg::Fence { lane, seq } => (FENCE, lane, seq, 0),
-            Msg::Fenced { lane, seq } => (FENCED, lane, seq, 0),
+        let (kind, lane, seq, qpn, via) = match self {
+            Msg::Ask { lane, seq, qpn, via } => (ASK, lane, seq, qpn, via),
+            Msg::Done { lane, seq, qpn } => (DONE, lane, seq, qpn, 0),
+            Msg::Fence { lane, seq, via } => (FENCE, lane, seq, 0, via),
+            Msg::Fenced { lane, seq } => (FENCED, lane, seq, 0, 0),
         };
         let high = kind << 24 | (lane as u64 & 0xff) << 16 | u64::from(seq);
-        let qpn = u64::from(qpn & 0xff_ffff);
-        [high << 32 | check(high, qpn), qpn]
+        let low = u64::from(qpn & 0xff_ffff) | (via as u64 & 0xff) << 24;
+        [high << 32 | check(high, low), low]
     }
 
-    pub fn decode([word, qpn]: [u64; MAIL_WORDS]) -> Option<Msg> {
+    pub fn decode([word, low]: [u64; MAIL_WORDS]) -> Option<Msg> {
         let high = word >> 32;
-        if word & 0xffff_ffff != check(high, qpn) || qpn > 0xff_ffff {
+        if word & 0xffff_ffff != check(high, low) || low > 0xffff_ffff {
             return None;
         }
-        let (lane, seq, qpn) = (((high >> 16) & 0xff) as usize, high as u16, qpn as u32);
+        let (lane, seq) = (((high >> 16) & 0xff) as usize, high as u16);
+        let (qpn, via) = ((low & 0xff_ffff) as u32, (low >> 24) as usize);
         match high >> 24 {
-            ASK => Some(Msg::Ask { lane, seq, qpn }),
-            DONE => Some(Msg::Done { lane, seq, qpn }),
-            FENCE if qpn == 0 => Some(Msg::Fence { lane, seq }),
-            FENCED if qpn == 0 => Some(Msg::Fenced { lane, seq }),
+            ASK => Some(Msg::Ask { lane, seq, qpn, via }),
+            DONE if via == 0 => Some(Msg::Done { lane, seq, qpn }),
+            FENCE if qpn == 0 => Some(Msg::Fence { lane, seq, via }),
+            FENCED if low == 0 => Some(Msg::Fenced { lane, seq }),
             _ => None,
         }
     }
@@ -291,9 +299,9 @@ mod tests {
     #[test]
     fn messages_round_trip_and_garbage_is_no_message() {
         let msgs = [
-            Msg::Ask { lane: 3, seq: 7, qpn: 17 },
+            Msg::Ask { lane: 3, seq: 7, qpn: 17, via: 2 },
             Msg::Done { lane: 127, seq: 65535, qpn: 0xff_ffff },
-            Msg::Fence { lane: 5, seq: 300 },
+            Msg::Fence { lane: 5, seq: 300, via: 127 },
             Msg::Fenced { lane: 0, seq: 1 },
         ];
         for m in msgs {
@@ -305,7 +313,7 @@ mod tests {
                 assert_eq!(Msg::decode(w), None, "bit {b}");
             }
             // Half of a newer message landed: no message either.
-            let newer = Msg::Ask { lane: 3, seq: 8, qpn: 18 }.encode();
+            let newer = Msg::Ask { lane: 3, seq: 8, qpn: 18, via: 0 }.encode();
             assert_eq!(Msg::decode([m.encode()[0], newer[1]]), None);
         }
         assert_eq!(Msg::decode([0, 0]), None);

@@ -336,11 +336,11 @@ impl RecvCore {
         sizes: &impl Words,
         io: &mut impl Post,
     ) -> Result<()> {
-        if self.serving.is_none() {
-            self.take_request(now, sizes, io)?;
-        }
+        // A newer request replaces the one being served: the sender asked again (its lane
+        // failed, or the answer took too long), and only the newest is awaited.
+        self.take_request(now, sizes, io)?;
         let Some((msg, since)) = self.serving else { return Ok(()) };
-        let (mend::Msg::Ask { lane, .. } | mend::Msg::Fence { lane, .. }) = msg else {
+        let (mend::Msg::Ask { lane, via, .. } | mend::Msg::Fence { lane, via, .. }) = msg else {
             return Ok(());
         };
         if self.pool[lane] > 0 {
@@ -357,10 +357,9 @@ impl RecvCore {
             }
             return Ok(());
         }
-        let bit = 1u128 << lane;
-        let ctl =
-            if self.ctl == lane { first_live(self.alive & !bit, self.p.nqps) } else { self.ctl };
-        if ctl != lane && !self.sq[ctl].fits(2) {
+        // Back through the lane the request came through, while it lives here.
+        let back = if via != lane && self.alive & (1 << via) != 0 { via } else { self.ctl };
+        if back != lane && !self.sq[back].fits(2) {
             return Ok(()); // no room for the answer yet
         }
         self.serving = None;
@@ -372,7 +371,7 @@ impl RecvCore {
             mend::Msg::Fence { seq, .. } => mend::Msg::Fenced { lane, seq },
             _ => return Ok(()),
         };
-        self.answer(answer, stage, sizes, io)
+        self.answer(answer, back, stage, sizes, io)
     }
 
     /// Takes a new fence or repair request from the sender's mailbox, if one is there: the
@@ -384,14 +383,17 @@ impl RecvCore {
         io: &mut impl Post,
     ) -> Result<()> {
         let Some(msg) = mail(sizes, SIZE_MAIL) else { return Ok(()) };
-        let (mend::Msg::Ask { lane, seq, .. } | mend::Msg::Fence { lane, seq }) = msg else {
+        let (mend::Msg::Ask { lane, seq, via, .. } | mend::Msg::Fence { lane, seq, via }) = msg
+        else {
             return Ok(());
         };
-        // A lane the comm does not have is a corrupt word, not a request.
-        if self.served == Some(seq) || lane >= self.p.nqps {
+        // A lane the comm does not have, or a request through the lane it is about, is a
+        // corrupt word, not a request.
+        if self.served == Some(seq) || lane >= self.p.nqps || via >= self.p.nqps || via == lane {
             return Ok(());
         }
         self.served = Some(seq);
+        self.crossed(via);
         if (self.alive | self.proving) & (1 << lane) != 0 || self.ctl == lane {
             self.forget(lane, sizes);
         }
@@ -400,15 +402,27 @@ impl RecvCore {
         Ok(())
     }
 
-    /// Writes `answer` with this end's receipts through the control lane.
+    /// A write from the sender crossed lane `lane`: where that lane was rebuilt and waits to
+    /// be proven here, both ends are joined, and it lives. Forced inline: every landed
+    /// receive passes here.
+    #[inline(always)]
+    fn crossed(&mut self, lane: usize) {
+        if self.proving & (1 << lane) != 0 {
+            self.proving &= !(1 << lane);
+            self.alive |= 1 << lane;
+            self.health.traffic.lanes[lane].down = false;
+        }
+    }
+
+    /// Writes `answer` with this end's receipts through lane `ctl`.
     fn answer(
         &mut self,
         answer: mend::Msg,
+        ctl: usize,
         stage: &impl Words,
         sizes: &impl Words,
         io: &mut impl Post,
     ) -> Result<()> {
-        let ctl = self.ctl;
         if self.alive & (1 << ctl) == 0 {
             return Ok(()); // no lane to answer through: the sender asks again
         }
@@ -669,11 +683,8 @@ impl RecvCore {
         if c.status == 0 && matches!(kind, WR_CTS | WR_PROBE | WR_MAIL) {
             self.sq[lane].completed();
         }
-        if c.status == 0 && kind == WR_RECV && !stale && self.proving & (1 << lane) != 0 {
-            // The sender's write landed on the rebuilt queue pair: both ends are joined.
-            self.proving &= !(1 << lane);
-            self.alive |= 1 << lane;
-            self.health.traffic.lanes[lane].down = false;
+        if c.status == 0 && kind == WR_RECV && !stale {
+            self.crossed(lane); // the sender's write landed on it
         }
         if !self.health.completion(c) {
             return;

@@ -385,7 +385,13 @@ impl Wire {
         if side == 0 && unacked {
             return self.step_one_way(mem, side, q); // its retries run out first
         }
-        if self.failed[side][q] || self.black_hole[q].is_some() || peer_failed || strangers {
+        // The peer's QP fenced or replaced drops the request unanswered: retries that never
+        // run out keep it at the head until the lane is connected again, or fenced here.
+        let unanswered = peer_failed || strangers;
+        if self.forever && unanswered && !self.failed[side][q] && self.black_hole[q].is_none() {
+            return;
+        }
+        if self.failed[side][q] || self.black_hole[q].is_some() || unanswered {
             return self.fail_head(mem, side, q);
         }
         if self.one_way[q].is_some() {
@@ -1769,7 +1775,7 @@ impl Harness<'_> {
             steps < 4_000_000 + 200 * n as u64,
             "livelock: {out:?} after {steps} steps, seed {seed}: sender unfenced {:#x} fence \
              {:?} resend {} alive {:#x}; receiver serving {:?} alive {:#x} ctl {} pool {:?} \
-             sq {:?} proving {:#x}",
+             sq {:?} proving {:#x}; sender stages {:?} sq {:?}",
             sender.unfenced,
             sender.fence,
             sender.resend.len(),
@@ -1779,7 +1785,9 @@ impl Harness<'_> {
             receiver.ctl,
             receiver.pool,
             receiver.sq.iter().map(|q| (q.used(), q.signaled.len())).collect::<Vec<_>>(),
-            receiver.proving
+            receiver.proving,
+            sender.mend.stage,
+            sender.sq.iter().map(|q| (q.used(), q.signaled.len())).collect::<Vec<_>>(),
         );
 
         let sq = receiver.sq.iter().map(SqCount::used).max().unwrap_or(0);
@@ -2133,12 +2141,15 @@ fn a_silent_path_fails_over_by_its_stall_bound() {
 /// Fencing a slow but live lane is harmless: with a stall bound far too tight (1 to 4 ms of
 /// the sim clock, where one side may sleep for hundreds) live lanes are fenced again and
 /// again, and repaired; every request still completes once with its bytes and
-/// no completed receive is written again.
+/// no completed receive is written again. A write into a queue pair the other end fenced is
+/// never answered (retries without end, as `NCCL_IB_RETRY_CNT=7` on Soft-RoCE): the ends
+/// must agree on the lanes they use, or the comm hangs.
 #[test]
 fn fencing_a_live_lane_is_harmless() {
     let mut rng = Rng(0x0f15_e5a1);
     let stalls = stalls(&lane_runs(&mut rng, miri_or(80, 2), |run, rng, _| {
         run.stall = Some(Duration::from_millis(1 + rng.below(4)));
+        run.forever = true;
     }));
     eprintln!("live lanes fenced: {} by senders, {} by receivers", stalls[0], stalls[1]);
     assert!(cfg!(miri) || stalls[0] > 20 && stalls[1] == 0, "{stalls:?}");
@@ -2976,7 +2987,7 @@ fn the_receiver_serves_a_repair_request_and_counts_nothing_it_dropped() {
     };
     assert!(kinds(&wire, 0).contains(&WR_PROBE), "a probe on the control lane");
     let ask = |lane, seq| {
-        let m = mend::Msg::Ask { lane, seq, qpn: 77 };
+        let m = mend::Msg::Ask { lane, seq, qpn: 77, via: 1 };
         for (i, w) in m.encode().into_iter().enumerate() {
             rsizes.store(SIZE_MAIL + i, w);
         }
@@ -3011,6 +3022,112 @@ fn the_receiver_serves_a_repair_request_and_counts_nothing_it_dropped() {
     assert_eq!(mail(&fifo, FIFO_MAIL), Some(mend::Msg::Done { lane: 0, seq: 2, qpn }));
     poll(&wire, 1, |c| receiver.complete(c, &rsizes));
     assert_eq!(receiver.health.watchdog.outstanding, 0, "nothing is out");
+}
+
+/// A fence's answer goes back through the lane its request came through. Lanes the sender
+/// took out may still look live to the receiver (a stall is the sender's finding alone), and
+/// writes into them are never answered (`NCCL_IB_RETRY_CNT=7` on Soft-RoCE): here lane 2
+/// lives again after a repair that no data has crossed yet (the receiver still waits to see
+/// it proven), then the sender takes out lanes 0 and 1 (which carries the receiver's CTS rows
+/// once lane 0 is fenced). The fence of lane 0, asked through lane 2, proves lane 2 at the
+/// receiver and is answered through it; lane 1, though it held nothing, is fenced next, which
+/// moves the CTS rows onto lane 2; a message goes through; and a repair attempt of lane 0 that
+/// fails is fenced again before anything else, as the receiver may have rebuilt its end.
+#[test]
+fn fences_are_answered_through_the_lane_they_came_through() {
+    let pair = Pair { mem: Mem::both_ends(4096), wire: RefCell::new(Wire::new(3)) };
+    pair.wire.borrow_mut().forever = true;
+    let ms = Duration::from_millis;
+    let repair = Repair { attempts: 3, delay: ms(10), timeout: ms(1000) };
+    let params = Params { nqps: 3, repair, ..one_qp(Path::default()) };
+    let Ends { mut sender, mut receiver, fifo, sstage, rstage, rsizes, .. } = pair.ends(params);
+    // Both ends' progress at `now`, a few rounds (a bounded number of steps per queue: a
+    // write into a fenced queue pair stays at its queue's head).
+    let run = |sender: &mut SendCore, receiver: &mut RecvCore, now: Duration| {
+        for _ in 0..8 {
+            for (side, q) in (0..2).flat_map(|side| (0..=3).map(move |q| (side, q))) {
+                for _ in 0..64 {
+                    pair.wire.borrow_mut().step(&pair.mem, side, q);
+                }
+            }
+            poll(&pair.wire, 0, |c| sender.complete(c));
+            poll(&pair.wire, 1, |c| receiver.complete(c, &rsizes));
+            sender.idle(now, None, &mut pair.io(0), (&fifo, &sstage)).unwrap();
+            receiver.idle(now, None, &mut pair.io(1), &rstage, &rsizes).unwrap();
+        }
+    };
+    let take_out = |sender: &mut SendCore, lane: usize| {
+        pair.io(0).fence(lane).unwrap();
+        assert!(sender.lane_error(lane, "taken out"));
+    };
+    // Lane 2 fails and is repaired; no data crosses it afterwards.
+    take_out(&mut sender, 2);
+    for t in [1, 100, 101, 102] {
+        run(&mut sender, &mut receiver, ms(t));
+    }
+    assert_eq!(sender.alive, 0b111, "lane 2 repaired at the sender");
+    assert_eq!((receiver.alive, receiver.proving), (0b011, 0b100), "not yet seen at the receiver");
+    // Lanes 0 and 1 are taken out; their repairs are not due yet.
+    take_out(&mut sender, 0);
+    take_out(&mut sender, 1);
+    run(&mut sender, &mut receiver, ms(200));
+    assert_eq!((sender.unfenced, sender.fence), (0, None), "both fenced at both ends");
+    assert_eq!((receiver.alive, receiver.ctl), (0b100, 2), "the CTS rows on the lane that lives");
+    // A message goes through, on lane 2.
+    let b = Buf { addr: RECV_DATA, size: 64, lkeys: keys(12), rkeys: keys(12), host: true };
+    let r = receiver.irecv(&rstage, &rsizes, &mut pair.io(1), &[(b, 0)], false).unwrap().unwrap();
+    run(&mut sender, &mut receiver, ms(200));
+    let b = Buf { addr: SEND_DATA, size: 64, lkeys: keys(11), rkeys: keys(11), host: true };
+    let s =
+        sender.isend(&fifo, &sstage, &mut pair.io(0), b, 0).unwrap().expect("the CTS row landed");
+    run(&mut sender, &mut receiver, ms(200));
+    assert_eq!(sender.test(s).unwrap(), Some(64));
+    assert!(receiver.test(r, &mut [0; MAX_RECVS]).unwrap().is_some());
+    // Lane 0's repair: its probe fails (the path is still dead), and it is fenced again.
+    pair.wire.borrow_mut().kill_lane(0, false);
+    for t in [300, 301, 302] {
+        run(&mut sender, &mut receiver, ms(t));
+    }
+    assert_eq!(sender.health.traffic.lanes[0].fenced, 2, "fenced again after a failed attempt");
+}
+
+/// A newer request replaces the one the receiver is serving: here the answer to a fence
+/// asked through lane 1 waits for room on lane 1's send queue (writes stuck there, into a
+/// lane the sender has since taken out), and the sender asks again through lane 2. The
+/// receiver answers the newer request, through lane 2.
+#[test]
+fn a_newer_request_replaces_one_whose_answer_cannot_go_out() {
+    let mem = Mem::both_ends(4096);
+    let rstage = Area { mem: &mem, base: RECV_STAGE, key: 15 };
+    let rsizes = Area { mem: &mem, base: RECV_SIZES, key: 16 };
+    let fifo = Area { mem: &mem, base: FIFO, key: 13 };
+    let ms = Duration::from_millis;
+    let repair = Repair { attempts: 3, ..NO_REPAIR };
+    let params = Params { nqps: 3, repair, ..one_qp(Path::default()) };
+    let mut receiver = RecvCore::new(params, remote(FIFO, 13));
+    let wire = RefCell::new(Wire::new(3));
+    let mut rio = Io { wire: &wire, mem: &mem, side: 1, depth: RECV_SEND_QUEUE };
+    let buf = Buf { addr: RECV_DATA, size: 4096, lkeys: keys(12), rkeys: keys(12), host: true };
+    receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
+    let ask = |msg: mend::Msg| {
+        for (i, w) in msg.encode().into_iter().enumerate() {
+            rsizes.store(SIZE_MAIL + i, w);
+        }
+    };
+    let full = RECV_SEND_QUEUE as u64 - receiver.sq[1].used();
+    receiver.sq[1].posted(full, false);
+    ask(mend::Msg::Fence { lane: 0, seq: 1, via: 1 });
+    receiver.idle(ms(1), None, &mut rio, &rstage, &rsizes).unwrap();
+    poll(&wire, 1, |c| receiver.complete(c, &rsizes)); // lane 0's receives, flushed
+    receiver.idle(ms(2), None, &mut rio, &rstage, &rsizes).unwrap();
+    assert!(receiver.serving.is_some(), "no room for the answer on lane 1");
+    ask(mend::Msg::Fence { lane: 0, seq: 2, via: 2 });
+    receiver.idle(ms(3), None, &mut rio, &rstage, &rsizes).unwrap();
+    assert_eq!(receiver.serving, None);
+    while !wire.borrow().sq[1][2].is_empty() {
+        wire.borrow_mut().step(&mem, 1, 2);
+    }
+    assert_eq!(mail(&fifo, FIFO_MAIL), Some(mend::Msg::Fenced { lane: 0, seq: 2 }));
 }
 
 /// A [`Pair`]'s two cores, their posts and their areas.
