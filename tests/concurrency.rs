@@ -14,7 +14,8 @@
 //!
 //! The whole run is done twice: messages round-robin over the QPs, then split across them
 //! (`NCCL_IB_SPLIT_DATA_ON_QPS=0` and `1`). At the end every comm closes, and each process's
-//! fds and threads, and the devices' QP/CQ/MR/PD counts, return to their baseline.
+//! fds and threads, and the devices' QP/CQ/MR/PD counts, return to their baseline. The
+//! receiver closes only once the sender's sends all completed.
 //!
 //! `concurrency [--msgs N]` (messages per comm, default 12). Built with its own `main`
 //! (`harness = false`) and run by `ci/vm-tests.sh` in the VM; outside the VM it fails.
@@ -449,6 +450,16 @@ fn role(sender: bool, msgs: usize) -> Result<(), String> {
     })?;
     let run_s = t_run.elapsed().as_secs_f64();
 
+    // The receiver closes once every send completed (the orchestrator passes the sender's
+    // word on, or hangs up), as NCCL's ranks destroy their comms after the collective: a
+    // queue pair destroyed while the sender waits for a lost ACK's retransmission would fail
+    // its last sends.
+    if sender {
+        println!("SENT");
+    } else {
+        let _ = std::io::stdin().lock().lines().next();
+    }
+
     // Close everything; the process must be back where it started.
     for l in lanes.iter().flatten() {
         drv.dereg_mr(l.comm, l.mh)?;
@@ -507,7 +518,7 @@ fn finish(mut p: Proc, until: Instant) -> Result<String, String> {
 
 fn run_pair(split: &str, msgs: usize) -> Result<(), String> {
     let until = Instant::now() + RUN_LIMIT;
-    let recv = start("recv", split, msgs, Stdio::null())?;
+    let mut recv = start("recv", split, msgs, Stdio::piped())?;
     let mut handles = Vec::new();
     for _ in 0..NCOMMS {
         handles.push(recv.next(until.saturating_duration_since(Instant::now()))?);
@@ -517,7 +528,10 @@ fn run_pair(split: &str, msgs: usize) -> Result<(), String> {
         send.tell(h)?;
     }
     send.hang_up();
-    let r1 = finish(send, until);
+    let sent = send.expect("SENT", until.saturating_duration_since(Instant::now()));
+    let _ = recv.tell("SENT");
+    recv.hang_up();
+    let r1 = sent.and_then(|_| finish(send, until));
     let r2 = finish(recv, until);
     let (s, r) = (r1?, r2?);
     eprintln!("concurrency: {s}");

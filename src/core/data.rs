@@ -44,6 +44,10 @@
 //! chunks it did not count go again ([`SendCore::settle`]), on live lanes, in row order; a
 //! receive that completed is never written again. The sender posts nothing new until they
 //! have. The receiver's CTS rows move to its next live lane if they rode on the fenced one.
+//! Every lane the sender takes out is fenced, with chunks held or not, and the answer goes
+//! back through the lane the request came through: the ends never disagree for long on the
+//! lanes they write into (a write into a fenced queue pair is retried without end on
+//! Soft-RoCE).
 //! Where messages go is path-aware ([`place`]): a lane's measured rate and queue steer whole
 //! messages, and a lane under a quarter of the best rate gets no new work (in split mode, once
 //! it also holds up the oldest message).

@@ -1089,6 +1089,16 @@ impl RecvComm {
 
 impl Drop for RecvComm {
     fn drop(&mut self) {
+        // A fence the sender waits for is answered before the queue pairs go (see
+        // `RecvCore::owes_answer`), within the repair timeout; a failed step ends the wait
+        // (the sender's own bounds apply then).
+        let end = crate::os::coarse_now() + self.lanes.net.config.repair_timeout;
+        while self.core.owes_answer(&self.sizes) && crate::os::coarse_now() < end {
+            if self.step().is_err() {
+                break;
+            }
+            std::thread::yield_now();
+        }
         self.lanes.close(RECV, &self.flushers, self.core.traffic());
     }
 }

@@ -12,8 +12,8 @@
 //! one the lane stays out. One lane is repaired at a time, so one mailbox each way is enough.
 //!
 //! Before any of that, a failed lane is fenced: the same mailboxes carry [`Msg::Fence`] and its
-//! answer [`Msg::Fenced`] (see `SendCore::fence` in the core), and no repair request is asked
-//! while a fence is.
+//! answer [`Msg::Fenced`] (see `SendCore::fenced` in the core), and no repair request is asked
+//! while a fence is. A failed attempt is fenced again before the next.
 
 use std::time::Duration;
 
@@ -48,7 +48,8 @@ pub enum Stage {
 /// What the two ends write into each other's mailbox (two words, one write).
 ///
 /// A request names the lane it went through (`via`: live at the sender when it asked), and
-/// its answer goes back through that lane. A lane the sender took out may still look live to
+/// its answer goes back through that lane. Requests are numbered in order (`seq`): one older
+/// than the last served may still land late, and is not served. A lane the sender took out may still look live to
 /// the receiver (a stall is the sender's finding alone), and the sender's end of it drops what
 /// arrives: an answer sent there would be retried without end, unanswered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

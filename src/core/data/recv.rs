@@ -70,6 +70,8 @@ pub struct RecvCore {
     /// every receive posted on the lane has come back (landed or flushed), so that the
     /// receipts hold every chunk that landed.
     pub(super) serving: Option<(mend::Msg, Duration)>,
+    /// The lane the last answer went through.
+    answered: Option<usize>,
     /// The ack word's high-water mark: the sender writes it in row order, but a row sent again
     /// after a fence must never move it back.
     pub(super) acked: std::cell::Cell<u64>,
@@ -112,6 +114,7 @@ impl RecvCore {
             proving: 0,
             ctl: 0,
             served: None,
+            answered: None,
             serving: None,
             acked: std::cell::Cell::new(0),
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
@@ -387,9 +390,10 @@ impl RecvCore {
         else {
             return Ok(());
         };
-        // A lane the comm does not have, or a request through the lane it is about, is a
-        // corrupt word, not a request.
-        if self.served == Some(seq) || lane >= self.p.nqps || via >= self.p.nqps || via == lane {
+        // Only a newer request than the last: an older one can still land late, through a
+        // lane the sender has taken out but we have not fenced yet. A lane the comm does not
+        // have, or a request through the lane it is about, is a corrupt word.
+        if !self.unserved(seq) || lane >= self.p.nqps || via >= self.p.nqps || via == lane {
             return Ok(());
         }
         self.served = Some(seq);
@@ -400,6 +404,25 @@ impl RecvCore {
         io.fence(lane).map_err(|e| self.health.post_failed(e))?;
         self.serving = Some((msg, now));
         Ok(())
+    }
+
+    /// Whether request `seq` is newer than the last one served.
+    fn unserved(&self, seq: u16) -> bool {
+        self.served.is_none_or(|s| seq.wrapping_sub(s) as i16 > 0)
+    }
+
+    /// Whether the sender waits on this end for a fence's answer: one taken and not answered
+    /// yet, a newer one in the mailbox, or the answer still on its way. A comm that closes
+    /// answers it first: the sender's last sends may wait for it, and NCCL no longer calls a
+    /// receiving comm that has nothing outstanding.
+    pub fn owes_answer(&self, sizes: &impl Words) -> bool {
+        let fence = |m: Option<mend::Msg>| match m {
+            Some(mend::Msg::Fence { seq, .. }) => Some(seq),
+            _ => None,
+        };
+        fence(self.serving.map(|s| s.0)).is_some()
+            || fence(mail(sizes, SIZE_MAIL)).is_some_and(|seq| self.unserved(seq))
+            || self.answered.is_some_and(|q| !self.sq[q].signaled.is_empty())
     }
 
     /// A write from the sender crossed lane `lane`: where that lane was rebuilt and waits to
@@ -444,6 +467,7 @@ impl RecvCore {
         io.send(ctl, &[receipts, answer]).map_err(|e| self.health.post_failed(e))?;
         self.sq[ctl].posted(1, false);
         self.sq[ctl].posted(1, true);
+        self.answered = Some(ctl);
         self.health.watchdog.posted();
         Ok(())
     }

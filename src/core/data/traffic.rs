@@ -27,8 +27,8 @@ pub struct LaneTraffic {
     pub down: bool,
     pub kept_out: bool,
     pub repaired: u64,
-    /// The sender's fences of it: failures after which the receiver said which of the lane's
-    /// chunks in flight it had counted.
+    /// The sender's fences of it, each answered by the receiver with what it had counted of
+    /// the lane's chunks in flight: one per failure, and one per failed repair attempt.
     pub fenced: u64,
     /// Its stalls: it completed nothing for its stall bound while another lane did, or its
     /// port went down, and it was fenced ([`super::stall`]).
