@@ -2968,6 +2968,25 @@ fn a_sender_waiting_for_a_cts_takes_its_probes_completions() {
     assert!((6..=20).contains(&acked), "one probe per quiet interval, not per poll: {acked}");
 }
 
+/// A receiver alone on a wire of `nqps` lanes, with repair on and one receive posted.
+fn lone_receiver(nqps: usize, probe_interval: Duration) -> (Pair, RecvCore) {
+    let pair = Pair { mem: Mem::both_ends(4096), wire: RefCell::new(Wire::new(nqps)) };
+    let repair = Repair { attempts: 3, ..NO_REPAIR };
+    let params = Params { nqps, probe_interval, repair, ..one_qp(Path::default()) };
+    let mut receiver = RecvCore::new(params, remote(FIFO, 13));
+    let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
+    let buf = Buf { addr: RECV_DATA, size: 4096, lkeys: keys(12), rkeys: keys(12), host: true };
+    receiver.irecv(&rstage, &rsizes, &mut pair.io(1), &[(buf, 0)], false).unwrap().unwrap();
+    (pair, receiver)
+}
+
+/// The sender's request `msg`, landed in the receiver's mailbox.
+fn mail_in(sizes: &Area, msg: mend::Msg) {
+    for (i, w) in msg.encode().into_iter().enumerate() {
+        sizes.store(SIZE_MAIL + i, w);
+    }
+}
+
 /// The receiver serves repair requests as they come: a request naming a lane the comm does
 /// not have is a corrupt word and changes nothing; one for the lane that carries its CTS rows
 /// and its probe moves them to another lane, rebuilds the lane with its receive WQEs, and
@@ -2975,30 +2994,19 @@ fn a_sender_waiting_for_a_cts_takes_its_probes_completions() {
 /// the watchdog has nothing outstanding (a count left over would fail the idle comm later).
 #[test]
 fn the_receiver_serves_a_repair_request_and_counts_nothing_it_dropped() {
-    let mem = Mem::both_ends(4096);
-    let rstage = Area { mem: &mem, base: RECV_STAGE, key: 15 };
-    let rsizes = Area { mem: &mem, base: RECV_SIZES, key: 16 };
-    let fifo = Area { mem: &mem, base: FIFO, key: 13 };
     let ms = Duration::from_millis;
-    let repair = Repair { attempts: 3, ..NO_REPAIR };
-    let params = Params { nqps: 2, probe_interval: ms(100), repair, ..one_qp(Path::default()) };
-    let mut receiver = RecvCore::new(params, remote(FIFO, 13));
-    let wire = RefCell::new(Wire::new(2));
-    let mut rio = Io { wire: &wire, mem: &mem, side: 1, depth: RECV_SEND_QUEUE };
-    let buf = Buf { addr: RECV_DATA, size: 4096, lkeys: keys(12), rkeys: keys(12), host: true };
-    receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
+    let (pair, mut receiver) = lone_receiver(2, ms(100));
+    let (wire, mem) = (&pair.wire, &pair.mem);
+    let (rstage, rsizes, fifo) =
+        (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16), pair.area(FIFO, 13));
+    let mut rio = pair.io(1);
     receiver.idle(ms(0), None, &mut rio, &rstage, &rsizes).unwrap();
     receiver.idle(ms(200), None, &mut rio, &rstage, &rsizes).unwrap();
     let kinds = |w: &RefCell<Wire>, q: usize| -> Vec<u64> {
         w.borrow().sq[1][q].iter().map(|x| wr_kind(x.wr.wr_id)).collect()
     };
-    assert!(kinds(&wire, 0).contains(&WR_PROBE), "a probe on the control lane");
-    let ask = |lane, seq| {
-        let m = mend::Msg::Ask { lane, seq, qpn: 77, via: 1 };
-        for (i, w) in m.encode().into_iter().enumerate() {
-            rsizes.store(SIZE_MAIL + i, w);
-        }
-    };
+    assert!(kinds(wire, 0).contains(&WR_PROBE), "a probe on the control lane");
+    let ask = |lane, seq| mail_in(&rsizes, mend::Msg::Ask { lane, seq, qpn: 77, via: 1 });
     ask(200, 1);
     receiver.idle(ms(201), None, &mut rio, &rstage, &rsizes).unwrap();
     assert_eq!(wire.borrow().renewed[1], 0, "a lane the comm does not have");
@@ -3007,27 +3015,27 @@ fn the_receiver_serves_a_repair_request_and_counts_nothing_it_dropped() {
     // Fenced first: no answer, no new queue pair, until the lane's receives came back.
     assert!(wire.borrow().failed[1][0], "the lane is fenced");
     assert_eq!(wire.borrow().renewed[1], 0, "not rebuilt before the lane is drained");
-    assert!(!kinds(&wire, 1).contains(&WR_MAIL), "no answer before the lane is drained");
+    assert!(!kinds(wire, 1).contains(&WR_MAIL), "no answer before the lane is drained");
     receiver.idle(ms(202), None, &mut rio, &rstage, &rsizes).unwrap();
     assert_eq!(wire.borrow().renewed[1], 0, "the flushed receives are not polled yet");
-    poll(&wire, 1, |c| receiver.complete(c, &rsizes));
+    poll(wire, 1, |c| receiver.complete(c, &rsizes));
     receiver.idle(ms(202), None, &mut rio, &rstage, &rsizes).unwrap();
     assert_eq!(wire.borrow().renewed[1], 1);
     assert_eq!(receiver.ctl, 1, "the CTS rows move off the rebuilt lane");
-    assert!(kinds(&wire, 0).is_empty(), "the fence flushed the probe");
+    assert!(kinds(wire, 0).is_empty(), "the fence flushed the probe");
     let full = recv_pool(2) + RECV_BATCH - 1;
     assert_eq!(wire.borrow().rq[1][0].len(), full, "the lane's receives again");
-    assert!(kinds(&wire, 1).contains(&WR_MAIL), "the answer, on lane 1");
+    assert!(kinds(wire, 1).contains(&WR_MAIL), "the answer, on lane 1");
     // Served once: the same word read again changes nothing.
     receiver.idle(ms(203), None, &mut rio, &rstage, &rsizes).unwrap();
     assert_eq!(wire.borrow().renewed[1], 1);
     while !wire.borrow().sq[1][1].is_empty() {
-        wire.borrow_mut().step(&mem, 1, 1);
+        wire.borrow_mut().step(mem, 1, 1);
     }
     let qpn = wire.borrow().qpn[1][0];
     assert_eq!(wire.borrow().dest[1][0], 77, "the new QP is connected to the sender's");
     assert_eq!(mail(&fifo, FIFO_MAIL), Some(mend::Msg::Done { lane: 0, seq: 2, qpn }));
-    poll(&wire, 1, |c| receiver.complete(c, &rsizes));
+    poll(wire, 1, |c| receiver.complete(c, &rsizes));
     assert_eq!(receiver.health.watchdog.outstanding, 0, "nothing is out");
 }
 
@@ -3105,30 +3113,20 @@ fn fences_are_answered_through_the_lane_they_came_through() {
 /// after it. Meanwhile it owes the sender an answer (what a closing comm waits for).
 #[test]
 fn a_newer_request_replaces_an_older_one() {
-    let mem = Mem::both_ends(4096);
-    let rstage = Area { mem: &mem, base: RECV_STAGE, key: 15 };
-    let rsizes = Area { mem: &mem, base: RECV_SIZES, key: 16 };
-    let fifo = Area { mem: &mem, base: FIFO, key: 13 };
     let ms = Duration::from_millis;
-    let repair = Repair { attempts: 3, ..NO_REPAIR };
-    let params = Params { nqps: 3, repair, ..one_qp(Path::default()) };
-    let mut receiver = RecvCore::new(params, remote(FIFO, 13));
-    let wire = RefCell::new(Wire::new(3));
-    let mut rio = Io { wire: &wire, mem: &mem, side: 1, depth: RECV_SEND_QUEUE };
-    let buf = Buf { addr: RECV_DATA, size: 4096, lkeys: keys(12), rkeys: keys(12), host: true };
-    receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
-    let ask = |msg: mend::Msg| {
-        for (i, w) in msg.encode().into_iter().enumerate() {
-            rsizes.store(SIZE_MAIL + i, w);
-        }
-    };
+    let (pair, mut receiver) = lone_receiver(3, ms(1000));
+    let (wire, mem) = (&pair.wire, &pair.mem);
+    let (rstage, rsizes, fifo) =
+        (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16), pair.area(FIFO, 13));
+    let mut rio = pair.io(1);
+    let ask = |msg| mail_in(&rsizes, msg);
     let full = RECV_SEND_QUEUE as u64 - receiver.sq[1].used();
     receiver.sq[1].posted(full, false);
     assert!(!receiver.owes_answer(&rsizes));
     ask(mend::Msg::Fence { lane: 0, seq: 1, via: 1 });
     assert!(receiver.owes_answer(&rsizes), "a fence in the mailbox");
     receiver.idle(ms(1), None, &mut rio, &rstage, &rsizes).unwrap();
-    poll(&wire, 1, |c| receiver.complete(c, &rsizes)); // lane 0's receives, flushed
+    poll(wire, 1, |c| receiver.complete(c, &rsizes)); // lane 0's receives, flushed
     receiver.idle(ms(2), None, &mut rio, &rstage, &rsizes).unwrap();
     assert!(receiver.serving.is_some(), "no room for the answer on lane 1");
     assert!(receiver.owes_answer(&rsizes), "a fence being served");
@@ -3137,10 +3135,10 @@ fn a_newer_request_replaces_an_older_one() {
     assert_eq!(receiver.serving, None);
     assert!(receiver.owes_answer(&rsizes), "the answer on its way");
     while !wire.borrow().sq[1][2].is_empty() {
-        wire.borrow_mut().step(&mem, 1, 2);
+        wire.borrow_mut().step(mem, 1, 2);
     }
     assert_eq!(mail(&fifo, FIFO_MAIL), Some(mend::Msg::Fenced { lane: 0, seq: 2 }));
-    poll(&wire, 1, |c| receiver.complete(c, &rsizes));
+    poll(wire, 1, |c| receiver.complete(c, &rsizes));
     assert!(!receiver.owes_answer(&rsizes), "the answer landed");
     // An older request landing late (through a lane the sender took out, which this end has
     // not fenced yet) changes nothing: lane 1 is not fenced for it.
