@@ -402,7 +402,7 @@ fn role(sender: bool, msgs: usize) -> Result<(), String> {
     let bytes = AtomicU64::new(0);
     let registered = AtomicU64::new(0);
     let t_run = Instant::now();
-    let (lanes, reg) = std::thread::scope(|s| {
+    let (mut lanes, reg) = std::thread::scope(|s| {
         let reg = {
             let shared = Shared((&drv, &comms));
             let (data, stop, registered) = (&data, &stop, &registered);
@@ -453,11 +453,28 @@ fn role(sender: bool, msgs: usize) -> Result<(), String> {
     // The receiver closes once every send completed (the orchestrator passes the sender's
     // word on, or hangs up), as NCCL's ranks destroy their comms after the collective: a
     // queue pair destroyed while the sender waits for a lost ACK's retransmission would fail
-    // its last sends.
+    // its last sends. Meanwhile each comm has a receive posted that no send matches (the next
+    // operation's, as NCCL's proxy would have it), and tests it: a fence the sender still
+    // waits for is answered during those calls.
     if sender {
         println!("SENT");
     } else {
-        let _ = std::io::stdin().lock().lines().next();
+        let told = ferroce_tools::proc::lines_of(std::io::stdin());
+        let mut next = Vec::new();
+        for l in lanes.iter_mut().flatten() {
+            let p = l.buf[slot(msgs)..].as_mut_ptr();
+            match drv.irecv(l.comm, &[p], &[SLOT], &[tag_of(msgs)], &[l.mh], false)? {
+                Some(r) => next.push(r),
+                None => return Err(format!("comm {}: no receive posted after the run", l.k)),
+            }
+        }
+        while matches!(told.try_recv(), Err(std::sync::mpsc::TryRecvError::Empty)) {
+            for &r in &next {
+                if drv.test(r)?.is_some() {
+                    return Err("a receive that no send matches completed".into());
+                }
+            }
+        }
     }
 
     // Close everything; the process must be back where it started.

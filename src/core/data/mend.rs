@@ -48,10 +48,11 @@ pub enum Stage {
 /// What the two ends write into each other's mailbox (two words, one write).
 ///
 /// A request names the lane it went through (`via`: live at the sender when it asked), and
-/// its answer goes back through that lane. Requests are numbered in order (`seq`): one older
-/// than the last served may still land late, and is not served. A lane the sender took out may still look live to
-/// the receiver (a stall is the sender's finding alone), and the sender's end of it drops what
-/// arrives: an answer sent there would be retried without end, unanswered.
+/// its answer goes back through that lane. A lane the sender took out may still look live to
+/// the receiver (a stall is the sender's finding alone), and the sender's end of it drops
+/// what arrives: an answer sent there would be retried without end, unanswered. Requests are
+/// numbered in order (`seq`): one older than the last served may still land late, and is not
+/// served.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Msg {
     /// Sender to receiver: replace your end of `lane` and connect it to my new QP `qpn`

@@ -59,10 +59,11 @@ pub struct RecvCore {
     pub(super) alive: u128,
     /// Rebuilt lanes not yet proven: they take the sender's writes (their receives are
     /// posted), but carry none of our own (no probe, no CTS row) until a receive lands on the
-    /// new queue pair. Our probe of a lane whose other end is not yet joined would fail it.
+    /// new queue pair, or a request comes through it. Our probe of a lane whose other end is
+    /// not yet joined would fail it.
     pub(super) proving: u128,
-    /// The lane that carries CTS rows, probes and repair answers: a live one, moved only when
-    /// it fails or is rebuilt (rows that moved must not overtake each other).
+    /// The lane that carries CTS rows and probes: a live one, moved only when it fails or is
+    /// rebuilt (rows that moved must not overtake each other).
     pub(super) ctl: usize,
     /// The last repair or fence request taken.
     pub(super) served: Option<u16>,
@@ -70,8 +71,8 @@ pub struct RecvCore {
     /// every receive posted on the lane has come back (landed or flushed), so that the
     /// receipts hold every chunk that landed.
     pub(super) serving: Option<(mend::Msg, Duration)>,
-    /// The lane the last answer went through.
-    answered: Option<usize>,
+    /// The last fence's answer: its lane, and that lane's count of posted requests with it.
+    answered: Option<(usize, u64)>,
     /// The ack word's high-water mark: the sender writes it in row order, but a row sent again
     /// after a fence must never move it back.
     pub(super) acked: std::cell::Cell<u64>,
@@ -236,7 +237,7 @@ impl RecvCore {
         Ok(Some(slot))
     }
 
-    /// The lane for CTS rows, probes and repair answers.
+    /// The lane for CTS rows and probes.
     pub(super) fn control_lane(&self) -> usize {
         self.ctl
     }
@@ -329,8 +330,9 @@ impl RecvCore {
     /// more of it lands; the CTS rows move off it where another lane lives) and waits until
     /// the lane's receives have all come back, so that every chunk that landed on it is
     /// counted. Then a repair rebuilds our end (a new queue pair, connected to the sender's,
-    /// its receives posted again). The answer goes through the control lane, after the
-    /// receipts: what this end counted ([`Self::receipts`]).
+    /// its receives posted again). The answer goes back through the lane the request came
+    /// through (else the control lane), after the receipts: what this end counted
+    /// ([`Self::receipts`]).
     #[inline(always)]
     pub(super) fn serve(
         &mut self,
@@ -361,7 +363,7 @@ impl RecvCore {
             return Ok(());
         }
         // Back through the lane the request came through, while it lives here.
-        let back = if via != lane && self.alive & (1 << via) != 0 { via } else { self.ctl };
+        let back = if self.alive & (1 << via) != 0 { via } else { self.ctl };
         if back != lane && !self.sq[back].fits(2) {
             return Ok(()); // no room for the answer yet
         }
@@ -422,7 +424,9 @@ impl RecvCore {
         };
         fence(self.serving.map(|s| s.0)).is_some()
             || fence(mail(sizes, SIZE_MAIL)).is_some_and(|seq| self.unserved(seq))
-            || self.answered.is_some_and(|q| !self.sq[q].signaled.is_empty())
+            || self
+                .answered
+                .is_some_and(|(q, n)| self.alive & (1 << q) != 0 && self.sq[q].freed < n)
     }
 
     /// A write from the sender crossed lane `lane`: where that lane was rebuilt and waits to
@@ -462,12 +466,15 @@ impl RecvCore {
             inline: len <= self.p.max_inline,
             ..SendWr::default()
         };
+        let fence = matches!(answer, mend::Msg::Fenced { .. });
         let life = (ctl, self.health.life[ctl], self.p.members[ctl]);
         let answer = mail_wr(answer, stage, FIFO_MAIL, life, &self.remote_fifo, self.p.max_inline);
         io.send(ctl, &[receipts, answer]).map_err(|e| self.health.post_failed(e))?;
         self.sq[ctl].posted(1, false);
         self.sq[ctl].posted(1, true);
-        self.answered = Some(ctl);
+        if fence {
+            self.answered = Some((ctl, self.sq[ctl].posted));
+        }
         self.health.watchdog.posted();
         Ok(())
     }

@@ -252,10 +252,12 @@ struct Wire {
     members: Vec<(usize, usize)>,
     /// The ends fail over (else a dead lane fails the comm).
     failover: bool,
-    /// Retries never run out on a one-way black hole ([`Run::forever`]).
+    /// Retries never run out on a one-way black hole, and a request into a fenced or replaced
+    /// queue pair is never answered ([`Run::forever`]).
     forever: bool,
-    /// Stragglers ([`Run::late`]): per write caught on a dead path, its lane, the life of the
-    /// receiver's QP it was sent to, and the write; how many landed and how many were dropped.
+    /// Stragglers ([`Run::late`]): per write caught on a dead path or on a lane the sender
+    /// fenced, its lane, the life of the receiver's QP it was sent to, and the write; how many
+    /// landed and how many were dropped.
     late: Option<Vec<(usize, u32, Queued)>>,
     late_landed: u64,
     late_dropped: u64,
@@ -866,7 +868,8 @@ struct Run {
     /// off, so a silent path fails over only once its retries run out).
     stall: Option<Duration>,
     /// Retries never run out (`NCCL_IB_RETRY_CNT=7` on Soft-RoCE): a one-way black hole
-    /// completes nothing on its lane, at either end, until that end fences its queue pair.
+    /// completes nothing on its lane, at either end, until that end fences its queue pair,
+    /// and a request into a queue pair the other end fenced or replaced is never answered.
     forever: bool,
     /// Long spells in which one side's process makes no call (NCCL leaves the comm alone):
     /// from this step, side, for this many steps.
@@ -876,9 +879,9 @@ struct Run {
     /// oldest request only, and between one operation and the next a side makes no call at
     /// all for a while (an idle receive comm).
     proxy: bool,
-    /// A killed lane's write that was on the wire when its path died arrives late: at a
-    /// random later step, or after the run (every receive completed, its buffer NCCL's), into
-    /// whatever the receiver's QP of that lane is then ([`Wire::arrive_late`]).
+    /// A killed lane's write that was on the wire when its path died, or a fenced lane's, arrives
+    /// late: at a random later step, or after the run (every receive completed, its buffer
+    /// NCCL's), into whatever the receiver's QP of that lane is then ([`Wire::arrive_late`]).
     late: bool,
 }
 
