@@ -129,6 +129,11 @@ impl SendCore {
         self.warnings.push_back(Line::Warn(lane_warning(&self.p.path, &what, lane, why, &then)));
     }
 
+    /// Whether a lane that waits to be fenced holds chunks in flight.
+    pub(super) fn holding(&self) -> bool {
+        (0..self.p.nqps).any(|l| self.unfenced & (1 << l) != 0 && self.held(l).next().is_some())
+    }
+
     /// The chunks in flight on lane `lane`: `(slot, chunk)`.
     pub(super) fn held(&self, lane: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
         let nqps = self.p.nqps;

@@ -533,9 +533,9 @@ impl SendCore {
     ) -> Result<Option<usize>> {
         self.check()?;
         self.resend(stage, io)?;
-        if self.unfenced != 0 || !self.resend.is_empty() {
+        if self.unfenced != 0 && self.holding() || !self.resend.is_empty() {
             // Held and re-sent chunks go first: an optional row's data and ack must follow
-            // those of every earlier row.
+            // those of every earlier row. (A lane fenced with nothing held holds up nothing.)
             return Ok(None);
         }
         let Some((slot, nreqs)) = self.next_row(fifo)? else {
