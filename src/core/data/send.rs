@@ -728,22 +728,23 @@ impl SendCore {
         // Only messages of `timed_from` bytes and up are timed: a clock read may cost microseconds
         // (in a VM), which small messages would feel and their rates would not repay.
         let at = self.timestamp(io, sizes.iter().sum::<u64>() >= self.p.timed_from);
-        let lanes = if optional { 0..1 } else { lanes(self.p.split, self.p.nqps, slot) };
-        // A split message's chunks go out starting at a different one each time: the NIC
-        // serves a post's lanes in order, and each lane should wait behind the others as
-        // often as the next, or placement would read the order as path speed.
-        let n = lanes.len();
-        for c in (0..n).map(|k| (k + slot) % n) {
-            let q = if optional {
-                self.ll_lane()
-            } else if self.p.split {
-                self.split_lane(slot, c)
-            } else {
-                self.whole_lane(slot, sizes.iter().sum())
-            };
-            self.post_chunk(stage, io, (slot, c, q), at)?;
+        if optional || !self.p.split {
+            // One chunk, the whole message (no loop, no division: most messages).
+            let q =
+                if optional { self.ll_lane() } else { self.whole_lane(slot, sizes.iter().sum()) };
+            self.post_chunk(stage, io, (slot, 0, q), at)?;
+            self.slots[slot].pending = 1;
+        } else {
+            // A split message's chunks go out starting at a different one each time: the NIC
+            // serves a post's lanes in order, and each lane should wait behind the others as
+            // often as the next, or placement would read the order as path speed.
+            let n = self.p.nqps;
+            for c in (0..n).map(|k| (k + slot) % n) {
+                let q = self.split_lane(slot, c);
+                self.post_chunk(stage, io, (slot, c, q), at)?;
+            }
+            self.slots[slot].pending = lanes_mask(n);
         }
-        self.slots[slot].pending = lanes_mask(lanes.len());
         self.ll.1 += usize::from(optional);
         self.in_flight += 1;
         self.health.watchdog.posted();
@@ -766,14 +767,6 @@ impl SendCore {
         let nreqs = usize::from(s.nreqs);
         let optional = nreqs == 1 && s.row[0].optional;
         let split = self.p.split && !optional;
-        // The row's buffers only (a slot's others are empty).
-        let (mut sizes, mut parts) = ([0; MAX_RECVS], [(0, 0); MAX_RECVS]);
-        for (r, b) in s.bufs[..nreqs].iter().enumerate() {
-            if let Some(b) = b {
-                (sizes[r], parts[r]) = (b.size, self.part(slot, b.size, split, c));
-            }
-        }
-        let size = if optional { None } else { size_in_imm(&sizes[..nreqs]) };
         let k = ChunkWrs {
             slot,
             chunk: c,
@@ -782,36 +775,57 @@ impl SendCore {
             members: self.p.members[q],
             inline: self.p.max_inline,
         };
-        let imm = || Imm { slot, chunk: c, epoch: epoch(s.row[0].idx), size }.encode();
-        // Most of NCCL's messages: one buffer, whole, its size in the immediate.
-        let one = size.is_some() && nreqs == 1 && !split;
-        let whole = if one { k.whole(s, imm(), self.p.max_msg) } else { None };
-        let data = if let Some((wr, data)) = whole {
-            io.send(q, std::slice::from_ref(&wr))?;
-            self.sq[q].posted(1, true);
-            data
-        } else {
-            let mut chain = Chain::new(q, &mut self.chain, &mut self.sq[q]);
-            let mark = if optional { u64::MAX } else { self.p.mark };
-            let data = k.data(&mut chain, io, s, &parts, (self.p.max_msg, mark))?;
-            if optional {
-                k.ack(&mut chain, io, stage, &self.remote_sizes, s.row[0].idx)?;
-            } else {
-                if size.is_none() && c == 0 {
-                    k.size_record(&mut chain, io, stage, &self.remote_sizes, nreqs)?;
+        let epoch = epoch(s.row[0].idx);
+        // Most of NCCL's messages: one buffer, whole, its size in the immediate. Taken before
+        // the general path's per-buffer arrays are built.
+        if nreqs == 1 && !split && !optional {
+            let size = s.bufs[0].map_or(0, |b| b.size);
+            if size_in_imm(&[size]).is_some() {
+                let imm = Imm { slot, chunk: c, epoch, size: Some(size) }.encode();
+                if let Some((wr, data)) = k.whole(s, imm, self.p.max_msg) {
+                    io.send(q, std::slice::from_ref(&wr))?;
+                    self.sq[q].posted(1, true);
+                    self.chunk_posted((slot, c, q), &[(0, data)], (false, true), wr.wr_id);
+                    self.chunk_sent(q, at, data, size);
+                    return Ok(());
                 }
-                k.imm(&mut chain, io, imm(), size.is_some() && data > 0)?;
             }
-            chain.flush(io)?;
-            data
-        };
+        }
+        // The row's buffers only (a slot's others are empty).
+        let (mut sizes, mut parts) = ([0; MAX_RECVS], [(0, 0); MAX_RECVS]);
+        for (r, b) in s.bufs[..nreqs].iter().enumerate() {
+            if let Some(b) = b {
+                (sizes[r], parts[r]) = (b.size, self.part(slot, b.size, split, c));
+            }
+        }
+        let size = if optional { None } else { size_in_imm(&sizes[..nreqs]) };
+        let imm = Imm { slot, chunk: c, epoch, size }.encode();
+        let mut chain = Chain::new(q, &mut self.chain, &mut self.sq[q]);
+        let mark = if optional { u64::MAX } else { self.p.mark };
+        let data = k.data(&mut chain, io, s, &parts, (self.p.max_msg, mark))?;
+        if optional {
+            k.ack(&mut chain, io, stage, &self.remote_sizes, s.row[0].idx)?;
+        } else {
+            if size.is_none() && c == 0 {
+                k.size_record(&mut chain, io, stage, &self.remote_sizes, nreqs)?;
+            }
+            k.imm(&mut chain, io, imm, size.is_some() && data > 0)?;
+        }
+        chain.flush(io)?;
         self.chunk_posted((slot, c, q), &parts[..nreqs], (optional, size.is_some()), k.id(WR_SEND));
+        self.chunk_sent(q, at, data, sizes[..nreqs].iter().sum());
+        Ok(())
+    }
+
+    /// Chunk bytes `data` of a message of `total` bytes went on lane `q` at `at`: for
+    /// placement and the statistics.
+    #[inline(always)]
+    fn chunk_sent(&mut self, q: usize, at: Duration, data: u64, total: u64) {
         self.lanes[q].posted(at, data);
         let t = &mut self.health.traffic.lanes[q];
         t.bytes += data;
-        t.by_size[size_class(sizes[..nreqs].iter().sum())] += data;
+        t.by_size[size_class(total)] += data;
         t.chunks += 1;
-        Ok(())
     }
 
     /// Records where chunk `c` went, and its work requests for the profiler's journal.
