@@ -104,6 +104,7 @@ mod health;
 mod mend;
 mod place;
 mod recv;
+mod ring;
 mod send;
 mod sq;
 mod stall;

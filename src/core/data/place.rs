@@ -26,7 +26,7 @@
 //! Both modes leave the rotation and equal chunks alone unless a lane is clearly worse
 //! ([`CHEAPER`], [`AVOID`]), so a clean fabric's noise changes nothing.
 
-use std::collections::VecDeque;
+use super::ring::Ring;
 use std::time::Duration;
 
 /// Completed chunks are summed into one rate sample until the lane spent this long on them.
@@ -54,7 +54,7 @@ pub struct Lane {
     pub out: u64,
     /// The chunks in flight: when each was posted ([`UNTIMED`] if not timed), and its bytes;
     /// how many of them are timed.
-    queue: VecDeque<(Duration, u64)>,
+    queue: Ring<(Duration, u64)>,
     timed: usize,
     /// When the lane's last chunk, and its last timed chunk, completed (as far as the clock
     /// knows), and when it last gave a rate sample.
@@ -69,7 +69,7 @@ pub struct Lane {
 
 impl Lane {
     pub fn new() -> Lane {
-        Lane { queue: VecDeque::with_capacity(64), ..Lane::default() }
+        Lane { queue: Ring::with_capacity(64), ..Lane::default() }
     }
 
     #[inline(always)]

@@ -1,8 +1,7 @@
 //! Send-queue accounting: how many work requests each queue pair's send queue holds, counted as
 //! a provider that frees entries only when a later signaled request completes sees them.
 
-use std::collections::VecDeque;
-
+use super::ring::Ring;
 use super::*;
 
 /// The work requests on one send queue, counted as a provider that frees entries only when a
@@ -13,7 +12,7 @@ pub(super) struct SqCount {
     /// Requests freed so far: everything up to the last signaled one that completed.
     pub(super) freed: u64,
     /// The sequence numbers (`posted` after them) of the signaled requests not yet completed.
-    pub(super) signaled: VecDeque<u64>,
+    pub(super) signaled: Ring<u64>,
     pub(super) depth: u64,
 }
 
@@ -47,12 +46,7 @@ pub(super) fn probes_posted(sq: &mut [SqCount], mut lanes: u128) {
 
 impl SqCount {
     pub(super) fn new(depth: usize) -> SqCount {
-        SqCount {
-            posted: 0,
-            freed: 0,
-            signaled: VecDeque::with_capacity(depth),
-            depth: depth as u64,
-        }
+        SqCount { posted: 0, freed: 0, signaled: Ring::with_capacity(depth), depth: depth as u64 }
     }
 
     pub(super) fn used(&self) -> u64 {
