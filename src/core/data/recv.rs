@@ -67,6 +67,9 @@ pub struct RecvCore {
     pub(super) ctl: usize,
     /// The last repair or fence request taken.
     pub(super) served: Option<u16>,
+    /// The mailbox's words as last decoded: only a change is decoded again (a torn write
+    /// decodes as nothing, and its last word changes the words again).
+    mail_seen: [u64; mend::MAIL_WORDS],
     /// The request being served, since when: its lane is fenced, and the answer waits until
     /// every receive posted on the lane has come back (landed or flushed), so that the
     /// receipts hold every chunk that landed.
@@ -115,6 +118,7 @@ impl RecvCore {
             proving: 0,
             ctl: 0,
             served: None,
+            mail_seen: [0; mend::MAIL_WORDS],
             answered: None,
             serving: None,
             acked: std::cell::Cell::new(0),
@@ -343,7 +347,11 @@ impl RecvCore {
     ) -> Result<()> {
         // A newer request replaces the one being served: the sender asked again (its lane
         // failed, or the answer took too long), and only the newest is awaited.
-        self.take_request(now, sizes, io)?;
+        let mail = std::array::from_fn(|i| sizes.load(SIZE_MAIL + i));
+        if mail != self.mail_seen {
+            self.mail_seen = mail;
+            self.take_request(now, mail, sizes, io)?;
+        }
         let Some((msg, since)) = self.serving else { return Ok(()) };
         let (mend::Msg::Ask { lane, via, .. } | mend::Msg::Fence { lane, via, .. }) = msg else {
             return Ok(());
@@ -384,10 +392,11 @@ impl RecvCore {
     fn take_request(
         &mut self,
         now: Duration,
+        mail: [u64; mend::MAIL_WORDS],
         sizes: &impl Words,
         io: &mut impl Post,
     ) -> Result<()> {
-        let Some(msg) = mail(sizes, SIZE_MAIL) else { return Ok(()) };
+        let Some(msg) = mend::Msg::decode(mail) else { return Ok(()) };
         let (mend::Msg::Ask { lane, seq, via, .. } | mend::Msg::Fence { lane, seq, via }) = msg
         else {
             return Ok(());
