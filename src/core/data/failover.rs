@@ -302,7 +302,7 @@ impl SendCore {
         stage: &impl Words,
         io: &mut impl Post,
     ) {
-        if self.alive == lanes_mask(self.p.nqps) && self.fence.is_none() && self.unfenced == 0 {
+        if self.alive == self.all && self.fence.is_none() && self.unfenced == 0 {
             return self.mend.saw(now);
         }
         self.mend_lanes(now, fifo, stage, io)

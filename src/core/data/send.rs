@@ -260,6 +260,8 @@ pub struct SendCore {
     pub(super) chunk_lane: Vec<u8>,
     /// The lanes whose path still answers (bit `q` for lane `q`).
     pub(super) alive: u128,
+    /// Every lane, as bits (`alive` when none failed).
+    pub(super) all: u128,
     /// Chunks to send again on a live lane: their lane failed before they completed, and the
     /// receiver's receipts say it did not count them. In row order.
     pub(super) resend: VecDeque<(usize, usize)>,
@@ -321,6 +323,7 @@ impl SendCore {
             sq: (0..p.nqps).map(|_| SqCount::new(send_queue(p.nqps))).collect(),
             chunk_lane: vec![0; SLOTS * p.nqps],
             alive: lanes_mask(p.nqps),
+            all: lanes_mask(p.nqps),
             resend: VecDeque::new(),
             unfenced: 0,
             fence: None,
@@ -430,8 +433,9 @@ impl SendCore {
     #[inline(always)]
     pub(super) fn whole_lane(&mut self, slot: usize, bytes: u64) -> usize {
         let rotation = self.live_lane(slot % self.p.nqps);
-        // The live lanes other than the rotation's, as bits.
-        let mut others = self.alive & lanes_mask(self.p.nqps) & !(1 << rotation);
+        // The live lanes other than the rotation's, as bits (a live lane is one of the comm's).
+        debug_assert_eq!(self.alive & !self.all, 0);
+        let mut others = self.alive & !(1 << rotation);
         if !self.p.path_aware || others == 0 || place::idle(&self.lanes, self.avoid, rotation) {
             return rotation;
         }
@@ -467,7 +471,7 @@ impl SendCore {
     #[inline(always)]
     pub(super) fn plan(&mut self, slot: usize, optional: bool) {
         let split = self.p.split && !optional;
-        let all = lanes_mask(self.p.nqps);
+        let all = self.all;
         // The mask is as of the last idle run: where every lane is avoided by now (the one it
         // did not avoid died since), none is, and dead lanes' chunks ride on live ones.
         let avoided = (self.avoid | !self.alive) & all;
@@ -694,7 +698,7 @@ impl SendCore {
                 self.p.max_msg
             )));
         }
-        if self.alive == lanes_mask(self.p.nqps) {
+        if self.alive == self.all {
             return Ok(self.sq.iter().all(|c| c.fits(per_lane)));
         }
         let live = self.sq.iter().enumerate().filter(|&(q, _)| self.alive >> q & 1 != 0);
@@ -743,7 +747,7 @@ impl SendCore {
                 let q = self.split_lane(slot, c);
                 self.post_chunk(stage, io, (slot, c, q), at)?;
             }
-            self.slots[slot].pending = lanes_mask(n);
+            self.slots[slot].pending = self.all;
         }
         self.ll.1 += usize::from(optional);
         self.in_flight += 1;
@@ -974,7 +978,7 @@ impl SendCore {
         if !self.p.path_aware {
             return;
         }
-        let dead = !self.alive & lanes_mask(self.p.nqps);
+        let dead = !self.alive & self.all;
         // A lane holds chunks only of messages in flight, while the comm lives (a post that
         // failed part-way leaves its first chunks on their lanes, and fails the comm).
         debug_assert!(
