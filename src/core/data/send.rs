@@ -555,7 +555,8 @@ impl SendCore {
         let Some(r) = (0..nreqs).find(|&r| s.matched & (1 << r) == 0 && row[r].tag == tag) else {
             return Ok(None);
         };
-        let last = s.matched.count_ones() as usize + 1 == nreqs;
+        // With this one, every entry of the row is matched (a mask: the CPU may lack popcnt).
+        let last = u16::from(s.matched) | 1 << r == (1 << nreqs) - 1;
         let (size, optional) = (row[r].size, nreqs == 1 && row[0].optional);
         let buf = self.fit_to(buf()?, tag, size);
         // In place (a slot's buffers are most of a kilobyte), and put back if it cannot go.
@@ -688,7 +689,7 @@ impl SendCore {
                 most * n as u64
             }
         };
-        let depth = send_queue(self.p.nqps) as u64;
+        let depth = self.sq[0].depth; // every lane's: `send_queue`
         if per_lane >= depth {
             return Err(Error::InvalidUsage(format!(
                 "a message of {} buffer(s) needs {per_lane} work requests on one lane (buffers \
