@@ -75,7 +75,7 @@ pub struct RecvCore {
     /// receipts hold every chunk that landed.
     pub(super) serving: Option<(mend::Msg, Duration)>,
     /// The last fence's answer: its lane, and that lane's count of posted requests with it.
-    answered: Option<(usize, u64)>,
+    pub(super) answered: Option<(usize, u64)>,
     /// The ack word's high-water mark: the sender writes it in row order, but a row sent again
     /// after a fence must never move it back.
     pub(super) acked: std::cell::Cell<u64>,
@@ -320,6 +320,11 @@ impl RecvCore {
             self.health.watchdog.completed(true);
         }
         self.sq[lane].signaled.clear();
+        // Nor does a fence's answer on it: it is owed no longer (the sender asks again, and a
+        // rebuilt lane's new count must not be read against the old queue pair's).
+        if self.answered.is_some_and(|(q, _)| q == lane) {
+            self.answered = None;
+        }
         self.health.prober.out &= !bit;
         if lane == self.ctl {
             // Every row the sender may not have consumed is written again (the same bytes:

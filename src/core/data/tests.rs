@@ -3149,6 +3149,14 @@ fn a_newer_request_replaces_an_older_one() {
     receiver.idle(ms(4), None, &mut rio, &rstage, &rsizes).unwrap();
     assert_eq!((receiver.serving, wire.borrow().failed[1][1]), (None, false));
     assert!(!receiver.owes_answer(&rsizes));
+    // An answer whose lane goes before its completion came is owed no longer: once the lane is
+    // rebuilt and live, its new queue pair's count is not read against the old one's.
+    receiver.answered = Some((2, receiver.sq[2].posted + 1));
+    assert!(receiver.owes_answer(&rsizes), "an answer on its way");
+    receiver.forget(2, &rsizes);
+    receiver.rebuild(2, 3, 77, &mut rio).unwrap().expect("a new queue pair");
+    receiver.alive |= 1 << 2; // proven
+    assert!(!receiver.owes_answer(&rsizes), "its lane went");
 }
 
 /// A [`Pair`]'s two cores, their posts and their areas.
