@@ -352,11 +352,7 @@ impl RecvCore {
     ) -> Result<()> {
         // A newer request replaces the one being served: the sender asked again (its lane
         // failed, or the answer took too long), and only the newest is awaited.
-        let mail = std::array::from_fn(|i| sizes.load(SIZE_MAIL + i));
-        if mail != self.mail_seen {
-            self.mail_seen = mail;
-            self.take_request(now, mail, sizes, io)?;
-        }
+        self.take_request(now, sizes, io)?;
         let Some((msg, since)) = self.serving else { return Ok(()) };
         let (mend::Msg::Ask { lane, via, .. } | mend::Msg::Fence { lane, via, .. }) = msg else {
             return Ok(());
@@ -397,10 +393,14 @@ impl RecvCore {
     fn take_request(
         &mut self,
         now: Duration,
-        mail: [u64; mend::MAIL_WORDS],
         sizes: &impl Words,
         io: &mut impl Post,
     ) -> Result<()> {
+        let mail = std::array::from_fn(|i| sizes.load(SIZE_MAIL + i));
+        if mail == self.mail_seen {
+            return Ok(());
+        }
+        self.mail_seen = mail;
         let Some(msg) = mend::Msg::decode(mail) else { return Ok(()) };
         let (mend::Msg::Ask { lane, seq, via, .. } | mend::Msg::Fence { lane, seq, via }) = msg
         else {
