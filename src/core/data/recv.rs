@@ -218,8 +218,12 @@ impl RecvCore {
         }
         // Field by field, and only the receive's `n` buffers (a slot is about 200 bytes): the
         // sizes past `n` are never used, and a receive's own are written when it lands.
-        let want =
-            if optional { 0 } else { lanes_mask(lanes(self.p.split, self.p.nqps, slot).len()) };
+        // The chunks it waits for: one per lane split, else the one whole message.
+        let want = match (optional, self.p.split) {
+            (true, _) => 0,
+            (false, true) => lanes_mask(self.p.nqps),
+            (false, false) => 1,
+        };
         let s = &mut self.slots[slot];
         (s.state, s.n, s.idx, s.want, s.got) = (State::Pending, n, idx, want, 0);
         for (p, (b, _)) in s.posted.iter_mut().zip(bufs) {
