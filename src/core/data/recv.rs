@@ -451,7 +451,7 @@ impl RecvCore {
     /// be proven here, both ends are joined, and it lives. Forced inline: every landed
     /// receive passes here.
     #[inline(always)]
-    fn crossed(&mut self, lane: usize) {
+    pub(super) fn crossed(&mut self, lane: usize) {
         if self.proving & (1 << lane) != 0 {
             self.proving &= !(1 << lane);
             self.alive |= 1 << lane;

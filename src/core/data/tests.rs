@@ -3149,13 +3149,22 @@ fn a_newer_request_replaces_an_older_one() {
     receiver.idle(ms(4), None, &mut rio, &rstage, &rsizes).unwrap();
     assert_eq!((receiver.serving, wire.borrow().failed[1][1]), (None, false));
     assert!(!receiver.owes_answer(&rsizes));
-    // An answer whose lane goes before its completion came is owed no longer: once the lane is
-    // rebuilt and live, its new queue pair's count is not read against the old one's.
+}
+
+/// A fence's answer whose lane goes before its completion came is owed no longer: once the
+/// lane is rebuilt and proven, its new queue pair's count is not read against the old one's
+/// (a closing comm would wait out the repair timeout for an answer that cannot complete).
+#[test]
+fn an_answer_whose_lane_goes_is_owed_no_longer() {
+    let (pair, mut receiver) = lone_receiver(3, Duration::from_millis(1000));
+    let rsizes = pair.area(RECV_SIZES, 16);
+    // The answer posted on lane 2, its completion still to come.
     receiver.answered = Some((2, receiver.sq[2].posted + 1));
     assert!(receiver.owes_answer(&rsizes), "an answer on its way");
     receiver.forget(2, &rsizes);
-    receiver.rebuild(2, 3, 77, &mut rio).unwrap().expect("a new queue pair");
-    receiver.alive |= 1 << 2; // proven
+    receiver.rebuild(2, 1, 77, &mut pair.io(1)).unwrap().expect("a new queue pair");
+    receiver.crossed(2); // the sender's first write through the new queue pair
+    assert_ne!(receiver.alive & 1 << 2, 0, "proven");
     assert!(!receiver.owes_answer(&rsizes), "its lane went");
 }
 
