@@ -400,7 +400,7 @@ impl RecvCore {
         sizes: &impl Words,
         io: &mut impl Post,
     ) -> Result<()> {
-        let mail = std::array::from_fn(|i| sizes.load(SIZE_MAIL + i));
+        let mail = mail_words(sizes, SIZE_MAIL);
         if mail == self.mail_seen {
             return Ok(());
         }
@@ -432,16 +432,15 @@ impl RecvCore {
     }
 
     /// Whether the sender waits on this end for a fence's answer: one taken and not answered
-    /// yet, a newer one in the mailbox, or the answer still on its way. A comm that closes
-    /// answers it first: the sender's last sends may wait for it, and NCCL no longer calls a
-    /// receiving comm that has nothing outstanding.
+    /// yet, one in the mailbox not yet looked at (a look takes it, or finds it stale or
+    /// corrupt), or the answer still on its way. A comm that closes answers it first: the
+    /// sender's last sends may wait for it, and NCCL no longer calls a receiving comm that has
+    /// nothing outstanding.
     pub fn owes_answer(&self, sizes: &impl Words) -> bool {
-        let fence = |m: Option<mend::Msg>| match m {
-            Some(mend::Msg::Fence { seq, .. }) => Some(seq),
-            _ => None,
-        };
-        fence(self.serving.map(|s| s.0)).is_some()
-            || fence(mail(sizes, SIZE_MAIL)).is_some_and(|seq| self.unserved(seq))
+        let fence = |m: Option<mend::Msg>| matches!(m, Some(mend::Msg::Fence { .. }));
+        let mail = mail_words(sizes, SIZE_MAIL);
+        fence(self.serving.map(|s| s.0))
+            || mail != self.mail_seen && fence(mend::Msg::decode(mail))
             || self
                 .answered
                 .is_some_and(|(q, n)| self.alive & (1 << q) != 0 && self.sq[q].freed < n)

@@ -3149,6 +3149,13 @@ fn a_newer_request_replaces_an_older_one() {
     receiver.idle(ms(4), None, &mut rio, &rstage, &rsizes).unwrap();
     assert_eq!((receiver.serving, wire.borrow().failed[1][1]), (None, false));
     assert!(!receiver.owes_answer(&rsizes));
+    // A corrupt fence (a lane the comm does not have) is owed nothing once looked at: a
+    // closing comm does not wait out the repair timeout for it.
+    ask(mend::Msg::Fence { lane: 7, seq: 9, via: 1 });
+    assert!(receiver.owes_answer(&rsizes), "not looked at yet");
+    receiver.idle(ms(5), None, &mut rio, &rstage, &rsizes).unwrap();
+    assert_eq!(receiver.serving, None);
+    assert!(!receiver.owes_answer(&rsizes), "looked at, and not a request");
 }
 
 /// A fence's answer whose lane goes before its completion came is owed no longer: once the

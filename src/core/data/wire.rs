@@ -415,7 +415,12 @@ pub(super) fn mail_wr(
 
 /// The message in the mailbox at word `word` of `area`, if one is whole there.
 pub(super) fn mail(area: &impl Words, word: usize) -> Option<mend::Msg> {
-    mend::Msg::decode(std::array::from_fn(|i| area.load(word + i)))
+    mend::Msg::decode(mail_words(area, word))
+}
+
+/// The words of the mailbox at `word` of `area`, undecoded.
+pub(super) fn mail_words(area: &impl Words, word: usize) -> [u64; mend::MAIL_WORDS] {
+    std::array::from_fn(|i| area.load(word + i))
 }
 
 /// The newest CTS row that has landed in `fifo`: it moves only while the receiving comm is
