@@ -247,10 +247,14 @@ struct Qps<'a> {
 }
 
 impl Qps<'_> {
+    #[inline(always)]
     fn qp(&self, i: usize) -> Result<&Qp> {
-        let n = self.qps.len();
-        let flush = i.checked_sub(n).and_then(|f| self.flush.get(f)).map(|f| &f.qp);
-        self.qps.get(i).or(flush).ok_or_else(|| Error::Internal(format!("no queue pair {i}")))
+        // A lane first: the flush QPs only when it is not one.
+        if let Some(q) = self.qps.get(i) {
+            return Ok(q);
+        }
+        let flush = i.checked_sub(self.qps.len()).and_then(|f| self.flush.get(f));
+        flush.map(|f| &f.qp).ok_or_else(|| Error::Internal(format!("no queue pair {i}")))
     }
 }
 

@@ -195,9 +195,9 @@ impl Qp {
         let mut sges = [const { MaybeUninit::<sys::ibv_sge>::uninit() }; MAX_CHAIN];
         let mut chain = [const { MaybeUninit::<sys::ibv_send_wr>::uninit() }; MAX_CHAIN];
         let base = chain.as_mut_ptr().cast::<sys::ibv_send_wr>();
-        // Held until the provider has copied the inline bytes: no registration it vouched for
-        // goes meanwhile.
-        let cpu = wrs.iter().any(|w| w.inline).then(|| self.pd.cpu_readable());
+        // Taken at the first inline entry and held until the provider has copied the inline
+        // bytes: no registration it vouched for goes meanwhile.
+        let mut cpu = None;
         for (i, w) in wrs.iter().enumerate() {
             let (sg_list, num_sge) = match w.local {
                 Some((addr, length, lkey)) => {
@@ -218,7 +218,7 @@ impl Qp {
             {
                 // The provider copies inline data with the CPU: only from memory registered as
                 // host memory, never GPU memory or memory that is not ours.
-                if !cpu.as_ref().is_some_and(|c| c.covers(lkey, addr, len)) {
+                if !cpu.get_or_insert_with(|| self.pd.cpu_readable()).covers(lkey, addr, len) {
                     return Err(Error::Internal(format!(
                         "inline send of {len} bytes at {addr:#x} (lkey {lkey:#x}): no \
                          registration of host memory covers it"

@@ -559,14 +559,16 @@ impl SendCore {
         let last = u16::from(s.matched) | 1 << r == (1 << nreqs) - 1;
         let (size, optional) = (row[r].size, nreqs == 1 && row[0].optional);
         let buf = self.fit_to(buf()?, tag, size);
-        // In place (a slot's buffers are most of a kilobyte), and put back if it cannot go.
-        let before = self.slots[slot].bufs[r].replace(buf);
+        // In place (a slot's buffers are most of a kilobyte), and taken back if it cannot go:
+        // an unmatched entry's buffer is empty (a slot's are emptied when it completes).
+        debug_assert!(self.slots[slot].bufs[r].is_none());
+        self.slots[slot].bufs[r] = Some(buf);
         if last {
             self.plan(slot, optional);
             match self.fits(slot, &self.slots[slot].bufs[..nreqs], optional) {
                 Ok(true) => {}
                 no => {
-                    self.slots[slot].bufs[r] = before;
+                    self.slots[slot].bufs[r] = None;
                     return no.map(|_| None);
                 }
             }
