@@ -3158,6 +3158,30 @@ fn a_newer_request_replaces_an_older_one() {
     assert!(!receiver.owes_answer(&rsizes), "looked at, and not a request");
 }
 
+/// Request numbers are 16 bits and wrap: after the wrap a request is newer than the last one
+/// served (taken), while one from before it is older (left alone), as before the wrap.
+#[test]
+fn request_numbers_wrap() {
+    let ms = Duration::from_millis;
+    let (pair, mut receiver) = lone_receiver(3, ms(1000));
+    let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
+    let mut rio = pair.io(1);
+    receiver.served = Some(u16::MAX - 1);
+    mail_in(&rsizes, mend::Msg::Fence { lane: 0, seq: u16::MAX - 2, via: 1 });
+    receiver.idle(ms(1), None, &mut rio, &rstage, &rsizes).unwrap();
+    assert_eq!((receiver.served, receiver.serving), (Some(u16::MAX - 1), None), "an older one");
+    assert!(!pair.wire.borrow().failed[1][0], "lane 0 not fenced for it");
+    mail_in(&rsizes, mend::Msg::Fence { lane: 0, seq: 1, via: 1 });
+    receiver.idle(ms(2), None, &mut rio, &rstage, &rsizes).unwrap();
+    assert_eq!(receiver.served, Some(1), "a newer one, across the wrap");
+    assert!(pair.wire.borrow().failed[1][0], "lane 0 fenced for it");
+    // Half the number space back (32,768 requests missed) reads as older, not newer.
+    mail_in(&rsizes, mend::Msg::Fence { lane: 1, seq: 1u16.wrapping_sub(1 << 15), via: 2 });
+    receiver.idle(ms(3), None, &mut rio, &rstage, &rsizes).unwrap();
+    assert_eq!(receiver.served, Some(1));
+    assert!(!pair.wire.borrow().failed[1][1], "lane 1 not fenced");
+}
+
 /// A fence's answer whose lane goes before its completion came is owed no longer: once the
 /// lane is rebuilt and proven, its new queue pair's count is not read against the old one's
 /// (a closing comm would wait out the repair timeout for an answer that cannot complete).
