@@ -337,6 +337,18 @@ impl Wire {
         (0..n).all(|q| self.black_hole[q].is_some() || self.one_way[q].is_some())
     }
 
+    /// No lane is left, though a path may live: every lane's path is dead or its queue pair
+    /// failed or was fenced at one end or both. A lane out comes back only through a repair,
+    /// and the repair's request and answer travel through a live lane (`mend`): with none,
+    /// nothing can bring one back, and the comm may fail. So it goes when the sender fences
+    /// a slow but live lane for a stall (a false alarm the stall bound allows) and the last
+    /// other path dies before that lane is repaired.
+    fn no_lane_left(&self) -> bool {
+        let n = self.black_hole.len() - 1;
+        let out = |q: usize| self.failed[0][q] || self.failed[1][q];
+        (0..n).all(|q| self.black_hole[q].is_some() || self.one_way[q].is_some() || out(q))
+    }
+
     /// How many of `side`'s lanes failed: at least (not fenced: a fence may take a lane out
     /// before its end saw it fail), and at most.
     fn lanes_failed(&self, side: usize) -> (usize, usize) {
@@ -622,7 +634,12 @@ impl Wire {
         let one_lane = !self.failover
             && (self.black_hole.iter().any(Option::is_some)
                 || self.one_way.iter().any(Option::is_some));
-        self.broken || self.posts_fail || self.lying || self.all_lanes_failed() || one_lane
+        self.broken
+            || self.posts_fail
+            || self.lying
+            || self.all_lanes_failed()
+            || self.no_lane_left()
+            || one_lane
     }
 
     fn busy(&self) -> Vec<(usize, usize)> {
@@ -965,6 +982,8 @@ struct Outcome {
     dups: u64,
     /// Stragglers ([`Run::late`]) that landed, and those the receiver's QP dropped.
     late: (u64, u64),
+    /// The run ended with no lane left ([`Wire::no_lane_left`]): its comm may have failed.
+    stranded: bool,
     /// The sender's bytes posted per lane.
     sent: Vec<u64>,
     /// Lanes repaired, and lanes the sender gave up on.
@@ -1747,6 +1766,7 @@ impl Harness<'_> {
             wire.borrow_mut().arrive_late(mem, 0);
         }
         self.out.late = (wire.borrow().late_landed, wire.borrow().late_dropped);
+        self.out.stranded = wire.borrow().no_lane_left();
         take_lines(&mut self.sender, &mut self.receiver, &mut self.lines);
         self.check_end();
         let (out, lines) = (&mut self.out, &self.lines);
@@ -2056,13 +2076,14 @@ fn a_one_way_black_hole_never_writes_a_completed_receive() {
 }
 
 /// Runs `seeds` runs of [`lanes_run`], each set up further by `setup` and driven with seed
-/// `seed + salt`; every request must complete once with its bytes. Their outcomes.
+/// `seed + salt`; every request must complete once with its bytes, unless the run ended with
+/// no lane left ([`Wire::no_lane_left`]). Their outcomes.
 fn completing_runs(
     rng: &mut Rng,
     (seeds, salt): (u64, u64),
     mut setup: impl FnMut(&mut Run, &mut Rng, u64),
 ) -> Vec<Outcome> {
-    (0..seeds)
+    let outcomes: Vec<Outcome> = (0..seeds)
         .map(|seed| {
             let mut run = lanes_run(rng, seed);
             setup(&mut run, rng, seed);
@@ -2073,10 +2094,19 @@ fn completing_runs(
                  refusals {:?}",
                 run.kills, run.one_way, run.heals, run.qp_errors, run.refusals
             );
-            assert_eq!((o.recvs_done, o.sends_done), (n, n), "{what}");
+            // A run left with no lane may fail its comm: cleanly, as the run ended (what was
+            // outstanding resolved) and no completed receive was written.
+            if !o.stranded {
+                assert_eq!((o.recvs_done, o.sends_done), (n, n), "{what}");
+            }
             o
         })
-        .collect()
+        .collect();
+    // Rare (a false alarm racing the death of the last other path), or the cores take out
+    // lanes they should not.
+    let stranded = outcomes.iter().filter(|o| o.stranded).count() as u64;
+    assert!(stranded <= 1 + seeds / 100, "{stranded} of {seeds} runs were left with no lane");
+    outcomes
 }
 
 /// [`completing_runs`] with split mode by the seed's parity and repair on.
