@@ -109,7 +109,12 @@ impl Lane {
         let spent = now.saturating_sub(at.max(self.last_timed).max(shared));
         self.last_timed = now;
         self.acc = (self.acc.0 + bytes, self.acc.1 + spent);
-        if self.acc.1 >= MIN_SAMPLE {
+        // Time spent on empty chunks alone measures no rate: read as the floor of 1 B/s, it
+        // would stretch the lane's stall allowance (its oldest chunk at this rate, four times
+        // over) to the hour's cap, and a silent path under it would not be fenced.
+        if self.acc.1 >= MIN_SAMPLE && self.acc.0 == 0 {
+            self.acc = (0, Duration::ZERO);
+        } else if self.acc.1 >= MIN_SAMPLE {
             let sample = (self.acc.0 as f64 / self.acc.1.as_secs_f64()).max(1.0);
             self.acc = (0, Duration::ZERO);
             // Down fast, up slowly: a stall (a lost tail packet waits out an ACK timeout) is
@@ -286,6 +291,29 @@ mod tests {
             }
             assert_eq!(quick.rate, None);
         }
+    }
+
+    /// Time spent on empty chunks alone (an avoided lane's, in split mode) measures no rate,
+    /// and leaves the lane's rate and its stall allowance as they were: read as the floor of
+    /// 1 B/s, the allowance of a later 250-byte chunk would have been 1,000 s, and a silent
+    /// path under it would never be fenced.
+    #[test]
+    fn empty_chunks_alone_measure_no_rate() {
+        let mut l = lane(0, Some(1e6));
+        for i in 0..5 {
+            l.posted(ms(20 * i), 0);
+            assert!(l.retired(ms(20 * i + 15), ms(0)), "timed");
+        }
+        assert_eq!(l.rate, Some(1e6));
+        l.posted(ms(100), 250);
+        assert_eq!(l.allowance(), Duration::from_micros(1000));
+        // Bytes with them still measure: the empty time counts in their sample.
+        let mut m = Lane::new();
+        m.posted(ms(0), 0);
+        m.posted(ms(0), 10_000);
+        m.retired(ms(5), ms(0));
+        m.retired(ms(10), ms(0));
+        assert_eq!(m.rate, Some(1e6));
     }
 
     #[test]

@@ -1229,7 +1229,12 @@ fn params(run: &Run) -> Params {
         split: run.split,
         max_msg: run.max_msg,
         max_inline: run.max_inline,
-        progress_timeout: Duration::from_secs(3600),
+        // The watchdog is the only end of a run left with no lane whose retries never run out
+        // ([`Run::forever`], [`Wire::no_lane_left`]): its deadline must fall well inside the
+        // livelock bound of [`Harness::check_step`] (4M steps, some 500 s of the sim clock's
+        // 1 ms per empty poll), as the shell's default (twice the retry bound and 10 s, about
+        // 79 s) falls inside a job's patience.
+        progress_timeout: Duration::from_secs(60),
         probe_interval: Duration::from_millis(3),
         mark: run.mark,
         path_aware: run.path_aware,
