@@ -578,6 +578,116 @@ fn an_ack_only_black_hole_never_writes_a_completed_receive() {
     }
 }
 
+/// A receive comm closes while its sender waits on it. The receiver's ACKs on lane 1 are lost
+/// (dropped at vethA), so every receive completes, but the sender's writes on that lane run out
+/// of retries, and it asks the receiver, through lane 0, to fence the lane. With nothing
+/// outstanding the receiver's NCCL no longer calls it, and closes it: the close must answer the
+/// fence first (`RecvCore::owes_answer`), so that the sender's last sends complete, none of them
+/// failed. Without the answer, they would wait for it until the repair timeout, with the
+/// receiver's queue pairs gone. Repair is off (`NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX=0`),
+/// so nothing else goes to the closed end. 8 messages of 16 KiB, 2 lanes, whole messages in
+/// rotation.
+#[test]
+#[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
+fn a_closing_receiver_answers_the_fence_its_sender_waits_for() {
+    let _g = vm_serial();
+    let knobs = [
+        ("NCCL_IB_QPS_PER_CONNECTION", Some("2")),
+        ("NCCL_IB_SPLIT_DATA_ON_QPS", Some("0")),
+        ("FERROCE_PATH_AWARE", Some("0")),
+        ("NCCL_IB_TIMEOUT", Some("17")),
+        ("NCCL_IB_RETRY_CNT", Some("4")),
+        ("NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", Some("0")),
+        ("NCCL_DEBUG", Some("INFO")),
+    ];
+    set_env(&knobs);
+    let r = close_while_fenced();
+    clear_paths();
+    set_env(&knobs.iter().map(|&(k, _)| (k, None)).collect::<Vec<_>>());
+    let (closed_in, fenced) = r.unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("the receive comm closed in {closed_in:?}; every send completed\n  {fenced}");
+}
+
+/// [`a_closing_receiver_answers_the_fence_its_sender_waits_for`]'s run: how long the receive
+/// comm's close took, and the sender's INFO that the lane is fenced at both ends.
+fn close_while_fenced() -> Result<(Duration, String), String> {
+    const SIZE: usize = 16 << 10;
+    const COUNT: usize = 8;
+    let lib = open_plugin();
+    let drv = Driver::new(&lib, 12)?;
+    let ctx = drv.init(1)?;
+    take_captured();
+    let (send, recv) = pair(&drv, ctx, 1, 0)?;
+    let info: Vec<String> = take_captured().into_iter().filter(|l| l.0 == 3).map(|l| l.2).collect();
+    drop_acks_on_vetha(logged_ports(&info)[1]);
+    let pattern = |k: usize| -> Vec<u8> {
+        (0..SIZE).map(|i| (i as u8).wrapping_mul(31) ^ (k as u8).wrapping_add(1)).collect()
+    };
+    let mut src: Vec<Vec<u8>> = (0..COUNT).map(pattern).collect();
+    let mut dst: Vec<Vec<u8>> = vec![vec![0u8; SIZE]; COUNT];
+    let smh: Vec<Ptr> = (src.iter_mut().map(|b| drv.reg_mr(send, b.as_mut_ptr(), SIZE)))
+        .collect::<Result<_, _>>()?;
+    let rmh: Vec<Ptr> = (dst.iter_mut().map(|b| drv.reg_mr(recv, b.as_mut_ptr(), SIZE)))
+        .collect::<Result<_, _>>()?;
+    let mut rreqs = Vec::new();
+    for (b, &m) in dst.iter_mut().zip(&rmh) {
+        let post = || drv.irecv(recv, &[b.as_mut_ptr()], &[SIZE], &[0], &[m], false);
+        rreqs.push(until("irecv", post)?);
+    }
+    let mut sreqs = Vec::new();
+    for (b, &m) in src.iter_mut().zip(&smh) {
+        sreqs.push(until("isend", || drv.isend(send, b.as_mut_ptr(), SIZE, 0, m))?);
+    }
+    let test_all = |reqs: &[Ptr], done: &mut [bool], what: &str| -> Result<bool, String> {
+        for (k, (&r, d)) in reqs.iter().zip(done.iter_mut()).enumerate().filter(|(_, (_, d))| !**d)
+        {
+            *d = drv.test(r).map_err(|e| format!("{what} {k} failed: {e}"))?.is_some();
+        }
+        Ok(done.iter().all(|&d| d))
+    };
+    // Both ends polled, as NCCL's proxy does, until every receive completed.
+    let (mut got, mut sent) = (vec![false; COUNT], vec![false; COUNT]);
+    until("the receives", || {
+        test_all(&sreqs, &mut sent, "send")?;
+        Ok(test_all(&rreqs, &mut got, "receive")?.then_some(()))
+    })?;
+    for (k, b) in dst.iter().enumerate() {
+        if *b != pattern(k) {
+            return Err(format!("message {k} arrived corrupted"));
+        }
+    }
+    // The receiver is done; only the sender is polled, until its lane fails (its WARN) and a
+    // second more, so that its fence request is in the receiver's mailbox.
+    let mut failed_at: Option<Instant> = None;
+    ferroce_tools::wait::until("the sender's lane failure", Duration::from_secs(60), || {
+        if test_all(&sreqs, &mut sent, "send")? {
+            return Err("every send completed before the receiver closed: no ACK was lost".into());
+        }
+        if failed_at.is_none() && warnings().iter().any(|w| w.contains("lane 1 ")) {
+            failed_at = Some(Instant::now());
+        }
+        Ok(failed_at.filter(|t| t.elapsed() > Duration::from_secs(1)).map(drop))
+    })?;
+    for m in rmh {
+        drv.dereg_mr(recv, m)?;
+    }
+    let t = Instant::now();
+    drv.close(Close::Recv, recv)?;
+    let closed_in = t.elapsed();
+    until("the sends, after the receiver closed", || {
+        Ok(test_all(&sreqs, &mut sent, "send")?.then_some(()))
+    })?;
+    let infos = take_captured().into_iter().filter(|l| l.0 == 3).map(|l| l.2);
+    let fenced = infos.into_iter().find(|l| l.contains("is fenced at both ends"));
+    let fenced = fenced.ok_or("no INFO that the lane is fenced at both ends")?;
+    for m in smh {
+        drv.dereg_mr(send, m)?;
+    }
+    drv.close(Close::Send, send)?;
+    drv.finalize(ctx)?;
+    Ok((closed_in, fenced))
+}
+
 /// The NCCL-like ring of [`an_ack_only_black_hole_never_writes_a_completed_receive`]: the
 /// fence INFOs the sender logged.
 fn ring_run(drv: &Driver, send: Ptr, recv: Ptr, port: u16) -> Result<Vec<String>, String> {
