@@ -2010,6 +2010,12 @@ fn the_fifo_and_every_sequence_wrap_over_a_hundred_thousand_messages() {
 fn lanes_run(rng: &mut Rng, seed: u64) -> Run {
     let mut run = random_run(rng, miri_or(150, 40), [0, 100, 4096, CAP][seed as usize % 4]);
     run.nqps = 2 + rng.below(7) as usize;
+    // The member ports over the new lane count, as `random_run` placed its own: lane `q` on
+    // `q % n` of each end's `n` members (their counts no larger than before).
+    let count = |side: fn(&(usize, usize)) -> usize| run.members.iter().map(side).max();
+    let (ours, theirs) = (count(|m| m.0).unwrap_or(0) + 1, count(|m| m.1).unwrap_or(0) + 1);
+    let n = run.nqps;
+    run.members = (0..n).map(|q| (q % ours.min(n), q % theirs.min(n))).collect();
     run
 }
 
