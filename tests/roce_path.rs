@@ -568,10 +568,7 @@ fn an_ack_only_black_hole_never_writes_a_completed_receive() {
             ("NCCL_IB_TIMEOUT", Some("17")),
             ("NCCL_IB_RETRY_CNT", Some("4")),
         ];
-        set_env(&knobs);
-        let r = on_a_pair(lane, ring_run);
-        clear_paths();
-        set_env(&knobs.iter().map(|&(k, _)| (k, None)).collect::<Vec<_>>());
+        let r = with_knobs(&knobs, || on_a_pair(lane, ring_run));
         let (fences, _) =
             r.unwrap_or_else(|e| panic!("split {split}, {lanes} lanes, lane {lane}: {e}"));
         eprintln!("split {split}, {lanes} lanes, lane {lane}: 48 messages verified\n  {fences:#?}");
@@ -600,10 +597,7 @@ fn a_closing_receiver_answers_the_fence_its_sender_waits_for() {
         ("NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", Some("0")),
         ("NCCL_DEBUG", Some("INFO")),
     ];
-    set_env(&knobs);
-    let r = close_while_fenced();
-    clear_paths();
-    set_env(&knobs.iter().map(|&(k, _)| (k, None)).collect::<Vec<_>>());
+    let r = with_knobs(&knobs, close_while_fenced);
     let (closed_in, fenced) = r.unwrap_or_else(|e| panic!("{e}"));
     eprintln!("the receive comm closed in {closed_in:?}; every send completed\n  {fenced}");
 }
@@ -615,11 +609,8 @@ fn close_while_fenced() -> Result<(Duration, String), String> {
     const COUNT: usize = 8;
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12)?;
-    let ctx = drv.init(1)?;
-    take_captured();
-    let (send, recv) = pair(&drv, ctx, 1, 0)?;
-    let info: Vec<String> = take_captured().into_iter().filter(|l| l.0 == 3).map(|l| l.2).collect();
-    drop_acks_on_vetha(logged_ports(&info)[1]);
+    let (ctx, send, recv, ports) = connected(&drv)?;
+    drop_acks_on_vetha(ports[1]);
     let pattern = |k: usize| -> Vec<u8> {
         (0..SIZE).map(|i| (i as u8).wrapping_mul(31) ^ (k as u8).wrapping_add(1)).collect()
     };
@@ -884,9 +875,7 @@ fn a_lane_whose_path_stays_dead_stays_out_after_its_attempts() {
         ("NCCL_IB_RESILIENCY_PORT_RECOVERY_ATTEMPTS_MAX", Some("2")),
         ("NCCL_IB_RESILIENCY_PORT_RECOVERY_START_DELAY", Some("100")),
     ];
-    set_env(&knobs);
-    let r = with_four_lanes("0", None, || stays_out_run(1));
-    set_env(&knobs.iter().map(|&(k, _)| (k, None)).collect::<Vec<_>>());
+    let r = with_knobs(&knobs, || with_four_lanes("0", None, || stays_out_run(1)));
     let (attempts, warns, stats, secs) = r.unwrap_or_else(|e| panic!("{e}"));
     eprintln!("lane 1 stays out after {secs:.1} s: {attempts:#?}\n{warns:#?}\n{stats}");
     assert_eq!(attempts.len(), 1, "one INFO for the first failed attempt: {attempts:#?}");
@@ -945,16 +934,23 @@ fn on_a_pair<T>(
     set_env(&[("NCCL_DEBUG", Some("INFO"))]); // the statistics lines
     let lib = open_plugin();
     let drv = Driver::new(&lib, 12)?;
-    let ctx = drv.init(1)?;
-    take_captured();
-    let (send, recv) = pair(&drv, ctx, 1, 0)?;
-    let info: Vec<String> = take_captured().into_iter().filter(|l| l.0 == 3).map(|l| l.2).collect();
-    let r = f(&drv, send, recv, logged_ports(&info)[lane])?;
+    let (ctx, send, recv, ports) = connected(&drv)?;
+    let r = f(&drv, send, recv, ports[lane])?;
     drv.close(Close::Send, send)?;
     drv.close(Close::Recv, recv)?;
     drv.finalize(ctx)?;
     let closed = take_captured().into_iter().filter(|l| l.0 == 3).map(|l| l.2).collect();
     Ok((r, closed))
+}
+
+/// A context and a pair connected rxe0 -> rxe1 with the knobs set: the context, the send and
+/// receive comms, and the lanes' UDP source ports the sender logged.
+fn connected(drv: &Driver) -> Result<(Ptr, Ptr, Ptr, Vec<u16>), String> {
+    let ctx = drv.init(1)?;
+    take_captured();
+    let (send, recv) = pair(drv, ctx, 1, 0)?;
+    let info: Vec<String> = take_captured().into_iter().filter(|l| l.0 == 3).map(|l| l.2).collect();
+    Ok((ctx, send, recv, logged_ports(&info)))
 }
 
 /// When a phase of [`repair_run`] ends: given its messages so far, the WARNs and the INFOs.
@@ -1638,7 +1634,13 @@ fn with_four_lanes<T>(split: &str, extra: Option<(&str, &str)>, f: impl FnOnce()
         ("NCCL_IB_RETRY_CNT", Some("4")),
     ];
     knobs.extend(extra.map(|(k, v)| (k, Some(v))));
-    set_env(&knobs);
+    with_knobs(&knobs, f)
+}
+
+/// Runs `f` with the environment `knobs` set, then lifts every drop (a failed run may leave
+/// one) and unsets them.
+fn with_knobs<T>(knobs: &[(&str, Option<&str>)], f: impl FnOnce() -> T) -> T {
+    set_env(knobs);
     let r = f();
     clear_paths();
     set_env(&knobs.iter().map(|&(k, _)| (k, None)).collect::<Vec<_>>());
