@@ -337,15 +337,18 @@ impl Wire {
         (0..n).all(|q| self.black_hole[q].is_some() || self.one_way[q].is_some())
     }
 
-    /// No lane is left, though a path may live: every lane's path is dead or its queue pair
-    /// failed or was fenced at one end or both. A lane out comes back only through a repair,
-    /// and the repair's request and answer travel through a live lane (`mend`): with none,
-    /// nothing can bring one back, and the comm may fail. So it goes when the sender fences
-    /// a slow but live lane for a stall (a false alarm the stall bound allows) and the last
-    /// other path dies before that lane is repaired.
+    /// No lane is left, though a path may live: every lane's path is dead, or its queue pair
+    /// failed or was fenced at one end or both, or its two queue pairs are not connected to
+    /// each other (a repair under way: both ends rebuilt, the sender's not yet joined to the
+    /// receiver's new one). A lane out comes back only through a repair, and the repair's
+    /// request and answer travel through a live lane (`mend`): with none, nothing can bring
+    /// one back, and the comm may fail. So it goes when the sender fences a slow but live lane
+    /// for a stall (a false alarm the stall bound allows) and the last other path dies before
+    /// that lane is repaired; an attempt made then still rebuilds both ends, and only its
+    /// answer is lost.
     fn no_lane_left(&self) -> bool {
         let n = self.black_hole.len() - 1;
-        let out = |q: usize| self.failed[0][q] || self.failed[1][q];
+        let out = |q: usize| self.failed[0][q] || self.failed[1][q] || !self.connected(q);
         (0..n).all(|q| self.black_hole[q].is_some() || self.one_way[q].is_some() || out(q))
     }
 
