@@ -293,10 +293,9 @@ mod tests {
         }
     }
 
-    /// Time spent on empty chunks alone (an avoided lane's, in split mode) measures no rate,
-    /// and leaves the lane's rate and its stall allowance as they were: read as the floor of
-    /// 1 B/s, the allowance of a later 250-byte chunk would have been 1,000 s, and a silent
-    /// path under it would never be fenced.
+    /// Time spent on empty chunks alone measures no rate, and leaves the lane's rate and its
+    /// stall allowance as they were: read as the floor of 1 B/s, the allowance of a later
+    /// 250-byte chunk would have been 1,000 s, and a silent path under it would never be fenced.
     #[test]
     fn empty_chunks_alone_measure_no_rate() {
         let mut l = lane(0, Some(1e6));
