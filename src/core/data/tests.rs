@@ -879,8 +879,10 @@ struct Run {
     heals: Vec<(u64, usize)>,
     /// Lane repair attempts (0: off), with the sim clock's 1 ms per empty poll.
     repairs: u32,
-    /// Per lane, the member ports of the sender and of the receiver it runs between (lane `q`
-    /// on `q % n` of each end's `n` members, as NCCL places a fused device's QPs).
+    /// How many member ports each end spans (sender, receiver).
+    ports: (usize, usize),
+    /// Per lane, the member ports of the sender and of the receiver it runs between
+    /// ([`place_members`]).
     members: Vec<(usize, usize)>,
     /// `NCCL_IB_RESILIENCY_PORT_FAILOVER`.
     failover: bool,
@@ -903,6 +905,13 @@ struct Run {
     /// late: at a random later step, or after the run (every receive completed, its buffer
     /// NCCL's), into whatever the receiver's QP of that lane is then ([`Wire::arrive_late`]).
     late: bool,
+}
+
+/// Each lane's member ports over `ports` (the sender's and the receiver's counts): lane `q` on
+/// `q % n` of each end's `n` members (no more than there are lanes), as NCCL places a fused
+/// device's QPs.
+fn place_members(nqps: usize, (ours, theirs): (usize, usize)) -> Vec<(usize, usize)> {
+    (0..nqps).map(|q| (q % ours.min(nqps), q % theirs.min(nqps))).collect()
 }
 
 fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
@@ -936,8 +945,8 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
     let optional = groups.iter().map(|g: &Vec<Item>| g.len() == 1 && rng.below(3) == 0).collect();
     // Each end spans 1 to 8 member ports (fewer with fewer lanes), the two counts independent.
     let m = MAX_MEMBERS as u64;
-    let (ours, theirs) = (1 + rng.below(m) as usize, 1 + rng.below(m) as usize);
-    let members = (0..nqps).map(|q| (q % ours.min(nqps), q % theirs.min(nqps))).collect();
+    let ports = (1 + rng.below(m) as usize, 1 + rng.below(m) as usize);
+    let members = place_members(nqps, ports);
     Run {
         optional,
         nqps,
@@ -960,6 +969,7 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         event_lag: 0,
         heals: Vec::new(),
         repairs: 0,
+        ports,
         members,
         failover: true,
         stall: None,
@@ -2013,12 +2023,7 @@ fn the_fifo_and_every_sequence_wrap_over_a_hundred_thousand_messages() {
 fn lanes_run(rng: &mut Rng, seed: u64) -> Run {
     let mut run = random_run(rng, miri_or(150, 40), [0, 100, 4096, CAP][seed as usize % 4]);
     run.nqps = 2 + rng.below(7) as usize;
-    // The member ports over the new lane count, as `random_run` placed its own: lane `q` on
-    // `q % n` of each end's `n` members (their counts no larger than before).
-    let count = |side: fn(&(usize, usize)) -> usize| run.members.iter().map(side).max();
-    let (ours, theirs) = (count(|m| m.0).unwrap_or(0) + 1, count(|m| m.1).unwrap_or(0) + 1);
-    let n = run.nqps;
-    run.members = (0..n).map(|q| (q % ours.min(n), q % theirs.min(n))).collect();
+    run.members = place_members(run.nqps, run.ports);
     run
 }
 
@@ -2119,7 +2124,7 @@ fn completing_runs(
     // Rare (a false alarm racing the death of the last other path), or the cores take out
     // lanes they should not.
     let stranded = outcomes.iter().filter(|o| o.stranded).count() as u64;
-    assert!(stranded <= 1 + seeds / 100, "{stranded} of {seeds} runs were left with no lane");
+    assert!(stranded <= 1 + seeds / 400, "{stranded} of {seeds} runs were left with no lane");
     outcomes
 }
 
