@@ -331,13 +331,7 @@ impl Wire {
         self.dest[0][q] == self.qpn[1][q] && self.dest[1][q] == self.qpn[0][q]
     }
 
-    /// Every lane's path is dead: the comm must fail.
-    fn all_lanes_failed(&self) -> bool {
-        let n = self.black_hole.len() - 1;
-        (0..n).all(|q| self.black_hole[q].is_some() || self.one_way[q].is_some())
-    }
-
-    /// No lane is left, though a path may live: every lane's path is dead, or its queue pair
+    /// No lane is left, and the comm may fail: every lane's path is dead, or its queue pair
     /// failed or was fenced at one end or both, or its two queue pairs are not connected to
     /// each other (a repair under way: both ends rebuilt, the sender's not yet joined to the
     /// receiver's new one). A lane out comes back only through a repair, and the repair's
@@ -637,12 +631,7 @@ impl Wire {
         let one_lane = !self.failover
             && (self.black_hole.iter().any(Option::is_some)
                 || self.one_way.iter().any(Option::is_some));
-        self.broken
-            || self.posts_fail
-            || self.lying
-            || self.all_lanes_failed()
-            || self.no_lane_left()
-            || one_lane
+        self.broken || self.posts_fail || self.lying || self.no_lane_left() || one_lane
     }
 
     fn busy(&self) -> Vec<(usize, usize)> {
@@ -879,11 +868,9 @@ struct Run {
     heals: Vec<(u64, usize)>,
     /// Lane repair attempts (0: off), with the sim clock's 1 ms per empty poll.
     repairs: u32,
-    /// How many member ports each end spans (sender, receiver).
+    /// How many member ports each end spans (sender, receiver); each lane's are
+    /// [`place_members`]'s.
     ports: (usize, usize),
-    /// Per lane, the member ports of the sender and of the receiver it runs between
-    /// ([`place_members`]).
-    members: Vec<(usize, usize)>,
     /// `NCCL_IB_RESILIENCY_PORT_FAILOVER`.
     failover: bool,
     /// The floor of the lanes' stall bound, in the sim clock's 1 ms per empty poll (`None`:
@@ -946,7 +933,6 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
     // Each end spans 1 to 8 member ports (fewer with fewer lanes), the two counts independent.
     let m = MAX_MEMBERS as u64;
     let ports = (1 + rng.below(m) as usize, 1 + rng.below(m) as usize);
-    let members = place_members(nqps, ports);
     Run {
         optional,
         nqps,
@@ -970,7 +956,6 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         heals: Vec::new(),
         repairs: 0,
         ports,
-        members,
         failover: true,
         stall: None,
         forever: false,
@@ -1255,7 +1240,7 @@ fn params(run: &Run) -> Params {
         journal: true,
         failover: run.failover,
         stall: run.stall,
-        members: run.members.clone(),
+        members: place_members(run.nqps, run.ports),
         repair: Repair {
             attempts: run.repairs,
             delay: Duration::from_millis(5),
@@ -1284,9 +1269,9 @@ impl<'a> Harness<'a> {
         let mut rng = Rng(seed | 1);
         let params = params(run);
         let sender = SendCore::new(params.clone(), remote(RECV_SIZES, 16));
-        let swapped = run.members.iter().map(|&(s, r)| (r, s)).collect();
+        wire.borrow_mut().members = params.members.clone();
+        let swapped = params.members.iter().map(|&(s, r)| (r, s)).collect();
         let receiver = RecvCore::new(Params { members: swapped, ..params }, remote(FIFO, 13));
-        wire.borrow_mut().members = run.members.clone();
         wire.borrow_mut().failover = run.failover;
         wire.borrow_mut().duplicates = run.duplicates;
         wire.borrow_mut().forever = run.forever;
@@ -2023,7 +2008,6 @@ fn the_fifo_and_every_sequence_wrap_over_a_hundred_thousand_messages() {
 fn lanes_run(rng: &mut Rng, seed: u64) -> Run {
     let mut run = random_run(rng, miri_or(150, 40), [0, 100, 4096, CAP][seed as usize % 4]);
     run.nqps = 2 + rng.below(7) as usize;
-    run.members = place_members(run.nqps, run.ports);
     run
 }
 
