@@ -625,13 +625,27 @@ impl Wire {
         }
     }
 
+    /// Without failover, a path dead or silent one way fails the comm.
+    fn one_lane(&self) -> bool {
+        !self.failover
+            && (self.black_hole.iter().any(Option::is_some)
+                || self.one_way.iter().any(Option::is_some))
+    }
+
     /// The link is broken, nothing can be posted, the sender lies or lost every lane:
     /// requests may fail.
     fn failing(&self) -> bool {
-        let one_lane = !self.failover
-            && (self.black_hole.iter().any(Option::is_some)
-                || self.one_way.iter().any(Option::is_some));
-        self.broken || self.posts_fail || self.lying || self.no_lane_left() || one_lane
+        self.broken || self.posts_fail || self.lying || self.no_lane_left() || self.one_lane()
+    }
+
+    /// Checks error `e` of a request or a step on a failing link: where only
+    /// [`Self::no_lane_left`] lets requests fail, every path is gone, so it must be the path's
+    /// or the peer's (`Error::Remote`), never the comm's own (an internal error, a failed post,
+    /// a bad argument).
+    fn failed_with(&self, e: &Error) {
+        if !(self.broken || self.posts_fail || self.lying || self.one_lane()) {
+            assert!(matches!(e, Error::Remote(_)), "with no lane left, not the path's: {e}");
+        }
     }
 
     fn busy(&self) -> Vec<(usize, usize)> {
@@ -1538,6 +1552,7 @@ impl Harness<'_> {
                 if wire.borrow().posts_fail && !wire.borrow().broken {
                     assert!(matches!(e, Error::Local(_)), "a failed post is local: {e}");
                 }
+                wire.borrow().failed_with(&e);
                 self.send_order.clear();
                 self.next_send = n;
                 self.out.errors[0] += 1;
@@ -1566,8 +1581,9 @@ impl Harness<'_> {
             self.receiver.complete(c, &self.rsizes)
         });
         let r = self.recv_step(got);
-        if !wire.borrow().failing() {
-            r.expect("progress on a healthy link");
+        match &r {
+            Err(e) if wire.borrow().failing() => wire.borrow().failed_with(e),
+            _ => r.expect("progress on a healthy link"),
         }
         let i = if run.proxy { 0 } else { self.rng.below(self.recv_out.len() as u64) as usize };
         let (g, id) = self.recv_out[i];
@@ -1607,6 +1623,7 @@ impl Harness<'_> {
             }
             Err(e) => {
                 assert!(wire.borrow().failing(), "receive error on a healthy link");
+                wire.borrow().failed_with(&e);
                 if wire.borrow().lying && !wire.borrow().broken {
                     let m = e.to_string();
                     assert!(matches!(e, Error::Remote(_)), "a lie is the peer's: {m}");
@@ -1642,8 +1659,9 @@ impl Harness<'_> {
         let (run, wire) = (self.run, self.wire);
         let got = self.poll_sender();
         let r = self.send_step(got);
-        if !wire.borrow().failing() {
-            r.expect("progress on a healthy link");
+        match &r {
+            Err(e) if wire.borrow().failing() => wire.borrow().failed_with(e),
+            _ => r.expect("progress on a healthy link"),
         }
         let i = if run.proxy { 0 } else { self.rng.below(self.send_out.len() as u64) as usize };
         let (g, r, id) = self.send_out[i];
@@ -1665,8 +1683,9 @@ impl Harness<'_> {
                 // An optional receive's data has landed once its send completed.
                 self.idle = 0;
             }
-            Err(_) => {
+            Err(e) => {
                 assert!(wire.borrow().failing(), "send error on a healthy link");
+                wire.borrow().failed_with(&e);
                 self.send_out.remove(i);
                 self.out.errors[0] += 1;
                 self.idle = 0;
@@ -1707,8 +1726,9 @@ impl Harness<'_> {
             });
             self.recv_step(got)
         };
-        if !wire.borrow().failing() {
-            s.and(r).expect("idle on a healthy link");
+        match s.and(r) {
+            Err(e) if wire.borrow().failing() => wire.borrow().failed_with(&e),
+            r => r.expect("idle on a healthy link"),
         }
     }
 
