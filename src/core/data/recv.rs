@@ -756,7 +756,7 @@ impl RecvCore {
     fn chunk_landed(&mut self, c: &Completion, sizes: &impl Words) {
         // The immediate names the slot and chunk.
         let q = wr_lane(c.wr_id);
-        let imm = Imm::decode(c.imm.unwrap_or(0));
+        let imm = Imm::decode(c.imm.unwrap_or(0), self.p.split);
         let i = imm.slot;
         let s = &mut self.slots[i];
         let bit = 1u128 << imm.chunk;

@@ -727,7 +727,7 @@ impl SendCore {
             *size = b.map_or(0, |b| b.size);
         }
         let optional = nreqs == 1 && s.row[0].optional;
-        if !optional && size_in_imm(&sizes[..nreqs]).is_none() {
+        if !optional && size_in_imm(&sizes[..nreqs], self.p.split).is_none() {
             for (r, &sz) in sizes.iter().enumerate().take(nreqs) {
                 stage.store(slot * MAX_RECVS + r, sz);
             }
@@ -787,8 +787,8 @@ impl SendCore {
         // the general path's per-buffer arrays are built.
         if nreqs == 1 && !split && !optional {
             let size = s.bufs[0].map_or(0, |b| b.size);
-            if size_in_imm(&[size]).is_some() {
-                let imm = Imm { slot, chunk: c, epoch, size: Some(size) }.encode();
+            if size_in_imm(&[size], false).is_some() {
+                let imm = Imm { slot, chunk: c, epoch, size: Some(size) }.encode(false);
                 if let Some((wr, data)) = k.whole(s, imm, self.p.max_msg) {
                     io.send(q, std::slice::from_ref(&wr))?;
                     self.sq[q].posted(1, true);
@@ -805,8 +805,8 @@ impl SendCore {
                 (sizes[r], parts[r]) = (b.size, self.part(slot, b.size, split, c));
             }
         }
-        let size = if optional { None } else { size_in_imm(&sizes[..nreqs]) };
-        let imm = Imm { slot, chunk: c, epoch, size }.encode();
+        let size = if optional { None } else { size_in_imm(&sizes[..nreqs], self.p.split) };
+        let imm = Imm { slot, chunk: c, epoch, size }.encode(self.p.split);
         let mut chain = Chain::new(q, &mut self.chain, &mut self.sq[q]);
         let mark = if optional { u64::MAX } else { self.p.mark };
         let data = k.data(&mut chain, io, s, &parts, (self.p.max_msg, mark))?;

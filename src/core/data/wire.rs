@@ -99,18 +99,22 @@ pub(super) const CTS_SIGNAL_EVERY: u64 = RECV_SEND_QUEUE as u64 / 2;
 
 /// The immediate of a chunk's final write names what it completes, so that the receiver needs
 /// no particular lane for it: bits 0-4 the slot, 5-11 the chunk (the lane's part in a split
-/// message, 0 otherwise), 12 the parity of the slot's use (`(idx - 1) / SLOTS`); then either
-/// the size in bits 13-30 (below 256 KiB), or bit 31 set: the sizes are in the slot's size
-/// records.
+/// message), 12 the parity of the slot's use (`(idx - 1) / SLOTS`); then either the size in
+/// bits 13-30 (below 256 KiB), or bit 31 set: the sizes are in the slot's size records. A
+/// whole message (not split: its chunk is always 0) has bits 5-11 for the size's bits 18-24,
+/// so that one up to 32 MiB, NCCL's usual step of 512 KiB included, needs no size record.
 pub(super) const IMM_SIZES: u32 = 0x8000_0000;
 
 pub(super) const IMM_SIZE_SHIFT: u32 = 13;
+/// The size's bits in bits 13-30.
+const IMM_SIZE_BITS: u32 = 31 - IMM_SIZE_SHIFT;
 
 /// The most chunks (lanes) one message is split into: `NCCL_IB_QPS_PER_CONNECTION`'s bound.
 pub const MAX_CHUNKS: usize = 128;
 
-/// The largest size an immediate carries itself.
+/// The largest size an immediate carries itself: in split mode, and for a whole message.
 pub(super) const IMM_MAX_SIZE: u64 = (IMM_SIZES >> IMM_SIZE_SHIFT) as u64 - 1;
+pub(super) const IMM_MAX_WHOLE: u64 = (1 << (IMM_SIZE_BITS + 7)) - 1;
 
 /// Receive WQEs each of `nqps` lanes keeps posted, so that every chunk in flight finds one on
 /// whichever lane carries it. Without failures a slot's message puts at most one chunk on a
@@ -209,28 +213,41 @@ pub(super) struct Imm {
 }
 
 impl Imm {
-    pub(super) fn encode(&self) -> u32 {
+    /// Its immediate, in split mode (`split`) or for a whole message (chunk 0).
+    pub(super) fn encode(&self, split: bool) -> u32 {
+        debug_assert!(split || self.chunk == 0, "a whole message is chunk 0");
         let ids = self.slot as u32 | (self.chunk as u32) << 5 | self.epoch << 12;
         match self.size {
-            Some(s) => ids | (s as u32) << IMM_SIZE_SHIFT,
+            Some(s) if split => ids | (s as u32) << IMM_SIZE_SHIFT,
+            Some(s) => {
+                let (low, high) = ((s & IMM_MAX_SIZE) as u32, (s >> IMM_SIZE_BITS) as u32);
+                ids | low << IMM_SIZE_SHIFT | high << 5
+            }
             None => ids | IMM_SIZES,
         }
     }
 
-    pub(super) fn decode(imm: u32) -> Imm {
+    pub(super) fn decode(imm: u32, split: bool) -> Imm {
+        // Bits 5-11: the chunk, or a whole message's high size bits.
+        let bits = (imm >> 5) & 0x7f;
+        let high = if split { 0 } else { bits };
+        let size = u64::from(imm >> IMM_SIZE_SHIFT) | u64::from(high) << IMM_SIZE_BITS;
+        let chunk = bits ^ high;
         Imm {
             slot: (imm & 0x1f) as usize,
-            chunk: ((imm >> 5) & 0x7f) as usize,
+            chunk: chunk as usize,
             epoch: (imm >> 12) & 1,
-            size: (imm & IMM_SIZES == 0).then_some(u64::from(imm >> IMM_SIZE_SHIFT)),
+            size: (imm & IMM_SIZES == 0).then_some(size),
         }
     }
 }
 
-/// Whether a slot's sizes fit the immediate (one buffer, at most [`IMM_MAX_SIZE`] bytes).
-pub(super) fn size_in_imm(sizes: &[u64]) -> Option<u64> {
+/// Whether a slot's sizes fit the immediate (one buffer, at most [`IMM_MAX_SIZE`] bytes in
+/// split mode, [`IMM_MAX_WHOLE`] whole).
+pub(super) fn size_in_imm(sizes: &[u64], split: bool) -> Option<u64> {
+    let most = if split { IMM_MAX_SIZE } else { IMM_MAX_WHOLE };
     match sizes {
-        [s] if *s <= IMM_MAX_SIZE => Some(*s),
+        [s] if *s <= most => Some(*s),
         _ => None,
     }
 }
