@@ -216,6 +216,8 @@ impl Imm {
     /// Its immediate, in split mode (`split`) or for a whole message (chunk 0).
     pub(super) fn encode(&self, split: bool) -> u32 {
         debug_assert!(split || self.chunk == 0, "a whole message is chunk 0");
+        let most = if split { IMM_MAX_SIZE } else { IMM_MAX_WHOLE };
+        debug_assert!(self.size.is_none_or(|s| s <= most), "the size fits its bits");
         let ids = self.slot as u32 | (self.chunk as u32) << 5 | self.epoch << 12;
         match self.size {
             Some(s) if split => ids | (s as u32) << IMM_SIZE_SHIFT,
