@@ -632,10 +632,15 @@ impl Wire {
                 || self.one_way.iter().any(Option::is_some))
     }
 
-    /// The link is broken, nothing can be posted, the sender lies or lost every lane:
-    /// requests may fail.
+    /// The link is broken, nothing can be posted, the sender lies, or a path failed a comm
+    /// without failover.
+    fn faulty(&self) -> bool {
+        self.broken || self.posts_fail || self.lying || self.one_lane()
+    }
+
+    /// The link is faulty ([`Self::faulty`]) or the comm lost every lane: requests may fail.
     fn failing(&self) -> bool {
-        self.broken || self.posts_fail || self.lying || self.no_lane_left() || self.one_lane()
+        self.faulty() || self.no_lane_left()
     }
 
     /// Checks error `e` of a request or a step on a failing link: where only
@@ -643,7 +648,7 @@ impl Wire {
     /// or the peer's (`Error::Remote`), never the comm's own (an internal error, a failed post,
     /// a bad argument).
     fn failed_with(&self, e: &Error) {
-        if !(self.broken || self.posts_fail || self.lying || self.one_lane()) {
+        if !self.faulty() {
             assert!(matches!(e, Error::Remote(_)), "with no lane left, not the path's: {e}");
         }
     }
@@ -1726,9 +1731,11 @@ impl Harness<'_> {
             });
             self.recv_step(got)
         };
-        match s.and(r) {
-            Err(e) if wire.borrow().failing() => wire.borrow().failed_with(&e),
-            r => r.expect("idle on a healthy link"),
+        for r in [s, r] {
+            match r {
+                Err(e) if wire.borrow().failing() => wire.borrow().failed_with(&e),
+                r => r.expect("idle on a healthy link"),
+            }
         }
     }
 
@@ -2771,6 +2778,10 @@ fn wr_ids_and_immediates_encode_what_they_carry() {
             }
         }
     }
+    // The layout, pinned: slot 3, epoch 1; split, chunk 2 and 100 bytes; whole, 1 MiB (its bit
+    // 20 in the chunk's bits).
+    assert_eq!(Imm { slot: 3, chunk: 2, epoch: 1, size: Some(100) }.encode(true), 823_363);
+    assert_eq!(Imm { slot: 3, chunk: 0, epoch: 1, size: Some(1 << 20) }.encode(false), 4_227);
     assert_eq!(size_in_imm(&[IMM_MAX_SIZE], true), Some((256 << 10) - 1));
     assert_eq!(
         size_in_imm(&[IMM_MAX_SIZE + 1], true),
@@ -2825,6 +2836,20 @@ fn an_immediate_of_another_use_of_the_slot_is_not_counted() {
     let mut sizes = [0; MAX_RECVS];
     assert_eq!(receiver.test(id, &mut sizes).unwrap(), Some(1));
     assert_eq!(sizes[0], 10);
+    // Split over 2 lanes, a chunk the slot does not expect (chunk 2) is not counted either.
+    let params = Params { nqps: 2, split: true, ..one_qp(Path::default()) };
+    let mut receiver = RecvCore::new(params, remote(FIFO, 13));
+    let id = receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
+    let arrive = |r: &mut RecvCore, imm: Imm| {
+        let imm = Some(imm.encode(true));
+        r.complete(&Completion { wr_id: wr_id(WR_RECV, 0, 0), imm, ..Default::default() }, &rsizes);
+    };
+    let chunk = |chunk| Imm { slot: id, chunk, epoch: 0, size: Some(10) };
+    arrive(&mut receiver, chunk(2));
+    arrive(&mut receiver, chunk(0));
+    assert_eq!(receiver.test(id, &mut [0; MAX_RECVS]).unwrap(), None, "a chunk not expected");
+    arrive(&mut receiver, chunk(1));
+    assert_eq!(receiver.test(id, &mut [0; MAX_RECVS]).unwrap(), Some(1));
 }
 
 #[test]
@@ -3672,5 +3697,44 @@ fn a_whole_messages_one_write_is_the_general_paths() {
     for size in [0, max_msg + 1] {
         s.bufs[0] = Some(Buf { size, ..Buf::default() });
         assert!(k.whole(&s, 0, max_msg).is_none(), "{size} bytes");
+    }
+}
+
+/// A whole message's size rides in its immediate below 32 MiB: from 256 KiB (the split
+/// layout's bound) up, in one write with immediate where one write holds it, else in pieces
+/// whose last carries the immediate; no size record is written. At 32 MiB the size goes in the
+/// record. Every size and byte arrives.
+#[test]
+fn whole_messages_carry_their_size_in_the_immediate_below_32_mib() {
+    let sizes = miri_or(
+        vec![IMM_MAX_SIZE + 1, (1 << 20) + 1, IMM_MAX_WHOLE, IMM_MAX_WHOLE + 1],
+        vec![IMM_MAX_SIZE + 1],
+    );
+    let pair = Pair::new(*sizes.last().unwrap() as usize);
+    let params = Params { max_msg: MARK_BYTES, ..one_qp(Path::default()) };
+    let Ends { mut sender, mut receiver, mut sio, mut rio, fifo, sstage, rstage, rsizes } =
+        pair.ends(params);
+    for (i, &size) in sizes.iter().enumerate() {
+        let pattern: Vec<u8> = (0..size).map(|b| (b % 251) as u8 ^ i as u8).collect();
+        pair.mem.with(SEND_DATA, size as usize, None, |b| b.copy_from_slice(&pattern));
+        let rbuf = Buf { addr: RECV_DATA, size, lkeys: keys(12), rkeys: keys(12), host: true };
+        let id = receiver.irecv(&rstage, &rsizes, &mut rio, &[(rbuf, 0)], false).unwrap().unwrap();
+        pair.drain(1, 0);
+        let sbuf = Buf { addr: SEND_DATA, size, lkeys: keys(11), rkeys: keys(11), host: true };
+        let sid = sender.isend(&fifo, &sstage, &mut sio, sbuf, 0).unwrap().expect("posted");
+        // The writes: the data in writes of up to `max_msg`, the last with the immediate where
+        // it carries the size; else the size record, then a write with immediate of its own.
+        let pieces = size.div_ceil(MARK_BYTES) as usize;
+        let in_imm = size <= IMM_MAX_WHOLE;
+        let wrs = pair.wire.borrow().sq[0][0].len();
+        assert_eq!(wrs, if in_imm { pieces } else { pieces + 2 }, "{size} bytes: work requests");
+        pair.drain(0, 0);
+        poll(&pair.wire, 0, |c| sender.complete(c));
+        assert_eq!(sender.test(sid).unwrap(), Some(size));
+        poll(&pair.wire, 1, |c| receiver.complete(c, &rsizes));
+        let mut got = [0; MAX_RECVS];
+        assert_eq!(receiver.test(id, &mut got).unwrap(), Some(1), "{size} bytes");
+        assert_eq!(got[0], size, "the size the receiver reports");
+        assert!(pair.mem.read(RECV_DATA, size as usize) == pattern, "{size} bytes: the data");
     }
 }

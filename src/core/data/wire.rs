@@ -102,19 +102,29 @@ pub(super) const CTS_SIGNAL_EVERY: u64 = RECV_SEND_QUEUE as u64 / 2;
 /// message), 12 the parity of the slot's use (`(idx - 1) / SLOTS`); then either the size in
 /// bits 13-30 (below 256 KiB), or bit 31 set: the sizes are in the slot's size records. A
 /// whole message (not split: its chunk is always 0) has bits 5-11 for the size's bits 18-24,
-/// so that one up to 32 MiB, NCCL's usual step of 512 KiB included, needs no size record.
+/// so that one below 32 MiB, NCCL's usual step of 512 KiB included, needs no size record.
 pub(super) const IMM_SIZES: u32 = 0x8000_0000;
 
 pub(super) const IMM_SIZE_SHIFT: u32 = 13;
 /// The size's bits in bits 13-30.
 const IMM_SIZE_BITS: u32 = 31 - IMM_SIZE_SHIFT;
+/// The chunk's bits, 5-11.
+const IMM_CHUNK_SHIFT: u32 = 5;
+const IMM_CHUNK_MASK: u32 = 0x7f;
 
 /// The most chunks (lanes) one message is split into: `NCCL_IB_QPS_PER_CONNECTION`'s bound.
 pub const MAX_CHUNKS: usize = 128;
 
-/// The largest size an immediate carries itself: in split mode, and for a whole message.
+/// The largest size an immediate carries itself in split mode.
 pub(super) const IMM_MAX_SIZE: u64 = (IMM_SIZES >> IMM_SIZE_SHIFT) as u64 - 1;
-pub(super) const IMM_MAX_WHOLE: u64 = (1 << (IMM_SIZE_BITS + 7)) - 1;
+
+/// The largest size a whole message's immediate carries (the chunk's bits above the size's).
+pub(super) const IMM_MAX_WHOLE: u64 = (1 << (IMM_SIZE_BITS + IMM_CHUNK_MASK.count_ones())) - 1;
+
+/// The largest size an immediate carries in split mode (`split`) or whole.
+const fn imm_max(split: bool) -> u64 {
+    if split { IMM_MAX_SIZE } else { IMM_MAX_WHOLE }
+}
 
 /// Receive WQEs each of `nqps` lanes keeps posted, so that every chunk in flight finds one on
 /// whichever lane carries it. Without failures a slot's message puts at most one chunk on a
@@ -216,14 +226,13 @@ impl Imm {
     /// Its immediate, in split mode (`split`) or for a whole message (chunk 0).
     pub(super) fn encode(&self, split: bool) -> u32 {
         debug_assert!(split || self.chunk == 0, "a whole message is chunk 0");
-        let most = if split { IMM_MAX_SIZE } else { IMM_MAX_WHOLE };
-        debug_assert!(self.size.is_none_or(|s| s <= most), "the size fits its bits");
-        let ids = self.slot as u32 | (self.chunk as u32) << 5 | self.epoch << 12;
+        debug_assert!(self.size.is_none_or(|s| s <= imm_max(split)), "the size fits its bits");
+        let ids = self.slot as u32 | (self.chunk as u32) << IMM_CHUNK_SHIFT | self.epoch << 12;
         match self.size {
             Some(s) if split => ids | (s as u32) << IMM_SIZE_SHIFT,
             Some(s) => {
                 let (low, high) = ((s & IMM_MAX_SIZE) as u32, (s >> IMM_SIZE_BITS) as u32);
-                ids | low << IMM_SIZE_SHIFT | high << 5
+                ids | low << IMM_SIZE_SHIFT | high << IMM_CHUNK_SHIFT
             }
             None => ids | IMM_SIZES,
         }
@@ -231,10 +240,9 @@ impl Imm {
 
     pub(super) fn decode(imm: u32, split: bool) -> Imm {
         // Bits 5-11: the chunk, or a whole message's high size bits.
-        let bits = (imm >> 5) & 0x7f;
-        let high = if split { 0 } else { bits };
+        let bits = (imm >> IMM_CHUNK_SHIFT) & IMM_CHUNK_MASK;
+        let (chunk, high) = if split { (bits, 0) } else { (0, bits) };
         let size = u64::from(imm >> IMM_SIZE_SHIFT) | u64::from(high) << IMM_SIZE_BITS;
-        let chunk = bits ^ high;
         Imm {
             slot: (imm & 0x1f) as usize,
             chunk: chunk as usize,
@@ -247,9 +255,8 @@ impl Imm {
 /// Whether a slot's sizes fit the immediate (one buffer, at most [`IMM_MAX_SIZE`] bytes in
 /// split mode, [`IMM_MAX_WHOLE`] whole).
 pub(super) fn size_in_imm(sizes: &[u64], split: bool) -> Option<u64> {
-    let most = if split { IMM_MAX_SIZE } else { IMM_MAX_WHOLE };
     match sizes {
-        [s] if *s <= most => Some(*s),
+        [s] if *s <= imm_max(split) => Some(*s),
         _ => None,
     }
 }

@@ -437,6 +437,7 @@ mod tests {
         };
         assert!(matches!(bad(0, 0), Reject::Magic(_)));
         assert_eq!(bad(8, 1), Reject::Version(1), "a version-1 peer (the old CTS layout)");
+        assert_eq!(bad(8, 7), Reject::Version(7), "a version-7 peer (256 KiB in an immediate)");
         assert_eq!(bad(12, 2), Reject::Kind(2));
         assert!(matches!(bad(16, 200), Reject::Length(l) if l as usize != MSG_LEN));
         assert_eq!(bad(24, 0), Reject::Nonce);
