@@ -25,7 +25,7 @@ pub const MAGIC: u64 = 0x3145_434f_5252_4546; // "FERROCE1", little-endian
 /// since lane failover fences before it re-sends (fence requests and receipts after the FIFO,
 /// an ack after every optional row), which a version-5 peer would never answer; 7 since a
 /// fused device spans up to 8 ports (longer messages, 8 keys in a CTS entry); 8 since a whole
-/// message's immediate carries sizes up to 32 MiB, which a version-7 peer would misread.
+/// message's immediate carries sizes below 32 MiB, which a version-7 peer would misread.
 pub const VERSION: u32 = 8;
 pub const HANDLE_SIZE: usize = 128;
 /// Bytes 96..128 of the handle are never sent: the connector keeps its resumable state there.

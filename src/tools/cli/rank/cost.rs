@@ -86,10 +86,10 @@ fn test<R>(size: usize, f: impl FnOnce() -> R) -> Result<R, String> {
 }
 
 /// A pause long enough for the wire, before each `test` of either rank: 2 ms, and 1 ms more per
-/// 16 KiB (Soft-RoCE under emulation moves about 25 MB/s, less under callgrind). A `test` that finds its send still
-/// on the wire is priced at the cost of an empty receive `test`, which a send `test` with a
-/// large message in flight (its stall check and placement) exceeds: few of them keep the
-/// count of a large message steady from run to run.
+/// 16 KiB (Soft-RoCE under emulation moves about 25 MB/s, less under callgrind). A `test` that
+/// finds its send still on the wire is priced at the cost of an empty receive `test`, which a
+/// send `test` with a large message in flight (its stall check and placement) exceeds: few of
+/// them keep the count of a large message steady from run to run.
 fn pause(size: usize) {
     std::thread::sleep(Duration::from_millis(2 + (size >> 14) as u64));
 }
