@@ -1139,12 +1139,13 @@ fn net_profiler_events_report_every_post_once_in_v10_v11_v12() {
                 assert!(e.qpn != 0 && (e.opcode == 0 || e.opcode == 1), "v{v}: {e:?}");
             }
             // Sends: one event per request (2 QPs, whole messages: one chunk each), its bytes; the
-            // immediate ends a message that fits one, else it is all a request without bytes gets
-            // (an optional receive's data is plain writes).
+            // immediate ends a message whose size it carries (one buffer below 32 MiB, whole),
+            // else it is all a request without bytes gets (an optional receive's data is plain
+            // writes).
             for &(ph, size, nreqs, optional) in &sends {
                 let mine: Vec<_> = events.iter().filter(|e| e.phandle == ph).collect();
                 assert_eq!(mine.len(), 1, "v{v}: send {ph:#x}: {mine:?}");
-                let imm = !optional && (nreqs == 1 && size < 1 << 18 || size == 0);
+                let imm = !optional && (nreqs == 1 && size < 32 << 20 || size == 0);
                 assert_eq!(
                     (mine[0].length, mine[0].opcode),
                     (size, i32::from(imm)),
