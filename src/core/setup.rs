@@ -209,6 +209,8 @@ fn message(kind: Kind, nonce: u64, p: &Policy, l: &Local) -> Msg {
 pub struct QpPlan {
     /// The queue pairs of the connection (the acceptor creates this many).
     pub nqps: usize,
+    /// Whether the sender splits each message across them (the receiver's pools follow).
+    pub split: bool,
     pub remote_qpns: [u32; MAX_QPS],
     /// The UDP source port of each QP (its flow label).
     pub sports: [u16; MAX_QPS],
@@ -229,6 +231,7 @@ impl QpPlan {
     pub fn towards(remote: &Msg, p: &Policy, tc: u8) -> QpPlan {
         QpPlan {
             nqps: p.nqps,
+            split: p.split,
             remote_qpns: remote.qpns,
             sports: p.sports,
             remote_members: usize::from(remote.members.max(1)),

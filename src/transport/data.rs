@@ -72,11 +72,12 @@ fn send_caps(nqps: usize) -> verbs::QpCaps {
     verbs::QpCaps { max_send_wr: send_queue(nqps) as u32, max_recv_wr: 1, max_inline: SEND_INLINE }
 }
 
-/// A receive comm's queue pairs: CTS writes and probes, and every receive WQE of the lane.
-fn recv_caps(nqps: usize) -> verbs::QpCaps {
+/// A receive comm's queue pairs: CTS writes and probes, and every receive WQE of the lane
+/// (`split`: the sender splits messages across the lanes).
+fn recv_caps(nqps: usize, split: bool) -> verbs::QpCaps {
     verbs::QpCaps {
         max_send_wr: RECV_SEND_QUEUE as u32,
-        max_recv_wr: ferroce_core::data::recv_queue(nqps) as u32,
+        max_recv_wr: ferroce_core::data::recv_queue(nqps, split) as u32,
         max_inline: INLINE,
     }
 }
@@ -936,14 +937,16 @@ impl Flusher {
 }
 
 impl RecvParts {
-    /// `nqps` lanes over the member ports `devs` (lane `q` on `port_of(q)`).
-    pub fn new(net: &Arc<Net>, devs: &[usize], nqps: usize) -> Result<RecvParts> {
+    /// `nqps` lanes over the member ports `devs` (lane `q` on `port_of(q)`), for a sender
+    /// that splits messages across them (`split`) or not.
+    pub fn new(net: &Arc<Net>, devs: &[usize], (nqps, split): (usize, bool)) -> Result<RecvParts> {
         // Room for every work request of every lane, receive and send (all flushed at once
         // when the comm closes or fails), and the flushes.
-        let per_lane = ferroce_core::data::recv_queue(nqps) + RECV_SEND_QUEUE;
+        let per_lane = ferroce_core::data::recv_queue(nqps, split) + RECV_SEND_QUEUE;
         let flushes = if needs_flush(net, devs) { FLUSH_QUEUE } else { 0 };
         let grant = |q| recv_grant(q, nqps);
-        let q = Queues::new(net, (devs, nqps), (per_lane, flushes), recv_caps(nqps), grant)?;
+        let caps = recv_caps(nqps, split);
+        let q = Queues::new(net, (devs, nqps), (per_lane, flushes), caps, grant)?;
         let (cts_stage, sizes) = areas(net, devs, (STAGE, CONTROL_IN))?;
         Ok(RecvParts { q, cts_stage, sizes })
     }
@@ -969,7 +972,7 @@ impl RecvComm {
         let ours = parts.q.devs.len();
         let p = params(&net, &parts.q.qps, (ours, theirs), (split, 0), &path, journal);
         let core = RecvCore::new(p, remote(peer.addr, &peer.rkeys));
-        let links = links(recv_caps(nqps), attrs, |q| recv_grant(q, nqps));
+        let links = links(recv_caps(nqps, split), attrs, |q| recv_grant(q, nqps));
         let lanes = Lanes::new(RECV, net, parts.q, links, path, profiler, &flushers);
         let (cts_stage, sizes) = (parts.cts_stage, parts.sizes);
         Box::new(RecvComm { core, cts_stage, sizes, flushers, lanes })

@@ -525,7 +525,7 @@ fn rkeys(m: &Msg) -> Vec<u32> {
 
 /// The proven peer's queue pairs, at RTS along `plan`, and the flush QPs where needed.
 fn accept_parts(net: &Arc<Net>, devs: &[usize], plan: &QpPlan) -> Result<Accepted> {
-    let parts = RecvParts::new(net, devs, plan.nqps)?;
+    let parts = RecvParts::new(net, devs, (plan.nqps, plan.split))?;
     let links = connect_qps(net, devs, &parts.q.qps, plan)?;
     let flushers = if super::data::needs_flush(net, devs) {
         (0..devs.len()).map(|m| flusher(net, devs[m], &parts.q.cqs[m])).collect::<Result<_>>()?
@@ -550,6 +550,7 @@ fn flusher(net: &Arc<Net>, dev: usize, cq: &Arc<verbs::Cq>) -> Result<Flusher> {
     remote_ends[0] = End { gid: me.gid, mtu: me.mtu, port: me.port, rkey: me.buf_rkey };
     let loopback = QpPlan {
         nqps: 1,
+        split: false,
         remote_qpns: me.qpns,
         sports: [0xc000; MAX_QPS],
         remote_members: 1,

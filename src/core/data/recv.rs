@@ -568,7 +568,9 @@ impl RecvCore {
     /// or a rebuilt lane's, goes in several).
     #[inline(always)]
     pub(super) fn refill(&mut self, io: &mut impl Post) -> Result<()> {
-        let low = |(q, &n): (usize, &usize)| n < recv_pool(self.p.nqps) && self.short & 1 << q == 0;
+        let low = |(q, &n): (usize, &usize)| {
+            n < recv_pool(self.p.nqps, self.p.split) && self.short & 1 << q == 0
+        };
         debug_assert!(
             !self.pool.iter().enumerate().any(low),
             "a lane's pool ran low without its bit in `short`: {:?} {:#x}",
@@ -579,7 +581,7 @@ impl RecvCore {
         if todo == 0 {
             return Ok(());
         }
-        let want = recv_pool(self.p.nqps);
+        let want = recv_pool(self.p.nqps, self.p.split);
         for (q, n) in self.pool.iter_mut().enumerate().filter(|(q, _)| todo & (1 << q) != 0) {
             if *n < want {
                 let id = tagged(wr_id(WR_RECV, q, 0), self.health.life[q]);
@@ -721,7 +723,7 @@ impl RecvCore {
             // A WQE of the lane's pool came back, landed or flushed: a fenced lane is drained
             // once none is left.
             self.pool[lane] = self.pool[lane].saturating_sub(1);
-            if self.pool[lane] < recv_pool(self.p.nqps) {
+            if self.pool[lane] < recv_pool(self.p.nqps, self.p.split) {
                 self.short |= 1 << lane;
             }
         }

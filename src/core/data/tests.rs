@@ -3114,7 +3114,7 @@ fn the_receiver_serves_a_repair_request_and_counts_nothing_it_dropped() {
     assert_eq!(wire.borrow().renewed[1], 1);
     assert_eq!(receiver.ctl, 1, "the CTS rows move off the rebuilt lane");
     assert!(kinds(wire, 0).is_empty(), "the fence flushed the probe");
-    let full = recv_pool(2) + RECV_BATCH - 1;
+    let full = recv_pool(2, receiver.p.split) + RECV_BATCH - 1;
     assert_eq!(wire.borrow().rq[1][0].len(), full, "the lane's receives again");
     assert!(kinds(wire, 1).contains(&WR_MAIL), "the answer, on lane 1");
     // Served once: the same word read again changes nothing.
@@ -3413,8 +3413,8 @@ fn receive_wqes_are_posted_in_batches_and_the_pool_never_runs_short() {
         let b = Buf { addr, size: 64, lkeys: keys(12), rkeys: keys(12), host: true };
         let id = receiver.irecv(&rstage, &rsizes, &mut rio, &[(b, 0)], false).unwrap().unwrap();
         let held = pair.wire.borrow().rq[1][0].len();
-        assert!(held >= recv_pool(1), "message {i}: {held} receives behind its CTS");
-        assert!(held < recv_pool(1) + RECV_BATCH, "message {i}: {held} receives posted");
+        assert!(held >= recv_pool(1, false), "message {i}: {held} receives behind its CTS");
+        assert!(held < recv_pool(1, false) + RECV_BATCH, "message {i}: {held} receives posted");
         pair.drain(1, 0);
         let b = Buf { addr: SEND_DATA, size: 64, lkeys: keys(11), rkeys: keys(11), host: true };
         let sid = sender.isend(&fifo, &sstage, &mut sio, b, 0).unwrap().unwrap();
@@ -3651,7 +3651,7 @@ fn a_rebuilt_lane_gets_its_receives_whatever_its_pool_counted() {
     );
     let buf = Buf { addr: RECV_DATA, size: 64, lkeys: keys(12), rkeys: keys(12), host: true };
     receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
-    let full = recv_pool(2);
+    let full = recv_pool(2, receiver.p.split);
     assert!(receiver.pool.iter().all(|&n| n >= full), "first fill: {:?}", receiver.pool);
     assert_eq!(receiver.short, 0);
     let qpn = receiver.rebuild(1, 1, 77, &mut rio).unwrap().expect("a new queue pair");

@@ -127,14 +127,16 @@ const fn imm_max(split: bool) -> u64 {
 }
 
 /// Receive WQEs each of `nqps` lanes keeps posted, so that every chunk in flight finds one on
-/// whichever lane carries it. Without failures a slot's message puts at most one chunk on a
-/// lane; once lanes fail, the live ones carry the chunks of the dead ones (spread evenly), and a
-/// chunk that landed before its ACK was lost lands twice. Twice a slot's chunks on each lane
-/// covers every lane but one failing, for up to 4 lanes; beyond 4, as long as a quarter of the
-/// lanes live. The receiver tops the pools up before every CTS and after every poll.
+/// whichever lane carries it: twice a slot's chunks that can come on one lane. Without failures
+/// a slot's message puts at most one chunk on a lane; once lanes fail, the live ones carry the
+/// chunks of the dead ones (spread evenly), and a chunk that landed before its ACK was lost
+/// lands twice. A whole message is one chunk, so one lane may get every slot's, however many
+/// lanes there are; a split one (`split`) has a chunk per lane, and twice its chunks on each
+/// lane covers every lane but one failing, for up to 4 lanes; beyond 4, as long as a quarter of
+/// the lanes live. The receiver tops the pools up before every CTS and after every poll.
 #[inline]
-pub fn recv_pool(nqps: usize) -> usize {
-    2 * SLOTS * nqps.clamp(1, 4)
+pub fn recv_pool(nqps: usize, split: bool) -> usize {
+    2 * SLOTS * if split { nqps.clamp(1, 4) } else { 1 }
 }
 
 /// Receive WQEs a lane's pool is topped up by at once: it holds between [`recv_pool`] and this
@@ -143,8 +145,8 @@ pub fn recv_pool(nqps: usize) -> usize {
 pub const RECV_BATCH: usize = crate::wr::MAX_CHAIN;
 
 /// The receive queue a lane needs: its pool, topped up by up to [`RECV_BATCH`].
-pub fn recv_queue(nqps: usize) -> usize {
-    recv_pool(nqps) + RECV_BATCH
+pub fn recv_queue(nqps: usize, split: bool) -> usize {
+    recv_pool(nqps, split) + RECV_BATCH
 }
 
 /// `wr_id` = kind << 32 | lane << 8 | slot.

@@ -540,8 +540,8 @@ impl World {
             (d.local.qpns, d.local.gid, d.local.mtu)
         );
         assert_eq!(
-            (plan.nqps, plan.sports, plan.traffic_class, plan.sl),
-            (nqps, p.sports, FIFO_TC, p.sl)
+            (plan.nqps, plan.split, plan.sports, plan.traffic_class, plan.sl),
+            (nqps, p.split, p.sports, FIFO_TC, p.sl)
         );
     }
 }
