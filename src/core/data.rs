@@ -193,7 +193,8 @@ pub struct Params {
     pub split: bool,
     /// Largest single work request (the port's `max_msg_sz`).
     pub max_msg: u64,
-    /// Largest inline payload the QPs accept (`max_inline_data`).
+    /// Largest inline payload a QP of the comm accepts (`max_inline_data`, the most of any):
+    /// a request marked inline goes from its registered memory on a QP that takes less.
     pub max_inline: u32,
     pub progress_timeout: Duration,
     /// Probe a quiet peer after this long (`FERROCE_PROBE_INTERVAL_MS`).

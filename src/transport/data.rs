@@ -57,9 +57,11 @@ pub const STAGE: u32 = 0;
 /// The flush's scratch word, which the flush QP's RDMA read writes into: local write only.
 pub const FLUSH_TARGET: u32 = verbs::ACCESS_LOCAL_WRITE;
 
-/// Inline payload asked of a receive comm's QPs: one CTS row (64 bytes), the common batch;
-/// larger batches go from the stage. The provider sizes every send-queue entry for it:
-/// Soft-RoCE's entry is 256 bytes with up to 48 inline, 512 with 64, 1,024 with 512.
+/// Inline payload asked of a receive comm's first lane, where its CTS rows go while it lives:
+/// one CTS row (64 bytes), the common batch; larger batches go from the stage. The provider
+/// sizes every send-queue entry for it: Soft-RoCE's entry is 256 bytes with up to 48 inline,
+/// 512 with 64, 1,024 with 512. Its other lanes ask for [`SEND_INLINE`]: they carry probes,
+/// and rows only once the first lane failed, from the stage as batches go.
 const INLINE: u32 = 64;
 
 /// Inline payload asked of a send comm's QPs: one size record, the LL ack and small sends
@@ -72,13 +74,13 @@ fn send_caps(nqps: usize) -> verbs::QpCaps {
     verbs::QpCaps { max_send_wr: send_queue(nqps) as u32, max_recv_wr: 1, max_inline: SEND_INLINE }
 }
 
-/// A receive comm's queue pairs: CTS writes and probes, and every receive WQE of the lane
-/// (`split`: the sender splits messages across the lanes).
-fn recv_caps(nqps: usize, split: bool) -> verbs::QpCaps {
+/// A receive comm's queue pair for lane `q`: CTS writes and probes, and every receive WQE of
+/// the lane (`split`: the sender splits messages across the lanes).
+fn recv_caps(q: usize, nqps: usize, split: bool) -> verbs::QpCaps {
     verbs::QpCaps {
         max_send_wr: RECV_SEND_QUEUE as u32,
         max_recv_wr: ferroce_core::data::recv_queue(nqps, split) as u32,
-        max_inline: INLINE,
+        max_inline: if q == 0 { INLINE } else { SEND_INLINE },
     }
 }
 
@@ -223,12 +225,12 @@ struct Link {
 
 /// The links of a comm's lanes: setup's attributes, with the access `grant` gives each.
 fn links(
-    caps: verbs::QpCaps,
+    caps: impl Fn(usize) -> verbs::QpCaps,
     attrs: &[(RtrAttr, RtsAttr)],
     grant: impl Fn(usize) -> Grant,
 ) -> Vec<Link> {
     let link = |(q, &(rtr, rts)): (usize, &(RtrAttr, RtsAttr))| Link {
-        caps,
+        caps: caps(q),
         access: qp_access(grant(q)),
         rtr,
         rts,
@@ -461,18 +463,18 @@ pub struct Queues {
 }
 
 impl Queues {
-    /// `nqps` lanes with `caps` and the access `grant` gives each; CQs as in [`port_cqs`].
+    /// `nqps` lanes with the `caps` and access `grant` gives each; CQs as in [`port_cqs`].
     fn new(
         net: &Net,
         (devs, nqps): (&[usize], usize),
         (per_lane, extra): (usize, usize),
-        caps: verbs::QpCaps,
+        caps: impl Fn(usize) -> verbs::QpCaps,
         grant: impl Fn(usize) -> Grant,
     ) -> Result<Queues> {
         let cqs = port_cqs(net, devs, nqps, per_lane, extra)?;
         let one = |q: usize| {
             let m = port_of(q, devs.len());
-            new_qp(&net.devices[devs[m]], &cqs[m], caps, qp_access(grant(q)))
+            new_qp(&net.devices[devs[m]], &cqs[m], caps(q), qp_access(grant(q)))
         };
         let qps = (0..nqps).map(one).collect::<Result<_>>()?;
         Ok(Queues { devs: devs.to_vec(), qps, cqs })
@@ -729,7 +731,7 @@ fn params(
         nqps: qps.len(),
         split,
         max_msg,
-        max_inline: qps.iter().map(Qp::max_inline).min().unwrap_or(0),
+        max_inline: qps.iter().map(Qp::max_inline).max().unwrap_or(0),
         progress_timeout: net.config.progress_timeout,
         probe_interval: net.config.probe_interval,
         mark: ferroce_core::data::MARK_BYTES,
@@ -780,7 +782,7 @@ impl SendParts {
     /// `nqps` lanes over the member ports `devs` (lane `q` on `port_of(q)`).
     pub fn new(net: &Arc<Net>, devs: &[usize], nqps: usize) -> Result<SendParts> {
         let depth = send_queue(nqps);
-        let q = Queues::new(net, (devs, nqps), (depth, 0), send_caps(nqps), send_grant)?;
+        let q = Queues::new(net, (devs, nqps), (depth, 0), |_| send_caps(nqps), send_grant)?;
         // The CTS FIFO is registered without IBV_ACCESS_RELAXED_ORDERING, always: isend reads an
         // entry as valid once its last word (idx) has landed, which is only sound if the
         // receiver's RDMA write lands in order. Relaxed ordering is for NCCL's buffers only.
@@ -804,7 +806,7 @@ impl SendComm {
         let (journal, path) = (profiler.is_some(), Arc::new(path));
         let ours = parts.q.devs.len();
         let p = params(&net, &parts.q.qps, (ours, theirs), (split, peer.max_msg), &path, journal);
-        let links = links(send_caps(p.nqps), attrs, send_grant);
+        let links = links(|_| send_caps(p.nqps), attrs, send_grant);
         let core = SendCore::new(p, remote(peer.addr, &peer.rkeys));
         let lanes = Lanes::new(SEND, net, parts.q, links, path, profiler, &[]);
         Box::new(SendComm { core, fifo: parts.fifo, sizes_stage: parts.sizes_stage, lanes })
@@ -945,7 +947,7 @@ impl RecvParts {
         let per_lane = ferroce_core::data::recv_queue(nqps, split) + RECV_SEND_QUEUE;
         let flushes = if needs_flush(net, devs) { FLUSH_QUEUE } else { 0 };
         let grant = |q| recv_grant(q, nqps);
-        let caps = recv_caps(nqps, split);
+        let caps = |q| recv_caps(q, nqps, split);
         let q = Queues::new(net, (devs, nqps), (per_lane, flushes), caps, grant)?;
         let (cts_stage, sizes) = areas(net, devs, (STAGE, CONTROL_IN))?;
         Ok(RecvParts { q, cts_stage, sizes })
@@ -972,7 +974,7 @@ impl RecvComm {
         let ours = parts.q.devs.len();
         let p = params(&net, &parts.q.qps, (ours, theirs), (split, 0), &path, journal);
         let core = RecvCore::new(p, remote(peer.addr, &peer.rkeys));
-        let links = links(recv_caps(nqps, split), attrs, |q| recv_grant(q, nqps));
+        let links = links(|q| recv_caps(q, nqps, split), attrs, |q| recv_grant(q, nqps));
         let lanes = Lanes::new(RECV, net, parts.q, links, path, profiler, &flushers);
         let (cts_stage, sizes) = (parts.cts_stage, parts.sizes);
         Box::new(RecvComm { core, cts_stage, sizes, flushers, lanes })
