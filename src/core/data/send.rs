@@ -227,13 +227,31 @@ pub(super) struct SendReq {
     pub(super) size: u64,
 }
 
+/// A send's buffer as its slot keeps it until the slot completes (a chunk may go again): a
+/// [`Buf`] less its remote keys, which only a receive's buffer needs (a quarter of a slot's
+/// size, 8 KiB of every send comm).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Local {
+    pub(super) addr: u64,
+    pub(super) size: u64,
+    pub(super) lkeys: Keys,
+    pub(super) host: bool,
+}
+
+impl From<Buf> for Local {
+    #[inline(always)]
+    fn from(b: Buf) -> Local {
+        Local { addr: b.addr, size: b.size, lkeys: b.lkeys, host: b.host }
+    }
+}
+
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct SendSlot {
     /// Bitmask of the entries matched by an `isend`.
     pub(super) matched: u8,
     /// The sends matched so far, by entry; kept until the slot completes, so that a chunk can
     /// be sent again.
-    pub(super) bufs: [Option<Buf>; MAX_RECVS],
+    pub(super) bufs: [Option<Local>; MAX_RECVS],
     /// The row they answer, likewise kept.
     pub(super) row: [Cts; MAX_RECVS],
     pub(super) nreqs: u8,
@@ -562,7 +580,7 @@ impl SendCore {
         // In place (a slot's buffers are most of a kilobyte), and taken back if it cannot go:
         // an unmatched entry's buffer is empty (a slot's are emptied when it completes).
         debug_assert!(self.slots[slot].bufs[r].is_none());
-        self.slots[slot].bufs[r] = Some(buf);
+        self.slots[slot].bufs[r] = Some(buf.into());
         if last {
             self.plan(slot, optional);
             match self.fits(slot, &self.slots[slot].bufs[..nreqs], optional) {
@@ -655,7 +673,13 @@ impl SendCore {
 
     /// Work requests chunk `c` of slot `slot` needs for `bufs` (data pieces, then the size
     /// record and the immediate, or the ack).
-    pub(super) fn wrs_for(&self, slot: usize, bufs: &[Option<Buf>], split: bool, c: usize) -> u64 {
+    pub(super) fn wrs_for(
+        &self,
+        slot: usize,
+        bufs: &[Option<Local>],
+        split: bool,
+        c: usize,
+    ) -> u64 {
         let data: u64 = bufs
             .iter()
             .map(|b| {
@@ -670,7 +694,7 @@ impl SendCore {
     /// (which may carry it instead). An error where it never can, even with the queues empty
     /// ([`send_queue`] holds every multi-receive whose buffers need at most 2 work requests
     /// each, on all lanes but one failing): waiting would never end.
-    pub(super) fn fits(&self, slot: usize, bufs: &[Option<Buf>], optional: bool) -> Result<bool> {
+    pub(super) fn fits(&self, slot: usize, bufs: &[Option<Local>], optional: bool) -> Result<bool> {
         let per_lane = if optional || !self.p.split {
             // One chunk, the whole message, on whichever live lane.
             self.wrs_for(slot, bufs, false, 0)
