@@ -23,7 +23,8 @@ pub enum Op {
 }
 
 /// One send work request; `local` is `(addr, len, lkey)`, absent for a zero-byte operation.
-/// `inline`: the provider copies the bytes at post time (at most the QP's `max_inline`).
+/// `inline`: the provider copies the bytes at post time; one longer than the QP's `max_inline`
+/// goes from its registered memory.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SendWr {
     pub wr_id: u64,

@@ -57,16 +57,16 @@ pub const STAGE: u32 = 0;
 /// The flush's scratch word, which the flush QP's RDMA read writes into: local write only.
 pub const FLUSH_TARGET: u32 = verbs::ACCESS_LOCAL_WRITE;
 
-/// Inline payload asked of a receive comm's first lane, where its CTS rows go while it lives:
-/// one CTS row (64 bytes), the common batch; larger batches go from the stage. The provider
-/// sizes every send-queue entry for it: Soft-RoCE's entry is 256 bytes with up to 48 inline,
-/// 512 with 64, 1,024 with 512. Its other lanes ask for [`SEND_INLINE`]: they carry probes,
-/// and rows only once the first lane failed, from the stage as batches go.
+/// Inline payload asked of a receive comm's first lane, where its CTS rows go until it first
+/// fails: one CTS row (64 bytes), the common batch; larger batches go from the stage. The
+/// provider sizes every send-queue entry for it: Soft-RoCE's entry is 256 bytes with up to 48
+/// inline, 512 with 64, 1,024 with 512. Its other lanes ask for [`SEND_INLINE`]: they carry
+/// probes, and rows only once the first lane failed, from the stage as batches go.
 const INLINE: u32 = 64;
 
 /// Inline payload asked of a send comm's QPs: one size record, the LL ack and small sends
 /// from host memory; 48 bytes keep Soft-RoCE's entry at 256 bytes. NCCL sends from GPU
-/// memory, which never go inline.
+/// memory, which never go inline. A receive comm's lanes but its first ask for it too.
 const SEND_INLINE: u32 = 48;
 
 /// A send comm's queue pairs: room for the core's send queue; the one receive WQE verbs wants.
@@ -967,8 +967,8 @@ impl RecvComm {
         (theirs, peer): (usize, Peer),
         profiler: Option<Arc<dyn Profiler>>,
     ) -> Box<RecvComm> {
-        // The receiver only sends CTS rows and probes, on its control lane; all its QPs are
-        // created alike.
+        // The receiver only sends CTS rows (on its control lane) and probes; its lanes differ
+        // only in their inline room (`recv_caps`).
         let nqps = parts.q.qps.len();
         let (journal, path) = (profiler.is_some(), Arc::new(path));
         let ours = parts.q.devs.len();

@@ -228,20 +228,20 @@ pub(super) struct SendReq {
 }
 
 /// A send's buffer as its slot keeps it until the slot completes (a chunk may go again): a
-/// [`Buf`] less its remote keys, which only a receive's buffer needs (a quarter of a slot's
+/// [`Buf`] less its remote keys, which only a receive's buffer needs (a fifth of a slot's
 /// size, 8 KiB of every send comm).
 #[derive(Clone, Copy, Debug, Default)]
-pub(super) struct Local {
+pub(super) struct SendBuf {
     pub(super) addr: u64,
     pub(super) size: u64,
     pub(super) lkeys: Keys,
     pub(super) host: bool,
 }
 
-impl From<Buf> for Local {
+impl From<Buf> for SendBuf {
     #[inline(always)]
-    fn from(b: Buf) -> Local {
-        Local { addr: b.addr, size: b.size, lkeys: b.lkeys, host: b.host }
+    fn from(b: Buf) -> SendBuf {
+        SendBuf { addr: b.addr, size: b.size, lkeys: b.lkeys, host: b.host }
     }
 }
 
@@ -251,7 +251,7 @@ pub(super) struct SendSlot {
     pub(super) matched: u8,
     /// The sends matched so far, by entry; kept until the slot completes, so that a chunk can
     /// be sent again.
-    pub(super) bufs: [Option<Local>; MAX_RECVS],
+    pub(super) bufs: [Option<SendBuf>; MAX_RECVS],
     /// The row they answer, likewise kept.
     pub(super) row: [Cts; MAX_RECVS],
     pub(super) nreqs: u8,
@@ -264,7 +264,7 @@ pub(super) struct SendSlot {
 /// The sending end's protocol state.
 pub struct SendCore {
     pub(super) reqs: [SendReq; SLOTS * MAX_RECVS],
-    /// On the heap: with its buffers and rows it is about 42 KB, which each move of the core
+    /// On the heap: with its buffers and rows it is about 32 KB, which each move of the core
     /// (into its comm, into a box) would otherwise copy.
     pub(super) slots: Box<[SendSlot; SLOTS]>,
     /// Slots fully posted so far; the next slot is `head % SLOTS`.
@@ -577,7 +577,7 @@ impl SendCore {
         let last = u16::from(s.matched) | 1 << r == (1 << nreqs) - 1;
         let (size, optional) = (row[r].size, nreqs == 1 && row[0].optional);
         let buf = self.fit_to(buf()?, tag, size);
-        // In place (a slot's buffers are most of a kilobyte), and taken back if it cannot go:
+        // In place (a slot's buffers are 448 bytes), and taken back if it cannot go:
         // an unmatched entry's buffer is empty (a slot's are emptied when it completes).
         debug_assert!(self.slots[slot].bufs[r].is_none());
         self.slots[slot].bufs[r] = Some(buf.into());
@@ -676,7 +676,7 @@ impl SendCore {
     pub(super) fn wrs_for(
         &self,
         slot: usize,
-        bufs: &[Option<Local>],
+        bufs: &[Option<SendBuf>],
         split: bool,
         c: usize,
     ) -> u64 {
@@ -694,7 +694,12 @@ impl SendCore {
     /// (which may carry it instead). An error where it never can, even with the queues empty
     /// ([`send_queue`] holds every multi-receive whose buffers need at most 2 work requests
     /// each, on all lanes but one failing): waiting would never end.
-    pub(super) fn fits(&self, slot: usize, bufs: &[Option<Local>], optional: bool) -> Result<bool> {
+    pub(super) fn fits(
+        &self,
+        slot: usize,
+        bufs: &[Option<SendBuf>],
+        optional: bool,
+    ) -> Result<bool> {
         let per_lane = if optional || !self.p.split {
             // One chunk, the whole message, on whichever live lane.
             self.wrs_for(slot, bufs, false, 0)

@@ -3672,7 +3672,7 @@ fn a_whole_messages_one_write_is_the_general_paths() {
         for host in [true, false] {
             let mut s = SendSlot { nreqs: 1, ..SendSlot::default() };
             let (lkeys, rkeys) = (keys(11), keys(12));
-            s.bufs[0] = Some(Local { addr: SEND_DATA, size, lkeys, host });
+            s.bufs[0] = Some(SendBuf { addr: SEND_DATA, size, lkeys, host });
             s.row[0] = Cts { addr: RECV_DATA, size, rkeys, nreqs: 1, idx: 5, ..Cts::default() };
             let k = ChunkWrs { slot: 3, chunk: 0, lane: 1, life: 2, members: (0, 1), inline };
             let imm = Imm { slot: 3, chunk: 0, epoch: epoch(5), size: Some(size) }.encode(false);
@@ -3695,7 +3695,7 @@ fn a_whole_messages_one_write_is_the_general_paths() {
     let mut s = SendSlot { nreqs: 1, ..SendSlot::default() };
     let k = ChunkWrs { slot: 0, chunk: 0, lane: 0, life: 0, members: (0, 0), inline };
     for size in [0, max_msg + 1] {
-        s.bufs[0] = Some(Local { size, ..Local::default() });
+        s.bufs[0] = Some(SendBuf { size, ..SendBuf::default() });
         assert!(k.whole(&s, 0, max_msg).is_none(), "{size} bytes");
     }
 }

@@ -127,13 +127,15 @@ const fn imm_max(split: bool) -> u64 {
 }
 
 /// Receive WQEs each of `nqps` lanes keeps posted, so that every chunk in flight finds one on
-/// whichever lane carries it: twice a slot's chunks that can come on one lane. Without failures
+/// whichever lane carries it: twice the chunks every slot can put on one lane. Without failures
 /// a slot's message puts at most one chunk on a lane; once lanes fail, the live ones carry the
-/// chunks of the dead ones (spread evenly), and a chunk that landed before its ACK was lost
-/// lands twice. A whole message is one chunk, so one lane may get every slot's, however many
-/// lanes there are; a split one (`split`) has a chunk per lane, and twice its chunks on each
-/// lane covers every lane but one failing, for up to 4 lanes; beyond 4, as long as a quarter of
-/// the lanes live. The receiver tops the pools up before every CTS and after every poll.
+/// chunks of the dead ones (spread evenly). A whole message is one chunk, so one lane may get
+/// every slot's, however many lanes there are; a split one (`split`) has a chunk per lane, and
+/// twice its chunks on each lane covers every lane but one failing, for up to 4 lanes; beyond
+/// 4, as long as a quarter of the lanes live (one lane: the same either way). The second half
+/// is margin for a chunk delivered twice, which the receiver counts once and the simulator
+/// injects, though a chunk goes again only once its lane is fenced and the receipts say it did
+/// not land. The receiver tops the pools up before every CTS and after every poll.
 #[inline]
 pub fn recv_pool(nqps: usize, split: bool) -> usize {
     2 * SLOTS * if split { nqps.clamp(1, 4) } else { 1 }
