@@ -931,6 +931,8 @@ pub struct RecvParts {
     pub q: Queues,
     pub cts_stage: RegisteredBuf,
     pub sizes: RegisteredBuf,
+    /// Whether the sender splits messages across the lanes: what the queues were sized for.
+    pub split: bool,
 }
 
 impl Flusher {
@@ -950,26 +952,24 @@ impl RecvParts {
         let caps = |q| recv_caps(q, nqps, split);
         let q = Queues::new(net, (devs, nqps), (per_lane, flushes), caps, grant)?;
         let (cts_stage, sizes) = areas(net, devs, (STAGE, CONTROL_IN))?;
-        Ok(RecvParts { q, cts_stage, sizes })
+        Ok(RecvParts { q, cts_stage, sizes, split })
     }
 }
 
 impl RecvComm {
     /// `theirs`: the sender's member ports; `peer`: its FIFO.
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         parts: RecvParts,
         flushers: Vec<Flusher>,
         attrs: &[(RtrAttr, RtsAttr)],
         net: Arc<Net>,
         path: Path,
-        split: bool,
         (theirs, peer): (usize, Peer),
         profiler: Option<Arc<dyn Profiler>>,
     ) -> Box<RecvComm> {
         // The receiver only sends CTS rows (on its control lane) and probes; its lanes differ
         // only in their inline room (`recv_caps`).
-        let nqps = parts.q.qps.len();
+        let (nqps, split) = (parts.q.qps.len(), parts.split);
         let (journal, path) = (profiler.is_some(), Arc::new(path));
         let ours = parts.q.devs.len();
         let p = params(&net, &parts.q.qps, (ours, theirs), (split, 0), &path, journal);

@@ -504,7 +504,6 @@ impl Listener {
             &acc.links,
             self.net.clone(),
             path,
-            policy.split,
             (theirs, fifo),
             self.profiler.clone(),
         )
