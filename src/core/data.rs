@@ -82,6 +82,11 @@
 //!   never meets receiver-not-ready.
 //! - The CTS of slot `k` is only rewritten after slot `k`'s receive completed, which proves the
 //!   sender consumed it: so CTS writes can go unsignaled and the staging row can be reused.
+//!   A write that reads its rows from the stage rather than inline (a batch, a multi-receive's
+//!   other entries, rows written again on another lane) is the exception: the NIC reads the
+//!   stage when it executes the write, and again when it retransmits it, which can be after the
+//!   sender consumed the row (its first copy, on a lane since failed, landed). Such a write is
+//!   signaled, and no row up to its last is restaged until it completed or its lane failed.
 //! - The CTS queue pair's send queue is counted as a provider that frees entries only when a
 //!   signaled completion is polled sees it ([`SqCount`]): one request in 32 is signaled, a
 //!   batch that does not fit waits, and one entry is kept for a probe.

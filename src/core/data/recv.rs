@@ -79,6 +79,12 @@ pub struct RecvCore {
     /// The ack word's high-water mark: the sender writes it in row order, but a row sent again
     /// after a fence must never move it back.
     pub(super) acked: std::cell::Cell<u64>,
+    /// The last CTS write that reads rows from the stage (rather than inline): its lane, that
+    /// lane's count of posted requests with it, and the `idx` of its last row. A NIC reads
+    /// those rows when it executes the write, and again if it retransmits it, so no row up to
+    /// that `idx` is restaged (see [`Self::irecv`]) until the write has completed (signaled)
+    /// or its lane has failed (its queue pair sends nothing more).
+    pub(super) stage_read: Option<(usize, u64, u64)>,
     /// Where batches are built before posting.
     pub(super) chain: Box<[SendWr; MAX_CHAIN]>,
     /// Receive WQEs posted on each lane and not yet used.
@@ -120,6 +126,7 @@ impl RecvCore {
             served: None,
             mail_seen: [0; mend::MAIL_WORDS],
             answered: None,
+            stage_read: None,
             serving: None,
             acked: std::cell::Cell::new(0),
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
@@ -202,6 +209,12 @@ impl RecvCore {
         let prev = &self.slots[slot];
         if prev.state != State::Free || self.known_consumed(sizes) < prev.ack_for {
             return Ok(None);
+        }
+        let read = |(lane, seq, hi): (usize, u64, u64)| {
+            (1..=hi).contains(&prev.idx) && self.sq[lane].freed < seq
+        };
+        if self.stage_read.is_some_and(read) {
+            return Ok(None); // a write in flight may still read the slot's last row
         }
         let optional = optional && n == 1;
         // Every lane keeps its pool full, so that the sender's write-with-immediate finds a
@@ -328,6 +341,10 @@ impl RecvCore {
         // rebuilt lane's new count must not be read against the old queue pair's).
         if self.answered.is_some_and(|(q, _)| q == lane) {
             self.answered = None;
+        }
+        // Nor does a failed queue pair read the stage again.
+        if self.stage_read.is_some_and(|(q, _, _)| q == lane) {
+            self.stage_read = None;
         }
         self.health.prober.out &= !bit;
         if lane == self.ctl {
@@ -536,6 +553,9 @@ impl RecvCore {
         let bit = 1u128 << lane;
         self.health.life[lane] = self.health.life[lane].wrapping_add(1);
         self.sq[lane] = SqCount::new(RECV_SEND_QUEUE);
+        if self.stage_read.is_some_and(|(q, _, _)| q == lane) {
+            self.stage_read = None; // the old queue pair reads nothing more
+        }
         self.pool[lane] = 0;
         self.short |= bit;
         if self.alive & (1 << self.ctl) == 0 {
@@ -652,10 +672,16 @@ impl RecvCore {
             if !self.sq[lane].fits(n) {
                 return Ok(());
             }
-            let signaled = self.sq[lane].signal_due(n);
+            // A batch that reads rows from the stage is signaled, so that its rows can be
+            // restaged once it completed.
+            let from_stage = wrs[..len].iter().any(|w| !w.inline);
+            let signaled = from_stage || self.sq[lane].signal_due(n);
             wrs[len - 1].signaled = signaled;
             io.send(lane, &wrs[..len]).map_err(|e| self.health.post_failed(e))?;
             self.sq[lane].posted(n, signaled);
+            if from_stage {
+                self.stage_read = Some((lane, self.sq[lane].posted, self.advertised + rows as u64));
+            }
             if self.p.journal {
                 let wr_id = wrs[0].wr_id;
                 for k in 0..rows {

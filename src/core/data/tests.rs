@@ -189,6 +189,8 @@ impl Words for Area<'_> {
 struct Queued {
     wr: SendWr,
     inline: Option<Vec<u8>>,
+    /// A CTS write from the receiver's stage: the rows it reads, as they were when posted.
+    stage: Option<Vec<u8>>,
 }
 
 /// The queue pairs of both ends (`[side][qp]`, side 0 sends, 1 receives; QP `q` of one side
@@ -369,15 +371,10 @@ impl Wire {
             // again, on the next: the same rows, in their slots.
             let moved = self.failed[1].contains(&true) || self.renewed[1] > 0;
             let again = moved && cts.idx <= self.rows_landed;
-            // A NIC reads what it writes when it executes the write: a row written again may
-            // find its slot already holding a newer row (the slot's row was consumed), which
-            // lands early, harmlessly: the sender takes a row by its idx.
-            let early = moved && cts.idx <= self.rows_landed + SLOTS as u64;
+            // A NIC reads what it writes when it executes the write, but no row written again
+            // finds its slot restaged: a slot waits for the writes that read it.
             if word < SLOTS * ENTRY_WORDS {
                 assert_eq!(word, entry_word((cts.idx as usize - 1) % SLOTS, 0), "row's slot");
-                if cts.idx > self.rows_landed + 1 && early {
-                    continue;
-                }
                 if !again {
                     assert_eq!(cts.idx, self.rows_landed + 1, "rows land once, in order");
                     self.rows_landed += 1;
@@ -459,7 +456,14 @@ impl Wire {
 
     /// Executes the head work request of `side`'s QP `q` on a path that answers.
     fn step_ok(&mut self, mem: &Mem, side: usize, q: usize) {
-        let Some(Queued { wr, inline }) = self.sq[side][q].pop_front() else { return };
+        let Some(Queued { wr, inline, stage }) = self.sq[side][q].pop_front() else { return };
+        if let (Some(posted), Some((addr, len, _))) = (stage, wr.local) {
+            // The verbs rule: a request's local memory stays as it was until it completes. A
+            // NIC reads it when it executes the write (again, when it retransmits it), so a
+            // row restaged under a write in flight could reach the sender torn.
+            let now = mem.with(addr, len as usize, None, |b| b.to_vec());
+            assert!(now == posted, "a staged row changed under the CTS write that reads it");
+        }
         let landed = self.land(mem, side, q, &wr, inline);
         assert!(landed, "receiver not ready: a write-with-immediate found no receive posted");
         let held = &mut self.held[side][q];
@@ -476,7 +480,8 @@ impl Wire {
     /// does a QP with no receive posted for its immediate; else it lands, however long after
     /// its chunk was counted, sent again or completed.
     fn arrive_late(&mut self, mem: &Mem, k: usize) {
-        let Some((q, life, Queued { wr, inline })) = self.late.as_mut().map(|l| l.remove(k)) else {
+        let Some((q, life, Queued { wr, inline, .. })) = self.late.as_mut().map(|l| l.remove(k))
+        else {
             return;
         };
         let open = !self.failed[1][q] && self.life[1][q] == life && self.connected(q);
@@ -784,7 +789,13 @@ impl Io<'_> {
             }
             let inline =
                 wr.local.filter(|_| wr.inline).map(|(a, l, _)| self.mem.cpu_read(a, l as usize));
-            w.sq[self.side][qp].push_back(Queued { wr: *wr, inline });
+            let fifo = FIFO..FIFO + 8 * FIFO_WORDS as u64;
+            let stage = (self.side == 1 && !wr.inline && fifo.contains(&wr.remote_addr))
+                .then(|| {
+                    wr.local.map(|(a, l, _)| self.mem.with(a, l as usize, None, |b| b.to_vec()))
+                })
+                .flatten();
+            w.sq[self.side][qp].push_back(Queued { wr: *wr, inline, stage });
             w.held[self.side][qp].0 += 1;
             // The receiver's last QP is its flush QP, with a queue of its own.
             let flush = self.side == 1 && qp + 1 == w.failed[1].len();
