@@ -651,6 +651,8 @@ impl RecvCore {
                 rkey: self.remote_fifo.rkeys[theirs],
                 inline: entries * ENTRY <= self.p.max_inline as usize,
             };
+            // Whether a write reads its rows from the stage, not inline.
+            let mut from_stage = false;
             let mut len = 0;
             let wrs = &mut self.chain;
             for k in 0..rows {
@@ -658,6 +660,7 @@ impl RecvCore {
                 let n = self.slots[slot].n;
                 if n > 1 {
                     wrs[len] = write(entry_word(slot, 1), n - 1);
+                    from_stage |= !wrs[len].inline;
                     len += 1;
                 }
             }
@@ -665,6 +668,7 @@ impl RecvCore {
             for (lo, hi) in [(first, end.min(SLOTS)), (0, end.saturating_sub(SLOTS))] {
                 if hi > lo {
                     wrs[len] = write(entry_word(lo, 0), hi - lo);
+                    from_stage |= !wrs[len].inline;
                     len += 1;
                 }
             }
@@ -674,7 +678,6 @@ impl RecvCore {
             }
             // A batch that reads rows from the stage is signaled, so that its rows can be
             // restaged once it completed.
-            let from_stage = wrs[..len].iter().any(|w| !w.inline);
             let signaled = from_stage || self.sq[lane].signal_due(n);
             wrs[len - 1].signaled = signaled;
             io.send(lane, &wrs[..len]).map_err(|e| self.health.post_failed(e))?;
