@@ -198,9 +198,11 @@ pub struct Params {
     pub split: bool,
     /// Largest single work request (the port's `max_msg_sz`).
     pub max_msg: u64,
-    /// Largest inline payload a QP of the comm accepts (`max_inline_data`, the most of any):
-    /// a request marked inline goes from its registered memory on a QP that takes less.
-    pub max_inline: u32,
+    /// Per lane, the largest inline payload its QP accepts (`max_inline_data`; a receive
+    /// comm's first lane takes a CTS row, its others less). A request is marked inline only
+    /// where its lane takes it: the core must know which writes read their memory when the
+    /// NIC executes them (and again when it retransmits them).
+    pub inline: Vec<u32>,
     pub progress_timeout: Duration,
     /// Probe a quiet peer after this long (`FERROCE_PROBE_INTERVAL_MS`).
     pub probe_interval: Duration,
@@ -226,6 +228,14 @@ pub struct Params {
     pub failover: bool,
     /// The floor of a lane's stall bound (`FERROCE_LANE_STALL_MS`; `None`: off).
     pub stall: Option<Duration>,
+}
+
+impl Params {
+    /// The inline payload lane `q`'s QP takes: none for a lane not listed.
+    #[inline(always)]
+    pub fn inline_on(&self, q: usize) -> u32 {
+        self.inline.get(q).copied().unwrap_or(0)
+    }
 }
 
 /// One request's work in one post, journaled for profiler events (only with

@@ -731,7 +731,7 @@ fn params(
         nqps: qps.len(),
         split,
         max_msg,
-        max_inline: qps.iter().map(Qp::max_inline).max().unwrap_or(0),
+        inline: qps.iter().map(Qp::max_inline).collect(),
         progress_timeout: net.config.progress_timeout,
         probe_interval: net.config.probe_interval,
         mark: ferroce_core::data::MARK_BYTES,

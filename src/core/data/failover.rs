@@ -180,7 +180,7 @@ impl SendCore {
         let seq = self.mend.next_seq();
         let msg = mend::Msg::Fence { lane, seq, via: ctl };
         let life = (ctl, self.health.life[ctl], self.p.members[ctl]);
-        let wr = mail_wr(msg, stage, SIZE_MAIL, life, &self.remote_sizes, self.p.max_inline);
+        let wr = mail_wr(msg, stage, SIZE_MAIL, life, &self.remote_sizes, self.p.inline_on(ctl));
         match io.send(ctl, &[wr]) {
             Ok(()) => {
                 self.sq[ctl].posted(1, true);
@@ -354,7 +354,7 @@ impl SendCore {
         self.sq[lane] = SqCount::new(send_queue(self.p.nqps));
         let ask = mend::Msg::Ask { lane, seq, qpn, via: ctl };
         let life = (ctl, self.health.life[ctl], self.p.members[ctl]);
-        let ask = mail_wr(ask, stage, SIZE_MAIL, life, &target, self.p.max_inline);
+        let ask = mail_wr(ask, stage, SIZE_MAIL, life, &target, self.p.inline_on(ctl));
         match io.send(ctl, &[ask]) {
             Ok(()) => self.sq[ctl].posted(1, true),
             Err(e) => self.attempt_failed(lane, &format!("the request was refused: {e}")),

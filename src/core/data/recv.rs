@@ -79,12 +79,13 @@ pub struct RecvCore {
     /// The ack word's high-water mark: the sender writes it in row order, but a row sent again
     /// after a fence must never move it back.
     pub(super) acked: std::cell::Cell<u64>,
-    /// The last CTS write that reads rows from the stage (rather than inline): its lane, that
-    /// lane's count of posted requests with it, and the `idx` of its last row. A NIC reads
-    /// those rows when it executes the write, and again if it retransmits it, so no row up to
-    /// that `idx` is restaged (see [`Self::irecv`]) until the write has completed (signaled)
-    /// or its lane has failed (its queue pair sends nothing more).
-    pub(super) stage_read: Option<(usize, u64, u64)>,
+    /// The CTS writes in flight that read rows from the stage (rather than inline): the lane,
+    /// that lane's count of posted requests with the last of them, and the `idx` range of
+    /// their rows. A NIC reads those rows when it executes a write, and again if it
+    /// retransmits it, so none of them is restaged (see [`Self::irecv`]) until the last write
+    /// has completed (signaled; a send queue completes in order) or its lane has failed (its
+    /// queue pair sends nothing more).
+    pub(super) stage_read: Option<StageRead>,
     /// Where batches are built before posting.
     pub(super) chain: Box<[SendWr; MAX_CHAIN]>,
     /// Receive WQEs posted on each lane and not yet used.
@@ -97,6 +98,15 @@ pub struct RecvCore {
     pub(super) health: Health,
     /// What was posted, for profiler events (only with [`Params::journal`]).
     pub(super) journal: Vec<Posted>,
+}
+
+/// CTS writes in flight that read their rows from the stage: see [`RecvCore::stage_read`].
+#[derive(Clone, Copy, Debug)]
+pub(super) struct StageRead {
+    lane: usize,
+    seq: u64,
+    /// The first and last row (`idx`).
+    rows: (u64, u64),
 }
 
 /// Request ids: receives are `0..SLOTS`, flushes `SLOTS..2 * SLOTS`.
@@ -210,8 +220,8 @@ impl RecvCore {
         if prev.state != State::Free || self.known_consumed(sizes) < prev.ack_for {
             return Ok(None);
         }
-        let read = |(lane, seq, hi): (usize, u64, u64)| {
-            (1..=hi).contains(&prev.idx) && self.sq[lane].freed < seq
+        let read = |r: StageRead| {
+            (r.rows.0..=r.rows.1).contains(&prev.idx) && self.sq[r.lane].freed < r.seq
         };
         if self.stage_read.is_some_and(read) {
             return Ok(None); // a write in flight may still read the slot's last row
@@ -343,7 +353,7 @@ impl RecvCore {
             self.answered = None;
         }
         // Nor does a failed queue pair read the stage again.
-        if self.stage_read.is_some_and(|(q, _, _)| q == lane) {
+        if self.stage_read.is_some_and(|r| r.lane == lane) {
             self.stage_read = None;
         }
         self.health.prober.out &= !bit;
@@ -497,12 +507,13 @@ impl RecvCore {
             local: Some((stage.addr(FIFO_RECEIPTS), len, stage.lkey(ours))),
             remote_addr,
             rkey,
-            inline: len <= self.p.max_inline,
+            inline: len <= self.p.inline_on(ctl),
             ..SendWr::default()
         };
         let fence = matches!(answer, mend::Msg::Fenced { .. });
         let life = (ctl, self.health.life[ctl], self.p.members[ctl]);
-        let answer = mail_wr(answer, stage, FIFO_MAIL, life, &self.remote_fifo, self.p.max_inline);
+        let answer =
+            mail_wr(answer, stage, FIFO_MAIL, life, &self.remote_fifo, self.p.inline_on(ctl));
         io.send(ctl, &[receipts, answer]).map_err(|e| self.health.post_failed(e))?;
         self.sq[ctl].posted(1, false);
         self.sq[ctl].posted(1, true);
@@ -553,7 +564,7 @@ impl RecvCore {
         let bit = 1u128 << lane;
         self.health.life[lane] = self.health.life[lane].wrapping_add(1);
         self.sq[lane] = SqCount::new(RECV_SEND_QUEUE);
-        if self.stage_read.is_some_and(|(q, _, _)| q == lane) {
+        if self.stage_read.is_some_and(|r| r.lane == lane) {
             self.stage_read = None; // the old queue pair reads nothing more
         }
         self.pool[lane] = 0;
@@ -649,7 +660,7 @@ impl RecvCore {
                 local: Some((stage.addr(w), (entries * ENTRY) as u32, stage.lkey(ours))),
                 remote_addr: self.remote_fifo.at(w, theirs).0,
                 rkey: self.remote_fifo.rkeys[theirs],
-                inline: entries * ENTRY <= self.p.max_inline as usize,
+                inline: entries * ENTRY <= self.p.inline_on(lane) as usize,
             };
             // Whether a write reads its rows from the stage, not inline.
             let mut from_stage = false;
@@ -683,7 +694,11 @@ impl RecvCore {
             io.send(lane, &wrs[..len]).map_err(|e| self.health.post_failed(e))?;
             self.sq[lane].posted(n, signaled);
             if from_stage {
-                self.stage_read = Some((lane, self.sq[lane].posted, self.advertised + rows as u64));
+                let (seq, last) = (self.sq[lane].posted, self.advertised + rows as u64);
+                // Rows of earlier writes on the lane still in flight stay held with these.
+                let pending = |r: &StageRead| r.lane == lane && self.sq[lane].freed < r.seq;
+                let lo = self.stage_read.filter(pending).map_or(self.advertised + 1, |r| r.rows.0);
+                self.stage_read = Some(StageRead { lane, seq, rows: (lo, last) });
             }
             if self.p.journal {
                 let wr_id = wrs[0].wr_id;

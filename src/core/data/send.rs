@@ -809,7 +809,7 @@ impl SendCore {
             lane: q,
             life: self.health.life[q],
             members: self.p.members[q],
-            inline: self.p.max_inline,
+            inline: self.p.inline_on(q),
         };
         let epoch = epoch(s.row[0].idx);
         // Most of NCCL's messages: one buffer, whole, its size in the immediate. Taken before

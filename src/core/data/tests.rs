@@ -214,6 +214,9 @@ struct Wire {
     dest: [Vec<u32>; 2],
     /// Replacements per side.
     renewed: [u64; 2],
+    /// Per side and QP, the inline payload the QP takes (none listed: whatever is marked): a
+    /// request marked inline but longer goes from its memory, as `Qp::post_send` sends it.
+    caps: [Vec<u32>; 2],
     broken: bool,
     /// Every post fails (as `ibv_post_send` does with ENOMEM or a QP in a bad state).
     posts_fail: bool,
@@ -279,6 +282,7 @@ impl Wire {
             qpn: [(0..=nqps as u32).map(|q| 100 + q).collect(), (0..=nqps as u32).collect()],
             dest: [(0..=nqps as u32).collect(), (0..=nqps as u32).map(|q| 100 + q).collect()],
             renewed: [0, 0],
+            caps: [Vec::new(), Vec::new()],
             broken: false,
             posts_fail: false,
             lying: false,
@@ -787,10 +791,11 @@ impl Io<'_> {
                 w.cq[self.side].push_back(c);
                 continue;
             }
-            let inline =
-                wr.local.filter(|_| wr.inline).map(|(a, l, _)| self.mem.cpu_read(a, l as usize));
+            let cap = w.caps[self.side].get(qp).copied().unwrap_or(u32::MAX);
+            let inline = wr.local.filter(|l| wr.inline && l.1 <= cap);
+            let inline = inline.map(|(a, l, _)| self.mem.cpu_read(a, l as usize));
             let fifo = FIFO..FIFO + 8 * FIFO_WORDS as u64;
-            let stage = (self.side == 1 && !wr.inline && fifo.contains(&wr.remote_addr))
+            let stage = (self.side == 1 && inline.is_none() && fifo.contains(&wr.remote_addr))
                 .then(|| {
                     wr.local.map(|(a, l, _)| self.mem.with(a, l as usize, None, |b| b.to_vec()))
                 })
@@ -859,7 +864,10 @@ struct Run {
     nqps: usize,
     split: bool,
     max_msg: u64,
+    /// The inline payload of the sender's lanes and of the receiver's first, and of the
+    /// receiver's other lanes (as a receive comm's lanes take less than its first).
     max_inline: u32,
+    rest_inline: u32,
     /// The sender's buffers are GPU memory (never inline), else host memory.
     gpu: bool,
     /// Bytes between a lane's signaled writes.
@@ -969,6 +977,7 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         split: rng.below(2) == 1,
         max_msg: [4096, 5000, 1 << 20][rng.below(3) as usize],
         max_inline: [0, 64, 512][rng.below(3) as usize],
+        rest_inline: [0, 48, 64, 512][rng.below(4) as usize],
         gpu: rng.below(2) == 1,
         mark: [4096, 8192, MARK_BYTES][rng.below(3) as usize],
         groups,
@@ -1256,7 +1265,7 @@ fn params(run: &Run) -> Params {
         nqps: run.nqps,
         split: run.split,
         max_msg: run.max_msg,
-        max_inline: run.max_inline,
+        inline: vec![run.max_inline; run.nqps],
         // The watchdog is the only end of a run left with no lane whose retries never run out
         // ([`Run::forever`], [`Wire::no_lane_left`]): its deadline must fall well inside the
         // livelock bound of [`Harness::check_step`] (4M steps, some 500 s of the sim clock's
@@ -1301,7 +1310,11 @@ impl<'a> Harness<'a> {
         let sender = SendCore::new(params.clone(), remote(RECV_SIZES, 16));
         wire.borrow_mut().members = params.members.clone();
         let swapped = params.members.iter().map(|&(s, r)| (r, s)).collect();
-        let receiver = RecvCore::new(Params { members: swapped, ..params }, remote(FIFO, 13));
+        let inline = (0..run.nqps).map(|q| if q == 0 { run.max_inline } else { run.rest_inline });
+        let inline: Vec<u32> = inline.collect();
+        wire.borrow_mut().caps = [params.inline.clone(), inline.clone()];
+        let receiver = Params { members: swapped, inline, ..params };
+        let receiver = RecvCore::new(receiver, remote(FIFO, 13));
         wire.borrow_mut().failover = run.failover;
         wire.borrow_mut().duplicates = run.duplicates;
         wire.borrow_mut().forever = run.forever;
@@ -1528,14 +1541,25 @@ impl Harness<'_> {
             }
             other => other.unwrap(),
         };
-        if let Some(id) = posted {
-            for (r, it) in items.iter().enumerate() {
-                mem.reopen(buf_addr(RECV_DATA, g, r), it.capacity);
+        let Some(id) = posted else {
+            // No slot yet: the shell's irecv polls before it returns, as here.
+            let mut got = 0;
+            poll(wire, 1, |c| {
+                got += 1;
+                self.receiver.complete(c, &self.rsizes)
+            });
+            match self.recv_step(got) {
+                Err(e) if wire.borrow().failing() => wire.borrow().failed_with(&e),
+                r => r.expect("a poll on a healthy link"),
             }
-            self.recv_out.push((g, id));
-            self.next_recv += 1;
-            self.idle = 0;
+            return;
+        };
+        for (r, it) in items.iter().enumerate() {
+            mem.reopen(buf_addr(RECV_DATA, g, r), it.capacity);
         }
+        self.recv_out.push((g, id));
+        self.next_recv += 1;
+        self.idle = 0;
     }
 
     /// NCCL's isend of the next buffer of the group under way (pick 1), the group's sends in
@@ -2036,7 +2060,7 @@ fn the_fifo_and_every_sequence_wrap_over_a_hundred_thousand_messages() {
     let n = miri_or(100_000, 300);
     let mut run = random_run(&mut rng, n, 16);
     run.nqps = 2;
-    run.max_inline = 64;
+    (run.max_inline, run.rest_inline) = (64, 48);
     let o = drive(&run, 99);
     assert_eq!(o.recvs_done, n);
     assert_eq!(o.batches, n as u64, "every row is written by its own irecv");
@@ -2046,6 +2070,11 @@ fn the_fifo_and_every_sequence_wrap_over_a_hundred_thousand_messages() {
 fn lanes_run(rng: &mut Rng, seed: u64) -> Run {
     let mut run = random_run(rng, miri_or(150, 40), [0, 100, 4096, CAP][seed as usize % 4]);
     run.nqps = 2 + rng.below(7) as usize;
+    if seed % 2 == 1 {
+        // A receive comm's lanes as the shell makes them: the first takes a CTS row inline,
+        // the others less, so rows that move off it are read from the stage.
+        (run.max_inline, run.rest_inline) = (64, 48);
+    }
     run
 }
 
@@ -2913,7 +2942,7 @@ fn one_qp(path: Path) -> Params {
         nqps: 1,
         split: false,
         max_msg: 4096,
-        max_inline: 0,
+        inline: vec![0],
         progress_timeout: Duration::from_secs(1),
         probe_interval: Duration::from_secs(1),
         mark: MARK_BYTES,
@@ -2994,7 +3023,7 @@ fn a_quiet_wait_probes_the_peer_and_only_a_dead_peer_fails() {
         nqps: 1,
         split: false,
         max_msg: 4096,
-        max_inline: 0,
+        inline: vec![0],
         progress_timeout: Duration::from_secs(3600),
         probe_interval: ms(100),
         mark: MARK_BYTES,
@@ -3360,7 +3389,7 @@ impl Pair {
 #[test]
 fn optional_receives_flow_with_acks_and_a_bounded_cts_queue() {
     let pair = Pair::new(64 << 10);
-    let params = Params { max_inline: 512, ..one_qp(Path::default()) };
+    let params = Params { inline: vec![512], ..one_qp(Path::default()) };
     let Ends { mut sender, mut receiver, mut sio, mut rio, fifo, sstage, rstage, rsizes } =
         pair.ends(params);
     let n = 600;
@@ -3605,7 +3634,7 @@ fn flushes_take_any_free_slot() {
 #[test]
 fn one_message_at_a_time_never_stalls_the_cts_rows() {
     let pair = Pair::new(64 << 10);
-    let params = Params { max_inline: 512, ..one_qp(Path::default()) };
+    let params = Params { inline: vec![512], ..one_qp(Path::default()) };
     let Ends { mut sender, mut receiver, mut sio, mut rio, fifo, sstage, rstage, rsizes } =
         pair.ends(params);
     let progress = |r: &mut RecvCore, rio: &mut Io| {
@@ -3748,4 +3777,65 @@ fn whole_messages_carry_their_size_in_the_immediate_below_32_mib() {
         assert_eq!(got[0], size, "the size the receiver reports");
         assert!(pair.mem.read(RECV_DATA, size as usize) == pattern, "{size} bytes: the data");
     }
+}
+
+/// A row written again from the stage (its control lane failed, and the next takes less
+/// inline) may still be read by the NIC after the sender consumed its first copy, which had
+/// landed: its slot is not restaged until that write completed. Otherwise the write could carry
+/// the newer row, or a torn mix of both: the wire checks that no write's stage bytes change
+/// under it. Slots whose rows no such write reads are restaged at once.
+#[test]
+fn a_row_written_again_holds_its_slot_until_the_write_completed() {
+    let pair = Pair { mem: Mem::both_ends(64 << 10), wire: RefCell::new(Wire::new(2)) };
+    pair.wire.borrow_mut().caps = [vec![48, 48], vec![64, 48]];
+    let params = Params { nqps: 2, inline: vec![64, 48], ..one_qp(Path::default()) };
+    let Ends { mut sender, mut receiver, mut sio, mut rio, fifo, sstage, rstage, rsizes } =
+        pair.ends(params);
+    let buf = |k: usize| {
+        let addr = RECV_DATA + 64 * (k % SLOTS) as u64;
+        Buf { addr, size: 64, lkeys: keys(12), rkeys: keys(12), host: true }
+    };
+    let sbuf = Buf { addr: SEND_DATA, size: 64, lkeys: keys(11), rkeys: keys(11), host: true };
+    let irecv = |receiver: &mut RecvCore, rio: &mut Io, k: usize| {
+        receiver.irecv(&rstage, &rsizes, rio, &[(buf(k), 0)], false).unwrap()
+    };
+    // The sender consumes the row of the last posted receive, which then completes.
+    let deliver = |sender: &mut SendCore, receiver: &mut RecvCore, sio: &mut Io, id: usize| {
+        let s = sender.isend(&fifo, &sstage, sio, sbuf, 0).unwrap().expect("the row landed");
+        (0..2).for_each(|q| pair.drain(0, q));
+        poll(&pair.wire, 0, |c| sender.complete(c));
+        assert_eq!(sender.test(s).unwrap(), Some(64));
+        poll(&pair.wire, 1, |c| receiver.complete(c, &rsizes));
+        assert!(receiver.test(id, &mut [0; MAX_RECVS]).unwrap().is_some());
+    };
+    // Rows 1 to 31 go through on lane 0, inline; row 32 lands.
+    for k in 0..SLOTS - 1 {
+        let id = irecv(&mut receiver, &mut rio, k).expect("a free slot");
+        pair.drain(1, 0);
+        deliver(&mut sender, &mut receiver, &mut sio, id);
+    }
+    let last = irecv(&mut receiver, &mut rio, SLOTS - 1).expect("a free slot");
+    pair.drain(1, 0);
+    // Lane 0 fails at both ends: row 32, the one the sender may not have consumed, goes again
+    // on lane 1, from the stage (a row is more than lane 1 takes inline), and that write has
+    // not executed yet when the sender consumes the row's first copy.
+    pair.wire.borrow_mut().failed[1][0] = true;
+    assert!(receiver.lane_error(0, "QP_FATAL", &rsizes));
+    pair.io(0).fence(0).unwrap();
+    assert!(sender.lane_error(0, "taken out"));
+    receiver.idle(Duration::from_millis(1), None, &mut rio, &rstage, &rsizes).unwrap();
+    assert_eq!((receiver.ctl, receiver.staged()), (1, 0), "row 32 went out on lane 1");
+    assert!(!pair.wire.borrow().sq[1][1].is_empty());
+    deliver(&mut sender, &mut receiver, &mut sio, last);
+    // Rows 33 to 63 take the slots of rows 1 to 31 at once; row 64 waits for the writes that
+    // read row 32.
+    for k in SLOTS..2 * SLOTS - 1 {
+        assert!(irecv(&mut receiver, &mut rio, k).is_some(), "row {} posted", k + 1);
+    }
+    let k = 2 * SLOTS - 1;
+    assert_eq!(irecv(&mut receiver, &mut rio, k), None, "restaged under a write in flight");
+    pair.drain(1, 1);
+    poll(&pair.wire, 1, |c| receiver.complete(c, &rsizes));
+    assert!(irecv(&mut receiver, &mut rio, k).is_some(), "free once the writes completed");
+    pair.drain(1, 1);
 }

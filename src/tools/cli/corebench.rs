@@ -137,7 +137,7 @@ fn run(n: usize, size: u64, inline: u32, optional: bool, depth: usize) -> Result
         nqps: 1,
         split: false,
         max_msg: 1 << 23,
-        max_inline: inline,
+        inline: vec![inline],
         progress_timeout: Duration::from_secs(60),
         probe_interval: Duration::from_secs(60),
         mark: ferroce_core::data::MARK_BYTES,
