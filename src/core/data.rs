@@ -82,13 +82,19 @@
 //!   never meets receiver-not-ready.
 //! - The CTS of slot `k` is only rewritten after slot `k`'s receive completed, which proves the
 //!   sender consumed it: so CTS writes can go unsignaled and the staging row can be reused.
-//!   A write that reads its rows from the stage rather than inline (a batch, a multi-receive's
-//!   other entries, rows written again on another lane) is the exception: the NIC reads the
-//!   stage when it executes the write, and again when it retransmits it, which can be after the
-//!   sender consumed the row (its first copy, on a lane since failed, landed). Such a write is
-//!   signaled, and no row up to its last is restaged until it completed or its lane failed.
+//!   A write that reads its rows from the stage, being longer than its lane takes inline (a
+//!   batch, a multi-receive's other entries, any row on a lane that takes less than one), is
+//!   the exception: the NIC reads the stage when it executes the write, and again when it
+//!   retransmits it, which can be after the sender consumed the row (its ACK was lost; or the
+//!   row was written again after a lane failed, and its first copy had landed). Such a write is
+//!   signaled, and none of its rows' slots is staged again until it completed or its lane
+//!   failed ([`recv::RecvSlot::read_by`]).
+//!   (The receipts and mail a fence's answer writes are read from the stage too; a newer answer
+//!   restages them only once the sender asked again, and the mail's decoding rejects a torn
+//!   one.)
 //! - The CTS queue pair's send queue is counted as a provider that frees entries only when a
-//!   signaled completion is polled sees it ([`SqCount`]): one request in 32 is signaled, a
+//!   signaled completion is polled sees it ([`SqCount`]): one request in 32 is signaled (and
+//!   every write that reads the stage), a
 //!   batch that does not fit waits, and one entry is kept for a probe.
 //! - A posted receive never waits on its own end's next call: its row is written by `irecv`
 //!   (or, with the CTS send queue full, by the polls `irecv` makes before it returns).

@@ -275,6 +275,15 @@ impl Post for Qps<'_> {
         let l = self.links.get(qp).ok_or_else(|| Error::Internal(format!("no lane {qp}")))?;
         let port = &self.ports[port_of(qp, self.ports.len())];
         let new = new_qp(&self.net.devices[port.dev], &port.cq, l.caps, l.access)?;
+        // The core marks a request inline by the lane's room when the comm was made: a queue
+        // pair granted less would send such a request from memory, which the core must know
+        // (it keeps that memory as it was until the write completes).
+        let (had, got) = (self.qps[qp].max_inline(), new.max_inline());
+        if got < had {
+            return Err(Error::Internal(format!(
+                "the new queue pair takes {got} bytes inline, the lane's took {had}"
+            )));
+        }
         let old = std::mem::replace(&mut self.qps[qp], new);
         port.watch.swap(Queue::Qp(old.qpn()), Queue::Qp(self.qps[qp].qpn()));
         // ERR first, as at close: the old QP's work flushes before it is destroyed (dropped).
@@ -989,7 +998,8 @@ impl RecvComm {
 
     /// Posts `bufs` (with their tags) as one multi-receive; `optional`: NCCL needs no
     /// completion; `phandles`: NCCL's profiler handles of the buffers (empty or 0: none).
-    /// `Ok(None)`: all slots busy. Inline into the FFI's `irecv`, its one caller.
+    /// `Ok(None)`: all slots busy (or the next one's row still read by a CTS write in flight).
+    /// Inline into the FFI's `irecv`, its one caller.
     #[inline]
     pub fn irecv(
         &mut self,

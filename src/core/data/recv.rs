@@ -25,6 +25,14 @@ pub(super) struct RecvSlot {
     pub(super) want: u128,
     pub(super) got: u128,
     pub(super) sizes: [u64; MAX_RECVS],
+    /// The last CTS write that reads this slot's row from the stage rather than inline: its
+    /// lane, and that lane's count of posted requests with it (0: none in flight). A NIC reads
+    /// the row when it executes the write, and again if it retransmits it (an ACK lost, or a
+    /// row written again after a lane failed, whose first copy the sender may already have
+    /// consumed), so the slot is not staged again (see [`RecvCore::irecv`]) until that write
+    /// has completed (it is signaled; a send queue completes in order) or its lane has failed
+    /// (its queue pair sends nothing more).
+    pub(super) read_by: (usize, u64),
 }
 
 /// The receiving end's protocol state.
@@ -79,13 +87,6 @@ pub struct RecvCore {
     /// The ack word's high-water mark: the sender writes it in row order, but a row sent again
     /// after a fence must never move it back.
     pub(super) acked: std::cell::Cell<u64>,
-    /// The CTS writes in flight that read rows from the stage (rather than inline): the lane,
-    /// that lane's count of posted requests with the last of them, and the `idx` range of
-    /// their rows. A NIC reads those rows when it executes a write, and again if it
-    /// retransmits it, so none of them is restaged (see [`Self::irecv`]) until the last write
-    /// has completed (signaled; a send queue completes in order) or its lane has failed (its
-    /// queue pair sends nothing more).
-    pub(super) stage_read: Option<StageRead>,
     /// Where batches are built before posting.
     pub(super) chain: Box<[SendWr; MAX_CHAIN]>,
     /// Receive WQEs posted on each lane and not yet used.
@@ -98,15 +99,6 @@ pub struct RecvCore {
     pub(super) health: Health,
     /// What was posted, for profiler events (only with [`Params::journal`]).
     pub(super) journal: Vec<Posted>,
-}
-
-/// CTS writes in flight that read their rows from the stage: see [`RecvCore::stage_read`].
-#[derive(Clone, Copy, Debug)]
-pub(super) struct StageRead {
-    lane: usize,
-    seq: u64,
-    /// The first and last row (`idx`).
-    rows: (u64, u64),
 }
 
 /// Request ids: receives are `0..SLOTS`, flushes `SLOTS..2 * SLOTS`.
@@ -136,7 +128,6 @@ impl RecvCore {
             served: None,
             mail_seen: [0; mend::MAIL_WORDS],
             answered: None,
-            stage_read: None,
             serving: None,
             acked: std::cell::Cell::new(0),
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
@@ -201,7 +192,8 @@ impl RecvCore {
 
     /// Posts `bufs` (with their tags) as one multi-receive, staging the CTS row in `stage`.
     /// `optional`: NCCL needs no completion (honoured for a single buffer); `sizes` holds the
-    /// ack word. `Ok(None)`: all slots busy (poll, test, call again).
+    /// ack word. `Ok(None)`: all slots busy, or the next slot's last row still read by a CTS write
+    /// in flight (poll, test, call again).
     pub fn irecv(
         &mut self,
         stage: &impl Words,
@@ -220,10 +212,8 @@ impl RecvCore {
         if prev.state != State::Free || self.known_consumed(sizes) < prev.ack_for {
             return Ok(None);
         }
-        let read = |r: StageRead| {
-            (r.rows.0..=r.rows.1).contains(&prev.idx) && self.sq[r.lane].freed < r.seq
-        };
-        if self.stage_read.is_some_and(read) {
+        let (lane, seq) = prev.read_by;
+        if seq != 0 && self.sq[lane].freed < seq {
             return Ok(None); // a write in flight may still read the slot's last row
         }
         let optional = optional && n == 1;
@@ -331,6 +321,14 @@ impl RecvCore {
         self.warnings.push_back(Line::Warn(lane_warning(&self.p.path, &what, lane, why, &then)));
     }
 
+    /// Lane `lane`'s queue pair reads the stage no more (it failed, or was replaced): the slots
+    /// whose rows its writes read may be staged again.
+    fn unread(&mut self, lane: usize) {
+        for s in self.slots.iter_mut().filter(|s| s.read_by.0 == lane) {
+            s.read_by = (0, 0);
+        }
+    }
+
     /// Lane `lane` is out (failed, or about to be rebuilt): its signaled work in flight will
     /// not complete, and where it carried the CTS rows, they go again on the next live lane.
     pub(super) fn forget(&mut self, lane: usize, sizes: &impl Words) {
@@ -352,10 +350,7 @@ impl RecvCore {
         if self.answered.is_some_and(|(q, _)| q == lane) {
             self.answered = None;
         }
-        // Nor does a failed queue pair read the stage again.
-        if self.stage_read.is_some_and(|r| r.lane == lane) {
-            self.stage_read = None;
-        }
+        self.unread(lane);
         self.health.prober.out &= !bit;
         if lane == self.ctl {
             // Every row the sender may not have consumed is written again (the same bytes:
@@ -564,9 +559,7 @@ impl RecvCore {
         let bit = 1u128 << lane;
         self.health.life[lane] = self.health.life[lane].wrapping_add(1);
         self.sq[lane] = SqCount::new(RECV_SEND_QUEUE);
-        if self.stage_read.is_some_and(|r| r.lane == lane) {
-            self.stage_read = None; // the old queue pair reads nothing more
-        }
+        self.unread(lane);
         self.pool[lane] = 0;
         self.short |= bit;
         if self.alive & (1 << self.ctl) == 0 {
@@ -694,11 +687,10 @@ impl RecvCore {
             io.send(lane, &wrs[..len]).map_err(|e| self.health.post_failed(e))?;
             self.sq[lane].posted(n, signaled);
             if from_stage {
-                let (seq, last) = (self.sq[lane].posted, self.advertised + rows as u64);
-                // Rows of earlier writes on the lane still in flight stay held with these.
-                let pending = |r: &StageRead| r.lane == lane && self.sq[lane].freed < r.seq;
-                let lo = self.stage_read.filter(pending).map_or(self.advertised + 1, |r| r.rows.0);
-                self.stage_read = Some(StageRead { lane, seq, rows: (lo, last) });
+                let seq = self.sq[lane].posted;
+                for k in 0..rows {
+                    self.slots[(first + k) % SLOTS].read_by = (lane, seq);
+                }
             }
             if self.p.journal {
                 let wr_id = wrs[0].wr_id;
