@@ -94,8 +94,8 @@
 //!   one.)
 //! - The CTS queue pair's send queue is counted as a provider that frees entries only when a
 //!   signaled completion is polled sees it ([`SqCount`]): one request in 32 is signaled (and
-//!   every write that reads the stage), a
-//!   batch that does not fit waits, and one entry is kept for a probe.
+//!   every write that reads the stage), a batch that does not fit waits, and one entry is kept
+//!   for a probe.
 //! - A posted receive never waits on its own end's next call: its row is written by `irecv`
 //!   (or, with the CTS send queue full, by the polls `irecv` makes before it returns).
 //!

@@ -465,8 +465,10 @@ impl Wire {
             // The verbs rule: a request's local memory stays as it was until it completes. A
             // NIC reads it when it executes the write (again, when it retransmits it), so a
             // row restaged under a write in flight could reach the sender torn.
-            let now = mem.with(addr, len as usize, None, |b| b.to_vec());
-            assert!(now == posted, "a staged row changed under the CTS write that reads it");
+            assert!(
+                mem.read(addr, len as usize) == posted,
+                "a staged row changed under the CTS write that reads it"
+            );
         }
         let landed = self.land(mem, side, q, &wr, inline);
         assert!(landed, "receiver not ready: a write-with-immediate found no receive posted");
@@ -795,11 +797,8 @@ impl Io<'_> {
             let inline = wr.local.filter(|l| wr.inline && l.1 <= cap);
             let inline = inline.map(|(a, l, _)| self.mem.cpu_read(a, l as usize));
             let fifo = FIFO..FIFO + 8 * FIFO_WORDS as u64;
-            let stage = (self.side == 1 && inline.is_none() && fifo.contains(&wr.remote_addr))
-                .then(|| {
-                    wr.local.map(|(a, l, _)| self.mem.with(a, l as usize, None, |b| b.to_vec()))
-                })
-                .flatten();
+            let staged = self.side == 1 && inline.is_none() && fifo.contains(&wr.remote_addr);
+            let stage = wr.local.filter(|_| staged).map(|(a, l, _)| self.mem.read(a, l as usize));
             w.sq[self.side][qp].push_back(Queued { wr: *wr, inline, stage });
             w.held[self.side][qp].0 += 1;
             // The receiver's last QP is its flush QP, with a queue of its own.
@@ -1545,11 +1544,7 @@ impl Harness<'_> {
         };
         let Some(id) = posted else {
             // No slot yet: the shell's irecv polls before it returns, as here.
-            let mut got = 0;
-            poll(wire, 1, |c| {
-                got += 1;
-                self.receiver.complete(c, &self.rsizes)
-            });
+            let got = self.poll_receiver();
             match self.recv_step(got) {
                 Err(e) if wire.borrow().failing() => wire.borrow().failed_with(&e),
                 r => r.expect("a poll on a healthy link"),
@@ -1695,6 +1690,16 @@ impl Harness<'_> {
         got
     }
 
+    /// The receiver's poll, as [`Self::poll_sender`]: its CQ drained into its core.
+    fn poll_receiver(&mut self) -> usize {
+        let mut got = 0;
+        poll(self.wire, 1, |c| {
+            got += 1;
+            self.receiver.complete(c, &self.rsizes)
+        });
+        got
+    }
+
     /// NCCL's test of an outstanding send (pick 3; a proxy tests the oldest): a completed one
     /// has its size and its journal, an error is one the link's faults explain.
     fn test_send(&mut self) {
@@ -1761,11 +1766,7 @@ impl Harness<'_> {
         let r = if self.asleep[1] > steps || !called(!self.recv_out.is_empty() || later) {
             Ok(())
         } else {
-            let mut got = 0;
-            poll(wire, 1, |c| {
-                got += 1;
-                self.receiver.complete(c, &self.rsizes)
-            });
+            let got = self.poll_receiver();
             self.recv_step(got)
         };
         for r in [s, r] {
