@@ -204,28 +204,27 @@ fn print_table(
     let idle_test = per(recv, "idle_test", 0, 0.0, a.polls);
     let idle_isend = per(send, "idle_isend", 0, 0.0, a.polls);
     println!("# ferroce instructions: {plugin}, {tx} -> {rx}; user-space instructions per call");
-    println!(
-        "| what | sender (isend + its tests) | receiver (irecv + its tests) | both | calls that \
-         found nothing (sender, receiver) |"
-    );
+    println!("| what | sender | receiver | both | calls that found nothing (sender, receiver) |");
     println!("|---|---|---|---|---|");
     for (words, _, suffix) in SIZES {
         let test = test_name(suffix);
         let post = format!("post_{suffix}");
         let (es, er) = (empty.send.get(test).copied(), empty.recv.get(test).copied());
         let (es, er) = (es.unwrap_or(0), er.unwrap_or(0));
-        let s = (per(send, &post, 0, 0.0, a.messages), per(send, test, es, idle_test, a.messages));
-        let r = (per(recv, &post, 0, 0.0, a.messages), per(recv, test, er, idle_test, a.messages));
+        // Each part rounded first, so that a cell's total is the sum of the parts it shows.
+        let part =
+            |m: &Profile, name: &str, e: u64, idle: f64| per(m, name, e, idle, a.messages).round();
+        let s = (part(send, &post, 0, 0.0), part(send, test, es, idle_test));
+        let r = (part(recv, &post, 0, 0.0), part(recv, test, er, idle_test));
+        let (st, rt) = (s.0 + s.1, r.0 + r.1);
         println!(
-            "| message of {words} | {:.0} ({:.0} + {:.0}) | {:.0} ({:.0} + {:.0}) | {:.0} | {es}, \
-             {er} |",
-            s.0 + s.1,
+            "| message of {words}: isend or irecv + its tests | {st} ({} + {}) | {rt} ({} + {}) | \
+             {} | {es}, {er} |",
             s.0,
             s.1,
-            r.0 + r.1,
             r.0,
             r.1,
-            s.0 + s.1 + r.0 + r.1
+            st + rt
         );
     }
     println!("| empty test (a receive not yet sent) | | {idle_test:.0} | | |");
