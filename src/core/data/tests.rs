@@ -871,6 +871,10 @@ struct Run {
     gpu: bool,
     /// Bytes between a lane's signaled writes.
     mark: u64,
+    /// Messages of this many bytes and up are timed for placement (`Params::timed_from`): 0
+    /// times every one; the shell's [`TIMED_FROM`] leaves the small ones untimed, as they run
+    /// under NCCL.
+    timed_from: u64,
     groups: Vec<Vec<Item>>,
     /// Break the link after this many scheduler steps.
     break_at: Option<u64>,
@@ -979,6 +983,7 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         rest_inline: 0,
         gpu: rng.below(2) == 1,
         mark: [4096, 8192, MARK_BYTES][rng.below(3) as usize],
+        timed_from: 0,
         groups,
         break_at: None,
         posts_fail_at: None,
@@ -1001,8 +1006,11 @@ fn random_run(rng: &mut Rng, ngroups: usize, max_size: u64) -> Run {
         proxy: false,
         late: false,
     };
-    // The receiver's other lanes take what its first does (lanes_run draws them apart).
-    Run { rest_inline: run.max_inline, ..run }
+    // The receiver's other lanes take what its first does (lanes_run draws them apart). A third
+    // of the runs (those of the middle mark, so that no draw moves) time only large messages,
+    // as the shell does.
+    let timed_from = if run.mark == 8192 { TIMED_FROM } else { 0 };
+    Run { rest_inline: run.max_inline, timed_from, ..run }
 }
 
 /// What happened to the requests: counts of completed ones and of errors seen.
@@ -1276,7 +1284,7 @@ fn params(run: &Run) -> Params {
         probe_interval: Duration::from_millis(3),
         mark: run.mark,
         path_aware: run.path_aware,
-        timed_from: 0,
+        timed_from: run.timed_from,
         journal: true,
         failover: run.failover,
         stall: run.stall,
