@@ -1626,11 +1626,7 @@ impl Harness<'_> {
     fn test_recv(&mut self) {
         let (run, mem, wire) = (self.run, self.mem, self.wire);
         // As a comm's progress: drain the CQ, then the step after the poll.
-        let mut got = 0;
-        poll(wire, 1, |c| {
-            got += 1;
-            self.receiver.complete(c, &self.rsizes)
-        });
+        let got = self.poll_receiver();
         let r = self.recv_step(got);
         match &r {
             Err(e) if wire.borrow().failing() => wire.borrow().failed_with(e),
@@ -1700,22 +1696,12 @@ impl Harness<'_> {
         if n > 0 && self.sender.needs_clock() {
             self.sender.stamp(self.now, n);
         }
-        let mut got = 0;
-        poll(wire, 0, |c| {
-            got += 1;
-            self.sender.complete(c)
-        });
-        got
+        poll(wire, 0, |c| self.sender.complete(c))
     }
 
     /// The receiver's poll, as [`Self::poll_sender`]: its CQ drained into its core.
     fn poll_receiver(&mut self) -> usize {
-        let mut got = 0;
-        poll(self.wire, 1, |c| {
-            got += 1;
-            self.receiver.complete(c, &self.rsizes)
-        });
-        got
+        poll(self.wire, 1, |c| self.receiver.complete(c, &self.rsizes))
     }
 
     /// NCCL's test of an outstanding send (pick 3; a proxy tests the oldest): a completed one
@@ -2020,8 +2006,10 @@ impl Harness<'_> {
 }
 
 /// Feeds one side's completions to its core, as the comm's progress loop does; polling a
-/// signaled send's completion frees its send-queue entries and those before it.
-fn poll(wire: &RefCell<Wire>, side: usize, mut f: impl FnMut(&Completion)) {
+/// signaled send's completion frees its send-queue entries and those before it. The
+/// completions taken.
+fn poll(wire: &RefCell<Wire>, side: usize, mut f: impl FnMut(&Completion)) -> usize {
+    let mut got = 0;
     loop {
         let c = {
             let mut w = wire.borrow_mut();
@@ -2037,8 +2025,9 @@ fn poll(wire: &RefCell<Wire>, side: usize, mut f: impl FnMut(&Completion)) {
         };
         match c {
             Some(c) => f(&c),
-            None => return,
+            None => return got,
         }
+        got += 1;
     }
 }
 
