@@ -258,8 +258,13 @@ impl Health {
             watchdog: Watchdog::new(p.progress_timeout),
             prober: Prober { interval: p.probe_interval, activity: 0, quiet: None, out: 0 },
             // A lane fenced for a stall may have been slow, not dead: only repair brings it
-            // back, so without repair only the retry bound takes a lane out.
-            stall: stall::Stall::new(p.nqps, p.stall.filter(|_| p.repair.attempts > 0)),
+            // back, so without repair only the retry bound takes a lane out. No lane's bound
+            // outgrows half the watchdog's: a lane alone busy is found before it fires.
+            stall: stall::Stall::new(
+                p.nqps,
+                p.stall.filter(|_| p.repair.attempts > 0),
+                p.progress_timeout / 2,
+            ),
             witness: false,
             ports_down: 0,
             path: p.path.clone(),

@@ -7,7 +7,11 @@
 //! The bound is the floor (`FERROCE_LANE_STALL_MS`), or four times the longest wait for a
 //! completion the lane has shown lately (it decays by an eighth per completion), whichever is
 //! larger, plus what the lane's oldest chunk needs at its measured rate (the caller's
-//! allowance). A wait counts only while the lane has signaled work outstanding. Another lane
+//! allowance); but never more than the ceiling (half the progress timeout), unless the floor
+//! is: a lane that is the only one busy must be found stalled before the watchdog ends the comm
+//! for want of any completion, however slow the lane once measured (a rate sampled during a
+//! stall can ask for minutes). Fencing a lane that was only slow is harmless (repair brings it
+//! back). A wait counts only while the lane has signaled work outstanding. Another lane
 //! must have completed something after the wait began: with no such witness a probe goes out on
 //! the other lanes, and a process that was not scheduled, or a peer whose every lane is slow,
 //! fences nothing. The clock is the coarse one `idle` is given.
@@ -17,6 +21,8 @@ use std::time::Duration;
 pub struct Stall {
     /// The floor of every lane's bound; `None`: detection is off.
     floor: Option<Duration>,
+    /// The most any lane's bound grows to above the floor.
+    ceiling: Duration,
     /// One record per lane (one allocation per comm).
     lanes: Vec<Wait>,
 }
@@ -52,8 +58,8 @@ pub enum Verdict {
 }
 
 impl Stall {
-    pub fn new(nqps: usize, floor: Option<Duration>) -> Stall {
-        Stall { floor, lanes: vec![Wait::default(); nqps] }
+    pub fn new(nqps: usize, floor: Option<Duration>, ceiling: Duration) -> Stall {
+        Stall { floor, ceiling, lanes: vec![Wait::default(); nqps] }
     }
 
     /// The floor of every lane's bound (`None`: detection is off).
@@ -81,7 +87,7 @@ impl Stall {
 
     /// The bound of lane `lane` before the allowance for its oldest work is added.
     fn base(&self, floor: Duration, lane: usize) -> Duration {
-        floor.max(self.lanes[lane].typical * 4)
+        floor.max(self.lanes[lane].typical * 4).min(floor.max(self.ceiling))
     }
 
     /// At `now`, with `busy` the live lanes that have signaled work outstanding and `live`
@@ -123,7 +129,7 @@ impl Stall {
             if waited <= base {
                 continue;
             }
-            let bound = base.saturating_add(allowance(q));
+            let bound = base.saturating_add(allowance(q)).min(floor.max(self.ceiling));
             if waited <= bound {
                 continue;
             }
@@ -157,7 +163,7 @@ mod tests {
 
     #[test]
     fn a_lane_that_waits_past_its_bound_while_another_completes_is_stalled() {
-        let mut s = Stall::new(2, Some(ms(100)));
+        let mut s = Stall::new(2, Some(ms(100)), ms(60_000));
         assert!(stalled(s.check(ms(0), (0b11, 0b11), |_| ms(0))).is_none());
         s.completed(1);
         assert!(stalled(s.check(ms(50), (0b11, 0b11), |_| ms(0))).is_none());
@@ -167,18 +173,18 @@ mod tests {
     #[test]
     fn without_a_witness_nothing_is_stalled_and_a_probe_is_wanted() {
         // Both lanes silent (the process was not scheduled, or the peer is slow everywhere).
-        let mut s = Stall::new(2, Some(ms(100)));
+        let mut s = Stall::new(2, Some(ms(100)), ms(60_000));
         s.check(ms(0), (0b11, 0b11), |_| ms(0));
         assert!(matches!(s.check(ms(500), (0b11, 0b11), |_| ms(0)), Verdict::Witness));
         // One lane alone has nobody to outlive it: the retry bound is its last resort.
-        let mut one = Stall::new(1, Some(ms(100)));
+        let mut one = Stall::new(1, Some(ms(100)), ms(60_000));
         one.check(ms(0), (1, 1), |_| ms(0));
         assert!(matches!(one.check(ms(500), (1, 1), |_| ms(0)), Verdict::Clear));
     }
 
     #[test]
     fn the_bound_grows_with_the_lanes_own_waits_and_its_allowance() {
-        let mut s = Stall::new(2, Some(ms(100)));
+        let mut s = Stall::new(2, Some(ms(100)), ms(60_000));
         s.check(ms(0), (0b01, 0b11), |_| ms(0));
         // Lane 0 took 300 ms for one completion: its bound is now 1.2 s.
         s.completed(0);
@@ -187,20 +193,46 @@ mod tests {
         assert!(stalled(s.check(ms(1000), (0b01, 0b11), |_| ms(0))).is_none());
         assert_eq!(stalled(s.check(ms(1501), (0b01, 0b11), |_| ms(0))), Some(0));
         // An allowance for a big oldest chunk moves the bound likewise.
-        let mut a = Stall::new(2, Some(ms(100)));
+        let mut a = Stall::new(2, Some(ms(100)), ms(60_000));
         a.check(ms(0), (0b01, 0b11), |_| ms(0));
         a.completed(1);
         assert!(stalled(a.check(ms(200), (0b01, 0b11), |_| ms(500))).is_none());
         assert_eq!(stalled(a.check(ms(601), (0b01, 0b11), |_| ms(500))), Some(0));
     }
 
+    /// A lane whose bound would outgrow the ceiling (a tiny measured rate asks for minutes for
+    /// its oldest chunk, or it once waited long) is stalled at the ceiling; a floor above the
+    /// ceiling is kept.
+    #[test]
+    fn no_bound_outgrows_the_ceiling_but_the_floor_stands() {
+        let mut s = Stall::new(2, Some(ms(100)), ms(1000));
+        s.check(ms(0), (0b01, 0b11), |_| ms(200_000));
+        s.completed(1);
+        assert!(stalled(s.check(ms(1000), (0b01, 0b11), |_| ms(200_000))).is_none());
+        assert_eq!(stalled(s.check(ms(1001), (0b01, 0b11), |_| ms(200_000))), Some(0));
+        // Lane 0 once waited 10 s for a completion: four times that is over the ceiling too.
+        let mut t = Stall::new(2, Some(ms(100)), ms(1000));
+        t.check(ms(0), (0b01, 0b11), |_| ms(0));
+        t.completed(0);
+        t.check(ms(10_000), (0b01, 0b11), |_| ms(0));
+        t.completed(1);
+        assert!(stalled(t.check(ms(11_000), (0b01, 0b11), |_| ms(0))).is_none());
+        assert_eq!(stalled(t.check(ms(11_001), (0b01, 0b11), |_| ms(0))), Some(0));
+        // The user's floor above the ceiling is the bound.
+        let mut f = Stall::new(2, Some(ms(5000)), ms(1000));
+        f.check(ms(0), (0b01, 0b11), |_| ms(0));
+        f.completed(1);
+        assert!(stalled(f.check(ms(5000), (0b01, 0b11), |_| ms(0))).is_none());
+        assert_eq!(stalled(f.check(ms(5001), (0b01, 0b11), |_| ms(0))), Some(0));
+    }
+
     #[test]
     fn an_idle_lane_never_stalls_and_off_means_off() {
-        let mut s = Stall::new(2, Some(ms(100)));
+        let mut s = Stall::new(2, Some(ms(100)), ms(60_000));
         s.check(ms(0), (0b10, 0b11), |_| ms(0));
         s.completed(1);
         assert!(stalled(s.check(ms(5000), (0b10, 0b11), |_| ms(0))).is_none());
-        let mut off = Stall::new(2, None);
+        let mut off = Stall::new(2, None, ms(60_000));
         off.check(ms(0), (0b11, 0b11), |_| ms(0));
         off.completed(1);
         assert!(matches!(off.check(ms(60_000), (0b11, 0b11), |_| ms(0)), Verdict::Clear));
