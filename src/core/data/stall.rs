@@ -21,7 +21,7 @@ use std::time::Duration;
 pub struct Stall {
     /// The floor of every lane's bound; `None`: detection is off.
     floor: Option<Duration>,
-    /// The most any lane's bound grows to above the floor.
+    /// The most any lane's bound grows to, unless the floor is more.
     ceiling: Duration,
     /// One record per lane (one allocation per comm).
     lanes: Vec<Wait>,
