@@ -259,7 +259,8 @@ impl Health {
             prober: Prober { interval: p.probe_interval, activity: 0, quiet: None, out: 0 },
             // A lane fenced for a stall may have been slow, not dead: only repair brings it
             // back, so without repair only the retry bound takes a lane out. No lane's bound
-            // outgrows half the watchdog's: a lane alone busy is found before it fires.
+            // outgrows half the watchdog's (unless the floor is more): a lane alone busy is
+            // found before it fires.
             stall: stall::Stall::new(
                 p.nqps,
                 p.stall.filter(|_| p.repair.attempts > 0),
@@ -443,10 +444,15 @@ impl Health {
                     s.lane,
                     format!(
                         "it completed nothing for {} ms with work outstanding while lane {} \
-                         completed (its stall bound: {} ms, FERROCE_LANE_STALL_MS)",
+                         completed (its stall bound: {} ms, {})",
                         s.waited.as_millis(),
                         s.witness,
-                        s.bound.as_millis()
+                        s.bound.as_millis(),
+                        if self.stall.capped(s.bound) {
+                            "half the progress deadline, FERROCE_PROGRESS_TIMEOUT_MS"
+                        } else {
+                            "FERROCE_LANE_STALL_MS"
+                        }
                     ),
                 ),
             }

@@ -10,8 +10,9 @@
 //! allowance); but never more than the ceiling (half the progress timeout), unless the floor
 //! is: a lane that is the only one busy must be found stalled before the watchdog ends the comm
 //! for want of any completion, however slow the lane once measured (a rate sampled during a
-//! stall can ask for minutes). Fencing a lane that was only slow is harmless (repair brings it
-//! back). A wait counts only while the lane has signaled work outstanding. Another lane
+//! stall can ask for minutes). A floor at or above the ceiling keeps that promise only as far
+//! as it is below the timeout. Fencing a lane that was only slow costs its chunks' resend, a
+//! fence's round trip, a repair and a WARN, nothing more. A wait counts only while the lane has signaled work outstanding. Another lane
 //! must have completed something after the wait began: with no such witness a probe goes out on
 //! the other lanes, and a process that was not scheduled, or a peer whose every lane is slow,
 //! fences nothing. The clock is the coarse one `idle` is given.
@@ -21,8 +22,9 @@ use std::time::Duration;
 pub struct Stall {
     /// The floor of every lane's bound; `None`: detection is off.
     floor: Option<Duration>,
-    /// The most any lane's bound grows to, unless the floor is more.
-    ceiling: Duration,
+    /// The most any lane's bound grows to: the ceiling `new` is given, or the floor if that is
+    /// more.
+    cap: Duration,
     /// One record per lane (one allocation per comm).
     lanes: Vec<Wait>,
 }
@@ -59,7 +61,13 @@ pub enum Verdict {
 
 impl Stall {
     pub fn new(nqps: usize, floor: Option<Duration>, ceiling: Duration) -> Stall {
-        Stall { floor, ceiling, lanes: vec![Wait::default(); nqps] }
+        let cap = floor.map_or(ceiling, |f| f.max(ceiling));
+        Stall { floor, cap, lanes: vec![Wait::default(); nqps] }
+    }
+
+    /// Whether a bound of `bound` is the cap rather than the floor: the ceiling set it.
+    pub fn capped(&self, bound: Duration) -> bool {
+        bound == self.cap && self.floor.is_some_and(|f| f < self.cap)
     }
 
     /// The floor of every lane's bound (`None`: detection is off).
@@ -87,7 +95,7 @@ impl Stall {
 
     /// The bound of lane `lane` before the allowance for its oldest work is added.
     fn base(&self, floor: Duration, lane: usize) -> Duration {
-        floor.max(self.lanes[lane].typical * 4).min(floor.max(self.ceiling))
+        floor.max(self.lanes[lane].typical * 4).min(self.cap)
     }
 
     /// At `now`, with `busy` the live lanes that have signaled work outstanding and `live`
@@ -129,7 +137,7 @@ impl Stall {
             if waited <= base {
                 continue;
             }
-            let bound = base.saturating_add(allowance(q)).min(floor.max(self.ceiling));
+            let bound = base.saturating_add(allowance(q)).min(self.cap);
             if waited <= bound {
                 continue;
             }
@@ -218,12 +226,13 @@ mod tests {
         t.completed(1);
         assert!(stalled(t.check(ms(11_000), (0b01, 0b11), |_| ms(0))).is_none());
         assert_eq!(stalled(t.check(ms(11_001), (0b01, 0b11), |_| ms(0))), Some(0));
-        // The user's floor above the ceiling is the bound.
+        // The user's floor above the ceiling is the bound, whatever the allowance.
         let mut f = Stall::new(2, Some(ms(5000)), ms(1000));
-        f.check(ms(0), (0b01, 0b11), |_| ms(0));
+        f.check(ms(0), (0b01, 0b11), |_| ms(200_000));
         f.completed(1);
-        assert!(stalled(f.check(ms(5000), (0b01, 0b11), |_| ms(0))).is_none());
-        assert_eq!(stalled(f.check(ms(5001), (0b01, 0b11), |_| ms(0))), Some(0));
+        assert!(stalled(f.check(ms(5000), (0b01, 0b11), |_| ms(200_000))).is_none());
+        assert_eq!(stalled(f.check(ms(5001), (0b01, 0b11), |_| ms(200_000))), Some(0));
+        assert!(s.capped(ms(1000)) && !f.capped(ms(5000)) && !s.capped(ms(100)));
     }
 
     #[test]
