@@ -12,10 +12,11 @@
 //! for want of any completion, however slow the lane once measured (a rate sampled during a
 //! stall can ask for minutes). A floor at or above the ceiling keeps that promise only as far
 //! as it is below the timeout. Fencing a lane that was only slow costs its chunks' resend, a
-//! fence's round trip, a repair and a WARN, nothing more. A wait counts only while the lane has signaled work outstanding. Another lane
-//! must have completed something after the wait began: with no such witness a probe goes out on
-//! the other lanes, and a process that was not scheduled, or a peer whose every lane is slow,
-//! fences nothing. The clock is the coarse one `idle` is given.
+//! fence's round trip, a repair and a WARN, nothing more. A wait counts only while the lane
+//! has signaled work outstanding. Another lane must have completed something after the wait
+//! began: with no such witness a probe goes out on the other lanes, and a process that was not
+//! scheduled, or a peer whose every lane is slow, fences nothing. The clock is the coarse one
+//! `idle` is given.
 
 use std::time::Duration;
 
