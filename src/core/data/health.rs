@@ -68,7 +68,8 @@ pub(super) fn lanes_mask(n: usize) -> u128 {
     if n < 64 { u128::from((1u64 << n) - 1) } else { u128::MAX >> (MAX_CHUNKS - n) }
 }
 
-/// The first lane set in `alive`, of `n` (the last, if none is).
+/// The first lane set in `alive`, of `n`. A comm never takes out its last lane (it fails
+/// instead), so one is set; where none were, the last lane is in range, and a post on it fails.
 pub(super) fn first_live(alive: u128, n: usize) -> usize {
     (alive.trailing_zeros() as usize).min(n - 1)
 }

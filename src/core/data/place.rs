@@ -96,7 +96,8 @@ impl Lane {
     /// The lane's oldest chunk completed at `now`; `shared`: when the NIC last finished a
     /// chunk of another lane that this one waited behind (split mode: every lane has a chunk
     /// of each message, and one NIC serves them in its own order), else zero. Whether the
-    /// chunk was timed (what the lane knows of its rate changed).
+    /// chunk was timed: its time went into the lane's sample, which made a new rate only once
+    /// it held [`MIN_SAMPLE`] with bytes in it (one of empty chunks alone is dropped).
     #[inline(always)]
     pub fn retired(&mut self, now: Duration, shared: Duration) -> bool {
         let Some((at, bytes)) = self.queue.pop_front() else { return false };

@@ -440,6 +440,18 @@ impl RecvCore {
         }
         self.served = Some(seq);
         self.crossed(via);
+        if (self.alive | self.proving) & !(1 << lane) == 0 {
+            // The lane the request came through failed here since, and the sender takes out
+            // the last one this end has: nothing can land or go back any more. Said now, not
+            // at the progress deadline (and the control lane is never a lane that is out).
+            let msg = format!(
+                "the sender, {}, took out lane {lane}, the last lane of this receive comm (lane \
+                 {via}, which it asked through, had failed here since): no path is left between \
+                 the two ends; the connection is unusable",
+                self.p.path.peer
+            );
+            return Err(self.health.fail(Fault::Remote(msg)));
+        }
         if (self.alive | self.proving) & (1 << lane) != 0 || self.ctl == lane {
             self.forget(lane, sizes);
         }

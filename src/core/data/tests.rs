@@ -3338,6 +3338,27 @@ fn an_answer_whose_lane_goes_is_owed_no_longer() {
     assert!(!receiver.owes_answer(&rsizes), "its lane went");
 }
 
+/// A request that takes out the receiver's last lane (the lane it came through failed here
+/// after it landed) fails the comm at once, naming both lanes: nothing can land or go back any
+/// more, and the control lane would otherwise be a lane that is out.
+#[test]
+fn a_request_for_the_last_lane_fails_the_receiver_at_once() {
+    let ms = Duration::from_millis;
+    for msg in [
+        mend::Msg::Fence { lane: 0, seq: 1, via: 1 },
+        mend::Msg::Ask { lane: 0, seq: 1, qpn: 77, via: 1 },
+    ] {
+        let (pair, mut receiver) = lone_receiver(2, ms(1000));
+        let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
+        let mut rio = pair.io(1);
+        assert!(receiver.lane_error(1, "a test", &rsizes), "lane 0 lives on");
+        mail_in(&rsizes, msg);
+        let e = receiver.idle(ms(1), None, &mut rio, &rstage, &rsizes).unwrap_err().to_string();
+        assert!(e.contains("took out lane 0, the last lane") && e.contains("lane 1"), "{e}");
+        assert!(receiver.check().is_err(), "{msg:?}: the comm stays failed");
+    }
+}
+
 /// A [`Pair`]'s two cores, their posts and their areas.
 struct Ends<'a> {
     sender: SendCore,
