@@ -244,7 +244,8 @@ fn one_port_down_fails_over_and_comes_back_both_down_fail_the_comm() {
     let Setup { devs, netdevs, lib, _serial: _held } = setup();
     // The failover here is the port's (IBV_EVENT_PORT_ERR). Stall detection off: on a busy
     // emulated host its 250 ms floor could fence the healthy lane 1 before the link goes down,
-    // a second WARN naming it.
+    // a second WARN naming it. (Both ports down are then found by the liveness probe, after
+    // its 5 s interval, not by a probe at the stall floor: 5 s, where it was 0.25 s.)
     set_env(&[("FERROCE_LANE_STALL_MS", Some("0"))]);
     let (a, b) = fuse(&lib);
     let mut f = Fused::open(&lib, a, b);
