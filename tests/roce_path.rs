@@ -74,7 +74,8 @@ fn split_mode_uses_exactly_the_computed_ports_with_equal_shares() {
     let _g = vm_serial();
     // Equal chunks exactly: path-aware placement may leave a lane out of a message where its
     // path measured slow (on a busy host a healthy one can, for a moment; that lane still
-    // carries at least half its share, see every_lane_carries_its_share_on_a_clean_link).
+    // carries at least half its share over a sweep of sizes, see
+    // every_lane_carries_its_share_on_a_clean_link).
     set_env(&[
         ("NCCL_IB_QPS_PER_CONNECTION", Some("4")),
         ("NCCL_IB_SPLIT_DATA_ON_QPS", Some("1")),
@@ -499,11 +500,11 @@ fn default_timeouts_run(
 /// On a clean link every lane carries its share: 2 and 4 lanes, both split modes, path-aware
 /// placement on (the default), one connection streaming (8 in flight) 4 KiB, 64 KiB, 1 MiB and
 /// 4 MiB messages in turn, as a benchmark's sweep does. Each lane's bytes are counted on the
-/// wire, per UDP source port (tcpdump on vethA, one capture per size): every lane carries data
-/// at every size, and at least half of its equal share over the sweep (its mean share of the
-/// four sizes). Placement may move work off a slow or dead lane, never off a healthy one for
-/// long: a healthy lane can look slow for a moment on a busy host and lose most of one size's
-/// messages, never the sweep's. Prints the shares.
+/// wire, per UDP source port (tcpdump on vethA, one capture per size): every lane sends writes
+/// at every size; each carries at least half of its equal share at every size but one, and
+/// over the sweep (its mean share of the four sizes). Placement may move work off a slow or
+/// dead lane, never off a healthy one for long: a healthy lane can look slow for a moment on a
+/// busy host and lose most of one size's messages, never more. Prints the shares.
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn every_lane_carries_its_share_on_a_clean_link() {
@@ -532,7 +533,8 @@ fn every_lane_carries_its_share_on_a_clean_link() {
         let (shares, _) = r.unwrap_or_else(|e| panic!("{lanes} lanes, split {split}: {e}"));
         let pct =
             |v: &[f64]| -> Vec<String> { v.iter().map(|s| format!("{:.1}%", 100.0 * s)).collect() };
-        let mut mean = vec![0.0; lanes];
+        let half = 0.5 / lanes as f64;
+        let (mut mean, mut short) = (vec![0.0; lanes], Vec::new());
         for (size, ports, share) in &shares {
             eprintln!(
                 "{lanes} lanes, split {split}, {size} B: shares per source port {:?}",
@@ -542,14 +544,21 @@ fn every_lane_carries_its_share_on_a_clean_link() {
             for (m, s) in mean.iter_mut().zip(share) {
                 *m += s / shares.len() as f64;
             }
+            if share.iter().any(|&s| s < half) {
+                short.push(size);
+            }
         }
-        // Over the sweep, not at each size: on a busy host (CI's hog) split mode once left
+        // One size may miss the bound, not two: on a busy host (CI's hog) split mode once left
         // lane 0 4.7% of the 64 KiB messages (a batch of completions charged its first chunk
-        // every descheduled wait, `place::Nic`), later one lane 8.0% of the 4 MiB ones (the one
-        // completion polled after the host was away was charged the absence, `place::avoided`),
-        // and whole messages went 5 to 3 at 1 MiB (8 messages: 7 to 1 fails a per-size bound).
+        // every descheduled wait, `place::Nic`), and later one lane 8.0% of the 4 MiB ones (the
+        // one completion polled after the host was away was charged the absence,
+        // `place::avoided`), each time at one size of the sweep.
         assert!(
-            mean.iter().all(|&m| m >= 0.5 / lanes as f64),
+            short.len() <= 1,
+            "{lanes} lanes, split {split}: a lane under half its share at {short:?} B"
+        );
+        assert!(
+            mean.iter().all(|&m| m >= half),
             "{lanes} lanes, split {split}: a lane under half its share over the sweep: {:?}",
             pct(&mean)
         );

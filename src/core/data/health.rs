@@ -69,7 +69,7 @@ pub(super) fn lanes_mask(n: usize) -> u128 {
 }
 
 /// The first lane set in `alive`, of `n`. A comm never takes out its last lane (it fails
-/// instead), so one is set; where none were, the last lane is in range, and a post on it fails.
+/// instead), so one is set; were none, the answer would still be a lane (the last), in range.
 pub(super) fn first_live(alive: u128, n: usize) -> usize {
     (alive.trailing_zeros() as usize).min(n - 1)
 }

@@ -3353,10 +3353,25 @@ fn a_request_for_the_last_lane_fails_the_receiver_at_once() {
         let mut rio = pair.io(1);
         assert!(receiver.lane_error(1, "a test", &rsizes), "lane 0 lives on");
         mail_in(&rsizes, msg);
-        let e = receiver.idle(ms(1), None, &mut rio, &rstage, &rsizes).unwrap_err().to_string();
+        let e = receiver.idle(ms(1), None, &mut rio, &rstage, &rsizes).unwrap_err();
+        assert!(matches!(e, Error::Remote(_)), "a network failure (ncclRemoteError): {e:?}");
+        let e = e.to_string();
         assert!(e.contains("took out lane 0, the last lane") && e.contains("lane 1"), "{e}");
         assert!(receiver.check().is_err(), "{msg:?}: the comm stays failed");
     }
+    // A lane still being proven is a lane: the request takes out lane 0, and lane 2, rebuilt
+    // and not yet proven, carries the comm on.
+    let (pair, mut receiver) = lone_receiver(3, ms(1000));
+    let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
+    let mut rio = pair.io(1);
+    assert!(receiver.lane_error(1, "a test", &rsizes));
+    receiver.forget(2, &rsizes);
+    receiver.rebuild(2, 1, 77, &mut rio).unwrap().expect("a new queue pair");
+    assert_eq!((receiver.alive, receiver.proving), (0b001, 0b100), "lane 2 being proven");
+    mail_in(&rsizes, mend::Msg::Fence { lane: 0, seq: 2, via: 1 });
+    receiver.idle(ms(1), None, &mut rio, &rstage, &rsizes).unwrap();
+    assert!(receiver.check().is_ok());
+    assert_eq!((receiver.alive, receiver.ctl), (0b100, 2), "lane 2 carries the CTS rows");
 }
 
 /// A [`Pair`]'s two cores, their posts and their areas.
