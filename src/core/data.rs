@@ -47,9 +47,9 @@
 //! Every lane the sender takes out is fenced, with chunks held or not, and the answer goes
 //! back through the lane the request came through: the ends never disagree for long on the
 //! lanes they write into (a write into a fenced queue pair is retried without end on
-//! Soft-RoCE). Neither end takes out its last lane: the sender's fails the comm instead, and
-//! a request that would take out the receiver's last one (the lane it came through failed
-//! there since) fails the receiving comm at once, since no path is left between the ends.
+//! Soft-RoCE). Neither end takes out its last lane: where the sender's last lane fails, the
+//! comm fails, and a request that would take out the receiver's last one (the lane it came
+//! through failed there since) fails the receiving comm at once: no path is left.
 //! Where messages go is path-aware ([`place`]): a lane's measured rate and queue steer whole
 //! messages, and a lane under a quarter of the best rate gets no new work (in split mode, once
 //! it also holds up the oldest message).
