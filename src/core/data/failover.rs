@@ -46,8 +46,7 @@ impl SendCore {
     /// exhausted on its path while another lane lives), or work of a lane that already failed;
     /// then nothing fails, and the lane's chunks in flight are sent again on live lanes.
     pub(super) fn lane_failed(&mut self, lane: usize, c: &Completion) -> bool {
-        let bit = 1u128 << lane;
-        if self.alive & bit == 0 {
+        if self.alive & (1u128 << lane) == 0 {
             return true;
         }
         // IBV_WC_RETRY_EXC_ERR: the path stopped answering; IBV_WC_WR_FLUSH_ERR with no
@@ -55,12 +54,7 @@ impl SendCore {
         // event saying so comes later; IBV_WC_REM_INV_REQ_ERR: the peer's queue pair broke on
         // a request it lost track of (see `lane_status`). Anything else (the peer refused an
         // access, our own NIC failed) is not the lane's, and fails the comm as before.
-        let last = self.alive & !bit == 0 || !self.p.failover;
-        if !lane_status(c.status) || last || self.health.fatal.is_some() {
-            return false;
-        }
-        self.drop_lane(lane, &completion_why(c));
-        true
+        lane_status(c.status) && self.lane_error(lane, &completion_why(c))
     }
 
     /// Lane `lane`'s queue pair failed on its own (an asynchronous error event: `why`): as a

@@ -283,24 +283,20 @@ impl RecvCore {
         // receive's too) is the lane's queue pair failing on its own, or refusing a write of
         // the sender's, its async event (if any) still to come.
         let ours = matches!(wr_kind(c.wr_id), WR_CTS | WR_PROBE | WR_MAIL) || c.status == FLUSHED;
-        let last = (self.alive | self.proving) & !bit == 0 || !self.p.failover;
-        if !ours || !lane_status(c.status) || last || self.health.fatal.is_some() {
-            return false;
-        }
-        self.drop_lane(lane, &completion_why(c), sizes);
-        true
+        ours && lane_status(c.status) && self.lane_error(lane, &completion_why(c), sizes)
     }
 
     /// Lane `lane`'s queue pair failed on its own (an asynchronous error event: `why`): `true`
-    /// if another lane lives (the lane's flushed work is ignored from now on), else `false`
-    /// and the caller fails the comm.
+    /// if another lane lives or is being proven (the lane's flushed work is ignored from now
+    /// on), else `false` and the caller fails the comm.
     pub fn lane_error(&mut self, lane: usize, why: &str, sizes: &impl Words) -> bool {
         let bit = 1u128 << lane;
         if self.alive & bit == 0 {
-            self.proving &= !bit;
+            self.proving &= !bit; // a rebuilt lane that failed before it was proven
             return true;
         }
-        if self.alive & !bit == 0 || !self.p.failover || self.health.fatal.is_some() {
+        let last = (self.alive | self.proving) & !bit == 0;
+        if last || !self.p.failover || self.health.fatal.is_some() {
             return false;
         }
         self.drop_lane(lane, why, sizes);
@@ -452,7 +448,9 @@ impl RecvCore {
             );
             return Err(self.health.fail(Fault::Remote(msg)));
         }
-        if (self.alive | self.proving) & (1 << lane) != 0 || self.ctl == lane {
+        // (The control lane lives: were it this one, the lane would be live.)
+        debug_assert_ne!(self.alive & (1 << self.ctl), 0);
+        if (self.alive | self.proving) & (1 << lane) != 0 {
             self.forget(lane, sizes);
         }
         io.fence(lane).map_err(|e| self.health.post_failed(e))?;
@@ -574,12 +572,10 @@ impl RecvCore {
         self.unread(lane);
         self.pool[lane] = 0;
         self.short |= bit;
-        if self.alive & (1 << self.ctl) == 0 {
-            self.alive |= bit; // no other lane to carry the rows
-            self.ctl = lane;
-        } else {
-            self.proving |= bit;
-        }
+        // The control lane lives (neither end takes out its last lane): it carries the rows
+        // until this one is proven.
+        debug_assert_ne!(self.alive & (1 << self.ctl), 0);
+        self.proving |= bit;
         self.health.traffic.lanes[lane].repaired += 1;
         self.refill(io)?;
         Ok(Some(qpn))

@@ -3374,6 +3374,23 @@ fn a_request_for_the_last_lane_fails_the_receiver_at_once() {
     assert_eq!((receiver.alive, receiver.ctl), (0b100, 2), "lane 2 carries the CTS rows");
 }
 
+/// A queue pair's own failure (an async event) on the receiver's last live lane, with a
+/// rebuilt lane still being proven: that lane carries the comm on, as it would after a failed
+/// completion; with none left, the caller fails the comm.
+#[test]
+fn a_lane_error_on_the_last_live_lane_leaves_the_lane_being_proven() {
+    let (pair, mut receiver) = lone_receiver(3, Duration::from_millis(1000));
+    let rsizes = pair.area(RECV_SIZES, 16);
+    let mut rio = pair.io(1);
+    assert!(receiver.lane_error(1, "a test", &rsizes));
+    receiver.forget(2, &rsizes);
+    receiver.rebuild(2, 1, 77, &mut rio).unwrap().expect("a new queue pair");
+    assert_eq!((receiver.alive, receiver.proving), (0b001, 0b100), "lane 2 being proven");
+    assert!(receiver.lane_error(0, "QP_FATAL", &rsizes), "lane 2 carries on");
+    assert_eq!((receiver.alive, receiver.proving, receiver.ctl), (0b100, 0, 2));
+    assert!(!receiver.lane_error(2, "QP_FATAL", &rsizes), "the last lane: the comm fails");
+}
+
 /// A [`Pair`]'s two cores, their posts and their areas.
 struct Ends<'a> {
     sender: SendCore,
