@@ -395,8 +395,8 @@ fn traffic(
         for q in sreqs {
             common::until("test send", || drv.test(q))?;
         }
-        // An optional receive reports its posted size at once; its data has landed once the
-        // send completed (the sender's ack write follows the data on the same queue pair).
+        // An optional receive completes as any other, once its data landed (its write with
+        // immediate), with the size that landed.
         let got = common::until("test recv", || drv.test(rreq))?;
         for (r, &(off, size)) in items.iter().enumerate() {
             check(got[r] as usize == size, || format!("group {g} buffer {r}: size {}", got[r]))?;

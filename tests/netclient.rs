@@ -236,9 +236,9 @@ fn recv_all(
             let (g, req) = inflight.pop_front().expect("non-empty");
             let sizes = until(&format!("test of receive group {g}"), || drv.test(req))?;
             for (r, it) in groups[g].items.iter().enumerate() {
-                // An optional receive may complete before its data lands (NCCL watches the
-                // data itself) and reports the size it was posted with.
-                let size = if groups[g].optional { it.capacity } else { it.size };
+                // An optional receive completes as any other, with the size that landed (NCCL
+                // watches its data itself and may ignore the size).
+                let size = it.size;
                 if sizes[r] as usize != size {
                     return Err(format!(
                         "group {g} buffer {r}: test reported {} bytes, expected {size}",

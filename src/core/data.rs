@@ -29,7 +29,7 @@
 //! has completed, no NIC writes its buffer again (no data, no size record) until NCCL posts
 //! that buffer again.** NCCL hands a completed buffer on at once: to the next step, to another
 //! peer's p2p transfer, back to the application. The simulated wire in the tests checks every
-//! write against it. (Optional receives have no completion the plugin sees: see below.)
+//! write against it.
 //!
 //! Lanes: a lane whose path dies (retries exhausted), whose QP fails on its own (an async
 //! error) or whose peer's QP refuses a write as invalid (rxe, now and then, on a path that
@@ -40,7 +40,7 @@
 //! error state, so nothing more of it lands), waits until every receive it had posted on the
 //! lane has come back (landed or flushed), so that every chunk that landed is counted, and
 //! answers with its receipts ([`RecvCore::receipts`]): per slot, which receive it holds, whether
-//! it is still open and which chunks it counted, and the ack word's high-water mark. Only the
+//! it is still open and which chunks it counted. Only the
 //! chunks it did not count go again ([`SendCore::settle`]), on live lanes, in row order; a
 //! receive that completed is never written again. The sender posts nothing new until they
 //! have. The receiver's CTS rows move to its next live lane if they rode on the fenced one.
@@ -55,22 +55,14 @@
 //! it also holds up the oldest message).
 //!
 //! Optional receive completions: NCCL marks LL/LL128 receives (one buffer) whose arrival it
-//! detects itself through flags in the data. Their CTS says so; the sender then sends a plain
-//! RDMA write (no immediate, so the receiver posts no WQE and polls no completion), followed
-//! on the same lane by a small write of the row's `idx` into the receiver's ack word. The
-//! receive is a valid request that tests complete once the ack word reached its row (its data
-//! landed): not sooner, because NCCL stops testing a request once it is done, and a receiving
-//! comm whose LL data waits behind a fence must still be called to answer it. The ack word (or
-//! a later receive that completed) is also what lets the receiver reuse the slot only after
-//! the sender has consumed its previous row.
-//! Optional rows go on one lane, in row order, so the ack word is also the last row whose data
-//! landed; the receiver keeps its high-water mark, and a fence's receipts report it: rows up to
-//! it are not sent again, later ones are, in row order. The one exception to the first
-//! invariant lives here: a row re-sent after a fence may rewrite, with the same bytes, a buffer
-//! whose data had landed without its ack (at most one row per fence: the last whose data
-//! landed) and that NCCL has already read. NCCL's LL flags make that harmless: it
-//! rewrites identical bytes, and a buffer NCCL posted again gets its new data after it, on the
-//! same lane.
+//! detects itself through flags in the data. Their CTS says so, and the sender sends them
+//! whole, never split, as whole-message mode does: one write with immediate where one write
+//! holds it. The receive completes as any other, when that write lands, and is counted in a
+//! fence's receipts as any other: exactly once holds for LL too. The plugin may skip or hurry
+//! such a completion; ferroce does neither, because a second write to carry the news costs
+//! more than the completion it saves (a packet, and on Soft-RoCE a doorbell's worth of work
+//! in the sender's `isend`), and NCCL keeps testing the request until it is done, so a
+//! receiving comm whose LL data waits behind a fence is called to answer it.
 //!
 //! Liveness: a comm that waits (requests pending, or a send waiting for its CTS) and has seen no
 //! completion for the probe interval posts a zero-length RDMA write to its peer. A live peer's
@@ -127,8 +119,8 @@ mod wire;
 /// How often a comm runs its idle work (the watchdog, health, probes, lane repair) while its
 /// polls find nothing or only completions: the shell runs [`RecvCore::idle`] and
 /// [`SendCore::idle`] once per this, and otherwise only [`RecvCore::after_poll`] and
-/// [`SendCore::after_poll`] (after completions) or [`RecvCore::quiet`] (after an empty
-/// poll). Every deadline is coarser by at most this, far below any of them.
+/// [`SendCore::after_poll`] (after completions; nothing after an empty poll). Every deadline
+/// is coarser by at most this, far below any of them.
 pub const IDLE_EVERY: Duration = Duration::from_millis(1);
 
 pub use health::*;

@@ -46,9 +46,8 @@ pub fn qp_access(g: Grant) -> u32 {
     }
 }
 
-/// A control buffer the peer's NIC writes: the sender's CTS FIFO, the receiver's size records
-/// and ack word. Verbs requires local write with remote write. No remote read: the peer never
-/// reads them. Never relaxed ordering: readers take an entry as valid once its last word has
+/// A control buffer the peer's NIC writes: the sender's CTS FIFO, the receiver's size records.
+/// Verbs requires local write with remote write. No remote read: the peer never reads them. Never relaxed ordering: readers take an entry as valid once its last word has
 /// landed, which is only sound if the peer's write lands in order.
 pub const CONTROL_IN: u32 = verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_WRITE;
 /// A staging buffer the local NIC only reads (the source of CTS and size-record writes): no
@@ -316,12 +315,9 @@ trait Drain {
     fn idle(&mut self, now: Duration, elsewhere: Option<Fault>, io: &mut Qps) -> Result<()>;
     /// A poll that found completions, between two [`IDLE_EVERY`]s: what they make possible.
     fn after_poll(&mut self, now: Duration, io: &mut Qps) -> Result<()>;
-    /// A poll that found nothing, between two [`IDLE_EVERY`]s: only what memory the peer's
-    /// NIC writes can change.
-    fn quiet(&mut self) {}
 }
 
-/// The sender's core with the staging area of its size records and acks (a chunk sent again
+/// The sender's core with the staging area of its size records (a chunk sent again
 /// on another lane writes them again).
 struct SendDrain<'a> {
     core: &'a mut SendCore,
@@ -365,7 +361,7 @@ impl Drain for RecvDrain<'_> {
         self.core.complete(c, self.sizes)
     }
     fn lane_error(&mut self, lane: usize, why: &str) -> bool {
-        self.core.lane_error(lane, why, self.sizes)
+        self.core.lane_error(lane, why)
     }
     #[inline(always)]
     fn idle(&mut self, now: Duration, elsewhere: Option<Fault>, io: &mut Qps) -> Result<()> {
@@ -373,9 +369,6 @@ impl Drain for RecvDrain<'_> {
     }
     fn after_poll(&mut self, now: Duration, io: &mut Qps) -> Result<()> {
         self.core.after_poll(now, io, self.stage, self.sizes)
-    }
-    fn quiet(&mut self) {
-        self.core.quiet(self.sizes)
     }
 }
 
@@ -387,8 +380,7 @@ impl Drain for RecvDrain<'_> {
 /// that found completions runs what they make possible. The view of the comm's queue pairs
 /// (`flush`: its flush QPs) is made only for what runs then, not for a poll that found
 /// nothing. Every failure here is local and fails the comm for good. `Ok(false)`: the poll
-/// found nothing, and nothing ran but the side's [`Drain::quiet`] (so nothing is left to
-/// report or log).
+/// found nothing, and nothing ran (so nothing is left to report or log).
 fn progress(
     side: &mut impl Drain,
     lanes: &mut Lanes,
@@ -422,8 +414,6 @@ fn progress(
     if polled.is_none() && !news && now < lanes.idle_at {
         if any {
             side.after_poll(now, &mut lanes.io(flush))?;
-        } else {
-            side.quiet();
         }
         return Ok(any);
     }
@@ -1007,14 +997,14 @@ impl RecvComm {
         optional: bool,
         phandles: &[usize],
     ) -> Result<Option<usize>> {
-        // With optional receives outstanding, a later irecv may be NCCL's only call on this
-        // comm for a while: it polls first, so that a dead sender surfaces here.
-        let polled = self.core.needs_poll(&self.sizes);
+        // With the CTS queue half used, a caller that posts receives without testing any
+        // would see its rows wait for room: it polls first.
+        let polled = self.core.needs_poll();
         if polled {
             self.progress()?;
         }
         let mut io = self.lanes.io(&[]);
-        let r = self.core.irecv(&self.cts_stage, &self.sizes, &mut io, bufs, optional);
+        let r = self.core.irecv(&self.cts_stage, &mut io, bufs, optional);
         if let (Ok(Some(slot)), Some(ev)) = (&r, &mut self.lanes.events) {
             for i in 0..MAX_RECVS {
                 ev.handed(slot * MAX_RECVS + i, phandles.get(i).copied().unwrap_or(0));
@@ -1086,12 +1076,11 @@ impl RecvComm {
     /// unspecified). Inline, as the sender's.
     #[inline]
     pub fn test(&mut self, id: usize, sizes: &mut [u64; MAX_RECVS]) -> Result<Option<usize>> {
-        if (self.core.pending(id) || self.core.needs_poll(&self.sizes))
+        if (self.core.pending(id) || self.core.needs_poll())
             && !self.step()?
             && self.core.pending(id)
         {
-            // Still pending after a poll that found nothing (an optional receive may have
-            // landed meanwhile: the ack word is looked at even then).
+            // Still pending after a poll that found nothing.
             return self.core.check().map(|()| None);
         }
         let r = self.core.test(id, sizes)?;

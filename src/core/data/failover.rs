@@ -24,11 +24,7 @@ impl SendCore {
                 continue;
             }
             let optional = self.slots[slot].nreqs == 1 && self.slots[slot].row[0].optional;
-            let q = if optional {
-                self.ll_lane()
-            } else {
-                self.live_lane(usize::from(self.chunk_lane[slot * self.p.nqps + c]))
-            };
+            let q = self.live_lane(usize::from(self.chunk_lane[slot * self.p.nqps + c]));
             let split = self.p.split && !optional;
             // Borrowed, not copied: a slot is most of a kilobyte.
             let s = &self.slots[slot];
@@ -188,25 +184,19 @@ impl SendCore {
     }
 
     /// The receiver fenced lane `lane` and its receipts are in `fifo`: each chunk held on the
-    /// lane counts as delivered where the receiver counted it (or the receive completed, or,
-    /// for an optional row, the ack word's high-water mark reached it), and goes again, in row
-    /// order, otherwise. A receive that completed is never written again.
+    /// lane counts as delivered where the receiver counted it (or the receive completed), and
+    /// goes again, in row order, otherwise. A receive that completed is never written again.
     pub(super) fn settle(&mut self, lane: usize, fifo: &impl Words) {
-        let acked = fifo.load(FIFO_RECEIPTS);
         let held: Vec<(usize, usize)> = self.held(lane).collect();
         let (mut landed, mut again) = (0, 0);
         for (slot, c) in held {
             let s = &self.slots[slot];
             let idx = s.row[0].idx;
-            let w = FIFO_RECEIPTS + 1 + 3 * slot;
+            let w = FIFO_RECEIPTS + 3 * slot;
             let head = fifo.load(w);
             let got = u128::from(fifo.load(w + 1)) | u128::from(fifo.load(w + 2)) << 64;
             let (theirs, open) = (head >> 1, head & 1 == 1);
-            let counted = if s.nreqs == 1 && s.row[0].optional {
-                idx <= acked
-            } else {
-                theirs > idx || theirs == idx && (!open || got & (1 << c) != 0)
-            };
+            let counted = theirs > idx || theirs == idx && (!open || got & (1 << c) != 0);
             if counted {
                 self.chunk_done(slot, c);
                 landed += 1;

@@ -17,8 +17,6 @@ pub(super) struct RecvSlot {
     /// Only the first `n` are the receive's (here and in `sizes`); the rest are left from earlier
     /// receives and never used.
     pub(super) posted: [u64; MAX_RECVS],
-    /// The `idx` of an optional receive: the slot is reused once the ack word reaches it.
-    pub(super) ack_for: u64,
     /// The receive's `idx` (`head + 1` when posted).
     pub(super) idx: u64,
     /// The chunks the receive expects (one per lane of the message), and those that arrived.
@@ -48,17 +46,10 @@ pub struct RecvCore {
     pub(super) remote_fifo: Remote,
     /// Receives waiting for their data (kept, not scanned for, because every empty poll asks).
     pub(super) waiting: usize,
-    /// The `idx` of the last optional receive posted: until the sender's ack word reaches it,
-    /// an optional receive's data may still be missing, and the receiver waits on its peer.
-    pub(super) optional_idx: u64,
-    /// Optional receives up to this `idx` are done (their data landed: the ack word reached
-    /// them).
-    pub(super) optional_done: u64,
     /// Rows written to the sender's FIFO (`idx` up to this); rows after it up to `head` are
     /// staged, and go out in batches (see [`RecvCore::advertise`]).
     pub(super) advertised: u64,
-    /// The highest `idx` the sender is known to have consumed: its receive completed (the
-    /// ack word tells the same of optional rows).
+    /// The highest `idx` the sender is known to have consumed: its receive completed.
     pub(super) consumed: u64,
     /// Each lane's send queue, counted exactly (only the control lane, the first live one,
     /// carries CTS rows and probes).
@@ -84,9 +75,6 @@ pub struct RecvCore {
     pub(super) serving: Option<(mend::Msg, Duration)>,
     /// The last fence's answer: its lane, and that lane's count of posted requests with it.
     pub(super) answered: Option<(usize, u64)>,
-    /// The ack word's high-water mark: the sender writes it in row order, but a row sent again
-    /// after a fence must never move it back.
-    pub(super) acked: std::cell::Cell<u64>,
     /// Where batches are built before posting.
     pub(super) chain: Box<[SendWr; MAX_CHAIN]>,
     /// Receive WQEs posted on each lane and not yet used.
@@ -117,8 +105,6 @@ impl RecvCore {
             head: 0,
             remote_fifo,
             waiting: 0,
-            optional_idx: 0,
-            optional_done: 0,
             advertised: 0,
             consumed: 0,
             sq: (0..p.nqps).map(|_| SqCount::new(RECV_SEND_QUEUE)).collect(),
@@ -129,7 +115,6 @@ impl RecvCore {
             mail_seen: [0; mend::MAIL_WORDS],
             answered: None,
             serving: None,
-            acked: std::cell::Cell::new(0),
             chain: Box::new([SendWr::default(); MAX_CHAIN]),
             pool: vec![0; p.nqps],
             short: lanes_mask(p.nqps),
@@ -149,34 +134,12 @@ impl RecvCore {
         self.health.ports_down = members;
     }
 
-    /// Whether an optional receive (or a slot its ack word holds) still waits for the sender:
-    /// NCCL watches the data itself, but the comm must still notice a sender that died.
-    pub fn awaits_acks(&self, sizes: &impl Words) -> bool {
-        self.known_consumed(sizes) < self.optional_idx
-    }
-
-    /// Whether the comm should poll before its next call: optional receives wait on the
-    /// sender's acks, or the CTS queue is half used (its entries are freed only when a poll
-    /// takes a signaled completion; a caller whose receives are all optional may never poll
-    /// otherwise, and its next rows would wait for room that never comes).
-    pub fn needs_poll(&self, sizes: &impl Words) -> bool {
-        self.awaits_acks(sizes) || self.sq[self.control_lane()].used() >= CTS_SIGNAL_EVERY
-    }
-
-    /// The highest row the sender is known to have consumed: the ack word (the sender writes
-    /// it for some optional rows only), or a later receive that completed (the sender consumes
-    /// rows in order).
-    pub(super) fn known_consumed(&self, sizes: &impl Words) -> u64 {
-        let acked = self.acked.get().max(self.ack_word(sizes));
-        self.acked.set(acked);
-        self.consumed.max(acked)
-    }
-
-    /// The sender's ack word, no higher than the last row this end posted: whatever the peer
-    /// (or a stray write) puts there, no receive completes before it is posted, and no row
-    /// counts as consumed before it exists.
-    fn ack_word(&self, sizes: &impl Words) -> u64 {
-        sizes.load(ACK_WORD).min(self.head)
+    /// Whether the comm should poll before its next call: the CTS queue is half used (its
+    /// entries are freed only when a poll takes a signaled completion; a caller that only
+    /// posts receives, testing none, would otherwise see its next rows wait for room that
+    /// never comes).
+    pub fn needs_poll(&self) -> bool {
+        self.sq[self.control_lane()].used() >= CTS_SIGNAL_EVERY
     }
 
     #[inline]
@@ -184,20 +147,19 @@ impl RecvCore {
         self.health.check()
     }
 
-    /// What this end has received: messages (an optional receive counts when posted, with
-    /// no bytes: its size is never reported), and per QP the bytes and failed completions.
+    /// What this end has received: messages, and per QP the bytes and failed completions.
     pub fn traffic(&self) -> &Traffic {
         &self.health.traffic
     }
 
     /// Posts `bufs` (with their tags) as one multi-receive, staging the CTS row in `stage`.
-    /// `optional`: NCCL needs no completion (honoured for a single buffer); `sizes` holds the
-    /// ack word. `Ok(None)`: all slots busy, or the next slot's last row still read by a CTS write
-    /// in flight (poll, test, call again).
+    /// `optional`: NCCL's LL, which watches the data's flags (honoured for a single buffer):
+    /// the row asks to be sent whole, never split; it completes as any receive, when its write
+    /// with immediate lands. `Ok(None)`: all slots busy, or the next slot's last row still
+    /// read by a CTS write in flight (poll, test, call again).
     pub fn irecv(
         &mut self,
         stage: &impl Words,
-        sizes: &impl Words,
         io: &mut impl Post,
         bufs: &[(Buf, i32)],
         optional: bool,
@@ -209,7 +171,7 @@ impl RecvCore {
         }
         let slot = (self.head % SLOTS as u64) as usize;
         let prev = &self.slots[slot];
-        if prev.state != State::Free || self.known_consumed(sizes) < prev.ack_for {
+        if prev.state != State::Free {
             return Ok(None);
         }
         let (lane, seq) = prev.read_by;
@@ -219,9 +181,7 @@ impl RecvCore {
         let optional = optional && n == 1;
         // Every lane keeps its pool full, so that the sender's write-with-immediate finds a
         // receive WQE on whichever lane it comes (posted before the CTS that allows it).
-        if !optional {
-            self.refill(io)?;
-        }
+        self.refill(io)?;
         let idx = self.head + 1;
         for (r, (b, tag)) in bufs.iter().enumerate() {
             let nreqs = n as u8;
@@ -232,27 +192,13 @@ impl RecvCore {
         // Field by field, and only the receive's `n` buffers (a slot is about 200 bytes): the
         // sizes past `n` are never used, and a receive's own are written when it lands.
         // The chunks it waits for: one per lane split, else the one whole message.
-        let want = match (optional, self.p.split) {
-            (true, _) => 0,
-            (false, true) => lanes_mask(self.p.nqps),
-            (false, false) => 1,
-        };
+        let want = if self.p.split && !optional { lanes_mask(self.p.nqps) } else { 1 };
         let s = &mut self.slots[slot];
         (s.state, s.n, s.idx, s.want, s.got) = (State::Pending, n, idx, want, 0);
         for (p, (b, _)) in s.posted.iter_mut().zip(bufs) {
             *p = b.size;
         }
-        if optional {
-            // Done once its row is written to the sender: NCCL watches the data itself. The
-            // size reported is the posted one.
-            s.ack_for = idx;
-            s.sizes[0] = s.posted[0];
-            self.health.traffic.messages += 1;
-            self.optional_idx = idx;
-        } else {
-            s.ack_for = 0;
-            self.waiting += 1;
-        }
+        self.waiting += 1;
         self.head += 1;
         self.advertise(stage, io)?;
         Ok(Some(slot))
@@ -273,7 +219,7 @@ impl RecvCore {
     /// probe found the path dead while another lane lives), or work of a lane that already
     /// failed (its flushed receive WQEs). Then nothing fails: the rows the sender may not have
     /// seen go again, on the next live lane.
-    pub(super) fn lane_failed(&mut self, lane: usize, c: &Completion, sizes: &impl Words) -> bool {
+    pub(super) fn lane_failed(&mut self, lane: usize, c: &Completion) -> bool {
         let bit = 1u128 << lane;
         if self.alive & bit == 0 {
             self.proving &= !bit; // a rebuilt lane that failed before it was proven
@@ -283,13 +229,13 @@ impl RecvCore {
         // receive's too) is the lane's queue pair failing on its own, or refusing a write of
         // the sender's, its async event (if any) still to come.
         let ours = matches!(wr_kind(c.wr_id), WR_CTS | WR_PROBE | WR_MAIL) || c.status == FLUSHED;
-        ours && lane_status(c.status) && self.lane_error(lane, &completion_why(c), sizes)
+        ours && lane_status(c.status) && self.lane_error(lane, &completion_why(c))
     }
 
     /// Lane `lane`'s queue pair failed on its own (an asynchronous error event: `why`): `true`
     /// if another lane lives or is being proven (the lane's flushed work is ignored from now
     /// on), else `false` and the caller fails the comm.
-    pub fn lane_error(&mut self, lane: usize, why: &str, sizes: &impl Words) -> bool {
+    pub fn lane_error(&mut self, lane: usize, why: &str) -> bool {
         let bit = 1u128 << lane;
         if self.alive & bit == 0 {
             self.proving &= !bit; // a rebuilt lane that failed before it was proven
@@ -299,14 +245,14 @@ impl RecvCore {
         if last || !self.p.failover || self.health.fatal.is_some() {
             return false;
         }
-        self.drop_lane(lane, why, sizes);
+        self.drop_lane(lane, why);
         true
     }
 
     /// Takes lane `lane` out; where it carried the CTS rows, they go again on the next.
-    pub(super) fn drop_lane(&mut self, lane: usize, why: &str, sizes: &impl Words) {
+    pub(super) fn drop_lane(&mut self, lane: usize, why: &str) {
         let control = lane == self.ctl;
-        self.forget(lane, sizes);
+        self.forget(lane);
         self.health.lane_lost(lane);
         let what = format!("the receive comm from {}", self.p.path.peer);
         let then = if control {
@@ -327,7 +273,7 @@ impl RecvCore {
 
     /// Lane `lane` is out (failed, or about to be rebuilt): its signaled work in flight will
     /// not complete, and where it carried the CTS rows, they go again on the next live lane.
-    pub(super) fn forget(&mut self, lane: usize, sizes: &impl Words) {
+    pub(super) fn forget(&mut self, lane: usize) {
         let bit = 1u128 << lane;
         self.alive &= !bit;
         self.proving &= !bit;
@@ -351,7 +297,7 @@ impl RecvCore {
         if lane == self.ctl {
             // Every row the sender may not have consumed is written again (the same bytes:
             // the sender takes a row by its idx, once).
-            self.advertised = self.advertised.min(self.known_consumed(sizes));
+            self.advertised = self.advertised.min(self.consumed);
             self.ctl = first_live(self.alive, self.p.nqps);
         }
     }
@@ -407,7 +353,7 @@ impl RecvCore {
             mend::Msg::Fence { seq, .. } => mend::Msg::Fenced { lane, seq },
             _ => return Ok(()),
         };
-        self.answer(answer, back, stage, sizes, io)
+        self.answer(answer, back, stage, io)
     }
 
     /// Takes a new fence or repair request from the sender's mailbox, if one is there: the
@@ -451,7 +397,7 @@ impl RecvCore {
         // (The control lane lives: were it this one, the lane would be live.)
         debug_assert_ne!(self.alive & (1 << self.ctl), 0);
         if (self.alive | self.proving) & (1 << lane) != 0 {
-            self.forget(lane, sizes);
+            self.forget(lane);
         }
         io.fence(lane).map_err(|e| self.health.post_failed(e))?;
         self.serving = Some((msg, now));
@@ -496,14 +442,13 @@ impl RecvCore {
         answer: mend::Msg,
         ctl: usize,
         stage: &impl Words,
-        sizes: &impl Words,
         io: &mut impl Post,
     ) -> Result<()> {
         if self.alive & (1 << ctl) == 0 {
             return Ok(()); // no lane to answer through: the sender asks again
         }
         let (ours, theirs) = self.p.members[ctl];
-        self.receipts(stage, sizes);
+        self.receipts(stage);
         let (remote_addr, rkey) = self.remote_fifo.at(FIFO_RECEIPTS, theirs);
         let len = (RECEIPT_WORDS * 8) as u32;
         let receipts = SendWr {
@@ -529,15 +474,12 @@ impl RecvCore {
         Ok(())
     }
 
-    /// Stages what this end counted, for a fence's answer: the ack word's high-water mark,
-    /// then per slot its receive's `idx << 1 | open` (still counting chunks) and the chunks
-    /// counted.
-    pub(super) fn receipts(&self, stage: &impl Words, sizes: &impl Words) {
-        self.known_consumed(sizes);
-        stage.store(FIFO_RECEIPTS, self.acked.get());
+    /// Stages what this end counted, for a fence's answer: per slot its receive's
+    /// `idx << 1 | open` (still counting chunks) and the chunks counted.
+    pub(super) fn receipts(&self, stage: &impl Words) {
         for (slot, s) in self.slots.iter().enumerate() {
-            let open = s.state == State::Pending && s.ack_for == 0;
-            let w = FIFO_RECEIPTS + 1 + 3 * slot;
+            let open = s.state == State::Pending;
+            let w = FIFO_RECEIPTS + 3 * slot;
             stage.store(w, s.idx << 1 | u64::from(open));
             stage.store(w + 1, s.got as u64);
             stage.store(w + 2, (s.got >> 64) as u64);
@@ -771,7 +713,7 @@ impl RecvCore {
                 self.short |= 1 << lane;
             }
         }
-        if c.status != 0 && kind != WR_FLUSH && self.lane_failed(lane, c, sizes) {
+        if c.status != 0 && kind != WR_FLUSH && self.lane_failed(lane, c) {
             return;
         }
         if c.status == 0 && matches!(kind, WR_CTS | WR_PROBE | WR_MAIL) {
@@ -808,11 +750,7 @@ impl RecvCore {
         let bit = 1u128 << imm.chunk;
         // A chunk of another use of the slot, or one the slot does not expect, is not
         // counted; one sent again after its first copy landed sets its bit again.
-        if s.state != State::Pending
-            || s.ack_for != 0
-            || epoch(s.idx) != imm.epoch
-            || s.want & bit == 0
-        {
+        if s.state != State::Pending || epoch(s.idx) != imm.epoch || s.want & bit == 0 {
             return;
         }
         if s.got & bit == 0
@@ -857,30 +795,6 @@ impl RecvCore {
         t.delivered += s.sizes[..s.n].iter().sum::<u64>();
     }
 
-    /// Optional receives whose data landed (the ack word, written after the data on the same
-    /// lane, reached their row) are done. Done no earlier: NCCL stops testing a request once
-    /// it is done, and a receiving comm whose LL data waits behind a fence must be called to
-    /// answer it; until the data lands, NCCL's proxy keeps testing the receive.
-    pub(super) fn optional_landed(&mut self, sizes: &impl Words) {
-        let acked = self.acked.get().max(self.ack_word(sizes));
-        self.acked.set(acked);
-        if acked <= self.optional_done {
-            return;
-        }
-        self.optional_done = acked;
-        for s in &mut self.slots {
-            if s.ack_for != 0 && s.state == State::Pending && s.idx <= acked {
-                s.state = State::Done;
-            }
-        }
-    }
-
-    /// A poll that found nothing, between the idle work's runs ([`IDLE_EVERY`]): optional
-    /// receives the sender's ack word now covers are done.
-    pub fn quiet(&mut self, sizes: &impl Words) {
-        self.optional_landed(sizes);
-    }
-
     /// A poll that found completions, between the idle work's runs: what they make possible
     /// ([`Self::idle`] less its timed checks): a repair request served, receives posted again,
     /// staged rows sent.
@@ -897,9 +811,9 @@ impl RecvCore {
         self.health.check()
     }
 
-    /// The first of what both [`Self::after_poll`] and [`Self::idle`] do: optional receives
-    /// the ack word covers are done, and, unless the comm failed, a repair request is served
-    /// and receives are posted again. Whether the comm is still alive.
+    /// The first of what both [`Self::after_poll`] and [`Self::idle`] do: unless the comm
+    /// failed, a repair request is served and receives are posted again. Whether the comm is
+    /// still alive.
     #[inline(always)]
     fn landed(
         &mut self,
@@ -908,7 +822,6 @@ impl RecvCore {
         stage: &impl Words,
         sizes: &impl Words,
     ) -> Result<bool> {
-        self.optional_landed(sizes);
         if self.health.fatal.is_some() {
             return Ok(false);
         }
@@ -921,7 +834,7 @@ impl RecvCore {
 
     /// After a poll found no more completions: the staged rows go out if the sender runs low
     /// ([`Self::advertise`]), then as [`SendCore::idle`], waiting meaning a receive whose data
-    /// has not arrived, optional ones included (`sizes` holds their acks).
+    /// has not arrived.
     pub fn idle(
         &mut self,
         now: Duration,
@@ -944,12 +857,12 @@ impl RecvCore {
                 });
                 if let Some((lane, why)) = found.flatten() {
                     io.fence(lane).map_err(|e| self.health.post_failed(e))?;
-                    self.drop_lane(lane, &why, sizes);
+                    self.drop_lane(lane, &why);
                 }
             }
             self.advertise(stage, io)?;
         }
-        let waiting = self.waiting > 0 || self.awaits_acks(sizes);
+        let waiting = self.waiting > 0;
         // Every live lane with room, as the sender does: a dead sender fails the comm within
         // one retry bound however many lanes it has (one lane at a time took one bound each).
         let (alive, queues) = (self.alive, &self.sq);
@@ -984,11 +897,6 @@ impl RecvCore {
             }
             Some(State::Pending) => self.health.check().map(|_| None),
             Some(State::Done) if id < SLOTS => {
-                // An optional receive is "done" without its data: once the comm failed, its
-                // data may never come, and NCCL must hear so on its next call.
-                if self.slots[id].ack_for != 0 {
-                    self.health.check()?;
-                }
                 let s = &mut self.slots[id];
                 *sizes = s.sizes;
                 s.state = State::Free;

@@ -135,28 +135,6 @@ impl ChunkWrs {
         Some((wr, len))
     }
 
-    /// An optional row's ack, after its data on its lane: its `idx` in the receiver's ack word.
-    ///
-    /// Optional rows go on one lane in row order, so the ack's high-water mark is the last row
-    /// whose data landed: what a fence's receipts tell the sender (NCCL's flags tell nothing to
-    /// the plugin). Inline where the QP takes inline data; else staged in the slot's own first
-    /// size record (an optional row has none), which stays as it is until the slot is reused,
-    /// after this write completed: a NIC that reads it late still writes this row's `idx`, not
-    /// a later row's, which would claim data that has not landed.
-    pub(super) fn ack(
-        &self,
-        chain: &mut Chain,
-        io: &mut impl Post,
-        stage: &impl Words,
-        sizes: &Remote,
-        idx: u64,
-    ) -> Result<()> {
-        let word = self.slot * MAX_RECVS;
-        stage.store(word, idx);
-        let wr = self.staged_write(stage, (word, 8), sizes.at(ACK_WORD, self.members.1));
-        chain.push(io, SendWr { signaled: true, ..wr })
-    }
-
     /// The size records of a message the immediate cannot carry (several requests, or one too
     /// large), staged by `isend`, written ahead of chunk 0's immediate.
     pub(super) fn size_record(
@@ -291,8 +269,6 @@ pub struct SendCore {
     pub(super) fence: Option<(u16, usize, usize, Duration)>,
     /// Where [`Self::live_lane`] looks for the next live lane.
     pub(super) spread: usize,
-    /// The lane of the optional rows in flight, and how many there are ([`Self::ll_lane`]).
-    pub(super) ll: (usize, usize),
     /// Per lane: its chunks in flight and measured rate.
     pub(super) lanes: Vec<place::Lane>,
     /// The repair of failed lanes.
@@ -346,7 +322,6 @@ impl SendCore {
             unfenced: 0,
             fence: None,
             spread: 0,
-            ll: (0, 0),
             lanes: (0..p.nqps).map(|_| place::Lane::new()).collect(),
             mend: mend::Mend::new(p.nqps, p.repair),
             clock: None,
@@ -381,17 +356,6 @@ impl SendCore {
     /// The first live lane: the one for probes and mailbox requests.
     pub(super) fn control_lane(&self) -> usize {
         first_live(self.alive, self.p.nqps)
-    }
-
-    /// The lane for optional rows: the one their rows in flight are on while it lives, else the
-    /// control lane. All of them ride one lane, in row order, so that the ack word's high-water
-    /// mark is the last row whose data landed (a rejoining lane 0 must not take new rows while
-    /// older ones are still in flight on another).
-    pub(super) fn ll_lane(&mut self) -> usize {
-        if self.ll.1 == 0 || self.alive & (1 << self.ll.0) == 0 {
-            self.ll.0 = self.control_lane();
-        }
-        self.ll.0
     }
 
     /// Lane `q` if it lives; else a live lane, taken in turn, so that the chunks of dead
@@ -556,8 +520,8 @@ impl SendCore {
         self.check()?;
         self.resend(stage, io)?;
         if self.unfenced != 0 && self.holding() || !self.resend.is_empty() {
-            // Held and re-sent chunks go first: an optional row's data and ack must follow
-            // those of every earlier row. (A lane fenced with nothing held holds up nothing.)
+            // Held and re-sent chunks go first, in row order. (A lane fenced with nothing held
+            // holds up nothing.)
             return Ok(None);
         }
         let Some((slot, nreqs)) = self.next_row(fifo)? else {
@@ -756,7 +720,7 @@ impl SendCore {
             *size = b.map_or(0, |b| b.size);
         }
         let optional = nreqs == 1 && s.row[0].optional;
-        if !optional && size_in_imm(&sizes[..nreqs], self.p.split).is_none() {
+        if size_in_imm(&sizes[..nreqs], self.p.split).is_none() {
             for (r, &sz) in sizes.iter().enumerate().take(nreqs) {
                 stage.store(slot * MAX_RECVS + r, sz);
             }
@@ -765,9 +729,9 @@ impl SendCore {
         // (in a VM), which small messages would feel and their rates would not repay.
         let at = self.timestamp(io, sizes.iter().sum::<u64>() >= self.p.timed_from);
         if optional || !self.p.split {
-            // One chunk, the whole message (no loop, no division: most messages).
-            let q =
-                if optional { self.ll_lane() } else { self.whole_lane(slot, sizes.iter().sum()) };
+            // One chunk, the whole message (no loop, no division: most messages, and every
+            // optional one, which is never split).
+            let q = self.whole_lane(slot, sizes.iter().sum());
             self.post_chunk(stage, io, (slot, 0, q), at)?;
             self.slots[slot].pending = 1;
         } else {
@@ -781,15 +745,15 @@ impl SendCore {
             }
             self.slots[slot].pending = self.all;
         }
-        self.ll.1 += usize::from(optional);
         self.in_flight += 1;
         self.health.watchdog.posted();
         Ok(())
     }
 
     /// Posts chunk `c` of the slot on lane `q`, as of `at` (for placement): the data writes of
-    /// its part, the size record (chunk 0, when needed), and its final write-with-immediate;
-    /// or, for an optional receive, the data and the ack.
+    /// its part, the size record (chunk 0, when needed), and its final write-with-immediate.
+    /// An optional receive's row (NCCL's LL) is one chunk, the whole message, as in
+    /// whole-message mode: its write with immediate is also what a fence's receipts count.
     #[inline(always)]
     pub(super) fn post_chunk(
         &mut self,
@@ -801,8 +765,7 @@ impl SendCore {
         // Borrowed, not copied: a slot is most of a kilobyte.
         let s = &self.slots[slot];
         let nreqs = usize::from(s.nreqs);
-        let optional = nreqs == 1 && s.row[0].optional;
-        let split = self.p.split && !optional;
+        let split = self.p.split && !(nreqs == 1 && s.row[0].optional);
         let k = ChunkWrs {
             slot,
             chunk: c,
@@ -813,15 +776,16 @@ impl SendCore {
         };
         let epoch = epoch(s.row[0].idx);
         // Most of NCCL's messages: one buffer, whole, its size in the immediate. Taken before
-        // the general path's per-buffer arrays are built.
-        if nreqs == 1 && !split && !optional {
+        // the general path's per-buffer arrays are built (split mode's immediate is laid out
+        // otherwise: its unsplit optional rows take the general path).
+        if nreqs == 1 && !self.p.split {
             let size = s.bufs[0].map_or(0, |b| b.size);
             if size_in_imm(&[size], false).is_some() {
                 let imm = Imm { slot, chunk: c, epoch, size: Some(size) }.encode(false);
                 if let Some((wr, data)) = k.whole(s, imm, self.p.max_msg) {
                     io.send(q, std::slice::from_ref(&wr))?;
                     self.sq[q].posted(1, true);
-                    self.chunk_posted((slot, c, q), &[(0, data)], (false, true), wr.wr_id);
+                    self.chunk_posted((slot, c, q), &[(0, data)], true, wr.wr_id);
                     self.chunk_sent(q, at, data, size);
                     return Ok(());
                 }
@@ -834,21 +798,16 @@ impl SendCore {
                 (sizes[r], parts[r]) = (b.size, self.part(slot, b.size, split, c));
             }
         }
-        let size = if optional { None } else { size_in_imm(&sizes[..nreqs], self.p.split) };
+        let size = size_in_imm(&sizes[..nreqs], self.p.split);
         let imm = Imm { slot, chunk: c, epoch, size }.encode(self.p.split);
         let mut chain = Chain::new(q, &mut self.chain, &mut self.sq[q]);
-        let mark = if optional { u64::MAX } else { self.p.mark };
-        let data = k.data(&mut chain, io, s, &parts, (self.p.max_msg, mark))?;
-        if optional {
-            k.ack(&mut chain, io, stage, &self.remote_sizes, s.row[0].idx)?;
-        } else {
-            if size.is_none() && c == 0 {
-                k.size_record(&mut chain, io, stage, &self.remote_sizes, nreqs)?;
-            }
-            k.imm(&mut chain, io, imm, size.is_some() && data > 0)?;
+        let data = k.data(&mut chain, io, s, &parts, (self.p.max_msg, self.p.mark))?;
+        if size.is_none() && c == 0 {
+            k.size_record(&mut chain, io, stage, &self.remote_sizes, nreqs)?;
         }
+        k.imm(&mut chain, io, imm, size.is_some() && data > 0)?;
         chain.flush(io)?;
-        self.chunk_posted((slot, c, q), &parts[..nreqs], (optional, size.is_some()), k.id(WR_SEND));
+        self.chunk_posted((slot, c, q), &parts[..nreqs], size.is_some(), k.id(WR_SEND));
         self.chunk_sent(q, at, data, sizes[..nreqs].iter().sum());
         Ok(())
     }
@@ -870,14 +829,14 @@ impl SendCore {
         &mut self,
         (slot, c, q): (usize, usize, usize),
         parts: &[(u64, u64)],
-        (optional, single): (bool, bool),
+        single: bool,
         wr_id: u64,
     ) {
         if self.p.journal {
             for (r, &(_, len)) in parts.iter().enumerate() {
                 // The immediate ends a single message's data, or is all a request without
                 // bytes in this chunk gets.
-                let imm = !optional && (single || len == 0);
+                let imm = single || len == 0;
                 let key = slot * MAX_RECVS + r;
                 self.journal.push(Posted { key, wr_id, imm, lane: q, len });
             }
@@ -941,7 +900,6 @@ impl SendCore {
         self.health.watchdog.completed(s.pending == 0);
         if s.pending == 0 {
             self.in_flight -= 1;
-            self.ll.1 -= usize::from(s.nreqs == 1 && s.row[0].optional);
             // The row's buffers only: the others are empty already.
             s.bufs[..usize::from(s.nreqs)].fill(None);
             for req in &mut self.reqs[slot * MAX_RECVS..(slot + 1) * MAX_RECVS] {

@@ -22,8 +22,8 @@
 //!   `cts_rows_go_out_in_batches_before_the_sender_runs_out`;
 //! - the batch bound off by one (`staged + 1 < BATCH`), or the low-water mark off by one
 //!   (`>= low`): `cts_rows_go_out_in_batches_before_the_sender_runs_out`;
-//! - no CTS write ever signaled, no room check on the CTS send queue, optional rows never
-//!   acked, or always acked: `optional_receives_flow_with_batched_acks_and_a_bounded_cts_queue`;
+//! - no CTS write ever signaled, or no room check on the CTS send queue:
+//!   `optional_receives_flow_as_single_writes_with_a_bounded_cts_queue`;
 //! - no poll asked for when the CTS queue is half used (found by the VM's gpudirect test):
 //!   `one_message_at_a_time_never_stalls_the_cts_rows`;
 //! - a sender lane that never fails over, a receiver lane that never fails over, or rows not
@@ -229,8 +229,10 @@ struct Wire {
     /// Posts of CTS batches, and those whose head entries wrapped the FIFO (two writes).
     batches: u64,
     wrapped: u64,
-    /// Writes of the receiver's ack word.
-    acks: u64,
+    /// The sender's work requests of its chunks (`WR_SEND`), and those of them that were
+    /// plain writes (no immediate).
+    sends: u64,
+    plain: u64,
     /// Calls that posted receive WQEs.
     recv_posts: u64,
     /// Deliver every write-with-immediate a second time on another lane; how many were.
@@ -289,7 +291,8 @@ impl Wire {
             rows_landed: 0,
             batches: 0,
             wrapped: 0,
-            acks: 0,
+            sends: 0,
+            plain: 0,
             recv_posts: 0,
             duplicates: false,
             dups: 0,
@@ -526,22 +529,17 @@ impl Wire {
             let ours = key(self.member(side, q), lkey);
             let mut bytes =
                 inline.unwrap_or_else(|| mem.with(addr, len as usize, ours, |b| b.to_vec()));
-            let records = RECV_SIZES..RECV_SIZES + 8 * ACK_WORD as u64;
+            let records = RECV_SIZES..RECV_SIZES + 8 * SIZE_WORDS as u64;
             if self.lying && side == 0 && records.contains(&wr.remote_addr) {
                 for w in bytes.chunks_exact_mut(8) {
                     let v = u64::from_le_bytes((&*w).try_into().unwrap()) + CAP + 1;
                     w.copy_from_slice(&v.to_le_bytes());
                 }
             }
-            let ack = side == 0 && wr.remote_addr == RECV_SIZES + 8 * ACK_WORD as u64;
-            if ack && !self.lying {
-                // Optional rows (and their re-sends after a fence) go out in row order: the
-                // ack word never moves back.
-                let word = |b: &[u8]| u64::from_le_bytes(b[..8].try_into().unwrap());
-                let (new, old) = (word(&bytes), word(&mem.read(wr.remote_addr, 8)));
-                assert!(new >= old, "the ack word moves back from {old} to {new}");
+            if side == 0 && wr_kind(wr.wr_id) == WR_SEND {
+                self.sends += 1;
+                self.plain += u64::from(wr.op == Op::Write);
             }
-            self.acks += u64::from(ack);
             if side == 1 && (FIFO..FIFO + 8 * FIFO_WORDS as u64).contains(&wr.remote_addr) {
                 self.cts_landed(wr.remote_addr, &bytes);
             }
@@ -1154,7 +1152,7 @@ impl Journaled {
         let single = nreqs == 1 && size_in_imm(&[size], split > 1).is_some();
         for p in &got {
             assert_eq!(wr_kind(p.wr_id), WR_SEND, "send {id}: {p:?}");
-            assert_eq!(p.imm, !optional && (single || p.len == 0), "send {id}: {p:?}");
+            assert_eq!(p.imm, single || p.len == 0, "send {id}: {p:?}");
         }
     }
 
@@ -1424,7 +1422,7 @@ impl<'a> Harness<'a> {
             let ok = if side == 0 {
                 self.sender.lane_error(lane, "QP_FATAL")
             } else {
-                self.receiver.lane_error(lane, "QP_FATAL", &self.rsizes)
+                self.receiver.lane_error(lane, "QP_FATAL")
             };
             assert!(ok, "a lane error with another lane alive is taken");
         }
@@ -1541,8 +1539,7 @@ impl Harness<'_> {
             })
             .collect();
         let optional = run.optional[g];
-        let posted =
-            self.receiver.irecv(&self.rstage, &self.rsizes, &mut self.rio, &bufs, optional);
+        let posted = self.receiver.irecv(&self.rstage, &mut self.rio, &bufs, optional);
         let posted = match posted {
             Err(e) if wire.borrow().posts_fail => {
                 assert!(matches!(e, Error::Local(_)), "a failed post is local: {e}");
@@ -1644,11 +1641,10 @@ impl Harness<'_> {
                 self.journaled.take(&mut self.sender, &mut self.receiver, &[], &recvs);
                 self.journaled.recv_done(id, k);
                 if run.optional[g] {
-                    // Done once its data landed (the ack word, written after it on
-                    // the same lane, reached its row), reporting the posted size:
-                    // the data is whole now, whether or not its send has completed
-                    // (NCCL's GPU would see it through its flags).
-                    assert_eq!(sizes[0], items[0].capacity, "group {g}: optional size");
+                    // Done once its data landed (its write with immediate), as any
+                    // receive: the data is whole now, whether or not its send has
+                    // completed (NCCL's GPU would see it through its flags).
+                    assert_eq!(sizes[0], items[0].sent(), "group {g}: optional size");
                     optional_data(run, mem, g);
                     self.recv_done[g] = true;
                     self.checked.push(g);
@@ -1794,8 +1790,7 @@ impl Harness<'_> {
         }
     }
 
-    /// The receiver's step after a poll, as [`Self::send_step`] (an empty poll reads the ack
-    /// word).
+    /// The receiver's step after a poll, as [`Self::send_step`].
     fn recv_step(&mut self, got: usize) -> Result<()> {
         if self.now >= self.idle_at[1] {
             self.idle_at[1] = self.now + IDLE_EVERY;
@@ -1803,7 +1798,6 @@ impl Harness<'_> {
         } else if got > 0 {
             self.receiver.after_poll(self.now, &mut self.rio, &self.rstage, &self.rsizes)
         } else {
-            self.receiver.quiet(&self.rsizes);
             Ok(())
         }
     }
@@ -1866,11 +1860,10 @@ impl Harness<'_> {
         assert!(
             idle < 200_000,
             "no progress: {out:?} after {steps} steps, seed {seed}; receiver head {} advertised \
-             {} consumed {} ack {}; sender head {}",
+             {} consumed {}; sender head {}",
             receiver.head,
             receiver.advertised,
             receiver.consumed,
-            self.rsizes.load(ACK_WORD),
             sender.head
         );
         assert!(
@@ -1900,8 +1893,7 @@ impl Harness<'_> {
     /// summarise.
     fn check_tables(&self) {
         let (sender, receiver) = (&self.sender, &self.receiver);
-        let normal = |s: &&RecvSlot| s.state == State::Pending && s.ack_for == 0;
-        let pending = receiver.slots.iter().filter(normal).count();
+        let pending = receiver.slots.iter().filter(|s| s.state == State::Pending).count();
         assert_eq!(receiver.waiting, pending, "receives waiting");
         let posted = sender.slots.iter().filter(|s| s.pending != 0).count();
         assert_eq!(sender.in_flight, posted, "slots in flight");
@@ -1929,13 +1921,10 @@ impl Harness<'_> {
     /// was sent, received and failed.
     fn check_stats(&self) {
         let (run, wire, lines) = (self.run, self.wire, &self.lines);
-        // The statistics count every message and byte once: the sender's all of them, the
-        // receiver's all but the bytes of optional receives (their size is never reported).
+        // The statistics count every message and byte once, at both ends.
         let items = run.groups.iter().map(Vec::len).sum::<usize>() as u64;
         let size = |g: &Vec<Item>| g.iter().map(Item::sent).sum::<u64>();
         let sent: u64 = run.groups.iter().map(size).sum();
-        let seen: u64 =
-            run.groups.iter().zip(&run.optional).filter(|(_, o)| !**o).map(|(g, _)| size(g)).sum();
         let (st, rt) = (self.sender.traffic(), self.receiver.traffic());
         let failures = lines.lanes;
         if run.repairs == 0 {
@@ -1949,7 +1938,7 @@ impl Harness<'_> {
         // Chunks of a failed lane are sent again: the sender counts them twice.
         assert!(sent_bytes == sent || failures > 0 && sent_bytes >= sent, "sender bytes");
         assert_eq!(st.messages, items, "sender stats");
-        assert_eq!((rt.messages, rt.delivered), (items, seen), "receiver stats");
+        assert_eq!((rt.messages, rt.delivered), (items, sent), "receiver stats");
         assert_eq!(st.sum(|l| l.errors), failures as u64, "sender errors: failures");
         // Each failure ends repaired, or the lane is out still (for good, or until its repair).
         let down = st.lanes.iter().filter(|l| l.down).count();
@@ -1959,7 +1948,7 @@ impl Harness<'_> {
         let kept = st.lanes.iter().filter(|l| l.kept_out && l.down).count();
         assert_eq!(kept, lines.kept_out + usize::from(run.repairs == 0) * failures, "kept out");
         assert_eq!(rt.sum(|l| l.errors), lines.recv_lanes as u64, "receiver errors");
-        if !run.optional.contains(&true) && failures == 0 {
+        if failures == 0 {
             assert_eq!(
                 st.each(|l| l.chunks),
                 rt.each(|l| l.chunks),
@@ -2310,33 +2299,11 @@ fn a_proxy_like_caller_gets_every_message_through_failing_lanes() {
     assert!(cfg!(miri) || fences > 50, "{fences} fences");
 }
 
-/// The ack word is a high-water mark at the receiver: a write that moved it back (none of
-/// ours does; a late or duplicated one would) never makes the receiver believe rows are
-/// unconsumed, and a fence's receipts report the highest value seen.
+/// LL (optional) rows only, and a lane black-holes one way, at any point: its writes land
+/// (for a while) but are never acknowledged. After the fence, only the rows the receiver did
+/// not count go again, on a live lane, and no buffer that NCCL already got back is written.
 #[test]
-fn the_ack_word_is_a_high_water_mark() {
-    let mem = Mem::both_ends(4096);
-    let (rstage, rsizes) = (
-        Area { mem: &mem, base: RECV_STAGE, key: 15 },
-        Area { mem: &mem, base: RECV_SIZES, key: 16 },
-    );
-    let mut receiver = RecvCore::new(one_qp(Path::default()), remote(FIFO, 13));
-    receiver.head = 12; // rows posted
-    rsizes.store(ACK_WORD, 10);
-    assert_eq!(receiver.known_consumed(&rsizes), 10);
-    rsizes.store(ACK_WORD, 5);
-    assert_eq!(receiver.known_consumed(&rsizes), 10, "the ack word moved back");
-    receiver.receipts(&rstage, &rsizes);
-    assert_eq!(rstage.load(FIFO_RECEIPTS), 10);
-}
-
-/// LL (optional) rows only, and the control lane that carries them black-holes one way, at
-/// any point: its rows' data and acks land but are never acknowledged. After the fence, the
-/// rows past the ack word's high-water mark go again on the next lane, in row order, so the
-/// ack word never moves back (the wire checks each ack write) and no buffer that NCCL already
-/// reused is written.
-#[test]
-fn ll_rows_go_again_in_row_order_and_the_ack_never_moves_back() {
+fn ll_rows_lost_one_way_go_again_exactly_once() {
     let mut rng = Rng(0x110a_c4ed);
     let mut again = 0;
     for seed in 0..miri_or(150u64, 2) {
@@ -2604,8 +2571,8 @@ fn without_failover_one_dead_lane_fails_the_comm() {
 }
 
 /// When the CTS rows go out: each at its own `irecv`, so that the sender can match every
-/// posted receive with no further call on the receiving comm; an optional receive completes
-/// once its row is out, which is at once. Exact counts, so that a row held back fails.
+/// posted receive with no further call on the receiving comm, an optional one as any other
+/// (which completes once its data landed). Exact counts, so that a row held back fails.
 #[test]
 fn every_row_goes_out_at_its_irecv() {
     let pair = Pair::new(64 << 10);
@@ -2622,8 +2589,8 @@ fn every_row_goes_out_at_its_irecv() {
     let batches = |p: &Pair| p.wire.borrow().batches;
     let mut ids = Vec::new();
     for k in 0..20 {
-        // Receive 6 is optional: it completes once its data landed (the ack word says so).
-        let id = receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf(k), 0)], k == 5).unwrap();
+        // Receive 6 is optional: it completes once its data landed.
+        let id = receiver.irecv(&rstage, &mut rio, &[(buf(k), 0)], k == 5).unwrap();
         ids.push(id.unwrap());
         assert_eq!(batches(&pair), k as u64 + 1, "row {} written by its irecv", k + 1);
         assert_eq!(receiver.staged(), 0);
@@ -2639,6 +2606,7 @@ fn every_row_goes_out_at_its_irecv() {
         poll(&pair.wire, 0, |c| sender.complete(c));
     }
     assert_eq!(batches(&pair), 20);
+    poll(&pair.wire, 1, |c| receiver.complete(c, &rsizes));
     receiver.idle(Duration::ZERO, None, &mut rio, &rstage, &rsizes).unwrap();
     assert_eq!(receiver.test(ids[5], &mut [0; MAX_RECVS]).unwrap(), Some(1), "data landed");
 }
@@ -2655,7 +2623,7 @@ fn a_send_looks_its_buffer_up_only_once_a_receive_matches() {
     let never = || -> Result<Buf> { panic!("a buffer looked up with no receive posted") };
     assert_eq!(sender.isend_with(&fifo, &sstage, &mut sio, never, 0).unwrap(), None);
     let rbuf = Buf { addr: RECV_DATA, size: 64, lkeys: keys(12), rkeys: keys(12), host: true };
-    let id = receiver.irecv(&rstage, &rsizes, &mut rio, &[(rbuf, 0)], false).unwrap().unwrap();
+    let id = receiver.irecv(&rstage, &mut rio, &[(rbuf, 0)], false).unwrap().unwrap();
     pair.drain(1, 0);
     let bad = || -> Result<Buf> { Err(Error::InvalidUsage("not registered here".into())) };
     let err = sender.isend_with(&fifo, &sstage, &mut sio, bad, 0).unwrap_err();
@@ -2680,7 +2648,7 @@ fn after_the_receivers_last_call_the_sender_consumes_every_posted_row() {
         let mem = Mem::both_ends(AREAS * MAX_RECVS * CAP as usize);
         let pair = Pair { mem, wire: RefCell::new(Wire::new(run.nqps)) };
         let params = Params { nqps: run.nqps, split: run.split, ..one_qp(Path::default()) };
-        let Ends { mut sender, mut receiver, mut sio, mut rio, fifo, sstage, rstage, rsizes } =
+        let Ends { mut sender, mut receiver, mut sio, mut rio, fifo, sstage, rstage, .. } =
             pair.ends(params);
         // The receiving rank posts up to 32 (multi-)receives, then stops calling.
         let posts = 1 + rng.below(SLOTS as u64) as usize;
@@ -2695,7 +2663,7 @@ fn after_the_receivers_last_call_the_sender_consumes_every_posted_row() {
                     (b, r as i32)
                 })
                 .collect();
-            let id = receiver.irecv(&rstage, &rsizes, &mut rio, &bufs, optional).unwrap();
+            let id = receiver.irecv(&rstage, &mut rio, &bufs, optional).unwrap();
             assert!(id.is_some(), "seed {seed}: receive {g} posted");
             groups.push(n);
         }
@@ -2875,7 +2843,7 @@ fn an_immediate_of_another_use_of_the_slot_is_not_counted() {
     let mut rio = pair.io(1);
     let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
     let buf = Buf { addr: RECV_DATA, size: 64, lkeys: keys(12), rkeys: keys(12), host: true };
-    let id = receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
+    let id = receiver.irecv(&rstage, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
     let arrive = |r: &mut RecvCore, imm: Imm| {
         let imm = Some(imm.encode(false));
         r.complete(&Completion { wr_id: wr_id(WR_RECV, 0, 0), imm, ..Default::default() }, &rsizes);
@@ -2890,7 +2858,7 @@ fn an_immediate_of_another_use_of_the_slot_is_not_counted() {
     // Split over 2 lanes, a chunk the slot does not expect (chunk 2) is not counted either.
     let params = Params { nqps: 2, split: true, ..one_qp(Path::default()) };
     let mut receiver = RecvCore::new(params, remote(FIFO, 13));
-    let id = receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
+    let id = receiver.irecv(&rstage, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
     let arrive = |r: &mut RecvCore, imm: Imm| {
         let imm = Some(imm.encode(true));
         r.complete(&Completion { wr_id: wr_id(WR_RECV, 0, 0), imm, ..Default::default() }, &rsizes);
@@ -3051,7 +3019,7 @@ fn a_quiet_wait_probes_the_peer_and_only_a_dead_peer_fails() {
     let wire = RefCell::new(Wire::new(1));
     let mut rio = Io { wire: &wire, mem: &mem, side: 1, depth: RECV_SEND_QUEUE };
     let buf = Buf { addr: RECV_DATA, size: 4096, lkeys: keys(12), rkeys: keys(12), host: true };
-    let id = receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
+    let id = receiver.irecv(&rstage, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
     let probes = |w: &RefCell<Wire>| {
         w.borrow().sq[1][0].iter().filter(|q| wr_kind(q.wr.wr_id) == WR_PROBE).count()
     };
@@ -3116,9 +3084,9 @@ fn lone_receiver(nqps: usize, probe_interval: Duration) -> (Pair, RecvCore) {
     let repair = Repair { attempts: 3, ..NO_REPAIR };
     let params = Params { nqps, probe_interval, repair, ..one_qp(Path::default()) };
     let mut receiver = RecvCore::new(params, remote(FIFO, 13));
-    let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
+    let rstage = pair.area(RECV_STAGE, 15);
     let buf = Buf { addr: RECV_DATA, size: 4096, lkeys: keys(12), rkeys: keys(12), host: true };
-    receiver.irecv(&rstage, &rsizes, &mut pair.io(1), &[(buf, 0)], false).unwrap().unwrap();
+    receiver.irecv(&rstage, &mut pair.io(1), &[(buf, 0)], false).unwrap().unwrap();
     (pair, receiver)
 }
 
@@ -3232,7 +3200,7 @@ fn fences_are_answered_through_the_lane_they_came_through() {
     assert_eq!((receiver.alive, receiver.ctl), (0b100, 2), "the CTS rows on the lane that lives");
     // A message goes through, on lane 2.
     let b = Buf { addr: RECV_DATA, size: 64, lkeys: keys(12), rkeys: keys(12), host: true };
-    let r = receiver.irecv(&rstage, &rsizes, &mut pair.io(1), &[(b, 0)], false).unwrap().unwrap();
+    let r = receiver.irecv(&rstage, &mut pair.io(1), &[(b, 0)], false).unwrap().unwrap();
     run(&mut sender, &mut receiver, ms(200));
     let b = Buf { addr: SEND_DATA, size: 64, lkeys: keys(11), rkeys: keys(11), host: true };
     let s =
@@ -3331,7 +3299,7 @@ fn an_answer_whose_lane_goes_is_owed_no_longer() {
     // The answer posted on lane 2, its completion still to come.
     receiver.answered = Some((2, receiver.sq[2].posted + 1));
     assert!(receiver.owes_answer(&rsizes), "an answer on its way");
-    receiver.forget(2, &rsizes);
+    receiver.forget(2);
     receiver.rebuild(2, 1, 77, &mut pair.io(1)).unwrap().expect("a new queue pair");
     receiver.crossed(2); // the sender's first write through the new queue pair
     assert_ne!(receiver.alive & 1 << 2, 0, "proven");
@@ -3351,7 +3319,7 @@ fn a_request_for_the_last_lane_fails_the_receiver_at_once() {
         let (pair, mut receiver) = lone_receiver(2, ms(1000));
         let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
         let mut rio = pair.io(1);
-        assert!(receiver.lane_error(1, "a test", &rsizes), "lane 0 lives on");
+        assert!(receiver.lane_error(1, "a test"), "lane 0 lives on");
         mail_in(&rsizes, msg);
         let e = receiver.idle(ms(1), None, &mut rio, &rstage, &rsizes).unwrap_err();
         assert!(matches!(e, Error::Remote(_)), "a network failure (ncclRemoteError): {e:?}");
@@ -3364,8 +3332,8 @@ fn a_request_for_the_last_lane_fails_the_receiver_at_once() {
     let (pair, mut receiver) = lone_receiver(3, ms(1000));
     let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
     let mut rio = pair.io(1);
-    assert!(receiver.lane_error(1, "a test", &rsizes));
-    receiver.forget(2, &rsizes);
+    assert!(receiver.lane_error(1, "a test"));
+    receiver.forget(2);
     receiver.rebuild(2, 1, 77, &mut rio).unwrap().expect("a new queue pair");
     assert_eq!((receiver.alive, receiver.proving), (0b001, 0b100), "lane 2 being proven");
     mail_in(&rsizes, mend::Msg::Fence { lane: 0, seq: 2, via: 1 });
@@ -3380,15 +3348,14 @@ fn a_request_for_the_last_lane_fails_the_receiver_at_once() {
 #[test]
 fn a_lane_error_on_the_last_live_lane_leaves_the_lane_being_proven() {
     let (pair, mut receiver) = lone_receiver(3, Duration::from_millis(1000));
-    let rsizes = pair.area(RECV_SIZES, 16);
     let mut rio = pair.io(1);
-    assert!(receiver.lane_error(1, "a test", &rsizes));
-    receiver.forget(2, &rsizes);
+    assert!(receiver.lane_error(1, "a test"));
+    receiver.forget(2);
     receiver.rebuild(2, 1, 77, &mut rio).unwrap().expect("a new queue pair");
     assert_eq!((receiver.alive, receiver.proving), (0b001, 0b100), "lane 2 being proven");
-    assert!(receiver.lane_error(0, "QP_FATAL", &rsizes), "lane 2 carries on");
+    assert!(receiver.lane_error(0, "QP_FATAL"), "lane 2 carries on");
     assert_eq!((receiver.alive, receiver.proving, receiver.ctl), (0b100, 0, 2));
-    assert!(!receiver.lane_error(2, "QP_FATAL", &rsizes), "the last lane: the comm fails");
+    assert!(!receiver.lane_error(2, "QP_FATAL"), "the last lane: the comm fails");
 }
 
 /// A [`Pair`]'s two cores, their posts and their areas.
@@ -3447,11 +3414,11 @@ impl Pair {
 }
 
 /// A stream of optional receives (LL), 8 posted ahead, from a receiver that polls its CQ only
-/// once every 50 passes: it learns what the sender consumed from the ack word alone, which the
-/// sender writes after every row's data, and never overfills its CTS send queue though the
-/// provider frees entries only at poll time. Every message arrives, each acked once.
+/// once every 50 passes: it never overfills its CTS send queue though the provider frees
+/// entries only at poll time. Every message arrives, each as one work request, a write with
+/// immediate (what a fence's receipts count), as a whole message goes.
 #[test]
-fn optional_receives_flow_with_acks_and_a_bounded_cts_queue() {
+fn optional_receives_flow_as_single_writes_with_a_bounded_cts_queue() {
     let pair = Pair::new(64 << 10);
     let params = Params { inline: vec![512], ..one_qp(Path::default()) };
     let Ends { mut sender, mut receiver, mut sio, mut rio, fifo, sstage, rstage, rsizes } =
@@ -3466,7 +3433,7 @@ fn optional_receives_flow_with_acks_and_a_bounded_cts_queue() {
         if posted.len() < 8 && next_recv < n {
             let addr = RECV_DATA + 1024 * (next_recv % 64) as u64;
             let b = Buf { addr, size: 64, lkeys: keys(12), rkeys: keys(12), host: true };
-            if let Some(id) = receiver.irecv(&rstage, &rsizes, &mut rio, &[(b, 0)], true).unwrap() {
+            if let Some(id) = receiver.irecv(&rstage, &mut rio, &[(b, 0)], true).unwrap() {
                 posted.push_back(id);
                 next_recv += 1;
             }
@@ -3497,10 +3464,8 @@ fn optional_receives_flow_with_acks_and_a_bounded_cts_queue() {
             receiver.idle(Duration::ZERO, None, &mut rio, &rstage, &rsizes).unwrap();
         }
     }
-    // Every optional row's data is followed by its ack: the ack word's high-water mark is the
-    // last row that landed, what a fence's receipts report.
-    let acks = pair.wire.borrow().acks;
-    assert_eq!(acks, n as u64, "acks for {n} optional messages");
+    let w = pair.wire.borrow();
+    assert_eq!((w.sends, w.plain), (n as u64, 0), "one write with immediate per message");
 }
 
 /// Receives are topped up in batches: the lane holds at least its pool every time a CTS row
@@ -3515,7 +3480,7 @@ fn receive_wqes_are_posted_in_batches_and_the_pool_never_runs_short() {
     for i in 0..n {
         let addr = RECV_DATA + 1024 * (i % 64) as u64;
         let b = Buf { addr, size: 64, lkeys: keys(12), rkeys: keys(12), host: true };
-        let id = receiver.irecv(&rstage, &rsizes, &mut rio, &[(b, 0)], false).unwrap().unwrap();
+        let id = receiver.irecv(&rstage, &mut rio, &[(b, 0)], false).unwrap().unwrap();
         let held = pair.wire.borrow().rq[1][0].len();
         assert!(held >= recv_pool(1, false), "message {i}: {held} receives behind its CTS");
         assert!(held < recv_pool(1, false) + RECV_BATCH, "message {i}: {held} receives posted");
@@ -3549,7 +3514,7 @@ fn a_long_message_on_a_slow_link_is_not_a_dead_peer() {
         let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
         let rbuf =
             Buf { addr: RECV_DATA, size: 128 << 10, lkeys: keys(12), rkeys: keys(12), host: true };
-        let rid = receiver.irecv(&rstage, &rsizes, &mut rio, &[(rbuf, 1)], false)?.unwrap();
+        let rid = receiver.irecv(&rstage, &mut rio, &[(rbuf, 1)], false)?.unwrap();
         pair.drain(1, 0);
         let sbuf = Buf { addr: SEND_DATA, rkeys: keys(11), lkeys: keys(11), ..rbuf };
         let fifo = pair.area(FIFO, 13);
@@ -3582,9 +3547,9 @@ fn a_message_the_send_queue_can_never_hold_is_an_error_not_a_wait() {
         let mut sender = SendCore::new(params.clone(), remote(RECV_SIZES, 16));
         let mut receiver = RecvCore::new(params, remote(FIFO, 13));
         let (mut sio, mut rio) = (pair.io(0), pair.io(1));
-        let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
+        let rstage = pair.area(RECV_STAGE, 15);
         let rbuf = Buf { addr: RECV_DATA, size, lkeys: keys(12), rkeys: keys(12), host: true };
-        receiver.irecv(&rstage, &rsizes, &mut rio, &[(rbuf, 1)], false)?.unwrap();
+        receiver.irecv(&rstage, &mut rio, &[(rbuf, 1)], false)?.unwrap();
         pair.drain(1, 0);
         let sbuf = Buf { addr: SEND_DATA, rkeys: keys(11), lkeys: keys(11), ..rbuf };
         sender.isend(&pair.area(FIFO, 13), &pair.area(SEND_STAGE, 14), &mut sio, sbuf, 1)
@@ -3614,28 +3579,9 @@ fn a_cts_for_a_buffer_that_wraps_the_address_space_fails_the_comm() {
     assert!(pair.wire.borrow().sq[0][0].is_empty(), "nothing posted");
 }
 
-/// The ack word is the peer's to write, not to trust: a value beyond the rows this end posted
-/// (a broken peer, a stray write) never counts rows as consumed that do not exist yet, so the
-/// FIFO rows the sender still holds are never reused under it.
-#[test]
-fn an_ack_word_beyond_the_posted_rows_is_clamped() {
-    let pair = Pair::new(4096);
-    let mut receiver = RecvCore::new(one_qp(Path::default()), remote(FIFO, 13));
-    let mut rio = pair.io(1);
-    let (rstage, rsizes) = (pair.area(RECV_STAGE, 15), pair.area(RECV_SIZES, 16));
-    let buf = Buf { addr: RECV_DATA, size: 64, lkeys: keys(12), rkeys: keys(12), host: true };
-    for tag in 0..2 {
-        receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, tag)], true).unwrap().unwrap();
-    }
-    rsizes.store(ACK_WORD, u64::MAX);
-    receiver.quiet(&rsizes);
-    assert_eq!(receiver.known_consumed(&rsizes), 2, "no further than the 2 rows posted");
-    assert_eq!(receiver.acked.get(), 2);
-}
-
-/// Optional receives complete once the sender's ack word reaches them (their data landed),
-/// and until then the receiver waits on the sender: it probes a quiet sender, and a dead one
-/// fails the next irecv and test NCCL makes, though no normal receive is pending.
+/// Optional receives complete when their data lands (its write with immediate), and until
+/// then the receiver waits on the sender: it probes a quiet sender, and a dead one fails the
+/// next irecv and test NCCL makes.
 #[test]
 fn a_dead_sender_of_optional_receives_fails_the_next_call() {
     let pair = Pair::new(4096);
@@ -3646,10 +3592,9 @@ fn a_dead_sender_of_optional_receives_fails_the_next_call() {
     let buf = Buf { addr: RECV_DATA, size: 64, lkeys: keys(12), rkeys: keys(12), host: true };
     let mut ids = Vec::new();
     for tag in 0..4 {
-        ids.push(receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, tag)], true).unwrap().unwrap());
+        ids.push(receiver.irecv(&rstage, &mut rio, &[(buf, tag)], true).unwrap().unwrap());
     }
     pair.drain(1, 0);
-    assert!(receiver.awaits_acks(&rsizes));
     let first = ids.remove(0);
     assert_eq!(receiver.test(first, &mut [0; MAX_RECVS]).unwrap(), None, "no data yet");
     let probes = |w: &RefCell<Wire>| {
@@ -3661,13 +3606,10 @@ fn a_dead_sender_of_optional_receives_fails_the_next_call() {
     assert_eq!(probes(&pair.wire), 1, "a quiet sender of optional receives is probed");
     pair.wire.borrow_mut().break_all();
     poll(&pair.wire, 1, |c| receiver.complete(c, &rsizes));
-    let e = receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, 9)], true).unwrap_err();
+    let e = receiver.irecv(&rstage, &mut rio, &[(buf, 9)], true).unwrap_err();
     assert!(e.to_string().contains("liveness probe"), "{e}");
     let e = receiver.test(ids[0], &mut [0; MAX_RECVS]).unwrap_err();
     assert!(e.to_string().contains("liveness probe"), "{e}");
-    // Once the sender's ack word reaches the last optional row, nothing waits.
-    rsizes.store(ACK_WORD, 4);
-    assert!(!receiver.awaits_acks(&rsizes));
 }
 
 /// A flush takes any free slot: an untested flush at the head of the ring holds only its own.
@@ -3709,10 +3651,10 @@ fn one_message_at_a_time_never_stalls_the_cts_rows() {
         let optional = k >= 100;
         let size = (k % 70) as u64;
         let b = Buf { addr: RECV_DATA, size, lkeys: keys(12), rkeys: keys(12), host: true };
-        if receiver.needs_poll(&rsizes) {
+        if receiver.needs_poll() {
             progress(&mut receiver, &mut rio);
         }
-        let rid = receiver.irecv(&rstage, &rsizes, &mut rio, &[(b, 5)], optional).unwrap();
+        let rid = receiver.irecv(&rstage, &mut rio, &[(b, 5)], optional).unwrap();
         let rid = rid.unwrap_or_else(|| panic!("irecv {k}"));
         pair.drain(1, 0);
         let sb = Buf { addr: SEND_DATA, size, lkeys: keys(11), rkeys: keys(11), host: true };
@@ -3721,7 +3663,7 @@ fn one_message_at_a_time_never_stalls_the_cts_rows() {
         pair.drain(0, 0);
         poll(&pair.wire, 0, |c| sender.complete(c));
         assert!(sender.test(sid.unwrap()).unwrap().is_some(), "send {k}");
-        if receiver.pending(rid) || receiver.needs_poll(&rsizes) {
+        if receiver.pending(rid) || receiver.needs_poll() {
             progress(&mut receiver, &mut rio);
         }
         assert!(receiver.test(rid, &mut [0; MAX_RECVS]).unwrap().is_some(), "recv {k}");
@@ -3749,12 +3691,9 @@ fn a_rebuilt_lane_gets_its_receives_whatever_its_pool_counted() {
     let params = Params { nqps: 2, members: vec![(0, 0); 2], ..one_qp(Path::default()) };
     let mut receiver = RecvCore::new(params, remote(FIFO, 13));
     let mut rio = Io { wire: &wire, mem: &mem, side: 1, depth: RECV_SEND_QUEUE };
-    let (rstage, rsizes) = (
-        Area { mem: &mem, base: RECV_STAGE, key: 15 },
-        Area { mem: &mem, base: RECV_SIZES, key: 16 },
-    );
+    let rstage = Area { mem: &mem, base: RECV_STAGE, key: 15 };
     let buf = Buf { addr: RECV_DATA, size: 64, lkeys: keys(12), rkeys: keys(12), host: true };
-    receiver.irecv(&rstage, &rsizes, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
+    receiver.irecv(&rstage, &mut rio, &[(buf, 0)], false).unwrap().unwrap();
     let full = recv_pool(2, receiver.p.split);
     assert!(receiver.pool.iter().all(|&n| n >= full), "first fill: {:?}", receiver.pool);
     assert_eq!(receiver.short, 0);
@@ -3822,7 +3761,7 @@ fn whole_messages_carry_their_size_in_the_immediate_below_32_mib() {
         let pattern: Vec<u8> = (0..size).map(|b| (b % 251) as u8 ^ i as u8).collect();
         pair.mem.with(SEND_DATA, size as usize, None, |b| b.copy_from_slice(&pattern));
         let rbuf = Buf { addr: RECV_DATA, size, lkeys: keys(12), rkeys: keys(12), host: true };
-        let id = receiver.irecv(&rstage, &rsizes, &mut rio, &[(rbuf, 0)], false).unwrap().unwrap();
+        let id = receiver.irecv(&rstage, &mut rio, &[(rbuf, 0)], false).unwrap().unwrap();
         pair.drain(1, 0);
         let sbuf = Buf { addr: SEND_DATA, size, lkeys: keys(11), rkeys: keys(11), host: true };
         let sid = sender.isend(&fifo, &sstage, &mut sio, sbuf, 0).unwrap().expect("posted");
@@ -3833,6 +3772,42 @@ fn whole_messages_carry_their_size_in_the_immediate_below_32_mib() {
         let wrs = pair.wire.borrow().sq[0][0].len();
         assert_eq!(wrs, if in_imm { pieces } else { pieces + 2 }, "{size} bytes: work requests");
         pair.drain(0, 0);
+        poll(&pair.wire, 0, |c| sender.complete(c));
+        assert_eq!(sender.test(sid).unwrap(), Some(size));
+        poll(&pair.wire, 1, |c| receiver.complete(c, &rsizes));
+        let mut got = [0; MAX_RECVS];
+        assert_eq!(receiver.test(id, &mut got).unwrap(), Some(1), "{size} bytes");
+        assert_eq!(got[0], size, "the size the receiver reports");
+        assert!(pair.mem.read(RECV_DATA, size as usize) == pattern, "{size} bytes: the data");
+    }
+}
+
+/// An optional receive (NCCL's LL) in split mode goes whole, one chunk on one lane: its size
+/// in the split layout's immediate, or, above that layout's bound (256 KiB), in the size
+/// record. Every size and byte arrives.
+#[test]
+fn optional_rows_in_split_mode_go_whole() {
+    for size in miri_or(vec![8, IMM_MAX_SIZE, IMM_MAX_SIZE + 1], vec![8, IMM_MAX_SIZE + 1]) {
+        let pair = Pair { mem: Mem::both_ends(size as usize), wire: RefCell::new(Wire::new(2)) };
+        let params = Params {
+            nqps: 2,
+            split: true,
+            members: vec![(0, 0); 2],
+            max_msg: MARK_BYTES,
+            ..one_qp(Path::default())
+        };
+        let Ends { mut sender, mut receiver, mut sio, mut rio, fifo, sstage, rstage, rsizes } =
+            pair.ends(params);
+        let pattern: Vec<u8> = (0..size).map(|b| (b % 251) as u8).collect();
+        pair.mem.with(SEND_DATA, size as usize, None, |b| b.copy_from_slice(&pattern));
+        let rbuf = Buf { addr: RECV_DATA, size, lkeys: keys(12), rkeys: keys(12), host: true };
+        let id = receiver.irecv(&rstage, &mut rio, &[(rbuf, 0)], true).unwrap().unwrap();
+        pair.drain(1, 0);
+        let sbuf = Buf { addr: SEND_DATA, size, lkeys: keys(11), rkeys: keys(11), host: true };
+        let sid = sender.isend(&fifo, &sstage, &mut sio, sbuf, 0).unwrap().expect("posted");
+        let wrs: Vec<usize> = (0..2).map(|q| pair.wire.borrow().sq[0][q].len()).collect();
+        assert_eq!(wrs.iter().filter(|&&n| n > 0).count(), 1, "{size} bytes on one lane: {wrs:?}");
+        (0..2).for_each(|q| pair.drain(0, q));
         poll(&pair.wire, 0, |c| sender.complete(c));
         assert_eq!(sender.test(sid).unwrap(), Some(size));
         poll(&pair.wire, 1, |c| receiver.complete(c, &rsizes));
@@ -3861,7 +3836,7 @@ fn a_row_written_again_holds_its_slot_until_the_write_completed() {
     };
     let sbuf = Buf { addr: SEND_DATA, size: 64, lkeys: keys(11), rkeys: keys(11), host: true };
     let irecv = |receiver: &mut RecvCore, rio: &mut Io, k: usize| {
-        receiver.irecv(&rstage, &rsizes, rio, &[(buf(k), 0)], false).unwrap()
+        receiver.irecv(&rstage, rio, &[(buf(k), 0)], false).unwrap()
     };
     // The sender consumes the row of the last posted receive, which then completes.
     let deliver = |sender: &mut SendCore, receiver: &mut RecvCore, sio: &mut Io, id: usize| {
@@ -3884,7 +3859,7 @@ fn a_row_written_again_holds_its_slot_until_the_write_completed() {
     // on lane 1, from the stage (a row is more than lane 1 takes inline), and that write has
     // not executed yet when the sender consumes the row's first copy.
     pair.wire.borrow_mut().failed[1][0] = true;
-    assert!(receiver.lane_error(0, "QP_FATAL", &rsizes));
+    assert!(receiver.lane_error(0, "QP_FATAL"));
     pair.io(0).fence(0).unwrap();
     assert!(sender.lane_error(0, "taken out"));
     receiver.idle(Duration::from_millis(1), None, &mut rio, &rstage, &rsizes).unwrap();

@@ -39,9 +39,9 @@ pub(super) const FIFO_MAIL: usize = FIFO_WORDS;
 /// After the mailbox, the receipts of the last fence ([`RecvCore::receipts`]).
 pub(super) const FIFO_RECEIPTS: usize = FIFO_MAIL + mend::MAIL_WORDS;
 
-/// The receipts in u64 words: the ack word's high-water mark, then per slot its receive's
-/// `idx << 1 | open` and the chunks counted (two words).
-pub(super) const RECEIPT_WORDS: usize = 1 + 3 * SLOTS;
+/// The receipts in u64 words: per slot its receive's `idx << 1 | open` and the chunks counted
+/// (two words).
+pub(super) const RECEIPT_WORDS: usize = 3 * SLOTS;
 
 /// The FIFO, its mailbox and the receipts (and the receiver's staging area, which mirrors
 /// them).
@@ -50,11 +50,8 @@ pub const FIFO_AREA: usize = FIFO_RECEIPTS + RECEIPT_WORDS;
 /// Most rows one CTS batch carries: their head entries are one write of at most 512 bytes.
 pub const BATCH: u64 = 8;
 
-/// The size records in u64 words: one per buffer of every slot, then the ack word.
-pub const SIZE_WORDS: usize = SLOTS * MAX_RECVS + 1;
-
-/// The word of the size records that holds the last optional row the sender consumed.
-pub(super) const ACK_WORD: usize = SLOTS * MAX_RECVS;
+/// The size records in u64 words: one per buffer of every slot.
+pub const SIZE_WORDS: usize = SLOTS * MAX_RECVS;
 
 /// After the size records, the receiver's mailbox: the sender's lane repair requests.
 pub(super) const SIZE_MAIL: usize = SIZE_WORDS;
@@ -286,8 +283,8 @@ pub fn send_grant(_q: usize) -> Grant {
     Grant::Write
 }
 
-/// What the receiver's QP `q` of `nqps` grants: each takes the sender's data, size records,
-/// ack word and probes. Index `nqps` is the loopback flush QP, the responder of its own RDMA
+/// What the receiver's QP `q` of `nqps` grants: each takes the sender's data, size records
+/// and probes. Index `nqps` is the loopback flush QP, the responder of its own RDMA
 /// read of NCCL's receive buffer: read only. No QP a peer reaches grants remote reads.
 pub fn recv_grant(q: usize, nqps: usize) -> Grant {
     if q >= nqps { Grant::Read } else { Grant::Write }
@@ -304,7 +301,8 @@ pub struct Cts {
     pub tag: i32,
     /// Buffers in this (multi-)receive; the same in every entry of the row.
     pub nreqs: u8,
-    /// The receiver asks for no completion (an optional receive, always alone in its row).
+    /// An optional receive (NCCL's LL: NCCL watches the data's flags), always alone in its
+    /// row: sent whole, never split, whatever the comm's mode.
     pub optional: bool,
     /// `head + 1` of the receive: tells a fresh entry from last wrap's.
     pub idx: u64,

@@ -166,7 +166,7 @@ fn run(n: usize, size: u64, inline: u32, optional: bool, depth: usize) -> Result
     let t = Instant::now();
     for i in 0..n + depth {
         if i < n {
-            let r = recv.irecv(&rstage, &sizes, &mut rio, &[(buf, 0)], optional).map_err(e)?;
+            let r = recv.irecv(&rstage, &mut rio, &[(buf, 0)], optional).map_err(e)?;
             posted.push_back(r.ok_or(format!("irecv {i} found no free slot"))?);
         }
         if i < depth {
