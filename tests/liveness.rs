@@ -9,7 +9,8 @@
 //! Scenarios:
 //! - the sender is killed while the receiver has a receive pending;
 //! - the sender is killed while the receiver has only optional (LL/LL128) receives outstanding,
-//!   each complete at once, and keeps calling `irecv` and `test` as NCCL's proxy does;
+//!   each complete once its data lands, and keeps calling `irecv` and `test` as NCCL's proxy
+//!   does;
 //! - the receiver is killed while the sender waits for a CTS, and while its writes are in flight;
 //! - the receiver is stopped (SIGSTOP) for 60 s while the sender waits for a CTS, and the sender
 //!   while the receiver waits for data: no error, and the data completes after SIGCONT.
@@ -146,7 +147,8 @@ fn role(sender: bool, handle: Option<&String>) -> Result<(), String> {
                 && let Some(sizes) = drv.test(r)?
             {
                 pending.pop_front();
-                // An optional receive is done at once; NCCL would watch its data's flags.
+                // An optional receive's bytes are NCCL's to watch (its flags); normal ones are
+                // checked here.
                 if !sender && !ll {
                     let got = sizes[0] as usize;
                     let bad = (0..got).position(|i| buf[slot(m) + i] != byte(m, i));

@@ -1066,9 +1066,9 @@ fn net_profiler_events_report_every_post_once_in_v10_v11_v12() {
             let mut dst = vec![0u8; total];
             let smh = drv.reg_mr(send, src.as_mut_ptr(), total).unwrap();
             let rmh = drv.reg_mr(recv, dst.as_mut_ptr(), total).unwrap();
-            // (phandle, bytes, buffers of its row, optional) of each send; phandles of each
-            // receive buffer.
-            let mut sends: Vec<(usize, usize, usize, bool)> = Vec::new();
+            // (phandle, bytes, buffers of its row) of each send; phandles of each receive
+            // buffer.
+            let mut sends: Vec<(usize, usize, usize)> = Vec::new();
             let mut recvs: Vec<usize> = Vec::new();
             let mut at = 0;
             for (k, msg) in msgs.iter().enumerate() {
@@ -1097,7 +1097,7 @@ fn net_profiler_events_report_every_post_once_in_v10_v11_v12() {
                         until("isend", || drv.isend_p(send, s, size, r as c_int, smh, p)).unwrap(),
                     );
                     if msg.handles {
-                        sends.push((p as usize, size, n, msg.optional));
+                        sends.push((p as usize, size, n));
                     }
                 }
                 for s in sreqs {
@@ -1107,15 +1107,11 @@ fn net_profiler_events_report_every_post_once_in_v10_v11_v12() {
                 if msg.handles {
                     recvs.extend(rph.iter().map(|&p| p as usize));
                 }
-                if !msg.optional {
-                    for r in 0..n {
-                        assert_eq!(
-                            got[r] as usize, msg.sent[r],
-                            "v{v} message {k} buffer {r}: size"
-                        );
-                        let (o, len) = (offs[r], msg.sent[r]);
-                        assert!(dst[o..o + len] == src[o..o + len], "v{v} message {k}: data");
-                    }
+                // An optional receive too: it completes once its data landed.
+                for r in 0..n {
+                    assert_eq!(got[r] as usize, msg.sent[r], "v{v} message {k} buffer {r}: size");
+                    let (o, len) = (offs[r], msg.sent[r]);
+                    assert!(dst[o..o + len] == src[o..o + len], "v{v} message {k}: data");
                 }
                 // Done means stopped: every event of this message's requests has its one stop.
                 let mine = |e: &profiler::Event| (e.phandle & 0xff0) >> 4 == k && msg.handles;
@@ -1139,13 +1135,12 @@ fn net_profiler_events_report_every_post_once_in_v10_v11_v12() {
                 assert!(e.qpn != 0 && (e.opcode == 0 || e.opcode == 1), "v{v}: {e:?}");
             }
             // Sends: one event per request (2 QPs, whole messages: one chunk each), its bytes; the
-            // immediate ends a message whose size it carries (one buffer below 32 MiB, whole),
-            // else it is all a request without bytes gets (an optional receive's data is plain
-            // writes).
-            for &(ph, size, nreqs, optional) in &sends {
+            // immediate ends a message whose size it carries (one buffer below 32 MiB, whole, an
+            // optional receive's too), else it is all a request without bytes gets.
+            for &(ph, size, nreqs) in &sends {
                 let mine: Vec<_> = events.iter().filter(|e| e.phandle == ph).collect();
                 assert_eq!(mine.len(), 1, "v{v}: send {ph:#x}: {mine:?}");
-                let imm = !optional && (nreqs == 1 && size < 32 << 20 || size == 0);
+                let imm = nreqs == 1 && size < 32 << 20 || size == 0;
                 assert_eq!(
                     (mine[0].length, mine[0].opcode),
                     (size, i32::from(imm)),

@@ -63,8 +63,8 @@ pub const FLUSH_TARGET: u32 = verbs::ACCESS_LOCAL_WRITE;
 /// probes, and rows only once the first lane failed, from the stage as batches go.
 const INLINE: u32 = 64;
 
-/// Inline payload asked of a send comm's QPs: one size record, the LL ack and small sends
-/// from host memory; 48 bytes keep Soft-RoCE's entry at 256 bytes. NCCL sends from GPU
+/// Inline payload asked of a send comm's QPs: one size record and small sends from host
+/// memory; 48 bytes keep Soft-RoCE's entry at 256 bytes. NCCL sends from GPU
 /// memory, which never go inline. A receive comm's lanes but its first ask for it too.
 const SEND_INLINE: u32 = 48;
 
@@ -986,8 +986,8 @@ impl RecvComm {
         (0..2 * SLOTS).map(move |i| (kind(i), (i % SLOTS) as u16))
     }
 
-    /// Posts `bufs` (with their tags) as one multi-receive; `optional`: NCCL needs no
-    /// completion; `phandles`: NCCL's profiler handles of the buffers (empty or 0: none).
+    /// Posts `bufs` (with their tags) as one multi-receive; `optional`: NCCL's LL, sent whole
+    /// and completed as any receive; `phandles`: NCCL's profiler handles of the buffers (empty or 0: none).
     /// `Ok(None)`: all slots busy (or the next one's row still read by a CTS write in flight).
     /// Inline into the FFI's `irecv`, its one caller.
     #[inline]

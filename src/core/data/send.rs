@@ -636,7 +636,7 @@ impl SendCore {
     }
 
     /// Work requests chunk `c` of slot `slot` needs for `bufs` (data pieces, then the size
-    /// record and the immediate, or the ack).
+    /// record and the immediate).
     pub(super) fn wrs_for(
         &self,
         slot: usize,

@@ -1467,8 +1467,7 @@ impl<'a> Harness<'a> {
             self.asleep[side] = self.asleep[side].max(steps + len);
         }
         // A side whose operation is done makes no call for a while, then starts the next. The
-        // receiver's is done once every buffer's data landed, as NCCL's GPU sees it (an
-        // optional receive that tested done may still wait for its data).
+        // receiver's is done once every buffer's data landed, as NCCL's GPU sees it.
         while self.landed < self.n && self.recv_done[self.landed] {
             self.landed += 1;
         }
@@ -1727,7 +1726,6 @@ impl Harness<'_> {
                     self.out.sends_done += 1;
                     self.sent[g] = true;
                 }
-                // An optional receive's data has landed once its send completed.
                 self.idle = 0;
             }
             Err(e) => {
@@ -3634,9 +3632,10 @@ fn flushes_take_any_free_slot() {
 }
 
 /// One message at a time, each side driven as `transport::data` drives it (a receiver that polls only
-/// when a call of its own needs it): normal receives, then optional ones, whose tests never
-/// poll. The CTS queue's entries are freed only by polls, so the receiver must poll before it
-/// runs out of them, or its next row waits for room while the caller waits in isend.
+/// when a call of its own needs it): normal receives, then optional ones, each tested once it
+/// is pending no more, so that no test polls. The CTS queue's entries are freed only by polls,
+/// so the receiver's `irecv` must poll before the queue runs out (`needs_poll`), or its next
+/// row waits for room, its receives never complete, and its slots run out.
 #[test]
 fn one_message_at_a_time_never_stalls_the_cts_rows() {
     let pair = Pair::new(64 << 10);
@@ -3647,6 +3646,7 @@ fn one_message_at_a_time_never_stalls_the_cts_rows() {
         poll(&pair.wire, 1, |c| r.complete(c, &rsizes));
         r.idle(Duration::ZERO, None, rio, &rstage, &rsizes).unwrap();
     };
+    let mut untested = VecDeque::new();
     for k in 0..300usize {
         let optional = k >= 100;
         let size = (k % 70) as u64;
@@ -3663,11 +3663,18 @@ fn one_message_at_a_time_never_stalls_the_cts_rows() {
         pair.drain(0, 0);
         poll(&pair.wire, 0, |c| sender.complete(c));
         assert!(sender.test(sid.unwrap()).unwrap().is_some(), "send {k}");
-        if receiver.pending(rid) || receiver.needs_poll() {
-            progress(&mut receiver, &mut rio);
+        untested.push_back(rid);
+        while let Some(&r) = untested.front()
+            && (!receiver.pending(r) || k < 100)
+        {
+            if receiver.pending(r) || receiver.needs_poll() {
+                progress(&mut receiver, &mut rio);
+            }
+            assert!(receiver.test(r, &mut [0; MAX_RECVS]).unwrap().is_some(), "recv {k}");
+            untested.pop_front();
         }
-        assert!(receiver.test(rid, &mut [0; MAX_RECVS]).unwrap().is_some(), "recv {k}");
     }
+    assert!(untested.len() < SLOTS, "{} receives never completed", untested.len());
 }
 
 /// `lanes_mask` on both sides of its 64-bit shortcut: exactly the first `n` bits.

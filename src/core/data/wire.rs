@@ -59,7 +59,8 @@ pub(super) const SIZE_MAIL: usize = SIZE_WORDS;
 /// The size records and the mailbox (and the sender's staging area, which mirrors them).
 pub const SIZE_AREA: usize = SIZE_WORDS + mend::MAIL_WORDS;
 
-/// Flag in a CTS entry's `nreqs` word: the receiver wants no completion.
+/// Flag in a CTS entry's `nreqs` word: an optional receive (NCCL's LL), sent whole, never
+/// split.
 pub(super) const CTS_OPTIONAL: u64 = 1 << 8;
 
 /// The sender's send-queue depth per QP of a comm with `nqps` lanes; a slot whose chain does

@@ -25,8 +25,10 @@ pub const MAGIC: u64 = 0x3145_434f_5252_4546; // "FERROCE1", little-endian
 /// since lane failover fences before it re-sends (fence requests and receipts after the FIFO,
 /// an ack after every optional row), which a version-5 peer would never answer; 7 since a
 /// fused device spans up to 8 ports (longer messages, 8 keys in a CTS entry); 8 since a whole
-/// message's immediate carries sizes below 32 MiB, which a version-7 peer would misread.
-pub const VERSION: u32 = 8;
+/// message's immediate carries sizes below 32 MiB, which a version-7 peer would misread; 9
+/// since an optional row is a whole message (a write with immediate, no ack word: the
+/// receipts and the size area's mailbox one word lower), which a version-8 peer would misread.
+pub const VERSION: u32 = 9;
 pub const HANDLE_SIZE: usize = 128;
 /// Bytes 96..128 of the handle are never sent: the connector keeps its resumable state there.
 pub const HANDLE_STATE_OFFSET: usize = 96;
@@ -384,8 +386,8 @@ mod tests {
         assert!(matches!(Handle::decode(&b), Err(Reject::Magic(0))));
         Handle { addr: "10.0.0.1:1".parse().unwrap(), nonce: 1, members: 1 }.encode(&mut b);
         let mut v = b;
-        v[8] = 9;
-        assert_eq!(Handle::decode(&v), Err(Reject::Version(9)));
+        v[8] = 10;
+        assert_eq!(Handle::decode(&v), Err(Reject::Version(10)));
         let mut f = b;
         f[12] = 5;
         assert_eq!(Handle::decode(&f), Err(Reject::Field("handle family")));
@@ -438,6 +440,7 @@ mod tests {
         assert!(matches!(bad(0, 0), Reject::Magic(_)));
         assert_eq!(bad(8, 1), Reject::Version(1), "a version-1 peer (the old CTS layout)");
         assert_eq!(bad(8, 7), Reject::Version(7), "a version-7 peer (256 KiB in an immediate)");
+        assert_eq!(bad(8, 8), Reject::Version(8), "a version-8 peer (an ack word after LL data)");
         assert_eq!(bad(12, 2), Reject::Kind(2));
         assert!(matches!(bad(16, 200), Reject::Length(l) if l as usize != MSG_LEN));
         assert_eq!(bad(24, 0), Reject::Nonce);

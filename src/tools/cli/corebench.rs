@@ -50,8 +50,8 @@ impl Words for Region {
     }
 }
 
-/// Executes work requests as they are posted: CTS rows land in the FIFO, size records and
-/// acks in the size records, immediates become the receiver's completions. Counts what the
+/// Executes work requests as they are posted: CTS rows land in the FIFO, size records in the
+/// size area, immediates become the receiver's completions. Counts what the
 /// NIC would see: each `send` call is one doorbell; a write into the FIFO is a CTS write.
 struct Loopback<'a> {
     regions: [&'a Region; 4],
@@ -123,8 +123,8 @@ struct Cost {
 /// Runs `n` messages of `size` bytes the way NCCL's proxy drives a channel: `depth` receives
 /// posted ahead, and per message an isend, the completions of both ends (each followed by the
 /// progress step a comm runs after draining its CQ), both tests, and the irecv that refills
-/// the window. `optional`: the receives are optional (no immediate, no receive WQE, no
-/// receiver completion).
+/// the window. `optional`: the receives are optional (NCCL's LL), which go whole, as whole
+/// messages do.
 fn run(n: usize, size: u64, inline: u32, optional: bool, depth: usize) -> Result<Cost, String> {
     let fifo = Region::new(FIFO, FIFO_AREA);
     let rstage = Region::new(RECV_STAGE, FIFO_AREA);
