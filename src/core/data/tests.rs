@@ -3762,30 +3762,15 @@ fn whole_messages_carry_their_size_in_the_immediate_below_32_mib() {
     );
     let pair = Pair::new(*sizes.last().unwrap() as usize);
     let params = Params { max_msg: MARK_BYTES, ..one_qp(Path::default()) };
-    let Ends { mut sender, mut receiver, mut sio, mut rio, fifo, sstage, rstage, rsizes } =
-        pair.ends(params);
+    let mut e = pair.ends(params);
     for (i, &size) in sizes.iter().enumerate() {
-        let pattern: Vec<u8> = (0..size).map(|b| (b % 251) as u8 ^ i as u8).collect();
-        pair.mem.with(SEND_DATA, size as usize, None, |b| b.copy_from_slice(&pattern));
-        let rbuf = Buf { addr: RECV_DATA, size, lkeys: keys(12), rkeys: keys(12), host: true };
-        let id = receiver.irecv(&rstage, &mut rio, &[(rbuf, 0)], false).unwrap().unwrap();
-        pair.drain(1, 0);
-        let sbuf = Buf { addr: SEND_DATA, size, lkeys: keys(11), rkeys: keys(11), host: true };
-        let sid = sender.isend(&fifo, &sstage, &mut sio, sbuf, 0).unwrap().expect("posted");
-        // The writes: the data in writes of up to `max_msg`, the last with the immediate where
-        // it carries the size; else the size record, then a write with immediate of its own.
-        let pieces = size.div_ceil(MARK_BYTES) as usize;
-        let in_imm = size <= IMM_MAX_WHOLE;
-        let wrs = pair.wire.borrow().sq[0][0].len();
-        assert_eq!(wrs, if in_imm { pieces } else { pieces + 2 }, "{size} bytes: work requests");
-        pair.drain(0, 0);
-        poll(&pair.wire, 0, |c| sender.complete(c));
-        assert_eq!(sender.test(sid).unwrap(), Some(size));
-        poll(&pair.wire, 1, |c| receiver.complete(c, &rsizes));
-        let mut got = [0; MAX_RECVS];
-        assert_eq!(receiver.test(id, &mut got).unwrap(), Some(1), "{size} bytes");
-        assert_eq!(got[0], size, "the size the receiver reports");
-        assert!(pair.mem.read(RECV_DATA, size as usize) == pattern, "{size} bytes: the data");
+        deliver(&pair, &mut e, (size, i as u8, false), |wrs| {
+            // The data in writes of up to `max_msg`, the last with the immediate where it
+            // carries the size; else the size record, then a write with immediate of its own.
+            let pieces = size.div_ceil(MARK_BYTES) as usize;
+            let want = if size <= IMM_MAX_WHOLE { pieces } else { pieces + 2 };
+            assert_eq!(wrs[0], want, "{size} bytes: work requests");
+        });
     }
 }
 
@@ -3803,26 +3788,38 @@ fn optional_rows_in_split_mode_go_whole() {
             max_msg: MARK_BYTES,
             ..one_qp(Path::default())
         };
-        let Ends { mut sender, mut receiver, mut sio, mut rio, fifo, sstage, rstage, rsizes } =
-            pair.ends(params);
-        let pattern: Vec<u8> = (0..size).map(|b| (b % 251) as u8).collect();
-        pair.mem.with(SEND_DATA, size as usize, None, |b| b.copy_from_slice(&pattern));
-        let rbuf = Buf { addr: RECV_DATA, size, lkeys: keys(12), rkeys: keys(12), host: true };
-        let id = receiver.irecv(&rstage, &mut rio, &[(rbuf, 0)], true).unwrap().unwrap();
-        pair.drain(1, 0);
-        let sbuf = Buf { addr: SEND_DATA, size, lkeys: keys(11), rkeys: keys(11), host: true };
-        let sid = sender.isend(&fifo, &sstage, &mut sio, sbuf, 0).unwrap().expect("posted");
-        let wrs: Vec<usize> = (0..2).map(|q| pair.wire.borrow().sq[0][q].len()).collect();
-        assert_eq!(wrs.iter().filter(|&&n| n > 0).count(), 1, "{size} bytes on one lane: {wrs:?}");
-        (0..2).for_each(|q| pair.drain(0, q));
-        poll(&pair.wire, 0, |c| sender.complete(c));
-        assert_eq!(sender.test(sid).unwrap(), Some(size));
-        poll(&pair.wire, 1, |c| receiver.complete(c, &rsizes));
-        let mut got = [0; MAX_RECVS];
-        assert_eq!(receiver.test(id, &mut got).unwrap(), Some(1), "{size} bytes");
-        assert_eq!(got[0], size, "the size the receiver reports");
-        assert!(pair.mem.read(RECV_DATA, size as usize) == pattern, "{size} bytes: the data");
+        deliver(&pair, &mut pair.ends(params), (size, 0, true), |wrs| {
+            assert_eq!(wrs.iter().filter(|&&n| n > 0).count(), 1, "{size} bytes on one lane");
+        });
     }
+}
+
+/// One message of `size` bytes (pattern `i`) from `e`'s sender to its receiver, `optional` as
+/// NCCL's LL: `posted` sees how many work requests each of the sender's QPs holds before they
+/// run; the send completes, and the receive with its size and bytes.
+fn deliver(
+    pair: &Pair,
+    e: &mut Ends,
+    (size, i, optional): (u64, u8, bool),
+    posted: impl Fn(&[usize]),
+) {
+    let pattern: Vec<u8> = (0..size).map(|b| (b % 251) as u8 ^ i).collect();
+    pair.mem.with(SEND_DATA, size as usize, None, |b| b.copy_from_slice(&pattern));
+    let rbuf = Buf { addr: RECV_DATA, size, lkeys: keys(12), rkeys: keys(12), host: true };
+    let id = e.receiver.irecv(&e.rstage, &mut e.rio, &[(rbuf, 0)], optional).unwrap().unwrap();
+    pair.drain(1, 0);
+    let sbuf = Buf { addr: SEND_DATA, size, lkeys: keys(11), rkeys: keys(11), host: true };
+    let sid = e.sender.isend(&e.fifo, &e.sstage, &mut e.sio, sbuf, 0).unwrap().expect("posted");
+    let nqps = e.sender.p.nqps;
+    posted(&(0..nqps).map(|q| pair.wire.borrow().sq[0][q].len()).collect::<Vec<_>>());
+    (0..nqps).for_each(|q| pair.drain(0, q));
+    poll(&pair.wire, 0, |c| e.sender.complete(c));
+    assert_eq!(e.sender.test(sid).unwrap(), Some(size));
+    poll(&pair.wire, 1, |c| e.receiver.complete(c, &e.rsizes));
+    let mut got = [0; MAX_RECVS];
+    assert_eq!(e.receiver.test(id, &mut got).unwrap(), Some(1), "{size} bytes");
+    assert_eq!(got[0], size, "the size the receiver reports");
+    assert!(pair.mem.read(RECV_DATA, size as usize) == pattern, "{size} bytes: the data");
 }
 
 /// A row written again from the stage (its control lane failed, and the next takes less
