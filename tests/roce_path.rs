@@ -371,9 +371,10 @@ fn a_dead_path_fails_over_at_nccls_default_timeouts() {
 /// LL with a dead control lane, at NCCL's default timeouts: optional receives (NCCL's LL and
 /// LL128, whose arrival NCCL sees in the data) go whole on both lanes, as whole messages do;
 /// lane 0 carries the receiver's CTS rows too. 8 messages in, lane 0's packets vanish at vethB;
-/// the stall bound fences it, the LL messages and the rows move to lane 1, and every one of 32 messages still lands: the
-/// receiver watches each buffer for its bytes (host memory, as NCCL watches the flags), then
-/// poisons it and posts it again (a ring of 8). One WARN names the stall.
+/// the stall bound fences it, the LL messages and the rows move to lane 1, and every one of 32
+/// messages still lands: the receiver watches each buffer for its bytes (host memory, as NCCL
+/// watches the flags), then poisons it and posts it again (a ring of 8). One WARN names the
+/// stall.
 #[test]
 #[ignore = "needs the Soft-RoCE VM: run ci/test.sh"]
 fn ll_messages_move_off_a_dead_control_lane() {

@@ -47,8 +47,9 @@ pub fn qp_access(g: Grant) -> u32 {
 }
 
 /// A control buffer the peer's NIC writes: the sender's CTS FIFO, the receiver's size records.
-/// Verbs requires local write with remote write. No remote read: the peer never reads them. Never relaxed ordering: readers take an entry as valid once its last word has
-/// landed, which is only sound if the peer's write lands in order.
+/// Verbs requires local write with remote write. No remote read: the peer never reads them.
+/// Never relaxed ordering: readers take an entry as valid once its last word has landed, which
+/// is only sound if the peer's write lands in order.
 pub const CONTROL_IN: u32 = verbs::ACCESS_LOCAL_WRITE | verbs::ACCESS_REMOTE_WRITE;
 /// A staging buffer the local NIC only reads (the source of CTS and size-record writes): no
 /// access flag at all, local read being always allowed.
@@ -987,7 +988,8 @@ impl RecvComm {
     }
 
     /// Posts `bufs` (with their tags) as one multi-receive; `optional`: NCCL's LL, sent whole
-    /// and completed as any receive; `phandles`: NCCL's profiler handles of the buffers (empty or 0: none).
+    /// and completed as any receive; `phandles`: NCCL's profiler handles of the buffers (empty
+    /// or 0: none).
     /// `Ok(None)`: all slots busy (or the next one's row still read by a CTS write in flight).
     /// Inline into the FFI's `irecv`, its one caller.
     #[inline]

@@ -3631,11 +3631,12 @@ fn flushes_take_any_free_slot() {
     receiver.iflush(&mut rio, target, &[(SCRATCH, 17)]).unwrap_err();
 }
 
-/// One message at a time, each side driven as `transport::data` drives it (a receiver that polls only
-/// when a call of its own needs it): normal receives, then optional ones, each tested once it
-/// is pending no more, so that no test polls. The CTS queue's entries are freed only by polls,
-/// so the receiver's `irecv` must poll before the queue runs out (`needs_poll`), or its next
-/// row waits for room, its receives never complete, and its slots run out.
+/// One message at a time, each side driven as `transport::data` drives it (a receiver that
+/// polls only when a call of its own needs it): normal receives, then optional ones, each
+/// tested once it is pending no more, so that no test polls. The CTS queue's entries are freed
+/// only by polls, so the receiver's `irecv` must poll before the queue runs out
+/// (`needs_poll`), or its next row waits for room, its receives never complete, and its slots
+/// run out.
 #[test]
 fn one_message_at_a_time_never_stalls_the_cts_rows() {
     let pair = Pair::new(64 << 10);
